@@ -1,0 +1,130 @@
+"""Configuration of a drafter checkpoint (a Hugging Face ``PretrainedConfig``).
+
+The config is self-describing in the nanoGPT sense: it names the target model the drafter was trained
+against (name, vocabulary, hidden size), the target layers whose hidden states feed the context
+features, the block size gamma, the head type and the calibration temperatures, so that a serving
+engine can rebuild and validate the drafter from the checkpoint directory alone.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from transformers import PretrainedConfig
+
+HeadType = Literal["markov", "rnn", "none"]
+DrafterType = Literal["dspark", "dflash"]
+
+
+class DSparkConfig(PretrainedConfig):
+    """Config of a DSpark (or DFlash) drafter.
+
+    Args:
+        drafter_type: ``"dspark"`` (anchor is the first prediction slot, sequential head, confidence
+            head; SPEC section 2) or ``"dflash"`` (same backbone, CE only, no heads).
+        target_name_or_path: the target model this drafter serves (``from_pretrained`` name/path).
+        target_vocab_size, target_hidden_size: checked against the serving target on load.
+        target_layer_ids: 0-based decoder-layer indices of the target whose outputs are
+            concatenated into the context features (ascending; SPEC 1.4).
+        block_size: gamma, draft tokens per round.
+        num_hidden_layers: drafter decoder layers (default 5).
+        hidden_size, num_attention_heads, num_key_value_heads, head_dim, intermediate_size,
+        rms_norm_eps, rope_theta, max_position_embeddings: copied from the target (SPEC 2).
+        head_type: ``"markov"`` (Eq. 5), ``"rnn"`` (Eq. 6) or ``"none"`` (DFlash).
+        markov_rank: r of the low-rank transition W1 W2 (default 256).
+        confidence_head: whether c_k (Eq. 7) is predicted.
+        calibration_temperatures: per-position STS temperatures T_1..T_gamma (SPEC 4); ``None``
+            means uncalibrated (all 1.0).
+        loss_decay: denominator of the position weights w_k = exp(-(k-1)/loss_decay); the paper
+            uses gamma, the reference repository 4.
+    """
+
+    model_type = "dspark_drafter"
+
+    def __init__(
+        self,
+        drafter_type: DrafterType = "dspark",
+        target_name_or_path: str = "",
+        target_vocab_size: int = 32000,
+        target_hidden_size: int = 256,
+        target_layer_ids: list[int] | None = None,
+        block_size: int = 7,
+        num_hidden_layers: int = 5,
+        hidden_size: int = 256,
+        num_attention_heads: int = 4,
+        num_key_value_heads: int = 2,
+        head_dim: int | None = None,
+        intermediate_size: int = 512,
+        rms_norm_eps: float = 1e-6,
+        rope_theta: float = 10000.0,
+        max_position_embeddings: int = 4096,
+        head_type: HeadType = "markov",
+        markov_rank: int = 256,
+        confidence_head: bool = True,
+        calibration_temperatures: list[float] | None = None,
+        loss_decay: float | None = None,
+        qk_norm: bool = False,
+        **kwargs,
+    ):
+        self.drafter_type = drafter_type
+        self.target_name_or_path = target_name_or_path
+        self.target_vocab_size = target_vocab_size
+        self.target_hidden_size = target_hidden_size
+        self.target_layer_ids = list(target_layer_ids or [0])
+        self.block_size = block_size
+        self.num_hidden_layers = num_hidden_layers
+        self.hidden_size = hidden_size
+        self.num_attention_heads = num_attention_heads
+        self.num_key_value_heads = num_key_value_heads
+        self.head_dim = head_dim or hidden_size // num_attention_heads
+        self.intermediate_size = intermediate_size
+        self.rms_norm_eps = rms_norm_eps
+        self.rope_theta = rope_theta
+        self.max_position_embeddings = max_position_embeddings
+        self.head_type = head_type
+        self.markov_rank = markov_rank
+        self.confidence_head = confidence_head
+        self.calibration_temperatures = calibration_temperatures
+        self.loss_decay = loss_decay if loss_decay is not None else float(block_size)
+        self.qk_norm = qk_norm
+        super().__init__(**kwargs)
+        self.vocab_size = target_vocab_size
+        self._validate()
+
+    def _validate(self) -> None:
+        if self.drafter_type not in ("dspark", "dflash"):
+            raise ValueError(f"drafter_type must be 'dspark' or 'dflash', got {self.drafter_type!r}")
+        if self.head_type not in ("markov", "rnn", "none"):
+            raise ValueError(f"head_type must be 'markov', 'rnn' or 'none', got {self.head_type!r}")
+        if self.drafter_type == "dflash" and (self.head_type != "none" or self.confidence_head):
+            raise ValueError("a DFlash drafter has no sequential or confidence head: set "
+                             "head_type='none' and confidence_head=False")
+        if self.confidence_head and self.head_type == "none":
+            raise ValueError("the confidence head (Eq. 7) reads the sequential head's embedding "
+                             "W1[x_{k-1}]: it needs head_type 'markov' or 'rnn'")
+        if self.block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {self.block_size}")
+        if sorted(self.target_layer_ids) != list(self.target_layer_ids):
+            raise ValueError(f"target_layer_ids must be ascending, got {self.target_layer_ids}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
+        temps = self.calibration_temperatures
+        if temps is not None and (len(temps) != self.block_size or min(temps) <= 0):
+            raise ValueError(f"calibration_temperatures needs {self.block_size} positive values, "
+                             f"got {temps}")
+
+    @property
+    def num_slots(self) -> int:
+        """Block inputs per round: gamma for DSpark (the anchor is the first prediction slot),
+        gamma + 1 for DFlash (the anchor slot only conditions, it predicts nothing)."""
+        return self.block_size if self.drafter_type == "dspark" else self.block_size + 1
+
+    @property
+    def prediction_offset(self) -> int:
+        """Index of the first slot whose output predicts a draft token."""
+        return 0 if self.drafter_type == "dspark" else 1
+
+    @property
+    def num_context_layers(self) -> int:
+        """m, the number of target layers concatenated into the context features."""
+        return len(self.target_layer_ids)

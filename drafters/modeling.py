@@ -1,0 +1,300 @@
+"""The DSpark drafter (and its DFlash baseline): parallel KV-injection backbone plus sequential and
+confidence heads (DSpark paper section 3.1; SPEC section 2).
+
+Shapes: B batch, T context length, A anchors (blocks) per sequence, S block slots (gamma for
+DSpark, gamma + 1 for DFlash), K = gamma prediction slots, H hidden size, m target layers, V vocab.
+
+The target's token embedding and LM head are shared and frozen: they are held as non-persistent
+buffers, so checkpoints carry only the drafter's own weights and the serving engine binds the
+target's tensors at load time.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from .config import DSparkConfig
+from .heads import ConfidenceHead, MarkovHead, RNNHead
+from .layers import DrafterLayer, RMSNorm, RotaryEmbedding
+
+WEIGHTS_NAME = "model.safetensors"
+
+
+@dataclass
+class DraftContextCache:
+    """Per-layer context keys/values of the committed prefix (positions 0..length-1).
+
+    keys[i], values[i]: [B, nkv, C, hd] with RoPE applied. Context features of a position never
+    change once the target has processed it, so the cache only grows (by accepted tokens).
+    """
+
+    keys: list = field(default_factory=list)
+    values: list = field(default_factory=list)
+
+    @property
+    def length(self) -> int:
+        return 0 if not self.keys else self.keys[0].shape[2]
+
+
+@dataclass
+class BlockProposal:
+    """One drafted block.
+
+    tokens: int64 [B, K]; probs: fp32 [B, K, V] draft distributions the tokens were sampled from
+    (None for greedy); confidence_logits: fp32 [B, K] raw z_k (None without a confidence head).
+    """
+
+    tokens: torch.Tensor
+    probs: torch.Tensor | None
+    confidence_logits: torch.Tensor | None
+
+
+class DSparkDrafter(nn.Module):
+    """DSpark / DFlash drafter.
+
+    Args:
+        config: a :class:`DSparkConfig`.
+        embed_weight: the target's input embedding, [V, H] (frozen, shared).
+        lm_head_weight: the target's LM head, [V, H] (frozen, shared).
+    Raises:
+        ValueError: the tensors do not match the config's vocabulary / hidden size.
+    """
+
+    def __init__(self, config: DSparkConfig, embed_weight: torch.Tensor,
+                 lm_head_weight: torch.Tensor):
+        super().__init__()
+        v, h = config.target_vocab_size, config.hidden_size
+        for name, w in (("embed_weight", embed_weight), ("lm_head_weight", lm_head_weight)):
+            if tuple(w.shape) != (v, h):
+                raise ValueError(f"{name} has shape {tuple(w.shape)}, drafter config expects {(v, h)}")
+        self.config = config
+        self.register_buffer("embed_weight", embed_weight.detach(), persistent=False)
+        self.register_buffer("lm_head_weight", lm_head_weight.detach(), persistent=False)
+        m_h = config.num_context_layers * config.target_hidden_size
+        self.context_proj = nn.Linear(m_h, h, bias=False)  # W_c of Eq. 2
+        self.context_norm = RMSNorm(h, config.rms_norm_eps)
+        self.mask_embedding = nn.Parameter(torch.randn(h) * float(embed_weight.float().std()))
+        self.layers = nn.ModuleList(DrafterLayer(config) for _ in range(config.num_hidden_layers))
+        self.norm = RMSNorm(h, config.rms_norm_eps)
+        self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta)
+        if config.head_type == "markov":
+            self.head = MarkovHead(v, config.markov_rank)
+        elif config.head_type == "rnn":
+            self.head = RNNHead(v, config.markov_rank, h)
+        else:
+            self.head = None
+        self.confidence = ConfidenceHead(h, config.markov_rank) if config.confidence_head else None
+
+    # ------------------------------------------------------------------ backbone
+    def context_states(self, context_features: torch.Tensor) -> torch.Tensor:
+        """H_ctx = RMSNorm(W_c [h_l1; ...; h_lm]) (Eq. 2): [B, T, m*H_t] -> [B, T, H]."""
+        return self.context_norm(self.context_proj(context_features.to(self.context_proj.weight.dtype)))
+
+    def block_inputs(self, anchor_tokens: torch.Tensor) -> torch.Tensor:
+        """Anchor embedding followed by S-1 mask embeddings: int64 [...] -> [..., S, H]."""
+        anchor = F.embedding(anchor_tokens, self.embed_weight).to(self.mask_embedding.dtype)
+        masks = self.mask_embedding.expand(*anchor_tokens.shape, self.config.num_slots - 1, -1)
+        return torch.cat((anchor.unsqueeze(-2), masks), dim=-2)
+
+    def forward(self, context_features: torch.Tensor, anchor_positions: torch.Tensor,
+                anchor_tokens: torch.Tensor) -> torch.Tensor:
+        """Training forward over many blocks per sequence (teacher forcing).
+
+        A query of the block at anchor position p sees context positions < p and every slot of its
+        own block (bidirectional inside the block), never another block. RoPE positions are
+        0..T-1 for the context and p..p+S-1 for the block (SPEC 2).
+
+        Args:
+            context_features: [B, T, m*H_t] target layer features (padding beyond a sequence's
+                length is never visible, since every anchor lies inside its sequence).
+            anchor_positions: int64 [B, A], each < T.
+            anchor_tokens: int64 [B, A], x_p (the token at the anchor position).
+        Returns:
+            hidden states of the prediction slots, [B, A, K, H] (after the final norm).
+        """
+        b, t, _ = context_features.shape
+        a, s = anchor_positions.shape[1], self.config.num_slots
+        dev = context_features.device
+        ctx = self.context_states(context_features)
+        ctx_rope = self.rotary(torch.arange(t, device=dev).expand(b, t), ctx.dtype)
+
+        slot = torch.arange(s, device=dev)
+        q_pos = (anchor_positions[..., None] + slot).reshape(b, a * s)  # [B, A*S]
+        block_rope = self.rotary(q_pos, ctx.dtype)
+        q_anchor = anchor_positions.repeat_interleave(s, dim=1)  # [B, A*S]
+        q_block = torch.arange(a, device=dev).repeat_interleave(s)  # [A*S]
+        sees_ctx = torch.arange(t, device=dev) < q_anchor[..., None]  # [B, A*S, T]
+        sees_blk = (q_block[:, None] == q_block[None, :]).expand(b, -1, -1)  # [B, A*S, A*S]
+        mask = torch.cat((sees_ctx, sees_blk), dim=-1)[:, None]  # [B, 1, A*S, T + A*S]
+
+        hidden = self.block_inputs(anchor_tokens).reshape(b, a * s, -1)
+        for layer in self.layers:
+            ctx_kv = layer.self_attn.project_kv(ctx, *ctx_rope)
+            hidden = layer(hidden, block_rope, ctx_kv, mask)
+        hidden = self.norm(hidden).view(b, a, s, -1)
+        off = self.config.prediction_offset
+        return hidden[:, :, off:off + self.config.block_size]
+
+    # ------------------------------------------------------------------ heads
+    def draft_logits(self, hidden: torch.Tensor, prev_tokens: torch.Tensor):
+        """Teacher-forced corrected draft logits and confidence logits.
+
+        Args:
+            hidden: [N, K, H] prediction-slot states.
+            prev_tokens: int64 [N, K], x_{k-1} of each slot (x_0 = anchor), ground truth.
+        Returns:
+            (logits fp32 [N, K, V] = U_k + B_k (Eq. 4), confidence logits fp32 [N, K] or None).
+        """
+        logits = F.linear(hidden, self.lm_head_weight.to(hidden.dtype)).float()
+        if self.head is None:
+            return logits, None
+        bias, prev_emb = self.head(hidden, prev_tokens)
+        conf = self.confidence(hidden, prev_emb) if self.confidence is not None else None
+        return logits + bias.float(), conf
+
+    def calibrated_confidence(self, confidence_logits: torch.Tensor) -> torch.Tensor:
+        """c_k = sigma(z_k / T_k) with the checkpoint's STS temperatures: [.., K] -> [.., K]."""
+        temps = self.config.calibration_temperatures
+        if temps is None:
+            return torch.sigmoid(confidence_logits)
+        t = torch.tensor(temps, dtype=confidence_logits.dtype, device=confidence_logits.device)
+        return torch.sigmoid(confidence_logits / t)
+
+    # ------------------------------------------------------------------ inference
+    @torch.no_grad()
+    def extend_context(self, cache: DraftContextCache, context_features: torch.Tensor,
+                       positions: torch.Tensor) -> None:
+        """Append committed positions to the context cache.
+
+        Args:
+            context_features: [B, n, m*H_t] target features of the new positions.
+            positions: int64 [B, n], consecutive and starting at ``cache.length``.
+        """
+        ctx = self.context_states(context_features)
+        rope = self.rotary(positions, ctx.dtype)
+        for i, layer in enumerate(self.layers):
+            k, v = layer.self_attn.project_kv(ctx, *rope)
+            if len(cache.keys) <= i:
+                cache.keys.append(k)
+                cache.values.append(v)
+            else:
+                cache.keys[i] = torch.cat((cache.keys[i], k), dim=2)
+                cache.values[i] = torch.cat((cache.values[i], v), dim=2)
+
+    @torch.no_grad()
+    def block_hidden(self, cache: DraftContextCache, anchor_tokens: torch.Tensor,
+                     anchor_positions: torch.Tensor) -> torch.Tensor:
+        """Backbone pass for one block per sequence: anchor_tokens, anchor_positions int64 [B]
+        -> prediction-slot states [B, K, H]. The cache must hold exactly positions < anchor."""
+        s = self.config.num_slots
+        dev = anchor_tokens.device
+        hidden = self.block_inputs(anchor_tokens)  # [B, S, H]
+        rope = self.rotary(anchor_positions[:, None] + torch.arange(s, device=dev), hidden.dtype)
+        for i, layer in enumerate(self.layers):
+            hidden = layer(hidden, rope, (cache.keys[i], cache.values[i]), None)
+        off = self.config.prediction_offset
+        return self.norm(hidden)[:, off:off + self.config.block_size]
+
+    @torch.no_grad()
+    def propose(self, hidden: torch.Tensor, anchor_tokens: torch.Tensor, num_tokens: int,
+                temperature: float, generator: torch.Generator | None = None) -> BlockProposal:
+        """Sample a block left to right from p_k = softmax((U_k + B_k(x_{k-1})) / T) (Eq. 4).
+
+        Args:
+            hidden: [B, K, H] from :meth:`block_hidden`.
+            anchor_tokens: int64 [B], x_0.
+            num_tokens: how many draft tokens to sample (<= K).
+            temperature: 0 means greedy (argmax); otherwise the sampling temperature, which must be
+                the one the target is verified at (SPEC 5).
+            generator: RNG for sampling.
+        Returns:
+            a :class:`BlockProposal` with ``num_tokens`` tokens.
+        """
+        b = hidden.shape[0]
+        base = F.linear(hidden[:, :num_tokens], self.lm_head_weight.to(hidden.dtype)).float()
+        state = self.head.init_state(b, hidden.device, hidden.dtype) if self.head else None
+        prev = anchor_tokens
+        tokens, probs, confs = [], [], []
+        for k in range(num_tokens):
+            logits = base[:, k]
+            if self.head is not None:
+                bias, prev_emb, state = self.head.step(state, hidden[:, k], prev)
+                logits = logits + bias.float()
+                if self.confidence is not None:
+                    confs.append(self.confidence(hidden[:, k], prev_emb))
+            if temperature <= 0:
+                tok = logits.argmax(-1)
+            else:
+                p = torch.softmax(logits / temperature, dim=-1)
+                tok = torch.multinomial(p, 1, generator=generator).squeeze(-1)
+                probs.append(p)
+            tokens.append(tok)
+            prev = tok
+        return BlockProposal(
+            tokens=torch.stack(tokens, 1),
+            probs=torch.stack(probs, 1) if probs else None,
+            confidence_logits=torch.stack(confs, 1) if confs else None,
+        )
+
+    # ------------------------------------------------------------------ checkpoints
+    def save_pretrained(self, path: str | Path) -> None:
+        """Write an HF-style directory: ``config.json`` + ``model.safetensors`` (drafter weights
+        only; the shared embedding and LM head stay with the target)."""
+        path = Path(path)
+        path.mkdir(parents=True, exist_ok=True)
+        self.config.save_pretrained(path)
+        state = {k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()}
+        save_file(state, str(path / WEIGHTS_NAME), metadata={"format": "pt"})
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path, embed_weight: torch.Tensor,
+                        lm_head_weight: torch.Tensor, dtype: torch.dtype = torch.float32):
+        """Load a drafter directory written by :meth:`save_pretrained`.
+
+        Raises:
+            FileNotFoundError: no drafter checkpoint at ``path``.
+            ValueError: the bound target tensors do not match the checkpoint's config.
+        """
+        path = Path(path)
+        if not (path / "config.json").is_file() or not (path / WEIGHTS_NAME).is_file():
+            raise FileNotFoundError(f"no drafter checkpoint (config.json + {WEIGHTS_NAME}) at {path}")
+        config = DSparkConfig.from_pretrained(path)
+        model = cls(config, embed_weight, lm_head_weight)
+        model.load_state_dict(load_file(str(path / WEIGHTS_NAME)), strict=True)
+        return model.to(dtype).eval()
+
+    def num_trainable_parameters(self) -> int:
+        return sum(p.numel() for p in self.parameters() if p.requires_grad)
+
+
+def check_target_compatibility(config: DSparkConfig, target_name: str, vocab_size: int,
+                               hidden_size: int, num_layers: int) -> None:
+    """Reject a drafter trained for another target.
+
+    Raises:
+        ValueError: naming each mismatch (vocabulary, hidden size, layer ids out of range).
+    """
+    problems = []
+    if config.target_vocab_size != vocab_size:
+        problems.append(f"vocab size {config.target_vocab_size} != target's {vocab_size}")
+    if config.target_hidden_size != hidden_size:
+        problems.append(f"hidden size {config.target_hidden_size} != target's {hidden_size}")
+    if max(config.target_layer_ids) >= num_layers:
+        problems.append(f"layer ids {config.target_layer_ids} exceed the target's {num_layers} layers")
+    if problems:
+        raise ValueError(f"drafter was trained for target {config.target_name_or_path!r}, serving "
+                         f"target is {target_name!r}: " + "; ".join(problems))
+
+
+def describe(config: DSparkConfig) -> str:
+    """One-line JSON summary used in logs."""
+    keys = ("drafter_type", "target_name_or_path", "block_size", "num_hidden_layers", "head_type",
+            "target_layer_ids")
+    return json.dumps({k: getattr(config, k) for k in keys})

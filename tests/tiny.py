@@ -1,0 +1,41 @@
+"""Tiny randomly initialised Qwen3 target and DSpark drafter for fast tests."""
+
+from __future__ import annotations
+
+import torch
+from transformers import Qwen3Config, Qwen3ForCausalLM
+
+from drafters import DSparkConfig, DSparkDrafter
+
+
+def tiny_target(vocab_size: int = 96, seed: int = 0, num_layers: int = 6) -> Qwen3ForCausalLM:
+    """A 6-layer, 64-wide Qwen3 with a small vocabulary, fp32, eval mode."""
+    torch.manual_seed(seed)
+    cfg = Qwen3Config(vocab_size=vocab_size, hidden_size=64, intermediate_size=128,
+                      num_hidden_layers=num_layers, num_attention_heads=4, num_key_value_heads=2,
+                      head_dim=16, max_position_embeddings=512, tie_word_embeddings=True,
+                      eos_token_id=1, pad_token_id=0, bos_token_id=None)
+    model = Qwen3ForCausalLM(cfg).eval()
+    # sharpen the random model's distributions a little so greedy text is not pure noise
+    with torch.no_grad():
+        model.model.embed_tokens.weight.mul_(4.0)
+    model.requires_grad_(False)
+    return model
+
+
+def tiny_drafter(target, layer_ids=(1, 3), block_size: int = 4, head_type: str = "markov",
+                 num_layers: int = 1, seed: int = 0, drafter_type: str = "dspark") -> DSparkDrafter:
+    torch.manual_seed(seed)
+    tc = target.config
+    cfg = DSparkConfig(
+        drafter_type=drafter_type, target_name_or_path="tiny-qwen3",
+        target_vocab_size=tc.vocab_size, target_hidden_size=tc.hidden_size,
+        target_layer_ids=list(layer_ids), block_size=block_size, num_hidden_layers=num_layers,
+        hidden_size=tc.hidden_size, num_attention_heads=tc.num_attention_heads,
+        num_key_value_heads=tc.num_key_value_heads, head_dim=tc.head_dim,
+        intermediate_size=tc.intermediate_size, rms_norm_eps=tc.rms_norm_eps,
+        max_position_embeddings=512, head_type=head_type if drafter_type == "dspark" else "none",
+        markov_rank=16, confidence_head=drafter_type == "dspark", qk_norm=True)
+    emb = target.get_input_embeddings().weight
+    head = target.get_output_embeddings().weight
+    return DSparkDrafter(cfg, emb, head).eval()
