@@ -1,0 +1,254 @@
+"""Cache stage: one target forward per sample, written as the target cache of SPEC 1.4.
+
+Layout of ``<output>/<split>/``: ``shard-NNNNN.parquet`` files plus a ``shard-NNNNN.json`` sidecar
+written after the shard (its presence marks the shard complete), and ``<output>/manifest.json``.
+Shards are deterministic slices of the id-sorted conversations, so a re-run writes only missing
+shards. Each worker writes its own shards (nothing V-sized or cache-sized passes the driver).
+
+Columns (hidden states as raw little-endian bytes plus explicit sizes, readable by any Parquet
+reader): ``sample_id`` string, ``domain`` string, ``num_tokens`` int32, ``input_ids`` binary
+(int32 [T]), ``loss_mask`` binary (uint8 [T]), ``context_hidden`` binary (bf16 [T, m*H], layers
+concatenated in ascending order), ``last_hidden`` binary (bf16 [T, H], the LM head's input).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import logging
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from . import storage
+
+logger = logging.getLogger(__name__)
+
+CACHE_FORMAT = "dspark-target-cache/v1"
+SCHEMA = pa.schema([
+    ("sample_id", pa.string()), ("domain", pa.string()), ("num_tokens", pa.int32()),
+    ("input_ids", pa.binary()), ("loss_mask", pa.binary()),
+    ("context_hidden", pa.binary()), ("last_hidden", pa.binary()),
+])
+
+
+class CorruptShardError(ValueError):
+    """A cache row or shard does not match its manifest (sizes, hash or schema)."""
+
+
+def shard_name(index: int) -> str:
+    return f"shard-{index:05d}"
+
+
+def bf16_bytes(t) -> bytes:
+    """A bf16 torch tensor's raw bytes (numpy has no bf16, so go through int16)."""
+    import torch
+
+    return t.to(torch.bfloat16).contiguous().view(torch.int16).cpu().numpy().tobytes()
+
+
+def decode_row(row: dict, hidden_size: int, num_context_layers: int) -> dict:
+    """Decode one cache row into torch tensors.
+
+    Returns:
+        ``input_ids`` int64 [T], ``loss_mask`` uint8 [T], ``context_hidden`` bf16 [T, m*H],
+        ``last_hidden`` bf16 [T, H], ``sample_id`` str.
+    Raises:
+        CorruptShardError: byte sizes disagree with ``num_tokens`` (naming the sample).
+    """
+    import torch
+
+    t = int(row["num_tokens"])
+    sid = row.get("sample_id")
+    sizes = {"input_ids": 4 * t, "loss_mask": t, "context_hidden": 2 * t * num_context_layers * hidden_size,
+             "last_hidden": 2 * t * hidden_size}
+    for col, size in sizes.items():
+        if len(row[col]) != size:
+            raise CorruptShardError(f"cache row {sid!r}: column {col} has {len(row[col])} bytes, "
+                                    f"expected {size} for {t} tokens")
+    as_bf16 = lambda b, w: torch.frombuffer(bytearray(b), dtype=torch.int16).view(torch.bfloat16).view(t, w)
+    return {
+        "sample_id": sid,
+        "input_ids": torch.from_numpy(np.frombuffer(row["input_ids"], dtype="<i4").astype(np.int64)),
+        "loss_mask": torch.from_numpy(np.frombuffer(row["loss_mask"], dtype=np.uint8).copy()),
+        "context_hidden": as_bf16(row["context_hidden"], num_context_layers * hidden_size),
+        "last_hidden": as_bf16(row["last_hidden"], hidden_size),
+    }
+
+
+class CacheWriterUDF:
+    """Ray Data callable class: tokenizes conversations, runs the target, writes one shard per
+    input row. Input columns: ``shard`` (int), ``path`` (shard base path without suffix),
+    ``rows`` (JSON list of conversations). Output: one summary row per shard."""
+
+    def __init__(self, target: str, dtype: str, layer_ids: list[int], template_kwargs: dict,
+                 max_length: int, min_supervised: int, rows_per_row_group: int,
+                 num_threads: int | None, storage_options: dict):
+        import torch
+
+        from .target import load_target, load_tokenizer
+
+        if num_threads:
+            torch.set_num_threads(num_threads)
+        self.torch = torch
+        self.tokenizer = load_tokenizer(target)
+        self.model = load_target(target, dtype)
+        self.device = "cuda" if torch.cuda.is_available() else "cpu"
+        self.model.to(self.device)
+        self.layer_ids = layer_ids
+        self.template_kwargs = template_kwargs
+        self.max_length = max_length
+        self.min_supervised = min_supervised
+        self.rows_per_row_group = rows_per_row_group
+        self.storage_options = storage_options
+
+    def _encode(self, conv: dict) -> dict:
+        from .chat import tokenize_conversation
+
+        tok = tokenize_conversation(self.tokenizer, conv["messages"], self.template_kwargs,
+                                    self.max_length)
+        if tok.num_supervised < self.min_supervised:
+            raise ValueError(f"only {tok.num_supervised} supervised tokens "
+                             f"(< min_supervised_tokens {self.min_supervised})")
+        ids = self.torch.tensor([tok.input_ids], device=self.device)
+        with self.torch.no_grad():
+            out = self.model.model(input_ids=ids, output_hidden_states=True, use_cache=False)
+        hs = out.hidden_states  # L + 1 tensors; hs[l + 1] is decoder layer l's output
+        context = self.torch.cat([hs[l + 1][0] for l in self.layer_ids], dim=-1)
+        last = out.last_hidden_state[0]  # post-norm: exactly the LM head's input
+        return {
+            "sample_id": conv["id"], "domain": conv.get("domain", "unknown"),
+            "num_tokens": len(tok.input_ids),
+            "input_ids": np.asarray(tok.input_ids, dtype="<i4").tobytes(),
+            "loss_mask": np.asarray(tok.loss_mask, dtype=np.uint8).tobytes(),
+            "context_hidden": bf16_bytes(context), "last_hidden": bf16_bytes(last),
+        }
+
+    def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, list]:
+        summaries = {"shard": [], "summary": []}
+        for shard, path, rows_json in zip(batch["shard"], batch["path"], batch["rows"]):
+            records, errors = [], []
+            for conv in json.loads(rows_json):
+                try:
+                    records.append(self._encode(conv))
+                except Exception as err:  # one bad sample never sinks the shard
+                    errors.append({"id": conv["id"], "stage": "cache",
+                                   "error": f"{type(err).__name__}: {err}"})
+            table = pa.Table.from_pylist(records, schema=SCHEMA)
+            buf = io.BytesIO()
+            pq.write_table(table, buf, row_group_size=self.rows_per_row_group, compression="zstd")
+            data = buf.getvalue()
+            storage.write_bytes_atomic(path + ".parquet", data, self.storage_options)
+            summary = {"file": path.rsplit("/", 1)[-1] + ".parquet", "rows": len(records),
+                       "tokens": int(sum(r["num_tokens"] for r in records)),
+                       "supervised_tokens": int(sum(sum(r["loss_mask"]) for r in records)),
+                       "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest(),
+                       "errors": errors}
+            # the sidecar is written last: its presence marks the shard complete
+            storage.write_bytes_atomic(path + ".json", json.dumps(summary).encode(),
+                                       self.storage_options)
+            summaries["shard"].append(int(shard))
+            summaries["summary"].append(json.dumps(summary))
+        return summaries
+
+
+def plan_shards(conversations: list[dict], rows_per_shard: int) -> list[list[dict]]:
+    """Deterministic shards: id-sorted conversations cut every ``rows_per_shard`` rows."""
+    convs = sorted(conversations, key=lambda c: c["id"])
+    return [convs[i:i + rows_per_shard] for i in range(0, len(convs), rows_per_shard)]
+
+
+def run_cache_split(conversations: list[dict], split_dir: str, *, target: str, dtype: str,
+                    layer_ids: list[int], template_kwargs: dict, max_length: int,
+                    min_supervised: int, rows_per_shard: int, rows_per_row_group: int,
+                    num_actors: int, cpus_per_actor: float, gpus_per_actor: float,
+                    num_threads: int | None, storage_options: dict) -> list[dict]:
+    """Write the missing shards of one split; return every shard's summary (in shard order)."""
+    import ray
+
+    shards = plan_shards(conversations, rows_per_shard)
+    summaries: dict[int, dict] = {}
+    todo = []
+    for i, rows in enumerate(shards):
+        base = storage.join(split_dir, shard_name(i))
+        if storage.exists(base + ".json", storage_options):
+            summaries[i] = json.loads(storage.read_bytes(base + ".json", storage_options))
+        else:
+            todo.append({"shard": i, "path": base, "rows": json.dumps(rows, ensure_ascii=False)})
+    if todo:
+        logger.info("cache %s: writing %d of %d shards", split_dir, len(todo), len(shards))
+        ds = ray.data.from_items(todo, override_num_blocks=len(todo))
+        ds = ds.map_batches(
+            CacheWriterUDF,
+            fn_constructor_kwargs=dict(
+                target=target, dtype=dtype, layer_ids=layer_ids, template_kwargs=template_kwargs,
+                max_length=max_length, min_supervised=min_supervised,
+                rows_per_row_group=rows_per_row_group, num_threads=num_threads,
+                storage_options=storage_options),
+            batch_size=1, concurrency=num_actors, num_cpus=cpus_per_actor,
+            num_gpus=gpus_per_actor or None, batch_format="numpy")
+        for row in ds.iter_rows():
+            summaries[int(row["shard"])] = json.loads(row["summary"])
+    return [summaries[i] for i in range(len(shards))]
+
+
+def build_manifest(*, target: str, revision: str | None, layer_ids: list[int], hidden_size: int,
+                   vocab_size: int, template_sha256: str, template_kwargs: dict, max_length: int,
+                   splits: dict[str, list[dict]]) -> dict:
+    """The manifest of SPEC 1.4 (shard errors are moved out to the error file by the caller)."""
+    return {
+        "format": CACHE_FORMAT,
+        "target": {"name_or_path": target, "revision": revision, "hidden_size": hidden_size,
+                   "vocab_size": vocab_size},
+        "layer_ids": layer_ids,
+        "num_context_layers": len(layer_ids),
+        "dtypes": {"input_ids": "int32", "loss_mask": "uint8", "context_hidden": "bfloat16",
+                   "last_hidden": "bfloat16"},
+        "chat_template_sha256": template_sha256,
+        "chat_template_kwargs": template_kwargs,
+        "max_length": max_length,
+        "bytes_per_token": (len(layer_ids) + 1) * hidden_size * 2 + 5,
+        "splits": {
+            name: {"rows": sum(s["rows"] for s in shards),
+                   "tokens": sum(s["tokens"] for s in shards),
+                   "supervised_tokens": sum(s["supervised_tokens"] for s in shards),
+                   "shards": [{k: v for k, v in s.items() if k != "errors"} for s in shards]}
+            for name, shards in splits.items()
+        },
+    }
+
+
+def read_manifest(cache_dir: str, storage_options: dict | None = None) -> dict:
+    """Load and check ``manifest.json``.
+
+    Raises:
+        FileNotFoundError: no manifest (the cache stage has not completed).
+        CorruptShardError: unknown format.
+    """
+    path = storage.join(cache_dir, "manifest.json")
+    if not storage.exists(path, storage_options):
+        raise FileNotFoundError(f"no target cache manifest at {path}; run the cache stage first")
+    manifest = json.loads(storage.read_bytes(path, storage_options))
+    if manifest.get("format") != CACHE_FORMAT:
+        raise CorruptShardError(f"{path}: format {manifest.get('format')!r}, expected {CACHE_FORMAT}")
+    return manifest
+
+
+def verify_shard(cache_dir: str, split: str, shard: dict, storage_options: dict | None = None) -> None:
+    """Check a shard's bytes against the manifest's sha256.
+
+    Raises:
+        CorruptShardError: naming the shard file.
+    """
+    path = storage.join(cache_dir, split, shard["file"])
+    data = storage.read_bytes(path, storage_options)
+    if hashlib.sha256(data).hexdigest() != shard["sha256"]:
+        raise CorruptShardError(f"shard {path} does not match its manifest hash")
+    try:
+        table = pq.read_table(io.BytesIO(data))
+    except Exception as err:
+        raise CorruptShardError(f"shard {path} is not readable Parquet: {err}") from err
+    if table.num_rows != shard["rows"] or not table.schema.equals(SCHEMA, check_metadata=False):
+        raise CorruptShardError(f"shard {path}: {table.num_rows} rows / schema differ from manifest")

@@ -1,0 +1,259 @@
+"""Typed pipeline configuration: YAML validated with pydantic, ``--set section.field=value``
+overrides, unknown keys rejected with their dotted name, every invalid field listed at once.
+
+Configs are data (YAML through ``yaml.safe_load``), never executed Python.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+Dtype = Literal["float32", "bfloat16", "float16"]
+
+
+class ConfigError(ValueError):
+    """A config file or override is invalid; the message lists every offending field."""
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class RayConfig(Strict):
+    address: str | None = Field(None, description="Cluster address; None starts (or joins, inside "
+                                "`ray job submit`) a local Ray.")
+    num_cpus: int | None = Field(None, ge=1, description="Logical CPUs of a locally started Ray "
+                                 "(more than the cores lets Ray Data read while trainers run).")
+
+
+class GGUFSource(Strict):
+    package: str = Field(description="Import name of the PyPI package carrying the GGUF.")
+    file: str = Field(description="GGUF file inside the package.")
+
+
+class TargetConfig(Strict):
+    name_or_path: str = Field(description="`from_pretrained` name or directory of the target.")
+    convert_from_gguf: GGUFSource | None = Field(
+        None, description="Materialise name_or_path once from a packaged GGUF if it is missing.")
+    dtype: Dtype = "bfloat16"
+    layer_ids: list[int] | None = Field(None, description="Target layers of the context features; "
+                                        "None = evenly spaced from 1 to L-3 (SPEC 1.4).")
+    num_context_layers: int = Field(5, ge=1, le=16)
+    chat_template_kwargs: dict[str, Any] = Field(
+        default_factory=lambda: {"enable_thinking": False},
+        description="Extra chat-template variables; the same ones are used by generation, cache, "
+                    "evaluation and serving.")
+
+    @field_validator("layer_ids")
+    @classmethod
+    def _ascending(cls, v):
+        if v is not None and (sorted(set(v)) != v or min(v) < 0):
+            raise ValueError(f"layer_ids must be distinct, ascending and >= 0, got {v}")
+        return v
+
+
+class PromptSource(Strict):
+    path: str = Field(description="JSONL or Parquet file, local or s3://.")
+    max_rows: int | None = Field(None, ge=1, description="Seeded random subset of this size.")
+
+
+class PromptsConfig(Strict):
+    sources: list[PromptSource] = Field(min_length=1)
+    heldout_fraction: float = Field(0.05, ge=0.0, lt=0.9)
+    seed: int = 0
+
+
+class SamplingConfig(Strict):
+    temperature: float = Field(0.7, ge=0.0)
+    top_p: float = Field(0.8, gt=0.0, le=1.0)
+    top_k: int = Field(20, ge=0)
+    max_new_tokens: int = Field(4096, ge=1)
+
+
+class GenerateConfig(Strict):
+    sampling: SamplingConfig = Field(default_factory=SamplingConfig)
+    batch_size: int = Field(8, ge=1)
+    num_actors: int = Field(1, ge=1)
+    cpus_per_actor: float = Field(1.0, gt=0)
+    gpus_per_actor: float = Field(0.0, ge=0)
+    num_threads: int | None = Field(None, ge=1, description="torch threads per actor on CPU.")
+    max_prompt_tokens: int = Field(2048, ge=8)
+
+
+class CacheConfig(Strict):
+    output: str | None = Field(None, description="Local path or s3:// URL; default <run_dir>/cache.")
+    max_length: int = Field(4096, ge=16)
+    min_supervised_tokens: int = Field(14, ge=1)
+    rows_per_shard: int = Field(64, ge=1)
+    rows_per_row_group: int = Field(16, ge=1)
+    num_actors: int = Field(1, ge=1)
+    cpus_per_actor: float = Field(1.0, gt=0)
+    gpus_per_actor: float = Field(0.0, ge=0)
+    num_threads: int | None = Field(None, ge=1)
+
+
+class DrafterSection(Strict):
+    drafter_type: Literal["dspark", "dflash"] = "dspark"
+    num_layers: int = Field(5, ge=1)
+    block_size: int = Field(7, ge=1, le=32)
+    head_type: Literal["markov", "rnn", "none"] = "markov"
+    markov_rank: int = Field(256, ge=1)
+    confidence_head: bool = True
+    loss_decay: float | None = Field(None, gt=0, description="w_k = exp(-(k-1)/decay); None = "
+                                     "block_size (paper); the reference repository uses 4.")
+
+    @model_validator(mode="after")
+    def _consistent(self):
+        if self.drafter_type == "dflash" and (self.head_type != "none" or self.confidence_head):
+            raise ValueError("drafter_type 'dflash' needs head_type 'none' and confidence_head false")
+        if self.confidence_head and self.head_type == "none":
+            raise ValueError("confidence_head needs head_type 'markov' or 'rnn'")
+        return self
+
+
+class TrainConfig(Strict):
+    num_workers: int = Field(2, ge=1)
+    use_gpu: bool = False
+    cpus_per_worker: float = Field(1.0, gt=0)
+    num_threads: int | None = Field(None, ge=1, description="torch threads per worker on CPU.")
+    micro_batch_size: int = Field(4, ge=1, description="Sequences per worker per micro-step.")
+    global_batch_size: int = Field(512, ge=1, description="Sequences per optimizer step.")
+    num_epochs: int = Field(10, ge=1)
+    max_steps: int | None = Field(None, ge=1, description="Stop after this many optimizer steps.")
+    lr: float = Field(6e-4, gt=0)
+    weight_decay: float = Field(0.0, ge=0)
+    warmup_ratio: float = Field(0.04, ge=0, lt=1)
+    grad_clip: float = Field(1.0, gt=0)
+    num_anchors: int = Field(512, ge=1)
+    zero_stage: Literal[0, 1, 2] = 1
+    precision: Literal["fp32", "bf16"] = "fp32"
+    loss_weights: tuple[float, float, float] = Field((0.1, 0.9, 1.0),
+                                                     description="(ce, tv, conf), Eq. 12.")
+    log_every: int = Field(1, ge=1)
+    seed: int = 0
+
+    @model_validator(mode="after")
+    def _batch_divisible(self):
+        per_step = self.micro_batch_size * self.num_workers
+        if self.global_batch_size % per_step:
+            raise ValueError(f"global_batch_size {self.global_batch_size} must be a multiple of "
+                             f"micro_batch_size x num_workers = {per_step}")
+        return self
+
+
+class EvalConfig(Strict):
+    data_dir: str = "../shared/datasets/eval"
+    datasets: dict[str, int] = Field(default_factory=lambda: {"gsm8k": 500},
+                                     description="Benchmark file stem -> number of prompts.")
+    temperatures: list[float] = Field(default_factory=lambda: [0.0, 1.0], min_length=1)
+    max_new_tokens: int = Field(2048, ge=1)
+    shuffle_seed: int = 980406
+    num_threads: int | None = Field(None, ge=1)
+    cpus: float = Field(1.0, gt=0)
+    gpus: float = Field(0.0, ge=0)
+    dtype: Dtype = "bfloat16"
+
+    @field_validator("datasets")
+    @classmethod
+    def _positive(cls, v):
+        bad = [k for k, n in v.items() if n < 1]
+        if bad:
+            raise ValueError(f"dataset counts must be >= 1: {bad}")
+        return v
+
+
+class WandbConfig(Strict):
+    project: str = "dspark-ray"
+    entity: str | None = None
+    mode: Literal["offline", "online", "disabled"] = "offline"
+
+
+STAGES = ("prompts", "generate", "cache", "train", "eval")
+
+
+class PipelineConfig(Strict):
+    run_dir: str = Field("runs/default", description="Where every stage writes (relative paths "
+                         "resolve against the project root).")
+    seed: int = 0
+    storage_options: dict[str, Any] = Field(default_factory=dict, description="s3fs options for "
+                                            "s3:// paths (endpoint_url, key, secret, ...).")
+    ray: RayConfig = Field(default_factory=RayConfig)
+    target: TargetConfig
+    prompts: PromptsConfig
+    generate: GenerateConfig = Field(default_factory=GenerateConfig)
+    cache: CacheConfig = Field(default_factory=CacheConfig)
+    drafter: DrafterSection = Field(default_factory=DrafterSection)
+    train: TrainConfig = Field(default_factory=TrainConfig)
+    eval: EvalConfig = Field(default_factory=EvalConfig)
+    wandb: WandbConfig = Field(default_factory=WandbConfig)
+
+
+# ----------------------------------------------------------------------------- loading
+def _set_dotted(raw: dict, dotted: str, value: Any) -> None:
+    keys = dotted.split(".")
+    node = raw
+    for i, key in enumerate(keys[:-1]):
+        child = node.get(key)
+        if child is None:
+            child = node[key] = {}
+        if not isinstance(child, dict):
+            raise ConfigError(f"--set {dotted}: {'.'.join(keys[:i + 1])} is not a section")
+        node = child
+    node[keys[-1]] = value
+
+
+def parse_override(text: str) -> tuple[str, Any]:
+    """``"train.lr=3e-4"`` -> ``("train.lr", 3e-4)`` (the value is parsed as YAML).
+
+    Raises:
+        ConfigError: no ``=`` or an empty key.
+    """
+    key, sep, value = text.partition("=")
+    if not sep or not key.strip():
+        raise ConfigError(f"--set expects section.field=value, got {text!r}")
+    return key.strip(), yaml.safe_load(value) if value.strip() else None
+
+
+def format_validation_error(err: ValidationError, source: str) -> str:
+    lines = [f"invalid config {source}: {err.error_count()} problem(s)"]
+    for e in err.errors():
+        loc = ".".join(str(p) for p in e["loc"]) or "<root>"
+        if e["type"] == "extra_forbidden":
+            lines.append(f"  {loc}: unknown key")
+        else:
+            lines.append(f"  {loc}: {e['msg']} (got {json.dumps(e.get('input'), default=str)[:80]})")
+    return "\n".join(lines)
+
+
+def load_config(path: str | os.PathLike, overrides: list[str] | None = None) -> PipelineConfig:
+    """Read a YAML config, apply ``section.field=value`` overrides, validate.
+
+    Raises:
+        ConfigError: unreadable file, YAML syntax error, or validation errors (all listed).
+    """
+    path = Path(path)
+    try:
+        raw = yaml.safe_load(path.read_text()) or {}
+    except OSError as err:
+        raise ConfigError(f"cannot read config {path}: {err}") from err
+    except yaml.YAMLError as err:
+        raise ConfigError(f"config {path} is not valid YAML: {err}") from err
+    if not isinstance(raw, dict):
+        raise ConfigError(f"config {path} must be a mapping at the top level")
+    for text in overrides or []:
+        key, value = parse_override(text)
+        _set_dotted(raw, key, value)
+    try:
+        return PipelineConfig.model_validate(raw)
+    except ValidationError as err:
+        raise ConfigError(format_validation_error(err, str(path))) from None
+
+
+def dump_config(cfg: PipelineConfig) -> str:
+    return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)

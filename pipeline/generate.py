@@ -1,0 +1,197 @@
+"""Generate stage: the target regenerates every assistant turn (SPEC 1.2) in a Ray Data actor pool.
+
+User turns are replayed in order and each reply is conditioned on the regenerated ones. Results are
+appended per finished batch to ``<split>.jsonl`` keyed by prompt id; failures go to ``errors.jsonl``;
+a re-run skips ids already present in either file (no duplicates, no gaps).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import zlib
+from pathlib import Path
+
+import numpy as np
+
+logger = logging.getLogger(__name__)
+
+
+class GenerateUDF:
+    """Ray Data callable class: holds the target and tokenizer once per actor.
+
+    Input batch columns: ``id``, ``domain``, ``messages`` (JSON string of user/system turns).
+    Output columns: ``id``, ``domain``, ``messages`` (JSON, with regenerated assistant turns),
+    ``finish_reasons`` (JSON list), ``error`` (empty string when the row succeeded).
+    """
+
+    def __init__(self, target: str, dtype: str, sampling: dict, template_kwargs: dict,
+                 num_threads: int | None, max_prompt_tokens: int, seed: int):
+        import torch
+
+        from .target import load_target, load_tokenizer
+
+        if num_threads:
+            torch.set_num_threads(num_threads)
+        self.torch = torch
+        self.tokenizer = load_tokenizer(target)
+        self.tokenizer.padding_side = "left"
+        self.model = load_target(target, dtype)
+        self.sampling = sampling
+        self.template_kwargs = template_kwargs
+        self.max_prompt_tokens = max_prompt_tokens
+        self.seed = seed
+        self.device = "cuda" if torch.cuda.is_available() else "cpu"
+        self.model.to(self.device)
+
+    def _generate(self, prompts: list[list[int]]) -> tuple[list[str], list[str]]:
+        torch = self.torch
+        width = max(len(p) for p in prompts)
+        pad = self.tokenizer.pad_token_id
+        ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=self.device)
+        attn = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts],
+                            device=self.device)
+        s = self.sampling
+        do_sample = s["temperature"] > 0
+        out = self.model.generate(
+            input_ids=ids, attention_mask=attn, max_new_tokens=s["max_new_tokens"],
+            do_sample=do_sample, temperature=s["temperature"] if do_sample else None,
+            top_p=s["top_p"] if do_sample else None, top_k=s["top_k"] if do_sample else None,
+            pad_token_id=pad, eos_token_id=self.tokenizer.eos_token_id)
+        texts, reasons = [], []
+        for row in out[:, width:].tolist():
+            finished = self.tokenizer.eos_token_id in row
+            if finished:
+                row = row[:row.index(self.tokenizer.eos_token_id)]
+            texts.append(self.tokenizer.decode(row, skip_special_tokens=True).strip())
+            reasons.append("stop" if finished else "length")
+        return texts, reasons
+
+    def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, list]:
+        from .chat import render_prompt_ids
+
+        ids = [str(x) for x in batch["id"]]
+        turns = [json.loads(m) for m in batch["messages"]]
+        self.torch.manual_seed(self.seed + zlib.crc32(ids[0].encode()))
+        histories: list[list[dict]] = [[] for _ in ids]
+        cursors = [0] * len(ids)
+        reasons: list[list[str]] = [[] for _ in ids]
+        errors = [""] * len(ids)
+        while True:
+            active, prompts = [], []
+            for i, conv in enumerate(turns):
+                if errors[i]:
+                    continue
+                # move the leading system turn and the next user turn into the history
+                while cursors[i] < len(conv) and conv[cursors[i]]["role"] != "user":
+                    histories[i].append(conv[cursors[i]])
+                    cursors[i] += 1
+                if cursors[i] >= len(conv):
+                    continue
+                histories[i].append(conv[cursors[i]])
+                cursors[i] += 1
+                prompt = render_prompt_ids(self.tokenizer, histories[i], self.template_kwargs)
+                if len(prompt) > self.max_prompt_tokens:
+                    errors[i] = (f"prompt of {len(prompt)} tokens exceeds max_prompt_tokens "
+                                 f"{self.max_prompt_tokens}")
+                    continue
+                active.append(i)
+                prompts.append(prompt)
+            if not active:
+                break
+            try:
+                texts, why = self._generate(prompts)
+            except Exception as err:  # isolate the failing row(s): retry one by one
+                logger.warning("batch generation failed (%s); retrying rows one by one", err)
+                texts, why = [], []
+                for i, p in zip(active, prompts):
+                    try:
+                        t, w = self._generate([p])
+                        texts.append(t[0])
+                        why.append(w[0])
+                    except Exception as row_err:
+                        errors[i] = f"generation failed: {type(row_err).__name__}: {row_err}"
+                        texts.append("")
+                        why.append("error")
+            for i, text, reason in zip(active, texts, why):
+                if errors[i]:
+                    continue
+                if not text:
+                    errors[i] = "target generated an empty answer"
+                    continue
+                histories[i].append({"role": "assistant", "content": text})
+                reasons[i].append(reason)
+        return {
+            "id": ids,
+            "domain": [str(d) for d in batch["domain"]],
+            "messages": [json.dumps(h, ensure_ascii=False) for h in histories],
+            "finish_reasons": [json.dumps(r) for r in reasons],
+            "error": errors,
+        }
+
+
+def done_ids(*paths: Path) -> set[str]:
+    """Ids already written to any of the given JSONL files (truncated lines ignored)."""
+    ids: set[str] = set()
+    for path in paths:
+        if not path.exists():
+            continue
+        with open(path, encoding="utf-8") as fh:
+            for raw in fh:
+                try:
+                    ids.add(json.loads(raw)["id"])
+                except (json.JSONDecodeError, KeyError):
+                    continue
+    return ids
+
+
+def _append(fh, row: dict) -> None:
+    fh.write(json.dumps(row, ensure_ascii=False) + "\n")
+
+
+def run_generate(rows: list[dict], out_path: Path, errors_path: Path, *, target: str, dtype: str,
+                 sampling: dict, template_kwargs: dict, batch_size: int, num_actors: int,
+                 cpus_per_actor: float, gpus_per_actor: float, num_threads: int | None,
+                 max_prompt_tokens: int, seed: int, progress=None) -> dict:
+    """Regenerate answers for ``rows`` not yet in ``out_path`` / ``errors_path``.
+
+    Returns:
+        counts ``{"generated", "errors", "skipped"}`` of this invocation.
+    """
+    import ray
+
+    done = done_ids(out_path, errors_path)
+    pending = [r for r in rows if r["id"] not in done]
+    counts = {"generated": 0, "errors": 0, "skipped": len(rows) - len(pending)}
+    if not pending:
+        return counts
+    items = [{"id": r["id"], "domain": r["domain"],
+              "messages": json.dumps(r["messages"], ensure_ascii=False)} for r in pending]
+    ds = ray.data.from_items(items, override_num_blocks=max(1, -(-len(items) // batch_size)))
+    ds = ds.map_batches(
+        GenerateUDF,
+        fn_constructor_kwargs=dict(target=target, dtype=dtype, sampling=sampling,
+                                   template_kwargs=template_kwargs, num_threads=num_threads,
+                                   max_prompt_tokens=max_prompt_tokens, seed=seed),
+        batch_size=batch_size, concurrency=num_actors, num_cpus=cpus_per_actor,
+        num_gpus=gpus_per_actor or None, batch_format="numpy")
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(out_path, "a", encoding="utf-8") as out, open(errors_path, "a", encoding="utf-8") as err:
+        for batch in ds.iter_batches(batch_size=None, batch_format="numpy"):
+            for i in range(len(batch["id"])):
+                if batch["error"][i]:
+                    _append(err, {"id": str(batch["id"][i]), "stage": "generate",
+                                  "error": str(batch["error"][i])})
+                    counts["errors"] += 1
+                else:
+                    _append(out, {"id": str(batch["id"][i]), "domain": str(batch["domain"][i]),
+                                  "messages": json.loads(batch["messages"][i]),
+                                  "finish_reasons": json.loads(batch["finish_reasons"][i])})
+                    counts["generated"] += 1
+            out.flush()
+            err.flush()
+            os.fsync(out.fileno())
+            if progress is not None:
+                progress.update(len(batch["id"]))
+    return counts

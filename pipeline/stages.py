@@ -1,0 +1,264 @@
+"""The five pipeline stages and their glue: inputs, outputs, completion markers, Ray start-up.
+
+Each stage reads the previous stage's output under the run directory and writes its own; a stage
+whose ``_SUCCESS.json`` exists is skipped. Stages that are interrupted resume: generation by prompt
+id, the cache by shard.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from . import storage
+from .config import PipelineConfig, dump_config
+
+logger = logging.getLogger(__name__)
+SPLITS = ("train", "heldout")
+
+
+@dataclass
+class StageContext:
+    """Resolved paths and target facts shared by the stages."""
+
+    cfg: PipelineConfig
+    run_dir: Path
+    target: str
+    layer_ids: list[int]
+    cache_dir: str
+
+    @classmethod
+    def create(cls, cfg: PipelineConfig) -> "StageContext":
+        """Resolve paths, materialise a packaged target if needed, pick the target layers.
+
+        Raises:
+            FileNotFoundError: the target cannot be found or loaded (path named).
+        """
+        from transformers import AutoConfig
+
+        from .target import default_layer_ids, materialize_gguf_target
+
+        run_dir = Path(storage.resolve(cfg.run_dir))
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "config.yaml").write_text(dump_config(cfg))
+        target = cfg.target.name_or_path
+        if cfg.target.convert_from_gguf is not None:
+            src = cfg.target.convert_from_gguf
+            target = str(materialize_gguf_target(storage.resolve(target), src.package, src.file))
+        elif not storage.is_url(target) and (target.startswith((".", "/", "~"))):
+            target = storage.resolve(target)
+        try:
+            tcfg = AutoConfig.from_pretrained(target)
+        except (OSError, ValueError) as err:
+            raise FileNotFoundError(f"unknown target model {target!r}: {err}") from err
+        layer_ids = cfg.target.layer_ids or default_layer_ids(tcfg.num_hidden_layers,
+                                                              cfg.target.num_context_layers)
+        if max(layer_ids) >= tcfg.num_hidden_layers:
+            raise ValueError(f"target.layer_ids {layer_ids} exceed the target's "
+                             f"{tcfg.num_hidden_layers} layers")
+        cache_dir = storage.resolve(cfg.cache.output) if cfg.cache.output else str(run_dir / "cache")
+        return cls(cfg, run_dir, target, layer_ids, cache_dir)
+
+    def stage_dir(self, name: str) -> Path:
+        path = self.run_dir / name
+        path.mkdir(parents=True, exist_ok=True)
+        return path
+
+
+_ray_started = False
+
+
+def ensure_ray(cfg: PipelineConfig) -> None:
+    """Join the cluster named by ``ray.address`` / ``RAY_ADDRESS`` (as inside ``ray job submit``),
+    or start a local Ray in-process."""
+    global _ray_started
+    import ray
+
+    if ray.is_initialized():
+        return
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    address = cfg.ray.address or os.environ.get("RAY_ADDRESS")
+    if address:
+        ray.init(address=address, log_to_driver=True)
+    else:
+        ray.init(num_cpus=cfg.ray.num_cpus, include_dashboard=False, log_to_driver=True)
+    ctx = ray.data.DataContext.get_current()
+    ctx.enable_progress_bars = False  # stages print their own progress
+    # the memory-issue detector warns every 30 s about model-holding actors; the stages size
+    # their actors explicitly, so the warning is noise here
+    ctx.issue_detectors_config.detectors = []
+    _ray_started = True
+
+
+def _marker(ctx: StageContext, name: str) -> Path:
+    return ctx.run_dir / name / "_SUCCESS.json"
+
+
+def run_stage(ctx: StageContext, name: str, force: bool = False) -> dict:
+    """Run one stage unless complete; write its marker with a summary."""
+    marker = _marker(ctx, name)
+    if marker.exists() and not force:
+        logger.info("stage %s: complete, skipped (%s)", name, marker)
+        return json.loads(marker.read_text())
+    start = time.time()
+    logger.info("stage %s: starting", name)
+    summary = STAGE_FUNCS[name](ctx)
+    summary["seconds"] = round(time.time() - start, 1)
+    marker.parent.mkdir(parents=True, exist_ok=True)
+    marker.write_text(json.dumps(summary, indent=1))
+    logger.info("stage %s: done in %.1f s: %s", name, summary["seconds"],
+                json.dumps({k: v for k, v in summary.items() if not isinstance(v, (dict, list))}))
+    return summary
+
+
+def _require(ctx: StageContext, name: str) -> None:
+    if not _marker(ctx, name).exists():
+        raise FileNotFoundError(f"stage {name!r} has not completed in {ctx.run_dir}; run it first "
+                                f"(--stages {name},...)")
+
+
+# ----------------------------------------------------------------------------- stages
+def stage_prompts(ctx: StageContext) -> dict:
+    from .prompts import load_prompts, write_jsonl
+
+    cfg = ctx.cfg.prompts
+    sources = [(storage.resolve(s.path), s.max_rows) for s in cfg.sources]
+    split = load_prompts(sources, cfg.heldout_fraction, cfg.seed, ctx.cfg.storage_options)
+    out = ctx.stage_dir("prompts")
+    write_jsonl(str(out / "train.jsonl"), split.train)
+    write_jsonl(str(out / "heldout.jsonl"), split.heldout)
+    write_jsonl(str(out / "errors.jsonl"), split.errors)
+    if not split.train:
+        raise ValueError(f"no valid training prompts in {sources} (see {out / 'errors.jsonl'})")
+    return {"train": len(split.train), "heldout": len(split.heldout), "errors": len(split.errors)}
+
+
+def stage_generate(ctx: StageContext) -> dict:
+    from tqdm import tqdm
+
+    from .generate import run_generate
+    from .prompts import read_jsonl
+
+    _require(ctx, "prompts")
+    ensure_ray(ctx.cfg)
+    g = ctx.cfg.generate
+    out = ctx.stage_dir("generate")
+    summary = {}
+    for split in SPLITS:
+        rows = read_jsonl(str(ctx.run_dir / "prompts" / f"{split}.jsonl"))
+        with tqdm(total=len(rows), desc=f"generate {split}", unit="prompt", mininterval=5) as bar:
+            counts = run_generate(
+                rows, out / f"{split}.jsonl", out / "errors.jsonl", target=ctx.target,
+                dtype=ctx.cfg.target.dtype, sampling=g.sampling.model_dump(),
+                template_kwargs=ctx.cfg.target.chat_template_kwargs, batch_size=g.batch_size,
+                num_actors=g.num_actors, cpus_per_actor=g.cpus_per_actor,
+                gpus_per_actor=g.gpus_per_actor, num_threads=g.num_threads,
+                max_prompt_tokens=g.max_prompt_tokens, seed=ctx.cfg.seed, progress=bar)
+        summary[split] = counts
+    return summary
+
+
+def _template_sha(target: str) -> str:
+    from .target import load_tokenizer
+
+    template = load_tokenizer(target).chat_template or ""
+    return hashlib.sha256(template.encode()).hexdigest()
+
+
+def stage_cache(ctx: StageContext) -> dict:
+    from transformers import AutoConfig
+
+    from .cache import build_manifest, run_cache_split
+    from .prompts import read_jsonl
+
+    _require(ctx, "generate")
+    so = ctx.cfg.storage_options
+    storage.check_writable(ctx.cache_dir, so)
+    ensure_ray(ctx.cfg)
+    c = ctx.cfg.cache
+    splits = {}
+    errors_path = ctx.stage_dir("cache") / "errors.jsonl"
+    for split in SPLITS:
+        convs = read_jsonl(str(ctx.run_dir / "generate" / f"{split}.jsonl"))
+        if not convs:
+            continue
+        splits[split] = run_cache_split(
+            convs, storage.join(ctx.cache_dir, split), target=ctx.target,
+            dtype=ctx.cfg.target.dtype, layer_ids=ctx.layer_ids,
+            template_kwargs=ctx.cfg.target.chat_template_kwargs, max_length=c.max_length,
+            min_supervised=c.min_supervised_tokens, rows_per_shard=c.rows_per_shard,
+            rows_per_row_group=c.rows_per_row_group, num_actors=c.num_actors,
+            cpus_per_actor=c.cpus_per_actor, gpus_per_actor=c.gpus_per_actor,
+            num_threads=c.num_threads, storage_options=so)
+    errors = [e for shards in splits.values() for s in shards for e in s["errors"]]
+    with open(errors_path, "w", encoding="utf-8") as fh:
+        fh.writelines(json.dumps(e, ensure_ascii=False) + "\n" for e in errors)
+    tcfg = AutoConfig.from_pretrained(ctx.target)
+    manifest = build_manifest(
+        target=ctx.cfg.target.name_or_path, revision=getattr(tcfg, "_commit_hash", None),
+        layer_ids=ctx.layer_ids, hidden_size=tcfg.hidden_size, vocab_size=tcfg.vocab_size,
+        template_sha256=_template_sha(ctx.target),
+        template_kwargs=ctx.cfg.target.chat_template_kwargs, max_length=c.max_length,
+        splits=splits)
+    if "train" not in splits or manifest["splits"]["train"]["rows"] == 0:
+        raise ValueError(f"the cache has no training rows (see {errors_path})")
+    storage.write_bytes_atomic(storage.join(ctx.cache_dir, "manifest.json"),
+                               json.dumps(manifest, indent=1).encode(), so)
+    return {"cache_dir": ctx.cache_dir, "errors": len(errors),
+            **{f"{s}_rows": v["rows"] for s, v in manifest["splits"].items()},
+            **{f"{s}_tokens": v["tokens"] for s, v in manifest["splits"].items()}}
+
+
+def stage_train(ctx: StageContext) -> dict:
+    from .cache import read_manifest
+    from .train import run_train
+
+    _require(ctx, "cache")
+    manifest = read_manifest(ctx.cache_dir, ctx.cfg.storage_options)
+    if manifest["layer_ids"] != ctx.layer_ids:
+        raise ValueError(f"cache at {ctx.cache_dir} holds layers {manifest['layer_ids']}, config "
+                         f"asks for {ctx.layer_ids}")
+    ensure_ray(ctx.cfg)
+    result = run_train(
+        cache_dir=ctx.cache_dir, manifest=manifest, out_dir=ctx.stage_dir("train"),
+        target=ctx.target, layer_ids=ctx.layer_ids, drafter=ctx.cfg.drafter.model_dump(),
+        train=ctx.cfg.train.model_dump(), wandb_cfg=ctx.cfg.wandb.model_dump(),
+        storage_options=ctx.cfg.storage_options, run_name=ctx.run_dir.name)
+    return {"steps": result["steps"], "rows": result["rows"],
+            "drafter": str(ctx.run_dir / "train" / "drafter"),
+            "final_metrics": {k: v for k, v in result["metrics"].items()
+                              if isinstance(v, (int, float))}}
+
+
+def stage_eval(ctx: StageContext) -> dict:
+    import ray
+
+    from .evaluate import evaluate, load_eval_prompts, render_report_md
+
+    _require(ctx, "train")
+    e = ctx.cfg.eval
+    data_dir = Path(storage.resolve(e.data_dir))
+    datasets = {name: load_eval_prompts(data_dir / f"{name}.jsonl", n, e.shuffle_seed)
+                for name, n in e.datasets.items()}
+    ensure_ray(ctx.cfg)
+    task = ray.remote(num_cpus=e.cpus, num_gpus=e.gpus or None)(evaluate)
+    report = ray.get(task.remote(
+        target=ctx.target, dtype=e.dtype, drafter_dir=str(ctx.run_dir / "train" / "drafter"),
+        template_kwargs=ctx.cfg.target.chat_template_kwargs, datasets=datasets,
+        temperatures=e.temperatures, max_new_tokens=e.max_new_tokens,
+        num_threads=e.num_threads, seed=ctx.cfg.seed))
+    out = ctx.stage_dir("eval")
+    (out / "report.json").write_text(json.dumps(report, indent=1))
+    (out / "report.md").write_text(render_report_md(report))
+    return {name: {t: {"tau": round(s["tau"], 3), "speedup": round(s["speedup"], 3)}
+                   for t, s in by_t.items()} for name, by_t in report["results"].items()}
+
+
+STAGE_FUNCS = {"prompts": stage_prompts, "generate": stage_generate, "cache": stage_cache,
+               "train": stage_train, "eval": stage_eval}

@@ -1,0 +1,128 @@
+"""Paths and filesystems: local paths and ``s3://`` URLs (through s3fs, wrapped for pyarrow).
+
+Relative local paths in configs resolve against the project root: the checkout dspark-ray was
+installed from (so ``ray job submit --working-dir .`` and a local run see the same files), or
+``$DSPARK_PROJECT_ROOT``, or the current directory.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from functools import lru_cache
+from importlib import metadata
+from pathlib import Path
+from urllib.parse import urlparse
+
+import pyarrow.fs as pafs
+
+
+def is_url(path: str) -> bool:
+    return "://" in path
+
+
+@lru_cache(maxsize=1)
+def project_root() -> Path:
+    """The project checkout: $DSPARK_PROJECT_ROOT, else the editable install's source, else CWD."""
+    env = os.environ.get("DSPARK_PROJECT_ROOT")
+    if env:
+        return Path(env)
+    try:
+        direct = metadata.distribution("dspark-ray").read_text("direct_url.json")
+        info = json.loads(direct or "{}")
+        if info.get("dir_info", {}).get("editable") and info["url"].startswith("file://"):
+            return Path(urlparse(info["url"]).path)
+    except metadata.PackageNotFoundError:
+        pass
+    return Path.cwd()
+
+
+def resolve(path: str) -> str:
+    """Absolute form of a config path (URLs unchanged, ``~`` expanded)."""
+    if is_url(path):
+        return path
+    p = Path(path).expanduser()
+    return str(p if p.is_absolute() else project_root() / p)
+
+
+def join(base: str, *parts: str) -> str:
+    return "/".join([base.rstrip("/"), *parts]) if is_url(base) else str(Path(base, *parts))
+
+
+def get_fsspec(path: str, storage_options: dict | None = None):
+    """An fsspec filesystem for ``path`` (s3fs for s3://, local otherwise)."""
+    import fsspec
+
+    if path.startswith("s3://"):
+        import s3fs
+
+        return s3fs.S3FileSystem(**(storage_options or {}))
+    return fsspec.filesystem("file")
+
+
+def get_arrow_fs(path: str, storage_options: dict | None = None):
+    """(pyarrow filesystem, path inside it) for reading/writing Parquet at ``path``."""
+    if path.startswith("s3://"):
+        fs = pafs.PyFileSystem(pafs.FSSpecHandler(get_fsspec(path, storage_options)))
+        return fs, path[len("s3://"):]
+    return pafs.LocalFileSystem(), path
+
+
+def check_writable(path: str, storage_options: dict | None = None) -> None:
+    """Fail fast on an unreachable bucket or an unwritable directory.
+
+    Raises:
+        ConnectionError / PermissionError naming ``path``.
+    """
+    if path.startswith("s3://"):
+        fs = get_fsspec(path, storage_options)
+        bucket = path[len("s3://"):].split("/", 1)[0]
+        try:
+            fs.ls(bucket, refresh=True)
+        except Exception as err:  # s3fs raises many types (auth, DNS, no bucket)
+            raise ConnectionError(f"cannot reach {path} (bucket {bucket!r}): "
+                                  f"{type(err).__name__}: {err}") from err
+        return
+    try:
+        Path(path).mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise PermissionError(f"cannot create output directory {path}: {err}") from err
+
+
+def write_bytes_atomic(path: str, data: bytes, storage_options: dict | None = None) -> None:
+    """Write a whole object so readers never see a partial one: local files go through a temporary
+    name and ``os.replace``; an S3 object becomes visible only when its upload completes."""
+    if is_url(path):
+        fs = get_fsspec(path, storage_options)
+        with fs.open(path, "wb") as fh:
+            fh.write(data)
+        return
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
+    with open(tmp, "wb") as fh:
+        fh.write(data)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, target)
+
+
+def read_bytes(path: str, storage_options: dict | None = None) -> bytes:
+    fs = get_fsspec(path, storage_options)
+    with fs.open(path, "rb") as fh:
+        return fh.read()
+
+
+def exists(path: str, storage_options: dict | None = None) -> bool:
+    return get_fsspec(path, storage_options).exists(path)
+
+
+def list_files(directory: str, suffix: str, storage_options: dict | None = None) -> list[str]:
+    """Sorted full paths (URLs for s3) of files in ``directory`` ending with ``suffix``."""
+    fs = get_fsspec(directory, storage_options)
+    if not fs.exists(directory):
+        return []
+    names = [p for p in fs.ls(directory, detail=False) if p.endswith(suffix)]
+    if directory.startswith("s3://"):
+        names = ["s3://" + n if not n.startswith("s3://") else n for n in names]
+    return sorted(names)

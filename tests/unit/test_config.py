@@ -1,0 +1,64 @@
+"""Typed config: the shipped configs validate, overrides apply, bad input lists every problem."""
+
+from pathlib import Path
+
+import pytest
+
+from pipeline.config import ConfigError, load_config, parse_override
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.parametrize("name", ["quickstart.yaml", "qwen3_4b.yaml"])
+def test_shipped_configs_validate(name):
+    cfg = load_config(ROOT / "infra" / "configs" / name)
+    assert cfg.drafter.block_size == 7
+    assert cfg.train.global_batch_size % (cfg.train.micro_batch_size * cfg.train.num_workers) == 0
+
+
+def test_reference_settings_of_qwen3_4b():
+    cfg = load_config(ROOT / "infra" / "configs" / "qwen3_4b.yaml")
+    assert cfg.target.name_or_path == "Qwen/Qwen3-4B"
+    assert cfg.target.layer_ids == [1, 9, 17, 25, 33]
+    assert (cfg.drafter.num_layers, cfg.train.num_anchors, cfg.train.lr) == (5, 512, 6e-4)
+    assert (cfg.train.global_batch_size, cfg.train.num_epochs, cfg.train.num_workers) == (512, 10, 8)
+
+
+def test_overrides_are_parsed_as_yaml_and_revalidated():
+    cfg = load_config(ROOT / "infra" / "configs" / "quickstart.yaml",
+                      ["train.lr=3e-4", "eval.datasets={gsm8k: 3}", "drafter.head_type=rnn"])
+    assert cfg.train.lr == 3e-4 and cfg.eval.datasets == {"gsm8k": 3}
+    assert cfg.drafter.head_type == "rnn"
+    assert parse_override("a.b=") == ("a.b", None)
+    with pytest.raises(ConfigError, match="section.field=value"):
+        parse_override("novalue")
+
+
+def test_every_invalid_field_is_listed_and_unknown_keys_named():
+    with pytest.raises(ConfigError) as err:
+        load_config(ROOT / "infra" / "configs" / "quickstart.yaml",
+                    ["train.lr=-1", "train.bogus=3", "drafter.head_type=x", "nosuch.key=1"])
+    text = str(err.value)
+    assert "4 problem(s)" in text
+    for needle in ("train.lr", "train.bogus: unknown key", "drafter.head_type", "nosuch: unknown key"):
+        assert needle in text
+
+
+def test_cross_field_rules(tmp_path):
+    with pytest.raises(ConfigError, match="multiple of"):
+        load_config(ROOT / "infra" / "configs" / "quickstart.yaml", ["train.global_batch_size=9"])
+    with pytest.raises(ConfigError, match="dflash"):
+        load_config(ROOT / "infra" / "configs" / "quickstart.yaml", ["drafter.drafter_type=dflash"])
+
+
+def test_unreadable_and_malformed_files(tmp_path):
+    with pytest.raises(ConfigError, match="cannot read config"):
+        load_config(tmp_path / "missing.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("target: [unclosed\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(bad)
+    empty = tmp_path / "empty.yaml"
+    empty.write_text("run_dir: x\n")
+    with pytest.raises(ConfigError, match="target: Field required"):
+        load_config(empty)

@@ -1,0 +1,66 @@
+"""Prompts stage: bad rows are reported by file, line and id and written out; good rows go on."""
+
+import json
+
+import pytest
+
+from pipeline.prompts import load_prompts, read_prompt_file
+
+
+def _write(path, lines):
+    path.write_text("".join(l + "\n" for l in lines), encoding="utf-8")
+    return str(path)
+
+
+def test_bad_rows_are_reported_and_the_rest_kept(tmp_path):
+    good = {"id": "a", "domain": "math", "messages": [{"role": "user", "content": "2+2?"}]}
+    path = _write(tmp_path / "p.jsonl", [
+        json.dumps(good),
+        '{"id": "broken", "messages": [',                                    # malformed JSON
+        json.dumps({"id": "nomsg"}),                                          # missing field
+        json.dumps({"id": "empty", "messages": [{"role": "user", "content": "  "}]}),
+        json.dumps({"id": "asst", "messages": [{"role": "assistant", "content": "hi"}]}),
+        json.dumps({"messages": [{"role": "user", "content": "x"}]}),          # no id
+        json.dumps({"id": "b", "messages": [{"role": "user", "content": "q"},
+                                            {"role": "assistant", "content": "old answer"},
+                                            {"role": "user", "content": "q2"}]}),
+    ])
+    rows, errors = read_prompt_file(path)
+    assert [r["id"] for r in rows] == ["a", "b"]
+    # the original assistant turn is discarded: the target regenerates it
+    assert [m["role"] for m in rows[1]["messages"]] == ["user", "user"]
+    by_line = {e["line"]: e for e in errors}
+    assert set(by_line) == {2, 3, 4, 5, 6}
+    assert "malformed JSON" in by_line[2]["error"] and by_line[2]["file"] == path
+    assert by_line[3]["id"] == "nomsg" and "messages" in by_line[3]["error"]
+    assert by_line[4]["id"] == "empty" and "empty" in by_line[4]["error"]
+    assert "start with a user turn" in by_line[5]["error"]
+    assert "'id'" in by_line[6]["error"]
+
+
+def test_split_is_seeded_and_disjoint_and_duplicates_reported(tmp_path):
+    rows = [json.dumps({"id": f"r{i}", "messages": [{"role": "user", "content": f"q{i}"}]})
+            for i in range(40)]
+    a = _write(tmp_path / "a.jsonl", rows)
+    b = _write(tmp_path / "b.jsonl", rows[:3])  # duplicate ids across files
+    s1 = load_prompts([(a, None), (b, None)], 0.1, seed=3)
+    s2 = load_prompts([(a, None), (b, None)], 0.1, seed=3)
+    assert [r["id"] for r in s1.heldout] == [r["id"] for r in s2.heldout]
+    assert len(s1.heldout) == 4 and len(s1.train) == 36
+    assert not {r["id"] for r in s1.train} & {r["id"] for r in s1.heldout}
+    assert sum("duplicate id" in e["error"] for e in s1.errors) == 3
+
+
+def test_max_rows_and_directory_sources(tmp_path):
+    d = tmp_path / "dir"
+    d.mkdir()
+    for name in ("x", "y"):
+        _write(d / f"{name}.jsonl", [json.dumps({"id": f"{name}{i}", "messages": [
+            {"role": "user", "content": "hello"}]}) for i in range(10)])
+    split = load_prompts([(str(d), 4)], 0.0, seed=0)
+    assert len(split.train) == 8 and not split.heldout
+
+
+def test_missing_file_is_named(tmp_path):
+    with pytest.raises(FileNotFoundError, match="nope.jsonl"):
+        load_prompts([(str(tmp_path / "nope.jsonl"), None)], 0.0, 0)
