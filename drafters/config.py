@@ -70,7 +70,7 @@ class DSparkConfig(PretrainedConfig):
         self.target_name_or_path = target_name_or_path
         self.target_vocab_size = target_vocab_size
         self.target_hidden_size = target_hidden_size
-        self.target_layer_ids = list(target_layer_ids or [0])
+        self.target_layer_ids = list(target_layer_ids if target_layer_ids is not None else [1])
         self.block_size = block_size
         self.num_hidden_layers = num_hidden_layers
         self.hidden_size = hidden_size
@@ -104,8 +104,10 @@ class DSparkConfig(PretrainedConfig):
                              "W1[x_{k-1}]: it needs head_type 'markov' or 'rnn'")
         if self.block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
-        if sorted(self.target_layer_ids) != list(self.target_layer_ids):
-            raise ValueError(f"target_layer_ids must be ascending, got {self.target_layer_ids}")
+        ids = list(self.target_layer_ids)
+        if not ids or sorted(set(ids)) != ids or ids[0] < 0:
+            raise ValueError(f"target_layer_ids must be non-empty, distinct, ascending and >= 0, "
+                             f"got {ids}")
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
         temps = self.calibration_temperatures

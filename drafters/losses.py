@@ -41,8 +41,8 @@ def drafter_losses(draft_logits: torch.Tensor, target_logits: torch.Tensor, labe
         dict with ``loss`` (scalar with grad), ``ce``, ``tv``, ``conf`` (detached scalars),
         ``accept_rate`` fp32 [K] (accept_rate@k = mean over blocks whose slot k is supervised of
         prod_{i<=k}(1 - TV_i)) and ``tau`` (probabilistic accepted length
-        1 + sum_k prod_{i<=k}(1 - TV_i), averaged over blocks; truncated blocks count what they
-        have).
+        1 + sum_k prod_{i<=k}(1 - TV_i), averaged over blocks with a supervised first slot;
+        truncated blocks count what they have).
     Raises:
         ValueError: no supervised slot at all.
     """
@@ -74,7 +74,8 @@ def drafter_losses(draft_logits: torch.Tensor, target_logits: torch.Tensor, labe
         survival = accept.cumprod(dim=1)  # 0 after the first unsupervised slot
         counts = valid.sum(0).clamp(min=1)
         accept_rate = survival.sum(0) / counts
-        tau = 1.0 + survival.sum(1).mean()
+        has_slot = valid[:, 0]  # padding blocks (no supervised slot) do not count
+        tau = 1.0 + survival[has_slot].sum(1).mean()
     return {"loss": loss, "ce": ce.detach(), "tv": tv.detach(), "conf": conf.detach(),
             "accept_rate": accept_rate, "tau": tau}
 

@@ -160,11 +160,13 @@ class DSparkDrafter(nn.Module):
         return logits + bias.float(), conf
 
     def calibrated_confidence(self, confidence_logits: torch.Tensor) -> torch.Tensor:
-        """c_k = sigma(z_k / T_k) with the checkpoint's STS temperatures: [.., K] -> [.., K]."""
+        """c_k = sigma(z_k / T_k) with the checkpoint's STS temperatures: [.., l] -> [.., l] for the
+        first l <= K positions."""
         temps = self.config.calibration_temperatures
         if temps is None:
             return torch.sigmoid(confidence_logits)
-        t = torch.tensor(temps, dtype=confidence_logits.dtype, device=confidence_logits.device)
+        l = confidence_logits.shape[-1]
+        t = torch.tensor(temps[:l], dtype=confidence_logits.dtype, device=confidence_logits.device)
         return torch.sigmoid(confidence_logits / t)
 
     # ------------------------------------------------------------------ inference
@@ -286,7 +288,7 @@ def check_target_compatibility(config: DSparkConfig, target_name: str, vocab_siz
         problems.append(f"vocab size {config.target_vocab_size} != target's {vocab_size}")
     if config.target_hidden_size != hidden_size:
         problems.append(f"hidden size {config.target_hidden_size} != target's {hidden_size}")
-    if max(config.target_layer_ids) >= num_layers:
+    if min(config.target_layer_ids) < 0 or max(config.target_layer_ids) >= num_layers:
         problems.append(f"layer ids {config.target_layer_ids} exceed the target's {num_layers} layers")
     if problems:
         raise ValueError(f"drafter was trained for target {config.target_name_or_path!r}, serving "

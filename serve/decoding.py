@@ -136,6 +136,7 @@ class SpeculativeDecoder:
             for i, tok in enumerate(committed):
                 if tok in self.eos:  # an accepted EOS ends the round there: no bonus token
                     committed = committed[:i + 1]
+                    n = min(n, i + 1)  # drafts after the EOS were never emitted
                     result.finish_reason = "stop"
                     break
             result.tokens.extend(committed)

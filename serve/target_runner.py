@@ -23,7 +23,7 @@ class TargetRunner:
         self.model = model
         self.layer_ids = list(layer_ids)
         self.num_layers = model.config.num_hidden_layers
-        if self.layer_ids and max(self.layer_ids) >= self.num_layers:
+        if self.layer_ids and (min(self.layer_ids) < 0 or max(self.layer_ids) >= self.num_layers):
             raise ValueError(f"layer ids {self.layer_ids} exceed the target's {self.num_layers} layers")
 
     def new_cache(self) -> DynamicCache:

@@ -127,7 +127,8 @@ def test_build_block_batch_caps_anchors_and_keeps_dtypes():
     assert batch.target_hidden.dtype == torch.bfloat16
     for a, p in enumerate(pos):
         assert batch.anchor_tokens[0, a] == 10 + p
-        assert batch.labels[0, a].tolist()[: t - 1 - p] == list(range(11 + p, 11 + p + 4))[: t - 1 - p]
+        n_in = t - 1 - p  # slots whose label lies inside the sequence
+        assert batch.labels[0, a].tolist()[:n_in] == list(range(11 + p, 15 + p))[:n_in]
     moved = batch.to("cpu")
     assert torch.equal(moved.labels, batch.labels)
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -135,10 +136,11 @@ def test_batch_rows_are_independent(target):
     assert (out[1] - base[1]).abs().max() > 1e-3
 
 
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", ["markov", "rnn"])
 def test_slots_inside_block_are_bidirectional(target, kind):
-    """The anchor slot's output depends on the mask embedding only through the later slots
-    (bidirectional attention inside a block), so changing the mask embedding changes slot 0."""
+    """DSpark's anchor slot (returned as prediction slot 0) depends on the mask embedding only
+    through the later slots (bidirectional attention inside a block), so changing the mask
+    embedding changes slot 0's output."""
     d = _drafter(target, kind)
     feats = _features(target, d, b=1)
     anchors, tok = torch.tensor([[5]]), torch.tensor([[9]])
@@ -290,7 +292,16 @@ def test_calibrated_confidence(target):
     z = torch.tensor([[2.0, -1.0]])
     torch.testing.assert_close(d.calibrated_confidence(z), torch.sigmoid(z))
     d.config.calibration_temperatures = [2.0, 0.5]
-    torch.testing.assert_close(d.calibrated_confidence(z), torch.sigmoid(torch.tensor([[1.0, -2.0]])))
+    expected = torch.sigmoid(torch.tensor([[1.0, -2.0]]))
+    torch.testing.assert_close(d.calibrated_confidence(z), expected)
+
+
+def test_calibrated_confidence_of_a_short_block(target):
+    d = tiny_drafter(target, block_size=4)
+    d.config.calibration_temperatures = [2.0, 0.5, 1.0, 1.0]
+    z = torch.tensor([[2.0, -1.0]])  # a proposal with l = 2 < K draft tokens
+    torch.testing.assert_close(d.calibrated_confidence(z),
+                               torch.sigmoid(torch.tensor([[1.0, -2.0]])))
 
 
 # ----------------------------------------------------------------------------- compatibility
@@ -311,6 +322,13 @@ def test_check_target_compatibility(target):
         check_target_compatibility(cfg, "x", 10, 32, 2)
     msg = str(e.value)
     assert "vocab size" in msg and "hidden size" in msg and "layer ids" in msg
+
+
+def test_check_target_compatibility_rejects_negative_layer_ids(target):
+    cfg = tiny_drafter(target).config
+    cfg.target_layer_ids = [-1, 3]
+    with pytest.raises(ValueError, match="layer ids"):
+        check_target_compatibility(cfg, "x", 96, 64, 6)
 
 
 def test_drafter_rejects_mismatched_target_tensors(target):
@@ -362,3 +380,65 @@ def test_config_validation_errors(kw, match):
 def test_config_accepts_matching_calibration():
     c = _cfg(calibration_temperatures=[1.0, 1.1, 0.9, 1.3])
     assert c.calibration_temperatures == [1.0, 1.1, 0.9, 1.3]
+
+
+# ----------------------------------------------------------------------------- heads
+def test_markov_head_is_first_order():
+    from drafters.heads import MarkovHead
+    torch.manual_seed(0)
+    head = MarkovHead(10, 4)
+    with torch.no_grad():
+        head.w2.weight.normal_()
+    prev = torch.tensor([[3, 7, 7, 1]])
+    bias, emb = head(torch.zeros(1, 4, 8), prev)
+    w1, w2 = head.w1.weight.detach().numpy(), head.w2.weight.detach().numpy()
+    for k in range(4):
+        np.testing.assert_allclose(bias[0, k].detach().numpy(), w2 @ w1[prev[0, k]], rtol=1e-5,
+                                   atol=1e-6)
+    torch.testing.assert_close(bias[0, 1], bias[0, 2])  # same x_{k-1}, same bias
+    # untrained: W2 = 0, the backbone's distribution is unchanged
+    assert torch.all(MarkovHead(10, 4)(torch.zeros(1, 2, 8), prev[:, :2])[0] == 0)
+
+
+def test_rnn_head_follows_eq6():
+    """s_k = sig(g) s_{k-1} + (1 - sig(g)) tanh(c), B_k = W2 tanh(o), [g; c; o] = A [s; e; h] + a,
+    s_0 = 0, checked step by step in float64 numpy."""
+    from drafters.heads import RNNHead
+    torch.manual_seed(0)
+    r, v, h = 3, 7, 5
+    head = RNNHead(v, r, h)
+    with torch.no_grad():
+        head.w2.weight.normal_()
+        head.cell.weight.mul_(3.0)
+    hidden = torch.randn(2, 4, h)
+    prev = torch.tensor([[1, 4, 4, 0], [6, 2, 3, 3]])
+    bias, emb = head(hidden, prev)
+    a = head.cell.weight.detach().double().numpy()
+    a0 = head.cell.bias.detach().double().numpy()
+    w1 = head.w1.weight.detach().double().numpy()
+    w2 = head.w2.weight.detach().double().numpy()
+    sig = lambda x: 1 / (1 + np.exp(-x))  # noqa: E731
+    for n in range(2):
+        s = np.zeros(r)
+        for k in range(4):
+            e = w1[prev[n, k]]
+            z = np.concatenate([s, e, hidden[n, k].double().numpy()])
+            pre = a @ z + a0
+            g, c, o = pre[:r], pre[r:2 * r], pre[2 * r:]
+            s = sig(g) * s + (1 - sig(g)) * np.tanh(c)
+            np.testing.assert_allclose(bias[n, k].detach().numpy(), w2 @ np.tanh(o), rtol=1e-4,
+                                       atol=1e-5)
+            np.testing.assert_allclose(emb[n, k].detach().numpy(), e, rtol=1e-6)
+
+
+def test_rnn_bias_depends_on_the_whole_prefix_markov_only_on_last_token(target):
+    rnn, markov = _drafter(target, "rnn"), _drafter(target, "markov")
+    hidden = torch.randn(1, K, target.config.hidden_size)
+    a = torch.tensor([[5, 9, 9, 9]])
+    b = torch.tensor([[6, 9, 9, 9]])  # differs only in x_0
+    for d, later_changes in ((rnn, True), (markov, False)):
+        la, _ = d.draft_logits(hidden, a)
+        lb, _ = d.draft_logits(hidden, b)
+        assert (la[:, 0] - lb[:, 0]).abs().max() > 1e-4
+        changed = bool((la[:, 1:] - lb[:, 1:]).abs().max() > 1e-4)
+        assert changed == later_changes

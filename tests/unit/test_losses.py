@@ -56,7 +56,7 @@ def test_hand_computed_example():
     draft, target, labels, valid, conf = _example()
     out = drafter_losses(draft, target, labels, valid, position_weights(2, 2.0), conf)
     assert float(out["ce"]) == pytest.approx(EXP_CE, abs=1e-6)
-    assert float(out["ce"]) == pytest.approx(1.2915, abs=1e-4)  # (1.0986 + 0.6065 * 1.6094) / 1.6065
+    assert float(out["ce"]) == pytest.approx(1.2915, abs=1e-4)  # (1.0986 + .6065 * 1.6094) / 1.6065
     assert float(out["tv"]) == pytest.approx(EXP_TV, abs=1e-6)
     assert float(out["tv"]) == pytest.approx(0.4088, abs=1e-4)
     assert float(out["conf"]) == pytest.approx(EXP_CONF, abs=1e-6)
@@ -112,6 +112,17 @@ def test_invalid_slots_are_ignored():
     out3 = drafter_losses(d3, t2, l2, v2, position_weights(2, 2.0), c2)
     for key in ("loss", "ce", "tv", "conf", "tau"):
         assert float(out3[key].detach()) == pytest.approx(float(out[key].detach()), abs=1e-7), key
+
+
+def test_tau_ignores_blocks_without_supervised_slots():
+    draft, target, labels, valid, conf = _example()
+    pad = lambda x, fill: torch.cat((x, torch.full_like(x, fill)), 0)  # noqa: E731
+    out = drafter_losses(pad(draft, 0.0), pad(target, 0.0), pad(labels, 0),
+                         torch.tensor([[True, True], [False, False]]), position_weights(2, 2.0),
+                         pad(conf, 0.0))
+    assert float(out["ce"]) == pytest.approx(EXP_CE, abs=1e-6)  # losses already ignore it
+    assert out["accept_rate"].tolist() == pytest.approx([5 / 6, 11 / 18], abs=1e-6)
+    assert float(out["tau"]) == pytest.approx(22 / 9, abs=1e-6)
 
 
 def test_ce_only_mode():
