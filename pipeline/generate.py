@@ -46,24 +46,46 @@ class GenerateUDF:
         self.model.to(self.device)
 
     def _generate(self, prompts: list[list[int]]) -> tuple[list[str], list[str]]:
+        """Sample answers for left-padded prompts with a KV cache. (``model.generate`` costs about
+        4x more per step than the forward pass on CPU, so the loop is written out here.)"""
+        from transformers import DynamicCache
+
+        from serve.sampling import sample_tokens
+
         torch = self.torch
+        s = self.sampling
         width = max(len(p) for p in prompts)
-        pad = self.tokenizer.pad_token_id
+        pad, eos = self.tokenizer.pad_token_id, self.tokenizer.eos_token_id
         ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=self.device)
         attn = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts],
                             device=self.device)
-        s = self.sampling
-        do_sample = s["temperature"] > 0
-        out = self.model.generate(
-            input_ids=ids, attention_mask=attn, max_new_tokens=s["max_new_tokens"],
-            do_sample=do_sample, temperature=s["temperature"] if do_sample else None,
-            top_p=s["top_p"] if do_sample else None, top_k=s["top_k"] if do_sample else None,
-            pad_token_id=pad, eos_token_id=self.tokenizer.eos_token_id)
+        pos = (attn.cumsum(-1) - 1).clamp(min=0)
+        cache = DynamicCache(config=self.model.config)
+        n = len(prompts)
+        rows = torch.arange(n, device=self.device)  # original row of each live batch entry
+        generated = torch.full((n, s["max_new_tokens"]), pad, dtype=torch.long, device=self.device)
+        with torch.no_grad():
+            out = self.model(input_ids=ids, attention_mask=attn, position_ids=pos, cache=cache,
+                             use_cache=True, logits_to_keep=1)
+            for step in range(s["max_new_tokens"]):
+                tok = sample_tokens(out.logits[:, -1], s["temperature"], s["top_k"], s["top_p"])
+                generated[rows, step] = tok
+                live = tok != eos
+                if not bool(live.any()):
+                    break
+                if not bool(live.all()):  # drop finished rows so later steps cost less
+                    keep = live.nonzero().flatten()
+                    cache.batch_select_indices(keep)
+                    rows, tok, attn, pos = rows[keep], tok[keep], attn[keep], pos[keep]
+                attn = torch.cat((attn, torch.ones_like(attn[:, :1])), dim=1)
+                pos = pos[:, -1:] + 1
+                out = self.model(input_ids=tok[:, None], attention_mask=attn, position_ids=pos,
+                                 cache=cache, use_cache=True)
         texts, reasons = [], []
-        for row in out[:, width:].tolist():
-            finished = self.tokenizer.eos_token_id in row
+        for row in generated[:, :step + 1].tolist():
+            finished = eos in row
             if finished:
-                row = row[:row.index(self.tokenizer.eos_token_id)]
+                row = row[:row.index(eos)]
             texts.append(self.tokenizer.decode(row, skip_special_tokens=True).strip())
             reasons.append("stop" if finished else "length")
         return texts, reasons
@@ -166,6 +188,9 @@ def run_generate(rows: list[dict], out_path: Path, errors_path: Path, *, target:
     counts = {"generated": 0, "errors": 0, "skipped": len(rows) - len(pending)}
     if not pending:
         return counts
+    # similar prompt lengths share a batch: left padding to the longest prompt otherwise costs
+    # more prefill compute than the answers themselves
+    pending.sort(key=lambda r: sum(len(m["content"]) for m in r["messages"]))
     items = [{"id": r["id"], "domain": r["domain"],
               "messages": json.dumps(r["messages"], ensure_ascii=False)} for r in pending]
     ds = ray.data.from_items(items, override_num_blocks=max(1, -(-len(items) // batch_size)))

@@ -87,7 +87,10 @@ def ensure_ray(cfg: PipelineConfig) -> None:
     if address:
         ray.init(address=address, log_to_driver=True)
     else:
-        ray.init(num_cpus=cfg.ray.num_cpus, include_dashboard=False, log_to_driver=True)
+        # Ray Data needs CPU slots to read the cache while every trainer holds one: a local Ray
+        # gets two logical CPUs more than the machine has unless the config says otherwise
+        num_cpus = cfg.ray.num_cpus or (os.cpu_count() or 1) + 2
+        ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=True)
     ctx = ray.data.DataContext.get_current()
     ctx.enable_progress_bars = False  # stages print their own progress
     # the memory-issue detector warns every 30 s about model-holding actors; the stages size

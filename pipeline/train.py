@@ -149,7 +149,7 @@ def train_loop_per_worker(loop_cfg: dict) -> None:
         bar = tqdm(total=total_steps, desc="train", unit="step", mininterval=5)
 
     shard = ray.train.get_dataset_shard("train")
-    step, acc, last = 0, [], {}
+    step, acc, last, history = 0, [], {}, []
     head_w = engine.module.lm_head_weight
     for epoch in range(tc["num_epochs"]):
         batches = shard.iter_batches(batch_size=tc["micro_batch_size"], batch_format="numpy",
@@ -189,6 +189,7 @@ def train_loop_per_worker(loop_cfg: dict) -> None:
             rates = sum(o["accept_rate"] for o in acc) / len(acc)
             last.update({f"accept_rate@{k + 1}": float(r) for k, r in enumerate(rates)})
             acc = []
+            history.append(last)
             if rank == 0:
                 if run is not None and step % tc["log_every"] == 0:
                     run.log(last, step=step)
@@ -203,8 +204,8 @@ def train_loop_per_worker(loop_cfg: dict) -> None:
         engine.save_checkpoint(os.path.join(tmp, "deepspeed"), tag=f"step{step}")
         if rank == 0:
             engine.module.save_pretrained(os.path.join(tmp, "drafter"))
-            with open(os.path.join(tmp, "drafter", "training_metrics.json"), "w") as fh:
-                json.dump(last, fh, indent=1)
+            with open(os.path.join(tmp, "drafter", "training_log.jsonl"), "w") as fh:
+                fh.writelines(json.dumps(h) + "\n" for h in history)
         ray.train.report(last or {"step": step}, checkpoint=Checkpoint.from_directory(tmp))
     if bar is not None:
         bar.close()

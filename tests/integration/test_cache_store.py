@@ -1,0 +1,119 @@
+"""Target cache round trip (SPEC 1.4) through a local directory and an S3 endpoint, with resume,
+corruption detection and fail-fast on an unreachable bucket."""
+
+from __future__ import annotations
+
+import io
+import json
+
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from pipeline import storage
+from pipeline.cache import (CorruptShardError, build_manifest, decode_row, read_manifest,
+                            run_cache_split, verify_shard)
+from pipeline.chat import tokenize_conversation
+from pipeline.target import load_target, load_tokenizer
+
+from .conftest import conversations
+
+pytestmark = pytest.mark.slow
+LAYERS = [1, 3]
+
+
+def _write(split_dir, convs, target_dir, so):
+    return run_cache_split(
+        convs, split_dir, target=str(target_dir), dtype="float32", layer_ids=LAYERS,
+        template_kwargs={}, max_length=256, min_supervised=5, rows_per_shard=4,
+        rows_per_row_group=2, num_actors=1, cpus_per_actor=1, gpus_per_actor=0,
+        num_threads=1, storage_options=so)
+
+
+def _check_round_trip(cache_dir, shards, convs, target_dir, so):
+    """Every stored row equals a fresh forward of the target, to bf16 precision."""
+    tok = load_tokenizer(str(target_dir))
+    model = load_target(str(target_dir), "float32")
+    manifest = build_manifest(target="tiny", revision=None, layer_ids=LAYERS,
+                              hidden_size=model.config.hidden_size,
+                              vocab_size=model.config.vocab_size, template_sha256="x",
+                              template_kwargs={}, max_length=256, splits={"train": shards})
+    storage.write_bytes_atomic(storage.join(cache_dir, "manifest.json"),
+                               json.dumps(manifest).encode(), so)
+    manifest = read_manifest(cache_dir, so)
+    assert manifest["splits"]["train"]["rows"] == len(convs)
+    assert manifest["bytes_per_token"] == (len(LAYERS) + 1) * 64 * 2 + 5
+    by_id = {c["id"]: c for c in convs}
+    seen = []
+    for shard in manifest["splits"]["train"]["shards"]:
+        verify_shard(cache_dir, "train", shard, so)
+        data = storage.read_bytes(storage.join(cache_dir, "train", shard["file"]), so)
+        for row in pq.read_table(io.BytesIO(data)).to_pylist():
+            s = decode_row(row, 64, len(LAYERS))
+            seen.append(s["sample_id"])
+            ref = tokenize_conversation(tok, by_id[s["sample_id"]]["messages"], {}, 256)
+            assert s["input_ids"].tolist() == ref.input_ids
+            assert s["loss_mask"].tolist() == ref.loss_mask
+            with torch.no_grad():
+                out = model.model(input_ids=s["input_ids"][None], output_hidden_states=True)
+            ctx = torch.cat([out.hidden_states[l + 1][0] for l in LAYERS], -1)
+            torch.testing.assert_close(s["context_hidden"].float(), ctx, rtol=1e-2, atol=1e-2)
+            torch.testing.assert_close(s["last_hidden"].float(), out.last_hidden_state[0],
+                                       rtol=1e-2, atol=1e-2)
+            # the LM head applied to last_hidden gives the target's own logits
+            logits = model.lm_head(s["last_hidden"].float())
+            assert (logits.argmax(-1) == model(s["input_ids"][None]).logits[0].argmax(-1)).float().mean() > 0.95
+    assert sorted(seen) == sorted(by_id)
+
+
+def test_local_round_trip_resume_and_corruption(tmp_path, tiny_target_dir, ray_local):
+    convs = conversations(6)
+    cache_dir = str(tmp_path / "cache")
+    shards = _write(storage.join(cache_dir, "train"), convs, tiny_target_dir, {})
+    assert [s["rows"] for s in shards] == [4, 2]
+    _check_round_trip(cache_dir, shards, convs, tiny_target_dir, {})
+
+    # resume: only the shard whose completion sidecar is missing is rewritten
+    first = tmp_path / "cache" / "train" / "shard-00000.parquet"
+    mtime = first.stat().st_mtime_ns
+    (tmp_path / "cache" / "train" / "shard-00001.json").unlink()
+    again = _write(storage.join(cache_dir, "train"), convs, tiny_target_dir, {})
+    assert first.stat().st_mtime_ns == mtime
+    assert [s["sha256"] for s in again] == [s["sha256"] for s in shards]
+
+    # a corrupted shard is caught by its manifest hash, naming the file
+    data = bytearray(first.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    first.write_bytes(bytes(data))
+    with pytest.raises(CorruptShardError, match="shard-00000.parquet"):
+        verify_shard(cache_dir, "train", read_manifest(cache_dir)["splits"]["train"]["shards"][0])
+
+
+def test_bad_samples_are_reported_not_written(tmp_path, tiny_target_dir, ray_local):
+    convs = conversations(3)
+    convs[1]["messages"][1]["content"] = "ok"  # too few supervised tokens
+    shards = _write(str(tmp_path / "train"), convs, tiny_target_dir, {})
+    assert shards[0]["rows"] == 2
+    [err] = shards[0]["errors"]
+    assert err["id"] == "c01" and "supervised tokens" in err["error"]
+
+
+def test_s3_round_trip_and_training_read(tiny_target_dir, ray_local, s3_endpoint):
+    convs = conversations(5)
+    cache_dir = "s3://dspark-test/run1/cache"
+    storage.check_writable(cache_dir, s3_endpoint)
+    shards = _write(storage.join(cache_dir, "train"), convs, tiny_target_dir, s3_endpoint)
+    _check_round_trip(cache_dir, shards, convs, tiny_target_dir, s3_endpoint)
+    # the trainer's read path: Ray Data over the same bucket, parquet files only
+    fs, path = storage.get_arrow_fs(storage.join(cache_dir, "train"), s3_endpoint)
+    ds = ray_local.data.read_parquet(path, filesystem=fs, file_extensions=["parquet"])
+    assert sorted(r["sample_id"] for r in ds.iter_rows()) == sorted(c["id"] for c in convs)
+
+
+def test_unreachable_bucket_fails_fast_naming_it(s3_endpoint):
+    with pytest.raises(ConnectionError, match="s3://no-such-bucket/x"):
+        storage.check_writable("s3://no-such-bucket/x", s3_endpoint)
+    dead = dict(s3_endpoint, endpoint_url="http://127.0.0.1:9",
+                config_kwargs={"connect_timeout": 1, "retries": {"max_attempts": 1}})
+    with pytest.raises(ConnectionError, match="s3://dspark-test/x"):
+        storage.check_writable("s3://dspark-test/x", dead)

@@ -1,0 +1,93 @@
+"""`pipeline/run.py` as a user runs it, on the tiny target: every stage, re-run skipping, and bad
+input failing clearly without losing what was written."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from .pipeline_config import ROOT, tiny_pipeline_config
+
+pytestmark = pytest.mark.slow
+
+
+def run_pipeline(config: Path, *extra: str, timeout: int = 600) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(ROOT / "pipeline" / "run.py"), "--config",
+                           str(config), *extra], capture_output=True, text=True, timeout=timeout)
+
+
+def test_end_to_end_smoke_and_rerun(tmp_path, tiny_target_dir):
+    config = tiny_pipeline_config(tmp_path, tiny_target_dir)
+    # one malformed row among the prompts: reported with file and line, the others go on
+    with open(tmp_path / "prompts.jsonl", "a") as fh:
+        fh.write('{"id": "bad", "messages": [{"role": "user", "content": ""}]}\n')
+    proc = run_pipeline(config)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    run = tmp_path / "run"
+    errors = [json.loads(l) for l in (run / "prompts" / "errors.jsonl").open()]
+    assert errors == [{"file": str(tmp_path / "prompts.jsonl"), "line": 13, "id": "bad",
+                       "error": "messages[0] (user) has empty or missing 'content'"}]
+    generated = [json.loads(l) for l in (run / "generate" / "train.jsonl").open()]
+    failed = [json.loads(l) for l in (run / "generate" / "errors.jsonl").open()]
+    assert len(generated) + len(failed) == 10 and len({g["id"] for g in generated}) == len(generated)
+    assert all(m["role"] == "assistant" for g in generated for m in g["messages"][1::2])
+    manifest = json.loads((run / "cache" / "manifest.json").read_text())
+    assert manifest["layer_ids"] == [1, 3] and manifest["splits"]["train"]["rows"] > 0
+    assert (run / "train" / "drafter" / "config.json").exists()
+    report = json.loads((run / "eval" / "report.json").read_text())
+    cell = report["results"]["gsm8k"]
+    assert set(cell) == {"0.0", "1.0"}
+    for s in cell.values():
+        assert s["prompts"] == 2 and s["tau"] >= 1.0 and s["target_tokens_per_s"] > 0
+        assert len(s["accept_rate"]) == 4 and len(s["conditional_acceptance"]) == 4
+    assert cell["0.0"]["greedy_identical_share"] == 1.0  # fp32: lossless greedy
+    assert "| gsm8k | 1.0 | 2 |" in (run / "eval" / "report.md").read_text()
+
+    # re-running is cheap and duplicates nothing
+    before = (run / "generate" / "train.jsonl").read_text()
+    again = run_pipeline(config, "--stages", "prompts,generate,cache,train")
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert again.stderr.count("complete, skipped") == 4
+    assert (run / "generate" / "train.jsonl").read_text() == before
+
+    # a forced generate resumes by id: nothing new to do, no duplicates
+    forced = run_pipeline(config, "--stages", "generate", "--force", "generate")
+    assert forced.returncode == 0, forced.stderr[-3000:]
+    assert (run / "generate" / "train.jsonl").read_text() == before
+
+
+def test_unknown_model_fails_fast_naming_the_path(tmp_path, tiny_target_dir):
+    config = tiny_pipeline_config(tmp_path, tmp_path / "no-such-model")
+    proc = run_pipeline(config, timeout=120)
+    assert proc.returncode == 1
+    assert "unknown target model" in proc.stderr and str(tmp_path / "no-such-model") in proc.stderr
+
+
+def test_bad_config_lists_every_field(tmp_path, tiny_target_dir):
+    config = tiny_pipeline_config(tmp_path, tiny_target_dir)
+    proc = run_pipeline(config, "--set", "train.lr=0", "--set", "cache.rows_per_shard=0",
+                        "--set", "eval.colour=red", timeout=120)
+    assert proc.returncode == 2
+    for needle in ("3 problem(s)", "train.lr", "cache.rows_per_shard", "eval.colour: unknown key"):
+        assert needle in proc.stderr
+
+
+def test_unreachable_bucket_fails_before_work(tmp_path, tiny_target_dir, s3_endpoint):
+    config = tiny_pipeline_config(
+        tmp_path, tiny_target_dir, cache_output="s3://missing-bucket/cache",
+        storage_options=dict(s3_endpoint, config_kwargs={"retries": {"max_attempts": 1}}))
+    raw = yaml.safe_load(config.read_text())
+    run = Path(raw["run_dir"])
+    # pretend the earlier stages are done: the cache stage must fail fast on the bucket
+    for stage in ("prompts", "generate"):
+        (run / stage).mkdir(parents=True)
+        (run / stage / "_SUCCESS.json").write_text("{}")
+    (run / "generate" / "train.jsonl").write_text("")
+    proc = run_pipeline(config, "--stages", "cache", timeout=120)
+    assert proc.returncode == 1
+    assert "cannot reach s3://missing-bucket/cache" in proc.stderr
