@@ -132,7 +132,8 @@ class TrainConfig(Strict):
     grad_clip: float = Field(1.0, gt=0)
     num_anchors: int = Field(512, ge=1)
     zero_stage: Literal[0, 1, 2] = 1
-    precision: Literal["fp32", "bf16"] = "fp32"
+    precision: Literal["fp32", "bf16"] = Field(
+        "fp32", description="bf16 = autocast forward with fp32 master weights and optimizer state.")
     loss_weights: tuple[float, float, float] = Field((0.1, 0.9, 1.0),
                                                      description="(ce, tv, conf), Eq. 12.")
     log_every: int = Field(1, ge=1)

@@ -81,8 +81,8 @@ def deepspeed_config(tc: dict, world_size: int) -> dict:
                                                   "torch_adam": True}},
         "steps_per_print": 10**9,
     }
-    if tc["precision"] == "bf16":
-        cfg["bf16"] = {"enabled": True}
+    # bf16 runs as autocast around the forward (train_loop_per_worker): the weights, gradients and
+    # optimizer state stay fp32 (SPEC 3: bf16 with fp32 master weights) on CPU and GPU alike
     return cfg
 
 
@@ -132,6 +132,7 @@ def train_loop_per_worker(loop_cfg: dict) -> None:
     weights = position_weights(dcfg.block_size, dcfg.loss_decay).to(device)
     hidden, m = loop_cfg["hidden_size"], len(loop_cfg["layer_ids"])
     ce_only = dcfg.drafter_type == "dflash"
+    bf16 = tc["precision"] == "bf16"
     gen = torch.Generator().manual_seed(tc["seed"] * 1000 + rank)
 
     run = None
@@ -159,16 +160,16 @@ def train_loop_per_worker(loop_cfg: dict) -> None:
             samples = [decode_row({k: batch[k][i] for k in batch}, hidden, m)
                        for i in range(len(batch["num_tokens"]))]
             bb = build_block_batch(samples, tc["num_anchors"], dcfg.block_size, gen).to(device)
-            dtype = next(engine.module.parameters()).dtype
-            h = engine(bb.context_features.to(dtype), bb.anchor_positions, bb.anchor_tokens)
-            n_blocks = h.shape[0] * h.shape[1]
-            flat = lambda t: t.reshape(n_blocks, *t.shape[2:])
-            logits, conf = engine.module.draft_logits(flat(h), flat(bb.prev_tokens))
-            valid = flat(bb.label_valid) & flat(bb.anchor_valid[..., None].expand_as(bb.label_valid))
-            with torch.no_grad():
-                target_logits = torch.zeros_like(logits)
-                target_logits[valid] = torch.nn.functional.linear(
-                    flat(bb.target_hidden)[valid].float(), head_w.float())
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
+                h = engine(bb.context_features.float(), bb.anchor_positions, bb.anchor_tokens)
+                n_blocks = h.shape[0] * h.shape[1]
+                flat = lambda t: t.reshape(n_blocks, *t.shape[2:])
+                logits, conf = engine.module.draft_logits(flat(h), flat(bb.prev_tokens))
+                valid = flat(bb.label_valid) & flat(bb.anchor_valid[..., None].expand_as(bb.label_valid))
+                with torch.no_grad():  # p_t from the cached O(H) state through the frozen LM head
+                    target_logits = torch.zeros(logits.shape, device=device)
+                    target_logits[valid] = torch.nn.functional.linear(
+                        flat(bb.target_hidden)[valid].to(head_w.dtype), head_w).float()
             out = drafter_losses(logits, target_logits, flat(bb.labels), valid, weights, conf,
                                  tuple(tc["loss_weights"]), ce_only=ce_only)
             engine.backward(out["loss"])
