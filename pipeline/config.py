@@ -89,7 +89,7 @@ class GenerateConfig(Strict):
 class CacheConfig(Strict):
     output: str | None = Field(None, description="Local path or s3:// URL; default <run_dir>/cache.")
     max_length: int = Field(4096, ge=16)
-    min_supervised_tokens: int = Field(14, ge=1)
+    min_supervised_tokens: int = Field(14, ge=2)
     rows_per_shard: int = Field(64, ge=1)
     rows_per_row_group: int = Field(16, ge=1)
     num_actors: int = Field(1, ge=1)

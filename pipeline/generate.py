@@ -113,7 +113,11 @@ class GenerateUDF:
                     continue
                 histories[i].append(conv[cursors[i]])
                 cursors[i] += 1
-                prompt = render_prompt_ids(self.tokenizer, histories[i], self.template_kwargs)
+                try:
+                    prompt = render_prompt_ids(self.tokenizer, histories[i], self.template_kwargs)
+                except Exception as err:  # a template that cannot render this conversation
+                    errors[i] = f"chat template failed: {type(err).__name__}: {err}"
+                    continue
                 if len(prompt) > self.max_prompt_tokens:
                     errors[i] = (f"prompt of {len(prompt)} tokens exceeds max_prompt_tokens "
                                  f"{self.max_prompt_tokens}")
@@ -168,6 +172,19 @@ def done_ids(*paths: Path) -> set[str]:
     return ids
 
 
+def truncate_torn_line(path: Path) -> None:
+    """Cut a partial last line (left by a crash mid-write) so appended rows start on a new line."""
+    if not path.exists() or path.stat().st_size == 0:
+        return
+    data = path.read_bytes()
+    if not data.endswith(b"\n"):
+        keep = data.rfind(b"\n") + 1
+        logger.warning("%s: dropping a torn last line (%d bytes); its row is regenerated",
+                       path, len(data) - keep)
+        with open(path, "r+b") as fh:
+            fh.truncate(keep)
+
+
 def _append(fh, row: dict) -> None:
     fh.write(json.dumps(row, ensure_ascii=False) + "\n")
 
@@ -183,6 +200,8 @@ def run_generate(rows: list[dict], out_path: Path, errors_path: Path, *, target:
     """
     import ray
 
+    truncate_torn_line(out_path)
+    truncate_torn_line(errors_path)
     done = done_ids(out_path, errors_path)
     pending = [r for r in rows if r["id"] not in done]
     counts = {"generated": 0, "errors": 0, "skipped": len(rows) - len(pending)}

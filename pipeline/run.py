@@ -29,7 +29,7 @@ import logging  # noqa: E402
 import os  # noqa: E402
 import time  # noqa: E402
 
-from pipeline import stages  # noqa: E402
+from pipeline import stages, storage  # noqa: E402
 from pipeline.config import STAGES, ConfigError, load_config  # noqa: E402
 
 logger = logging.getLogger("dspark")
@@ -44,7 +44,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE",
                         help="override a config field (repeatable; value parsed as YAML)")
     parser.add_argument("--force", action="append", default=[], metavar="STAGE",
-                        help="redo a stage even if it is complete (repeatable)")
+                        help="delete a stage's outputs and redo it (later stages are redone too; "
+                             "repeatable)")
     return parser.parse_args(argv)
 
 
@@ -65,6 +66,9 @@ def main(argv: list[str] | None = None) -> int:
     started = time.time()
     try:
         ctx = stages.StageContext.create(cfg)
+        if any(s in ordered for s in ("cache", "train", "eval")) and "://" in ctx.cache_dir:
+            # an unreachable bucket must fail now, not after hours of generation
+            storage.check_writable(ctx.cache_dir, cfg.storage_options)
         for name in ordered:
             stages.run_stage(ctx, name, force=name in args.force)
     except (ConfigError, FileNotFoundError, ConnectionError, PermissionError, ValueError) as err:

@@ -103,15 +103,64 @@ def _marker(ctx: StageContext, name: str) -> Path:
     return ctx.run_dir / name / "_SUCCESS.json"
 
 
+# config sections each stage's output depends on, cumulatively: a change upstream invalidates
+# every later stage
+STAGE_INPUTS = {"prompts": ["prompts", "storage_options"],
+                "generate": ["target", "generate", "seed"],
+                "cache": ["cache"],
+                "train": ["drafter", "train"],
+                "eval": ["eval"]}
+
+
+def stage_fingerprint(cfg: PipelineConfig, name: str) -> str:
+    from .config import STAGES
+
+    sections = [s for stage in STAGES[:STAGES.index(name) + 1] for s in STAGE_INPUTS[stage]]
+    dumped = cfg.model_dump(mode="json")
+    return hashlib.sha256(json.dumps({s: dumped[s] for s in sections},
+                                     sort_keys=True).encode()).hexdigest()
+
+
+def clear_stage(ctx: StageContext, name: str) -> None:
+    """Remove a stage's outputs and the completion markers of it and every later stage."""
+    import shutil
+
+    from .config import STAGES
+
+    for later in STAGES[STAGES.index(name):]:
+        _marker(ctx, later).unlink(missing_ok=True)
+    stage_dir = ctx.run_dir / name
+    if stage_dir.exists():
+        shutil.rmtree(stage_dir)
+    if name == "cache":
+        fs = storage.get_fsspec(ctx.cache_dir, ctx.cfg.storage_options)
+        if fs.exists(ctx.cache_dir):
+            fs.rm(ctx.cache_dir, recursive=True)
+
+
 def run_stage(ctx: StageContext, name: str, force: bool = False) -> dict:
-    """Run one stage unless complete; write its marker with a summary."""
+    """Run one stage unless complete; write its marker with a summary.
+
+    Raises:
+        ValueError: the stage completed under a different config (the message says how to redo it).
+    """
     marker = _marker(ctx, name)
-    if marker.exists() and not force:
+    fingerprint = stage_fingerprint(ctx.cfg, name)
+    if force:
+        clear_stage(ctx, name)
+    if marker.exists():
+        done = json.loads(marker.read_text())
+        if done.get("config_fingerprint") != fingerprint:
+            raise ValueError(
+                f"stage {name!r} in {ctx.run_dir} completed under a different config (sections "
+                f"{STAGE_INPUTS[name]} or earlier ones changed); pass --force {name} to redo it "
+                "and the stages after it, or use another run_dir")
         logger.info("stage %s: complete, skipped (%s)", name, marker)
-        return json.loads(marker.read_text())
+        return done
     start = time.time()
     logger.info("stage %s: starting", name)
     summary = STAGE_FUNCS[name](ctx)
+    summary["config_fingerprint"] = fingerprint
     summary["seconds"] = round(time.time() - start, 1)
     marker.parent.mkdir(parents=True, exist_ok=True)
     marker.write_text(json.dumps(summary, indent=1))

@@ -237,8 +237,11 @@ def run_train(*, cache_dir: str, manifest: dict, out_dir: Path, target: str, lay
     total = per_epoch * train["num_epochs"]
     if train["max_steps"]:
         total = min(total, train["max_steps"])
-    fs, path = storage.get_arrow_fs(storage.join(cache_dir, "train"), storage_options)
-    ds = ray.data.read_parquet(path, filesystem=fs, file_extensions=["parquet"])
+    # exactly the shards the manifest lists: stray files in the directory are never trained on
+    split_dir = storage.join(cache_dir, "train")
+    fs, base = storage.get_arrow_fs(split_dir, storage_options)
+    files = [f"{base}/{s['file']}" for s in manifest["splits"]["train"]["shards"] if s["rows"]]
+    ds = ray.data.read_parquet(files, filesystem=fs)
     wandb_dir = out_dir / "wandb"
     wandb_dir.mkdir(parents=True, exist_ok=True)
     loop_cfg = {

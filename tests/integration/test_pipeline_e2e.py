@@ -55,10 +55,17 @@ def test_end_to_end_smoke_and_rerun(tmp_path, tiny_target_dir):
     assert again.stderr.count("complete, skipped") == 4
     assert (run / "generate" / "train.jsonl").read_text() == before
 
-    # a forced generate resumes by id: nothing new to do, no duplicates
+    # a changed config is not silently skipped
+    changed = run_pipeline(config, "--stages", "train", "--set", "train.lr=1e-4")
+    assert changed.returncode == 1 and "--force train" in changed.stderr
+
+    # --force redoes a stage from scratch and invalidates the later ones
     forced = run_pipeline(config, "--stages", "generate", "--force", "generate")
     assert forced.returncode == 0, forced.stderr[-3000:]
-    assert (run / "generate" / "train.jsonl").read_text() == before
+    regenerated = [json.loads(l) for l in (run / "generate" / "train.jsonl").open()]
+    assert len(regenerated) == len(generated)
+    assert not (run / "cache" / "_SUCCESS.json").exists()
+    assert not (run / "eval" / "_SUCCESS.json").exists()
 
 
 def test_unknown_model_fails_fast_naming_the_path(tmp_path, tiny_target_dir):
@@ -83,11 +90,8 @@ def test_unreachable_bucket_fails_before_work(tmp_path, tiny_target_dir, s3_endp
         storage_options=dict(s3_endpoint, config_kwargs={"retries": {"max_attempts": 1}}))
     raw = yaml.safe_load(config.read_text())
     run = Path(raw["run_dir"])
-    # pretend the earlier stages are done: the cache stage must fail fast on the bucket
-    for stage in ("prompts", "generate"):
-        (run / stage).mkdir(parents=True)
-        (run / stage / "_SUCCESS.json").write_text("{}")
-    (run / "generate" / "train.jsonl").write_text("")
-    proc = run_pipeline(config, "--stages", "cache", timeout=120)
+    # the whole pipeline must fail before generating anything
+    proc = run_pipeline(config, timeout=120)
     assert proc.returncode == 1
     assert "cannot reach s3://missing-bucket/cache" in proc.stderr
+    assert not (run / "generate").exists()
