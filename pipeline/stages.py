@@ -165,7 +165,8 @@ def run_stage(ctx: StageContext, name: str, force: bool = False) -> dict:
     marker.parent.mkdir(parents=True, exist_ok=True)
     marker.write_text(json.dumps(summary, indent=1))
     logger.info("stage %s: done in %.1f s: %s", name, summary["seconds"],
-                json.dumps({k: v for k, v in summary.items() if not isinstance(v, (dict, list))}))
+                json.dumps({k: v for k, v in summary.items()
+                            if not isinstance(v, (dict, list)) and k != "config_fingerprint"}))
     return summary
 
 
