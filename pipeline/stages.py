@@ -90,7 +90,13 @@ def ensure_ray(cfg: PipelineConfig) -> None:
         # Ray Data needs CPU slots to read the cache while every trainer holds one: a local Ray
         # gets two logical CPUs more than the machine has unless the config says otherwise
         num_cpus = cfg.ray.num_cpus or (os.cpu_count() or 1) + 2
-        ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=True)
+        try:
+            ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=True)
+        except ValueError as err:  # a `ray start` cluster runs here: join it as it is
+            if "existing cluster" not in str(err):
+                raise
+            logger.info("joining the Ray cluster already running on this machine")
+            ray.init(log_to_driver=True)
     ctx = ray.data.DataContext.get_current()
     ctx.enable_progress_bars = False  # stages print their own progress
     # the memory-issue detector warns every 30 s about model-holding actors; the stages size
