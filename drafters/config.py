@@ -13,15 +13,16 @@ from typing import Literal
 from transformers import PretrainedConfig
 
 HeadType = Literal["markov", "rnn", "none"]
-DrafterType = Literal["dspark", "dflash"]
+DrafterType = Literal["dspark", "dflash", "eagle3"]
 
 
 class DSparkConfig(PretrainedConfig):
-    """Config of a DSpark (or DFlash) drafter.
+    """Config of a DSpark, DFlash or Eagle3 drafter.
 
     Args:
         drafter_type: ``"dspark"`` (anchor is the first prediction slot, sequential head, confidence
-            head; SPEC section 2) or ``"dflash"`` (same backbone, CE only, no heads).
+            head; SPEC section 2), ``"dflash"`` (same backbone, CE only, no heads) or ``"eagle3"``
+            (one autoregressive layer over [embed; fused target features], gamma chained steps).
         target_name_or_path: the target model this drafter serves (``from_pretrained`` name/path).
         target_vocab_size, target_hidden_size: checked against the serving target on load.
         target_layer_ids: 0-based decoder-layer indices of the target whose outputs are
@@ -92,13 +93,14 @@ class DSparkConfig(PretrainedConfig):
         self._validate()
 
     def _validate(self) -> None:
-        if self.drafter_type not in ("dspark", "dflash"):
-            raise ValueError(f"drafter_type must be 'dspark' or 'dflash', got {self.drafter_type!r}")
+        if self.drafter_type not in ("dspark", "dflash", "eagle3"):
+            raise ValueError(f"drafter_type must be 'dspark', 'dflash' or 'eagle3', got "
+                             f"{self.drafter_type!r}")
         if self.head_type not in ("markov", "rnn", "none"):
             raise ValueError(f"head_type must be 'markov', 'rnn' or 'none', got {self.head_type!r}")
-        if self.drafter_type == "dflash" and (self.head_type != "none" or self.confidence_head):
-            raise ValueError("a DFlash drafter has no sequential or confidence head: set "
-                             "head_type='none' and confidence_head=False")
+        if self.drafter_type != "dspark" and (self.head_type != "none" or self.confidence_head):
+            raise ValueError(f"a {self.drafter_type} drafter has no sequential or confidence head: "
+                             "set head_type='none' and confidence_head=False")
         if self.confidence_head and self.head_type == "none":
             raise ValueError("the confidence head (Eq. 7) reads the sequential head's embedding "
                              "W1[x_{k-1}]: it needs head_type 'markov' or 'rnn'")
@@ -117,14 +119,14 @@ class DSparkConfig(PretrainedConfig):
 
     @property
     def num_slots(self) -> int:
-        """Block inputs per round: gamma for DSpark (the anchor is the first prediction slot),
-        gamma + 1 for DFlash (the anchor slot only conditions, it predicts nothing)."""
-        return self.block_size if self.drafter_type == "dspark" else self.block_size + 1
+        """Block inputs per round: gamma for DSpark (the anchor is the first prediction slot) and
+        Eagle3 (gamma chained steps), gamma + 1 for DFlash (the anchor slot only conditions)."""
+        return self.block_size + 1 if self.drafter_type == "dflash" else self.block_size
 
     @property
     def prediction_offset(self) -> int:
         """Index of the first slot whose output predicts a draft token."""
-        return 0 if self.drafter_type == "dspark" else 1
+        return 1 if self.drafter_type == "dflash" else 0
 
     @property
     def num_context_layers(self) -> int:

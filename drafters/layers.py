@@ -72,6 +72,35 @@ class KVInjectionAttention(nn.Module):
         v = self.v_proj(x).view(b, n, self.num_kv_heads, self.head_dim).transpose(1, 2)
         return apply_rotary(k, cos, sin), v
 
+    def forward_packed(self, block: torch.Tensor, block_rope, context_kv, packed,
+                       block_visibility: torch.Tensor | None = None) -> torch.Tensor:
+        """Training attention over anchor-bounded packed blocks (see ``drafters/packing.py``).
+
+        Args:
+            block: [N, S, H] normed block hidden states.
+            block_rope: (cos, sin) of the block positions, [N, 1, S, hd].
+            context_kv: (k, v) of the packed context rows, each [Nc, nkv, hd] (RoPE applied).
+            packed: the :class:`~drafters.packing.PackedBlocks` giving the visibility indices.
+            block_visibility: bool [S, S] or None (bidirectional block).
+        Returns:
+            [N, S, H].
+        """
+        from .packing import packed_attention
+
+        n, s, _ = block.shape
+        cos, sin = block_rope
+        q = self.q_norm(self.q_proj(block).view(n, s, self.num_heads, self.head_dim))
+        q = apply_rotary(q.transpose(1, 2), cos, sin)
+        k_blk, v_blk = self.project_kv(block, cos, sin)
+        out = packed_attention(q, k_blk, v_blk, context_kv[0], context_kv[1], packed,
+                               block_visibility)
+        return self.o_proj(out.transpose(1, 2).reshape(n, s, -1))
+
+    def project_packed_context(self, context: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """Packed context rows [Nc, H] with RoPE tables [1, 1, Nc, hd] -> (k, v) [Nc, nkv, hd]."""
+        k, v = self.project_kv(context[None], cos, sin)
+        return k[0].transpose(0, 1), v[0].transpose(0, 1)
+
     def forward(self, block: torch.Tensor, block_rope, context_kv, mask: torch.Tensor | None):
         """Attend from the block to [context; block].
 
@@ -120,6 +149,13 @@ class DrafterLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size)
 
-    def forward(self, hidden, block_rope, context_kv, mask):
-        hidden = hidden + self.self_attn(self.input_layernorm(hidden), block_rope, context_kv, mask)
+    def forward(self, hidden, block_rope, context_kv, mask=None, packed=None):
+        """``packed`` given: training over packed blocks (context_kv are packed rows, ``mask``
+        unused); otherwise one block per sequence over a context cache with an optional mask."""
+        normed = self.input_layernorm(hidden)
+        if packed is not None:
+            attn = self.self_attn.forward_packed(normed, block_rope, context_kv, packed)
+        else:
+            attn = self.self_attn(normed, block_rope, context_kv, mask)
+        hidden = hidden + attn
         return hidden + self.mlp(self.post_attention_layernorm(hidden))

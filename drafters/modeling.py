@@ -23,6 +23,7 @@ from torch import nn
 from .config import DSparkConfig
 from .heads import ConfidenceHead, MarkovHead, RNNHead
 from .layers import DrafterLayer, RMSNorm, RotaryEmbedding
+from .packing import PackedBlocks
 
 WEIGHTS_NAME = "model.safetensors"
 
@@ -56,15 +57,17 @@ class BlockProposal:
     confidence_logits: torch.Tensor | None
 
 
-class DSparkDrafter(nn.Module):
-    """DSpark / DFlash drafter.
+class DrafterBase(nn.Module):
+    """What every drafter shares: the frozen target embedding and LM head (non-persistent
+    buffers, so checkpoints carry only the drafter's own weights), HF-style checkpoints, and the
+    calibrated confidence c_k = sigma(z_k / T_k).
 
-    Args:
-        config: a :class:`DSparkConfig`.
-        embed_weight: the target's input embedding, [V, H] (frozen, shared).
-        lm_head_weight: the target's LM head, [V, H] (frozen, shared).
+    Subclasses implement the training forward (``forward(packed) -> [N, K, H]``),
+    ``draft_logits`` and the inference protocol ``new_draft_state`` / ``extend_context`` /
+    ``propose_block`` used by the speculative engine.
+
     Raises:
-        ValueError: the tensors do not match the config's vocabulary / hidden size.
+        ValueError: the target tensors do not match the config's vocabulary / hidden size.
     """
 
     def __init__(self, config: DSparkConfig, embed_weight: torch.Tensor,
@@ -77,6 +80,64 @@ class DSparkDrafter(nn.Module):
         self.config = config
         self.register_buffer("embed_weight", embed_weight.detach(), persistent=False)
         self.register_buffer("lm_head_weight", lm_head_weight.detach(), persistent=False)
+
+    def calibrated_confidence(self, confidence_logits: torch.Tensor) -> torch.Tensor:
+        """c_k = sigma(z_k / T_k) with the checkpoint's STS temperatures: [.., l] -> [.., l] for the
+        first l <= K positions."""
+        temps = self.config.calibration_temperatures
+        if temps is None:
+            return torch.sigmoid(confidence_logits)
+        l = confidence_logits.shape[-1]
+        t = torch.tensor(temps[:l], dtype=confidence_logits.dtype, device=confidence_logits.device)
+        return torch.sigmoid(confidence_logits / t)
+
+    def save_pretrained(self, path: str | Path) -> None:
+        """Write an HF-style directory: ``config.json`` + ``model.safetensors`` (drafter weights
+        only; the shared embedding and LM head stay with the target)."""
+        path = Path(path)
+        path.mkdir(parents=True, exist_ok=True)
+        self.config.save_pretrained(path)
+        state = {k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()}
+        save_file(state, str(path / WEIGHTS_NAME), metadata={"format": "pt"})
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path, embed_weight: torch.Tensor,
+                        lm_head_weight: torch.Tensor, dtype: torch.dtype = torch.float32):
+        """Load a drafter directory written by :meth:`save_pretrained`.
+
+        Raises:
+            FileNotFoundError: no drafter checkpoint at ``path``.
+            ValueError: the bound target tensors do not match the checkpoint's config.
+        """
+        path = Path(path)
+        if not (path / "config.json").is_file() or not (path / WEIGHTS_NAME).is_file():
+            raise FileNotFoundError(f"no drafter checkpoint (config.json + {WEIGHTS_NAME}) at {path}")
+        config = DSparkConfig.from_pretrained(path)
+        model = cls(config, embed_weight, lm_head_weight)
+        model.load_state_dict(load_file(str(path / WEIGHTS_NAME)), strict=True)
+        return model.to(dtype).eval()
+
+    def num_trainable_parameters(self) -> int:
+        return sum(p.numel() for p in self.parameters() if p.requires_grad)
+
+
+
+
+class DSparkDrafter(DrafterBase):
+    """DSpark / DFlash drafter.
+
+    Args:
+        config: a :class:`DSparkConfig`.
+        embed_weight: the target's input embedding, [V, H] (frozen, shared).
+        lm_head_weight: the target's LM head, [V, H] (frozen, shared).
+    Raises:
+        ValueError: the tensors do not match the config's vocabulary / hidden size.
+    """
+
+    def __init__(self, config: DSparkConfig, embed_weight: torch.Tensor,
+                 lm_head_weight: torch.Tensor):
+        super().__init__(config, embed_weight, lm_head_weight)
+        v, h = config.target_vocab_size, config.hidden_size
         m_h = config.num_context_layers * config.target_hidden_size
         self.context_proj = nn.Linear(m_h, h, bias=False)  # W_c of Eq. 2
         self.context_norm = RMSNorm(h, config.rms_norm_eps)
@@ -103,44 +164,30 @@ class DSparkDrafter(nn.Module):
         masks = self.mask_embedding.expand(*anchor_tokens.shape, self.config.num_slots - 1, -1)
         return torch.cat((anchor.unsqueeze(-2), masks), dim=-2)
 
-    def forward(self, context_features: torch.Tensor, anchor_positions: torch.Tensor,
-                anchor_tokens: torch.Tensor) -> torch.Tensor:
-        """Training forward over many blocks per sequence (teacher forcing).
+    def forward(self, packed: PackedBlocks) -> torch.Tensor:
+        """Training forward over anchor-bounded packed blocks (teacher forcing; SPEC 3).
 
-        A query of the block at anchor position p sees context positions < p and every slot of its
-        own block (bidirectional inside the block), never another block. RoPE positions are
-        0..T-1 for the context and p..p+S-1 for the block (SPEC 2).
+        A query of the block at anchor position p sees its own sequence's context positions < p
+        and every slot of its own block (bidirectional inside the block), never another block or
+        sequence (``drafters/packing.py``). RoPE positions are the context positions and
+        p..p+S-1 for the block (SPEC 2).
 
         Args:
-            context_features: [B, T, m*H_t] target layer features (padding beyond a sequence's
-                length is never visible, since every anchor lies inside its sequence).
-            anchor_positions: int64 [B, A], each < T.
-            anchor_tokens: int64 [B, A], x_p (the token at the anchor position).
+            packed: a :class:`~drafters.packing.PackedBlocks` (N blocks, Nc context rows).
         Returns:
-            hidden states of the prediction slots, [B, A, K, H] (after the final norm).
+            hidden states of the prediction slots, [N, K, H] (after the final norm).
         """
-        b, t, _ = context_features.shape
-        a, s = anchor_positions.shape[1], self.config.num_slots
-        dev = context_features.device
-        ctx = self.context_states(context_features)
-        ctx_rope = self.rotary(torch.arange(t, device=dev).expand(b, t), ctx.dtype)
-
-        slot = torch.arange(s, device=dev)
-        q_pos = (anchor_positions[..., None] + slot).reshape(b, a * s)  # [B, A*S]
+        ctx = self.context_states(packed.context_features)  # [Nc, H]
+        ctx_rope = self.rotary(packed.context_positions[None], ctx.dtype)
+        q_pos = packed.anchor_positions[:, None] + torch.arange(
+            self.config.num_slots, device=ctx.device)  # [N, S]
         block_rope = self.rotary(q_pos, ctx.dtype)
-        q_anchor = anchor_positions.repeat_interleave(s, dim=1)  # [B, A*S]
-        q_block = torch.arange(a, device=dev).repeat_interleave(s)  # [A*S]
-        sees_ctx = torch.arange(t, device=dev) < q_anchor[..., None]  # [B, A*S, T]
-        sees_blk = (q_block[:, None] == q_block[None, :]).expand(b, -1, -1)  # [B, A*S, A*S]
-        mask = torch.cat((sees_ctx, sees_blk), dim=-1)[:, None]  # [B, 1, A*S, T + A*S]
-
-        hidden = self.block_inputs(anchor_tokens).reshape(b, a * s, -1)
+        hidden = self.block_inputs(packed.anchor_tokens)  # [N, S, H]
         for layer in self.layers:
-            ctx_kv = layer.self_attn.project_kv(ctx, *ctx_rope)
-            hidden = layer(hidden, block_rope, ctx_kv, mask)
-        hidden = self.norm(hidden).view(b, a, s, -1)
+            ctx_kv = layer.self_attn.project_packed_context(ctx, *ctx_rope)
+            hidden = layer(hidden, block_rope, ctx_kv, packed=packed)
         off = self.config.prediction_offset
-        return hidden[:, :, off:off + self.config.block_size]
+        return self.norm(hidden)[:, off:off + self.config.block_size]
 
     # ------------------------------------------------------------------ heads
     def draft_logits(self, hidden: torch.Tensor, prev_tokens: torch.Tensor):
@@ -159,25 +206,24 @@ class DSparkDrafter(nn.Module):
         conf = self.confidence(hidden, prev_emb) if self.confidence is not None else None
         return logits + bias.float(), conf
 
-    def calibrated_confidence(self, confidence_logits: torch.Tensor) -> torch.Tensor:
-        """c_k = sigma(z_k / T_k) with the checkpoint's STS temperatures: [.., l] -> [.., l] for the
-        first l <= K positions."""
-        temps = self.config.calibration_temperatures
-        if temps is None:
-            return torch.sigmoid(confidence_logits)
-        l = confidence_logits.shape[-1]
-        t = torch.tensor(temps[:l], dtype=confidence_logits.dtype, device=confidence_logits.device)
-        return torch.sigmoid(confidence_logits / t)
-
     # ------------------------------------------------------------------ inference
+    # Inference protocol shared by every drafter (DSpark, DFlash, Eagle3) and used by the
+    # speculative engine: new_draft_state -> extend_context (committed positions) ->
+    # propose_block (one block from the anchor), repeated every round.
+    def new_draft_state(self) -> DraftContextCache:
+        """An empty per-request draft state (the context K/V cache)."""
+        return DraftContextCache()
+
     @torch.no_grad()
     def extend_context(self, cache: DraftContextCache, context_features: torch.Tensor,
-                       positions: torch.Tensor) -> None:
+                       positions: torch.Tensor, next_tokens: torch.Tensor | None = None) -> None:
         """Append committed positions to the context cache.
 
         Args:
             context_features: [B, n, m*H_t] target features of the new positions.
             positions: int64 [B, n], consecutive and starting at ``cache.length``.
+            next_tokens: int64 [B, n], the token after each position (unused here; Eagle3 pairs
+                each target state with it).
         """
         ctx = self.context_states(context_features)
         rope = self.rotary(positions, ctx.dtype)
@@ -203,6 +249,16 @@ class DSparkDrafter(nn.Module):
             hidden = layer(hidden, rope, (cache.keys[i], cache.values[i]), None)
         off = self.config.prediction_offset
         return self.norm(hidden)[:, off:off + self.config.block_size]
+
+    @torch.no_grad()
+    def propose_block(self, cache: DraftContextCache, anchor_tokens: torch.Tensor,
+                      anchor_positions: torch.Tensor, num_tokens: int, temperature: float,
+                      generator: torch.Generator | None = None) -> BlockProposal:
+        """Draft ``num_tokens`` tokens after the anchors: :meth:`block_hidden` then
+        :meth:`propose`. anchor_tokens, anchor_positions: int64 [B]; the cache must hold exactly
+        the positions < anchor."""
+        hidden = self.block_hidden(cache, anchor_tokens, anchor_positions)
+        return self.propose(hidden, anchor_tokens, num_tokens, temperature, generator)
 
     @torch.no_grad()
     def propose(self, hidden: torch.Tensor, anchor_tokens: torch.Tensor, num_tokens: int,
@@ -245,35 +301,6 @@ class DSparkDrafter(nn.Module):
             confidence_logits=torch.stack(confs, 1) if confs else None,
         )
 
-    # ------------------------------------------------------------------ checkpoints
-    def save_pretrained(self, path: str | Path) -> None:
-        """Write an HF-style directory: ``config.json`` + ``model.safetensors`` (drafter weights
-        only; the shared embedding and LM head stay with the target)."""
-        path = Path(path)
-        path.mkdir(parents=True, exist_ok=True)
-        self.config.save_pretrained(path)
-        state = {k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()}
-        save_file(state, str(path / WEIGHTS_NAME), metadata={"format": "pt"})
-
-    @classmethod
-    def from_pretrained(cls, path: str | Path, embed_weight: torch.Tensor,
-                        lm_head_weight: torch.Tensor, dtype: torch.dtype = torch.float32):
-        """Load a drafter directory written by :meth:`save_pretrained`.
-
-        Raises:
-            FileNotFoundError: no drafter checkpoint at ``path``.
-            ValueError: the bound target tensors do not match the checkpoint's config.
-        """
-        path = Path(path)
-        if not (path / "config.json").is_file() or not (path / WEIGHTS_NAME).is_file():
-            raise FileNotFoundError(f"no drafter checkpoint (config.json + {WEIGHTS_NAME}) at {path}")
-        config = DSparkConfig.from_pretrained(path)
-        model = cls(config, embed_weight, lm_head_weight)
-        model.load_state_dict(load_file(str(path / WEIGHTS_NAME)), strict=True)
-        return model.to(dtype).eval()
-
-    def num_trainable_parameters(self) -> int:
-        return sum(p.numel() for p in self.parameters() if p.requires_grad)
 
 
 def check_target_compatibility(config: DSparkConfig, target_name: str, vocab_size: int,

@@ -99,8 +99,9 @@ class CacheConfig(Strict):
 
 
 class DrafterSection(Strict):
-    drafter_type: Literal["dspark", "dflash"] = "dspark"
-    num_layers: int = Field(5, ge=1)
+    drafter_type: Literal["dspark", "dflash", "eagle3"] = "dspark"
+    num_layers: int = Field(5, ge=1, description="Backbone layers of DSpark/DFlash.")
+    eagle3_num_layers: int = Field(1, ge=1, description="Decoder layers of an Eagle3 drafter.")
     block_size: int = Field(7, ge=1, le=32)
     head_type: Literal["markov", "rnn", "none"] = "markov"
     markov_rank: int = Field(256, ge=1)
@@ -110,8 +111,9 @@ class DrafterSection(Strict):
 
     @model_validator(mode="after")
     def _consistent(self):
-        if self.drafter_type == "dflash" and (self.head_type != "none" or self.confidence_head):
-            raise ValueError("drafter_type 'dflash' needs head_type 'none' and confidence_head false")
+        if self.drafter_type != "dspark" and (self.head_type != "none" or self.confidence_head):
+            raise ValueError(f"drafter_type {self.drafter_type!r} needs head_type 'none' and "
+                             "confidence_head false")
         if self.confidence_head and self.head_type == "none":
             raise ValueError("confidence_head needs head_type 'markov' or 'rnn'")
         return self
@@ -137,7 +139,24 @@ class TrainConfig(Strict):
     loss_weights: tuple[float, float, float] = Field((0.1, 0.9, 1.0),
                                                      description="(ce, tv, conf), Eq. 12.")
     log_every: int = Field(1, ge=1)
+    eval_every: int | None = Field(None, ge=1, description="Held-out losses, tau and "
+                                   "accept_rate@k every N steps (and at the end); None = never.")
+    eval_rows: int = Field(64, ge=1, description="Held-out cache rows used by eval_every.")
+    checkpoint_every: int | None = Field(None, ge=1, description="Resumable checkpoint every N "
+                                         "steps; the final step is always checkpointed.")
+    resume_from: str | None = Field(None, description="'latest' (this run's newest checkpoint, "
+                                    "if any) or a checkpoint directory: continue model, optimizer, "
+                                    "LR schedule and data position; the worker count may differ.")
+    init_from: str | None = Field(None, description="A drafter directory whose weights start a "
+                                  "NEW training (fresh optimizer, schedule and data order).")
     seed: int = 0
+
+    @model_validator(mode="after")
+    def _resume_or_init(self):
+        if self.resume_from and self.init_from:
+            raise ValueError("set train.resume_from (continue a run) or train.init_from (new run "
+                             "from existing weights), not both")
+        return self
 
     @model_validator(mode="after")
     def _batch_divisible(self):

@@ -17,27 +17,45 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from .train_data import steps_per_epoch
+
 logger = logging.getLogger(__name__)
 
 
 def build_drafter_config(target_config, target_name: str, layer_ids: list[int], drafter: dict):
-    """The drafter's config from the target's dimensions and the ``drafter`` config section."""
+    """The drafter's config from the target's dimensions and the ``drafter`` config section.
+
+    Eagle3 takes ``drafter.eagle3_num_layers`` decoder layers and no heads (SPEC 2).
+    """
     from drafters.config import DSparkConfig
 
     tc = target_config
+    kind = drafter["drafter_type"]
     return DSparkConfig(
-        drafter_type=drafter["drafter_type"], target_name_or_path=target_name,
+        drafter_type=kind, target_name_or_path=target_name,
         target_vocab_size=tc.vocab_size, target_hidden_size=tc.hidden_size,
         target_layer_ids=layer_ids, block_size=drafter["block_size"],
-        num_hidden_layers=drafter["num_layers"], hidden_size=tc.hidden_size,
-        num_attention_heads=tc.num_attention_heads,
+        num_hidden_layers=drafter["eagle3_num_layers"] if kind == "eagle3" else drafter["num_layers"],
+        hidden_size=tc.hidden_size, num_attention_heads=tc.num_attention_heads,
         num_key_value_heads=getattr(tc, "num_key_value_heads", None) or tc.num_attention_heads,
         head_dim=getattr(tc, "head_dim", None) or tc.hidden_size // tc.num_attention_heads,
         intermediate_size=tc.intermediate_size, rms_norm_eps=tc.rms_norm_eps,
         rope_theta=_rope_theta(tc), max_position_embeddings=tc.max_position_embeddings,
-        head_type=drafter["head_type"], markov_rank=drafter["markov_rank"],
-        confidence_head=drafter["confidence_head"], loss_decay=drafter["loss_decay"],
+        head_type=drafter["head_type"] if kind == "dspark" else "none",
+        markov_rank=drafter["markov_rank"],
+        confidence_head=drafter["confidence_head"] if kind == "dspark" else False,
+        loss_decay=drafter["loss_decay"],
         qk_norm=getattr(tc, "model_type", "") in ("qwen3", "qwen3_moe"))
+
+
+def training_objective(config) -> tuple[str, "torch.Tensor"]:
+    """(loss objective, position weights [K]) of a drafter type (SPEC 3; Eagle3 per SPEC 2)."""
+    from drafters.losses import eagle3_step_weights, position_weights
+
+    if config.drafter_type == "eagle3":
+        return "soft_ce", eagle3_step_weights(config.block_size)
+    objective = "ce" if config.drafter_type == "dflash" else "dspark"
+    return objective, position_weights(config.block_size, config.loss_decay)
 
 
 def _rope_theta(tc) -> float:
@@ -86,16 +104,61 @@ def deepspeed_config(tc: dict, world_size: int) -> dict:
     return cfg
 
 
-def steps_per_epoch(rows: int, tc: dict) -> int:
-    """Optimizer steps in one epoch when every worker gets an equal share of ``rows``."""
-    per_worker = rows // tc["num_workers"]
-    micro_steps = per_worker // tc["micro_batch_size"]
-    accum = tc["global_batch_size"] // (tc["micro_batch_size"] * tc["num_workers"])
-    return micro_steps // accum
+def batch_losses(model, samples: list[dict], tc: dict, objective: str, weights, device,
+                 generators) -> dict:
+    """Pack ``samples``, run the drafter and return :func:`drafters.losses.drafter_losses`.
+
+    Target probabilities come from the cached O(H) ``last_hidden`` through the frozen LM head,
+    only at supervised rows (SPEC 3: never V-sized tensors on the wire).
+    """
+    import torch
+
+    from drafters.losses import drafter_losses
+    from drafters.packing import pack_blocks
+
+    module = getattr(model, "module", model)  # DeepSpeed engine or the bare drafter
+    cfg = module.config
+    pb = pack_blocks(samples, tc["num_anchors"], cfg.block_size, generators,
+                     min_anchor=1 if cfg.drafter_type == "eagle3" else 0).to(device)
+    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=tc["precision"] == "bf16"):
+        hidden = model(pb)
+        logits, conf = module.draft_logits(hidden, pb.prev_tokens)
+        valid = pb.label_valid
+        with torch.no_grad():
+            head_w = module.lm_head_weight
+            target_logits = torch.zeros(logits.shape, device=device)
+            target_logits[valid] = torch.nn.functional.linear(
+                pb.target_hidden[valid].to(head_w.dtype), head_w).float()
+    return drafter_losses(logits, target_logits, pb.labels, valid, weights, conf,
+                          tuple(tc["loss_weights"]), objective=objective)
+
+
+METRIC_KEYS = ("loss", "ce", "tv", "conf", "soft_ce", "tau")
+
+
+def reduce_metrics(outs: list[dict], block_size: int, prefix: str = "") -> dict:
+    """Mean of per-micro-batch metrics over micro-batches and all workers (all-reduce)."""
+    import torch
+    import torch.distributed as dist
+
+    vec = torch.zeros(len(METRIC_KEYS) + block_size + 1)
+    for o in outs:
+        vec[:len(METRIC_KEYS)] += torch.stack([o[k].detach().float().cpu() for k in METRIC_KEYS])
+        vec[len(METRIC_KEYS):-1] += o["accept_rate"].detach().float().cpu()
+        vec[-1] += 1
+    if dist.is_available() and dist.is_initialized():
+        dist.all_reduce(vec)
+    vec = vec / vec[-1].clamp(min=1)
+    out = {f"{prefix}{k}": float(vec[i]) for i, k in enumerate(METRIC_KEYS)}
+    out.update({f"{prefix}accept_rate@{k + 1}": float(vec[len(METRIC_KEYS) + k])
+                for k in range(block_size)})
+    return out
 
 
 def train_loop_per_worker(loop_cfg: dict) -> None:
-    """Ray Train worker: builds the drafter, wraps it in DeepSpeed, streams the cache shard."""
+    """Ray Train worker: builds the drafter, wraps it in DeepSpeed, trains on its slice of every
+    global batch, evaluates on the held-out split every ``eval_every`` steps, checkpoints every
+    ``checkpoint_every`` steps, and resumes from ``resume_checkpoint`` when given."""
     os.environ.setdefault("TORCH_EXTENSIONS_DIR", loop_cfg["torch_extensions_dir"])
     # wandb writes only under the run directory and stays quiet (offline mode opens no connection)
     os.environ["WANDB_DIR"] = loop_cfg["wandb_dir"]
@@ -103,13 +166,10 @@ def train_loop_per_worker(loop_cfg: dict) -> None:
     import deepspeed
     import ray.train
     import torch
-    from ray.train import Checkpoint
 
-    from drafters.anchors import build_block_batch
-    from drafters.losses import drafter_losses, position_weights
-    from drafters.modeling import DSparkDrafter
+    from drafters.loading import build_drafter
 
-    from .cache import decode_row
+    from .train_data import (CacheRowIndex, CacheRowReader, row_generator, worker_micro_batches)
 
     tc = loop_cfg["train"]
     ctx = ray.train.get_context()
@@ -122,96 +182,161 @@ def train_loop_per_worker(loop_cfg: dict) -> None:
     target_cfg, emb, head = load_frozen_head(loop_cfg["target"])
     dcfg = build_drafter_config(target_cfg, loop_cfg["target"], loop_cfg["layer_ids"],
                                 loop_cfg["drafter"])
-    model = DSparkDrafter(dcfg, emb, head).to(device)
+    model = build_drafter(dcfg, emb, head)
+    if loop_cfg.get("init_from"):
+        init_weights(model, loop_cfg["init_from"])
+    model = model.to(device)
     total_steps = loop_cfg["total_steps"]
     engine, _, _, _ = deepspeed.initialize(
         model=model, model_parameters=[p for p in model.parameters() if p.requires_grad],
         config=deepspeed_config(tc, world),
         lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(
             opt, lr_lambda(total_steps, tc["warmup_ratio"])))
-    weights = position_weights(dcfg.block_size, dcfg.loss_decay).to(device)
-    hidden, m = loop_cfg["hidden_size"], len(loop_cfg["layer_ids"])
-    ce_only = dcfg.drafter_type == "dflash"
-    bf16 = tc["precision"] == "bf16"
-    gen = torch.Generator().manual_seed(tc["seed"] * 1000 + rank)
+    objective, weights = training_objective(dcfg)
+    weights = weights.to(device)
+    step = 0
+    if loop_cfg["resume_from"]:
+        # Ray Train v2 passes the checkpoint to resume through the loop config
+        with ray.train.Checkpoint(loop_cfg["resume_from"]).as_directory() as ckpt_dir:
+            step = load_training_state(engine, ckpt_dir)
 
-    run = None
+    hidden, m = loop_cfg["hidden_size"], len(loop_cfg["layer_ids"])
+    so = loop_cfg["storage_options"]
+    train_index = CacheRowIndex(loop_cfg["cache_dir"], loop_cfg["manifest"], "train", so)
+    reader = CacheRowReader(train_index, hidden, m)
+    heldout_rows = heldout_reader = None
+    if tc["eval_every"] and loop_cfg["manifest"]["splits"].get("heldout", {}).get("rows"):
+        h_index = CacheRowIndex(loop_cfg["cache_dir"], loop_cfg["manifest"], "heldout", so)
+        heldout_reader = CacheRowReader(h_index, hidden, m)
+        heldout_rows = list(range(min(h_index.num_rows, tc["eval_rows"])))[rank::world]
+
+    run = bar = None
     if rank == 0 and loop_cfg["wandb"]["mode"] != "disabled":
         import wandb
 
         run = wandb.init(project=loop_cfg["wandb"]["project"], entity=loop_cfg["wandb"]["entity"],
                          mode=loop_cfg["wandb"]["mode"], dir=loop_cfg["wandb_dir"],
                          config={"train": tc, "drafter": loop_cfg["drafter"]},
-                         name=loop_cfg["run_name"])
-    bar = None
+                         name=loop_cfg["run_name"], resume="allow")
     if rank == 0:
         from tqdm import tqdm
 
-        bar = tqdm(total=total_steps, desc="train", unit="step", mininterval=5)
+        bar = tqdm(total=total_steps, initial=step, desc="train", unit="step", mininterval=5)
 
-    shard = ray.train.get_dataset_shard("train")
-    step, acc, last, history = 0, [], {}, []
-    head_w = engine.module.lm_head_weight
-    for epoch in range(tc["num_epochs"]):
-        batches = shard.iter_batches(batch_size=tc["micro_batch_size"], batch_format="numpy",
-                                     drop_last=True, local_shuffle_buffer_size=64,
-                                     local_shuffle_seed=tc["seed"] + epoch)
-        for batch in batches:
-            samples = [decode_row({k: batch[k][i] for k in batch}, hidden, m)
-                       for i in range(len(batch["num_tokens"]))]
-            bb = build_block_batch(samples, tc["num_anchors"], dcfg.block_size, gen).to(device)
-            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
-                h = engine(bb.context_features.float(), bb.anchor_positions, bb.anchor_tokens)
-                n_blocks = h.shape[0] * h.shape[1]
-                flat = lambda t: t.reshape(n_blocks, *t.shape[2:])
-                logits, conf = engine.module.draft_logits(flat(h), flat(bb.prev_tokens))
-                valid = flat(bb.label_valid) & flat(bb.anchor_valid[..., None].expand_as(bb.label_valid))
-                with torch.no_grad():  # p_t from the cached O(H) state through the frozen LM head
-                    target_logits = torch.zeros(logits.shape, device=device)
-                    target_logits[valid] = torch.nn.functional.linear(
-                        flat(bb.target_hidden)[valid].to(head_w.dtype), head_w).float()
-            out = drafter_losses(logits, target_logits, flat(bb.labels), valid, weights, conf,
-                                 tuple(tc["loss_weights"]), ce_only=ce_only)
+    def heldout_metrics() -> dict:
+        engine.eval()
+        outs = []
+        with torch.no_grad():
+            for i in range(0, len(heldout_rows), tc["micro_batch_size"]):
+                rows = heldout_rows[i:i + tc["micro_batch_size"]]
+                gens = [row_generator(tc["seed"], -1, r) for r in rows]
+                outs.append(batch_losses(engine, heldout_reader.read(rows), tc, objective,
+                                         weights, device, gens))
+        engine.train()
+        return reduce_metrics(outs, dcfg.block_size, prefix="heldout_")
+
+    per_epoch = loop_cfg["steps_per_epoch"]
+    history, last = [], {"step": step}
+    while step < total_steps:
+        epoch, step_in_epoch = divmod(step, per_epoch)
+        order = train_index.epoch_order(tc["seed"], epoch)
+        outs = []
+        for rows in worker_micro_batches(order, step_in_epoch, tc["global_batch_size"],
+                                         tc["micro_batch_size"], rank, world):
+            gens = [row_generator(tc["seed"], epoch, r) for r in rows]
+            out = batch_losses(engine, reader.read(rows), tc, objective, weights, device, gens)
             engine.backward(out["loss"])
-            boundary = engine.is_gradient_accumulation_boundary()
             engine.step()
-            acc.append(out)
-            if not boundary:
-                continue
-            step += 1
-            last = {
-                "step": step, "epoch": epoch, "lr": engine.get_lr()[0],
-                "loss": float(sum(o["loss"].detach() for o in acc) / len(acc)),
-                "ce": float(sum(o["ce"] for o in acc) / len(acc)),
-                "tv": float(sum(o["tv"] for o in acc) / len(acc)),
-                "conf": float(sum(o["conf"] for o in acc) / len(acc)),
-                "tau": float(sum(o["tau"] for o in acc) / len(acc)),
-            }
-            rates = sum(o["accept_rate"] for o in acc) / len(acc)
-            last.update({f"accept_rate@{k + 1}": float(r) for k, r in enumerate(rates)})
-            acc = []
-            history.append(last)
-            if rank == 0:
-                if run is not None and step % tc["log_every"] == 0:
-                    run.log(last, step=step)
-                bar.update(1)
-                bar.set_postfix(loss=f"{last['loss']:.3f}", tau=f"{last['tau']:.2f}")
-            if step >= total_steps:
-                break
-        if step >= total_steps or epoch == tc["num_epochs"] - 1:
-            break
-    # final checkpoint: HF drafter directory (rank 0) + DeepSpeed training state (all ranks)
-    with tempfile.TemporaryDirectory() as tmp:
-        engine.save_checkpoint(os.path.join(tmp, "deepspeed"), tag=f"step{step}")
+            outs.append(out)
+        step += 1
+        last = {"step": step, "epoch": epoch, "lr": engine.get_lr()[0],
+                **reduce_metrics(outs, dcfg.block_size)}
+        if heldout_rows is not None and (step % tc["eval_every"] == 0 or step == total_steps):
+            last.update(heldout_metrics())
+        history.append(last)
         if rank == 0:
-            engine.module.save_pretrained(os.path.join(tmp, "drafter"))
-            with open(os.path.join(tmp, "drafter", "training_log.jsonl"), "w") as fh:
-                fh.writelines(json.dumps(h) + "\n" for h in history)
-        ray.train.report(last or {"step": step}, checkpoint=Checkpoint.from_directory(tmp))
+            if run is not None and (step % tc["log_every"] == 0 or step == total_steps):
+                run.log(last, step=step)
+            bar.update(1)
+            bar.set_postfix(loss=f"{last['loss']:.3f}", tau=f"{last['tau']:.2f}")
+        if step == total_steps or (tc["checkpoint_every"] and step % tc["checkpoint_every"] == 0):
+            save_training_state(engine, step, world, history, last)
     if bar is not None:
         bar.close()
     if run is not None:
         run.finish()
+
+
+def init_weights(model, path: str) -> None:
+    """Start new training from an existing drafter's weights (not a resume: optimizer, schedule
+    and data position start fresh).
+
+    Raises:
+        ValueError: the checkpoint's architecture differs from the configured drafter.
+    """
+    from safetensors.torch import load_file
+
+    from drafters.config import DSparkConfig
+    from drafters.modeling import WEIGHTS_NAME
+
+    src = DSparkConfig.from_pretrained(path)
+    keys = ("drafter_type", "hidden_size", "num_hidden_layers", "block_size", "head_type",
+            "markov_rank", "target_layer_ids", "target_vocab_size")
+    diff = [f"{k}: {getattr(src, k)} != {getattr(model.config, k)}" for k in keys
+            if getattr(src, k) != getattr(model.config, k)]
+    if diff:
+        raise ValueError(f"train.init_from {path} does not match the configured drafter: "
+                         + "; ".join(diff))
+    model.load_state_dict(load_file(os.path.join(path, WEIGHTS_NAME)), strict=True)
+
+
+def save_training_state(engine, step: int, world: int, history: list[dict], metrics: dict) -> None:
+    """Report a Ray Train checkpoint: DeepSpeed state (model, optimizer, LR schedule; every rank
+    writes its shard), the HF drafter directory, the training log and ``train_state.json``."""
+    import ray.train
+    from ray.train import Checkpoint
+
+    rank = ray.train.get_context().get_world_rank()
+    with tempfile.TemporaryDirectory() as tmp:
+        engine.save_checkpoint(os.path.join(tmp, "deepspeed"), tag="state")
+        if rank == 0:
+            engine.module.save_pretrained(os.path.join(tmp, "drafter"))
+            with open(os.path.join(tmp, "drafter", "training_log.jsonl"), "w") as fh:
+                fh.writelines(json.dumps(h) + "\n" for h in history)
+            with open(os.path.join(tmp, "train_state.json"), "w") as fh:
+                json.dump({"step": step, "world_size": world}, fh)
+        ray.train.report(metrics, checkpoint=Checkpoint.from_directory(tmp))
+
+
+def load_training_state(engine, checkpoint_dir: str) -> int:
+    """Restore model, optimizer and LR schedule from a checkpoint written by
+    :func:`save_training_state`; returns the optimizer step to continue from (the data position
+    follows from it, see ``pipeline/train_data.py``).
+
+    Raises:
+        FileNotFoundError: the directory is not a training checkpoint.
+    """
+    state_file = os.path.join(checkpoint_dir, "train_state.json")
+    if not os.path.isfile(state_file):
+        raise FileNotFoundError(f"no train_state.json in {checkpoint_dir}: not a training checkpoint")
+    with open(state_file) as fh:
+        state = json.load(fh)
+    path, _ = engine.load_checkpoint(os.path.join(checkpoint_dir, "deepspeed"), tag="state",
+                                     load_optimizer_states=True, load_lr_scheduler_states=True)
+    if path is None:
+        raise FileNotFoundError(f"DeepSpeed state missing under {checkpoint_dir}/deepspeed")
+    logger.info("resumed at step %d (saved with %d workers)", state["step"], state["world_size"])
+    return int(state["step"])
+
+
+def latest_checkpoint(train_dir: Path) -> str | None:
+    """The training checkpoint with the highest step under ``train_dir/ray_train``, or None."""
+    best, best_step = None, -1
+    for state in (train_dir / "ray_train").glob("*/checkpoint_*/train_state.json"):
+        step = json.loads(state.read_text())["step"]
+        if step > best_step:
+            best, best_step = str(state.parent), step
+    return best
 
 
 def run_train(*, cache_dir: str, manifest: dict, out_dir: Path, target: str, layer_ids: list[int],
@@ -223,30 +348,39 @@ def run_train(*, cache_dir: str, manifest: dict, out_dir: Path, target: str, lay
         ValueError: the cache holds too few rows for one optimizer step.
         RuntimeError: training failed (Ray Train's error attached).
     """
-    import ray
     from ray.train import RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
     from . import storage
 
     rows = manifest["splits"]["train"]["rows"]
-    per_epoch = steps_per_epoch(rows, train)
+    per_epoch = steps_per_epoch(rows, train["global_batch_size"])
     if per_epoch < 1:
         raise ValueError(f"the cache has {rows} training rows: fewer than one global batch "
-                         f"({train['global_batch_size']}) split over {train['num_workers']} workers")
+                         f"({train['global_batch_size']})")
     total = per_epoch * train["num_epochs"]
     if train["max_steps"]:
         total = min(total, train["max_steps"])
-    # exactly the shards the manifest lists: stray files in the directory are never trained on
-    split_dir = storage.join(cache_dir, "train")
-    fs, base = storage.get_arrow_fs(split_dir, storage_options)
-    files = [f"{base}/{s['file']}" for s in manifest["splits"]["train"]["shards"] if s["rows"]]
-    ds = ray.data.read_parquet(files, filesystem=fs)
+    resume = None
+    if train["resume_from"] == "latest":
+        resume = latest_checkpoint(out_dir)
+        logger.info("resuming from %s", resume) if resume else logger.info(
+            "train.resume_from is 'latest' but no checkpoint exists yet: starting at step 0")
+    elif train["resume_from"]:
+        resume = storage.resolve(train["resume_from"])
+        if not os.path.isfile(os.path.join(resume, "train_state.json")):
+            raise FileNotFoundError(f"train.resume_from {resume} is not a training checkpoint "
+                                    "(no train_state.json)")
+    else:  # an explicit fresh start: Ray Train would otherwise restore the run's old state
+        shutil.rmtree(out_dir / "ray_train", ignore_errors=True)
     wandb_dir = out_dir / "wandb"
     wandb_dir.mkdir(parents=True, exist_ok=True)
     loop_cfg = {
         "train": train, "drafter": drafter, "target": target, "layer_ids": layer_ids,
         "hidden_size": manifest["target"]["hidden_size"], "total_steps": total,
+        "steps_per_epoch": per_epoch, "cache_dir": cache_dir, "manifest": manifest,
+        "storage_options": storage_options, "resume_from": resume,
+        "init_from": storage.resolve(train["init_from"]) if train["init_from"] else None,
         "wandb": wandb_cfg, "wandb_dir": str(wandb_dir), "run_name": run_name,
         "torch_extensions_dir": os.environ.get(
             "TORCH_EXTENSIONS_DIR", str(Path.home() / ".cache" / "dspark_ray" / "torch_extensions")),
@@ -258,7 +392,6 @@ def run_train(*, cache_dir: str, manifest: dict, out_dir: Path, target: str, lay
         train_loop_per_worker, train_loop_config=loop_cfg,
         scaling_config=ScalingConfig(num_workers=train["num_workers"], use_gpu=train["use_gpu"],
                                      resources_per_worker=resources),
-        datasets={"train": ds},
         run_config=RunConfig(name=run_name, storage_path=str((out_dir / "ray_train").resolve())),
     )
     logger.info("training %d optimizer steps (%d per epoch) on %d rows", total, per_epoch, rows)
@@ -270,5 +403,5 @@ def run_train(*, cache_dir: str, manifest: dict, out_dir: Path, target: str, lay
         if dest.exists():
             shutil.rmtree(dest)
         shutil.copytree(Path(ckpt) / "drafter", dest)
-    return {"steps": total, "rows": rows, "metrics": result.metrics or {},
+    return {"steps": total, "rows": rows, "metrics": result.metrics or {}, "resumed_from": resume,
             "checkpoint": result.checkpoint.path}

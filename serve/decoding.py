@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from drafters.modeling import DraftContextCache, DSparkDrafter
+from drafters.modeling import DSparkDrafter
 
 from .rejection import verify_greedy, verify_sampled
 from .target_runner import TargetRunner
@@ -22,13 +22,16 @@ from .target_runner import TargetRunner
 @dataclass
 class RoundRecord:
     """One verification round: ``drafted`` l, ``accepted`` n, ``committed`` tokens emitted (n + 1,
-    or fewer when EOS or the token budget ends the round), times in seconds."""
+    or fewer when EOS or the token budget ends the round), times in seconds, and the drafter's raw
+    confidence logits z_1..z_l of the drafted tokens (None without a confidence head), which
+    calibration (SPEC 4) and the threshold sweep read."""
 
     drafted: int
     accepted: int
     committed: int
     draft_s: float
     verify_s: float
+    confidence_logits: list[float] | None = None
 
 
 @dataclass
@@ -102,9 +105,10 @@ class SpeculativeDecoder:
         logits, feats = self.target.forward(cache, prompt_ids, with_features=speculate)
         anchor = _sample(logits[-1], temperature, gen)
         pos = len(prompt_ids)  # position of the anchor, not yet run through the target
-        dcache = DraftContextCache()
+        dcache = self.drafter.new_draft_state() if speculate else None
         if speculate:
-            self.drafter.extend_context(dcache, feats[None], torch.arange(pos)[None])
+            nxt_tokens = torch.tensor(list(prompt_ids[1:]) + [anchor])[None]
+            self.drafter.extend_context(dcache, feats[None], torch.arange(pos)[None], nxt_tokens)
         result = GenerationResult(tokens=[anchor], finish_reason="length",
                                   prefill_s=time.perf_counter() - start)
         if anchor in self.eos:
@@ -120,8 +124,8 @@ class SpeculativeDecoder:
             draft = torch.empty(0, dtype=torch.long)
             proposal = None
             if l > 0:
-                hidden = self.drafter.block_hidden(dcache, torch.tensor([anchor]), torch.tensor([pos]))
-                proposal = self.drafter.propose(hidden, torch.tensor([anchor]), l, temperature, gen)
+                proposal = self.drafter.propose_block(dcache, torch.tensor([anchor]),
+                                                      torch.tensor([pos]), l, temperature, gen)
                 draft = proposal.tokens[0]
             t1 = time.perf_counter()
             logits, feats = self.target.forward(cache, [anchor] + draft.tolist(),
@@ -144,9 +148,12 @@ class SpeculativeDecoder:
                 # keep anchor + accepted drafts; rejected positions leave both caches
                 self.target.crop(cache, pos + 1 + n)
                 self.drafter.extend_context(dcache, feats[None, :n + 1],
-                                            torch.arange(pos, pos + n + 1)[None])
+                                            torch.arange(pos, pos + n + 1)[None],
+                                            torch.tensor(committed)[None])
             anchor, pos = nxt, pos + n + 1
+            conf = (None if proposal is None or proposal.confidence_logits is None
+                    else proposal.confidence_logits[0].tolist())
             result.rounds.append(RoundRecord(l, n, len(committed), t1 - t0,
-                                             time.perf_counter() - t1))
+                                             time.perf_counter() - t1, conf))
         result.total_s = time.perf_counter() - start
         return result

@@ -1,5 +1,6 @@
-"""Ray Train + DeepSpeed (ZeRO-1, gloo) with 2 workers on the tiny target: the loss goes down and
-the final checkpoint is a loadable HF drafter directory."""
+"""Ray Train + DeepSpeed (ZeRO-1, gloo) on the tiny target: the loss goes down, held-out metrics
+are logged, the final checkpoint is a loadable HF drafter directory, and resuming from a mid-run
+checkpoint with a different worker count continues exactly where the uninterrupted run went."""
 
 from __future__ import annotations
 
@@ -7,50 +8,88 @@ import json
 
 import pytest
 
-from drafters.modeling import DSparkDrafter
+from drafters.loading import load_drafter
 from pipeline import storage
 from pipeline.cache import build_manifest, run_cache_split
+from pipeline.config import DrafterSection, TrainConfig
 from pipeline.target import load_target
 from pipeline.train import run_train
 
 from .conftest import conversations
 
 pytestmark = pytest.mark.slow
+WANDB = {"project": "t", "entity": None, "mode": "offline"}
 
 
-def test_two_workers_loss_goes_down(tmp_path, tiny_target_dir, ray_local):
-    convs = conversations(8)
-    cache_dir = str(tmp_path / "cache")
-    shards = run_cache_split(
-        convs, storage.join(cache_dir, "train"), target=str(tiny_target_dir), dtype="float32",
-        layer_ids=[1, 3], template_kwargs={}, max_length=256, min_supervised=5,
-        rows_per_shard=4, rows_per_row_group=2, num_actors=1, cpus_per_actor=1,
-        gpus_per_actor=0, num_threads=1, storage_options={})
+@pytest.fixture(scope="module")
+def tiny_cache(tmp_path_factory, tiny_target_dir, ray_local):
+    root = tmp_path_factory.mktemp("cache")
+    convs = conversations(10)
+    splits = {}
+    for split, rows in (("train", convs[:8]), ("heldout", convs[8:])):
+        splits[split] = run_cache_split(
+            rows, storage.join(str(root), split), target=str(tiny_target_dir), dtype="float32",
+            layer_ids=[1, 3], template_kwargs={}, max_length=256, min_supervised=5,
+            rows_per_shard=4, rows_per_row_group=2, num_actors=1, cpus_per_actor=1,
+            gpus_per_actor=0, num_threads=1, storage_options={})
     manifest = build_manifest(target=str(tiny_target_dir), revision=None, layer_ids=[1, 3],
                               hidden_size=64, vocab_size=49152, template_sha256="x",
-                              template_kwargs={}, max_length=256, splits={"train": shards})
-    train = {"num_workers": 2, "use_gpu": False, "cpus_per_worker": 1, "num_threads": 1,
-             "micro_batch_size": 2, "global_batch_size": 4, "num_epochs": 12, "max_steps": None,
-             "lr": 3e-3, "weight_decay": 0.0, "warmup_ratio": 0.1, "grad_clip": 1.0,
-             "num_anchors": 16, "zero_stage": 1, "precision": "fp32",
-             "loss_weights": (0.1, 0.9, 1.0), "log_every": 1, "seed": 0}
-    drafter = {"drafter_type": "dspark", "num_layers": 1, "block_size": 4, "head_type": "markov",
-               "markov_rank": 16, "confidence_head": True, "loss_decay": None}
-    result = run_train(cache_dir=cache_dir, manifest=manifest, out_dir=tmp_path / "train",
-                       target=str(tiny_target_dir), layer_ids=[1, 3], drafter=drafter, train=train,
-                       wandb_cfg={"project": "t", "entity": None, "mode": "offline"},
-                       storage_options={}, run_name="t")
-    assert result["steps"] == 24  # 8 rows / 2 workers / micro-batch 2: 2 optimizer steps per epoch
-    log = [json.loads(l) for l in (tmp_path / "train" / "drafter" / "training_log.jsonl").open()]
-    assert [h["step"] for h in log] == list(range(1, result["steps"] + 1))
+                              template_kwargs={}, max_length=256, splits=splits)
+    return str(root), manifest
+
+
+def _train(tiny_cache, tiny_target_dir, out_dir, drafter=None, **train):
+    cache_dir, manifest = tiny_cache
+    base = dict(num_workers=2, num_threads=1, micro_batch_size=2, global_batch_size=4, lr=3e-3,
+                warmup_ratio=0.1, num_anchors=16)
+    tc = TrainConfig(**{**base, **train}).model_dump()
+    dc = DrafterSection(num_layers=1, block_size=4, markov_rank=16, **(drafter or {})).model_dump()
+    result = run_train(cache_dir=cache_dir, manifest=manifest, out_dir=out_dir,
+                       target=str(tiny_target_dir), layer_ids=[1, 3], drafter=dc, train=tc,
+                       wandb_cfg=WANDB, storage_options={}, run_name="t")
+    log = [json.loads(l) for l in (out_dir / "drafter" / "training_log.jsonl").open()]
+    return result, log
+
+
+def test_two_workers_loss_goes_down(tmp_path, tiny_cache, tiny_target_dir):
+    result, log = _train(tiny_cache, tiny_target_dir, tmp_path / "train", num_epochs=12,
+                         eval_every=8, eval_rows=2)
+    assert result["steps"] == 24  # 8 rows / global batch 4 = 2 optimizer steps per epoch
+    assert [h["step"] for h in log] == list(range(1, 25))
     first = sum(h["loss"] for h in log[:4]) / 4
     last = sum(h["loss"] for h in log[-4:]) / 4
     assert last < 0.8 * first, (first, last)
     assert log[-1]["tau"] > log[0]["tau"]
-    # W&B ran offline inside the run directory
+    # held-out metrics every 8 steps, and they improve too
+    evals = [h for h in log if "heldout_loss" in h]
+    assert [h["step"] for h in evals] == [8, 16, 24]
+    assert evals[-1]["heldout_loss"] < evals[0]["heldout_loss"]
+    assert {"heldout_tau", "heldout_accept_rate@1", "accept_rate@4"} <= set(evals[-1])
     assert list((tmp_path / "train" / "wandb").rglob("offline-run-*"))
     target = load_target(str(tiny_target_dir))
-    model = DSparkDrafter.from_pretrained(tmp_path / "train" / "drafter",
-                                          target.get_input_embeddings().weight,
-                                          target.get_output_embeddings().weight)
+    model = load_drafter(tmp_path / "train" / "drafter", target, str(tiny_target_dir))
     assert model.config.target_layer_ids == [1, 3] and model.config.block_size == 4
+
+
+def test_resume_with_another_worker_count_matches_uninterrupted_run(tmp_path, tiny_cache,
+                                                                    tiny_target_dir):
+    """Run A: 6 steps on 2 workers with a checkpoint every 3 steps. Run B: resume A's step-3
+    checkpoint on 1 worker. Steps 4-6 must see the same data, optimizer and LR state, so their
+    losses equal A's (up to gloo's float reduction order)."""
+    _, log_a = _train(tiny_cache, tiny_target_dir, tmp_path / "a", num_epochs=3,
+                      checkpoint_every=3)
+    ckpts = {json.loads(p.read_text())["step"]: p.parent
+             for p in (tmp_path / "a" / "ray_train").rglob("train_state.json")}
+    assert sorted(ckpts) == [3, 6]
+    for workers in (2,):
+        result, log_b = _train(tiny_cache, tiny_target_dir, tmp_path / f"b{workers}",
+                               num_epochs=3, num_workers=workers, resume_from=str(ckpts[3]))
+        assert result["resumed_from"] == str(ckpts[3])
+        assert [h["step"] for h in log_b] == [4, 5, 6]
+        for a, b in zip(log_a[3:], log_b):
+            assert b["loss"] == pytest.approx(a["loss"], rel=1e-4), (workers, a, b)
+            assert b["lr"] == pytest.approx(a["lr"], rel=1e-6)
+    # a fresh start from the same weights (init_from) is a different run: LR schedule restarts
+    _, log_c = _train(tiny_cache, tiny_target_dir, tmp_path / "c", num_epochs=1,
+                      init_from=str(tmp_path / "a" / "drafter"))
+    assert log_c[0]["step"] == 1 and log_c[0]["loss"] < log_a[0]["loss"]

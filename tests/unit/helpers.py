@@ -133,3 +133,13 @@ def scripted_drafter(drafter: DSparkDrafter, prompt: list[int], continuation: li
     drafter.block_hidden = recording_block_hidden
     drafter.propose = propose
     return drafter
+
+
+def blocks(drafter, feats: torch.Tensor, anchors: torch.Tensor, tokens: torch.Tensor,
+           input_ids: torch.Tensor | None = None) -> torch.Tensor:
+    """The drafter's training forward on given anchors of a padded batch: [B, A, K, H]."""
+    from drafters.packing import pack_dense
+
+    b, a = anchors.shape
+    out = drafter(pack_dense(feats, anchors, tokens, input_ids))
+    return out.view(b, a, *out.shape[1:])

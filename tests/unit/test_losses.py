@@ -20,7 +20,7 @@ import math
 import pytest
 import torch
 
-from drafters.losses import drafter_losses, position_weights
+from drafters.losses import eagle3_step_weights, drafter_losses, position_weights
 
 LN2, LN3, LN5 = math.log(2), math.log(3), math.log(5)
 W2 = math.exp(-0.5)
@@ -128,7 +128,8 @@ def test_tau_ignores_blocks_without_supervised_slots():
 def test_ce_only_mode():
     draft, target, labels, valid, conf = _example()
     draft = draft.clone().requires_grad_(True)
-    out = drafter_losses(draft, target, labels, valid, position_weights(2, 2.0), conf, ce_only=True)
+    out = drafter_losses(draft, target, labels, valid, position_weights(2, 2.0), conf,
+                         objective="ce")
     assert float(out["loss"].detach()) == pytest.approx(EXP_CE, abs=1e-6)
     assert float(out["tv"]) == pytest.approx(EXP_TV, abs=1e-6)  # still reported
     out["loss"].backward()
@@ -182,3 +183,28 @@ def test_no_supervised_slot_raises():
     with pytest.raises(ValueError, match="supervised"):
         drafter_losses(draft, target, labels, torch.zeros(1, 2, dtype=torch.bool),
                        position_weights(2, 2.0), conf)
+
+
+def test_soft_ce_objective_gradient():
+    """Eagle3's soft CE: d/dlogits of sum_k w_k (-sum_v p_t log p_d) / sum w = w_k / sum w (p_d - p_t)."""
+    draft, target, labels, valid, conf = _example()
+    draft = draft.clone().requires_grad_(True)
+    w = position_weights(2, 2.0)
+    out = drafter_losses(draft, target, labels, valid, w, None, objective="soft_ce")
+    p_d, p_t = torch.softmax(draft.detach(), -1), torch.softmax(target, -1)
+    rows = -(p_t * torch.log(p_d)).sum(-1)[valid]
+    wv = w[None].expand_as(valid)[valid]
+    assert float(out["loss"].detach()) == pytest.approx(float((wv * rows).sum() / wv.sum()), abs=1e-6)
+    out["loss"].backward()
+    expected = (w / w[valid[0]].sum())[:, None] * (p_d[0] - p_t[0])
+    torch.testing.assert_close(draft.grad[0], expected, rtol=1e-5, atol=1e-6)
+
+
+def test_unknown_objective_is_rejected():
+    draft, target, labels, valid, conf = _example()
+    with pytest.raises(ValueError, match="unknown objective"):
+        drafter_losses(draft, target, labels, valid, position_weights(2, 2.0), objective="kl")
+
+
+def test_eagle3_step_weights():
+    assert eagle3_step_weights(3).tolist() == pytest.approx([1.0, 0.8, 0.64])

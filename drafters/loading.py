@@ -1,0 +1,55 @@
+"""Load any drafter checkpoint by the ``drafter_type`` its config names, and check it against the
+serving target (SPEC section 2: checkpoints are self-describing HF directories)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from .config import DSparkConfig
+from .modeling import DrafterBase, DSparkDrafter, check_target_compatibility
+
+
+def drafter_class(drafter_type: str) -> type[DrafterBase]:
+    """The model class of a ``drafter_type``.
+
+    Raises:
+        ValueError: unknown type (the valid ones are named).
+    """
+    if drafter_type in ("dspark", "dflash"):
+        return DSparkDrafter
+    if drafter_type == "eagle3":
+        from .eagle3 import Eagle3Drafter
+
+        return Eagle3Drafter
+    raise ValueError(f"unknown drafter_type {drafter_type!r}; expected dspark, dflash or eagle3")
+
+
+def build_drafter(config: DSparkConfig, embed_weight: torch.Tensor,
+                  lm_head_weight: torch.Tensor) -> DrafterBase:
+    """A freshly initialised drafter of ``config.drafter_type`` bound to the target's tensors."""
+    return drafter_class(config.drafter_type)(config, embed_weight, lm_head_weight)
+
+
+def load_drafter(path: str | Path, target_model, target_name: str,
+                 dtype: torch.dtype = torch.float32) -> DrafterBase:
+    """Load the drafter directory ``path`` for ``target_model`` (a HF causal LM).
+
+    The target's embedding and LM head are bound to the drafter; the checkpoint's recorded target
+    is checked first (vocabulary, hidden size, layer ids).
+
+    Raises:
+        FileNotFoundError: no drafter checkpoint at ``path``.
+        ValueError: the checkpoint was trained for another target (every mismatch named).
+    """
+    path = Path(path)
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"no drafter checkpoint (config.json) at {path}")
+    config = DSparkConfig.from_pretrained(path)
+    tc = target_model.config
+    check_target_compatibility(config, target_name, tc.vocab_size, tc.hidden_size,
+                               tc.num_hidden_layers)
+    cls = drafter_class(config.drafter_type)
+    return cls.from_pretrained(path, target_model.get_input_embeddings().weight,
+                               target_model.get_output_embeddings().weight, dtype=dtype)
