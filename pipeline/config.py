@@ -167,11 +167,27 @@ class TrainConfig(Strict):
         return self
 
 
+class CalibrateConfig(Strict):
+    max_prompts: int = Field(64, ge=2, description="Held-out prompts decoded for STS (half fit, "
+                             "half report).")
+    max_new_tokens: int = Field(128, ge=1)
+    temperature: float = Field(1.0, ge=0.0, description="Sampling temperature of the rounds "
+                               "(acceptance depends on it; use the serving temperature).")
+    num_threads: int | None = Field(None, ge=1)
+    cpus: float = Field(1.0, gt=0)
+    gpus: float = Field(0.0, ge=0)
+    dtype: Dtype = "bfloat16"
+
+
 class EvalConfig(Strict):
     data_dir: str = "../shared/datasets/eval"
-    datasets: dict[str, int] = Field(default_factory=lambda: {"gsm8k": 500},
-                                     description="Benchmark file stem -> number of prompts.")
+    datasets: dict[str, int] = Field(
+        default_factory=lambda: {"gsm8k": 500, "math500": 500, "aime25": 30, "humaneval": 164,
+                                 "mbpp": 256, "livecodebench": 500, "mt-bench": 80,
+                                 "alpaca": 500, "arena-hard-v2": 500},
+        description="Benchmark file stem -> number of prompts (SPEC 5 caps by default).")
     temperatures: list[float] = Field(default_factory=lambda: [0.0, 1.0], min_length=1)
+    speed_baseline: bool = Field(True, description="Also decode target-only to measure speed-up.")
     max_new_tokens: int = Field(2048, ge=1)
     shuffle_seed: int = 980406
     num_threads: int | None = Field(None, ge=1)
@@ -194,7 +210,7 @@ class WandbConfig(Strict):
     mode: Literal["offline", "online", "disabled"] = "offline"
 
 
-STAGES = ("prompts", "generate", "cache", "train", "eval")
+STAGES = ("prompts", "generate", "cache", "train", "calibrate", "eval")
 
 
 class PipelineConfig(Strict):
@@ -210,6 +226,7 @@ class PipelineConfig(Strict):
     cache: CacheConfig = Field(default_factory=CacheConfig)
     drafter: DrafterSection = Field(default_factory=DrafterSection)
     train: TrainConfig = Field(default_factory=TrainConfig)
+    calibrate: CalibrateConfig = Field(default_factory=CalibrateConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
     wandb: WandbConfig = Field(default_factory=WandbConfig)
 

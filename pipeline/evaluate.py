@@ -13,6 +13,12 @@ import json
 import random
 from pathlib import Path
 
+# benchmark file stem -> domain (SPEC 5; paper Table 1 groups math, code and chat)
+DOMAINS = {"gsm8k": "math", "math500": "math", "aime24": "math", "aime25": "math",
+           "humaneval": "code", "mbpp": "code", "livecodebench": "code", "lbpp": "code",
+           "swe-bench": "code", "mt-bench": "chat", "alpaca": "chat", "arena-hard-v2": "chat"}
+THRESHOLDS = [round(0.05 * i, 2) for i in range(20)]
+
 
 class EvalDataError(ValueError):
     """A benchmark file is missing or has a malformed row (file and line named)."""
@@ -45,8 +51,11 @@ def load_eval_prompts(path: Path, count: int, seed: int) -> list[str]:
     return prompts
 
 
-def summarize(records: list[dict], gamma: int) -> dict:
-    """Aggregate per-prompt records of one (dataset, temperature) cell."""
+def summarize(records: list[dict], gamma: int, temperatures: list[float] | None = None) -> dict:
+    """Aggregate per-prompt records of one (dataset, temperature) cell.
+
+    A round record is (drafted, accepted, committed, draft_s, verify_s, confidence_logits or
+    None); ``temperatures`` are the drafter's STS temperatures (None = uncalibrated)."""
     # rounds that drafted nothing (the budget's last token, beyond the drafter's context) are
     # plain target steps and say nothing about the drafter
     rounds = [r for rec in records for r in rec["spec_rounds"] if r[0] > 0]
@@ -78,23 +87,60 @@ def summarize(records: list[dict], gamma: int) -> dict:
     }
     if records and records[0].get("identical") is not None:
         out["greedy_identical_share"] = sum(rec["identical"] for rec in records) / len(records)
+    if not base_s:  # speed not measured (eval.speed_baseline false)
+        out["speedup"] = out["target_tokens_per_s"] = None
+    out.update(confidence_summary([r for r in full if r[5] is not None], gamma, temperatures))
+    return out
+
+
+def confidence_summary(full_rounds: list, gamma: int, temperatures: list[float] | None) -> dict:
+    """Calibration metrics and the static-threshold sweep (paper Fig. 5) over full-gamma rounds
+    that recorded confidence logits (DSpark only); empty for drafters without a confidence head."""
+    if not full_rounds:
+        return {}
+    import numpy as np
+
+    from drafters.calibration import calibration_report, cumulative_survival, static_threshold_sweep
+
+    z = np.array([r[5] for r in full_rounds], dtype=np.float64)
+    accepted = np.array([r[1] for r in full_rounds])
+    temps = temperatures or [1.0] * gamma
+    report = calibration_report(z, accepted, temps)
+    sweep = static_threshold_sweep(cumulative_survival(z, temps), accepted, THRESHOLDS)
+    return {"calibration": report, "threshold_sweep": sweep}
+
+
+def domain_summary(results: dict, temperature: str) -> dict:
+    """Per-domain mean tau (mean over the domain's datasets) and the macro average over domains."""
+    by_domain: dict[str, list[float]] = {}
+    for name, by_t in results.items():
+        if temperature in by_t:
+            by_domain.setdefault(DOMAINS.get(name, "other"), []).append(by_t[temperature]["tau"])
+    out = {d: sum(v) / len(v) for d, v in by_domain.items()}
+    if out:
+        out["macro"] = sum(out.values()) / len(out)
     return out
 
 
 def evaluate(*, target: str, dtype: str, drafter_dir: str, template_kwargs: dict,
              datasets: dict[str, list[str]], temperatures: list[float], max_new_tokens: int,
-             num_threads: int | None, seed: int, progress: bool = True) -> dict:
+             num_threads: int | None, seed: int, progress: bool = True,
+             speed_baseline: bool = True) -> dict:
     """Run the evaluation in this process (the pipeline runs it inside a Ray task).
 
     Args:
         datasets: dataset name -> prompts (first user turns).
+        speed_baseline: also decode target-only to measure the speed-up (doubles the time).
     Returns:
-        ``{"gamma", "drafter", "results": {dataset: {str(temperature): summary}}}``.
+        ``{"gamma", "drafter", "results": {dataset: {str(temperature): summary}},
+        "domains": {str(temperature): {domain: tau, "macro": tau}}, ...}``.
+    Raises:
+        FileNotFoundError / ValueError: missing drafter, or one trained for another target.
     """
     import torch
     from tqdm import tqdm
 
-    from drafters.modeling import DSparkDrafter, check_target_compatibility
+    from drafters.loading import load_drafter
     from serve.decoding import SpeculativeDecoder
     from serve.target_runner import TargetRunner
 
@@ -105,11 +151,7 @@ def evaluate(*, target: str, dtype: str, drafter_dir: str, template_kwargs: dict
         torch.set_num_threads(num_threads)
     tokenizer = load_tokenizer(target)
     model = load_target(target, dtype)
-    drafter = DSparkDrafter.from_pretrained(
-        drafter_dir, model.get_input_embeddings().weight, model.get_output_embeddings().weight,
-        dtype=DTYPES[dtype])
-    check_target_compatibility(drafter.config, target, model.config.vocab_size,
-                               model.config.hidden_size, model.config.num_hidden_layers)
+    drafter = load_drafter(drafter_dir, model, target, dtype=DTYPES[dtype])
     runner = TargetRunner(model, drafter.config.target_layer_ids)
     decoder = SpeculativeDecoder(runner, drafter, [tokenizer.eos_token_id])
     gamma = drafter.config.block_size
@@ -125,23 +167,29 @@ def evaluate(*, target: str, dtype: str, drafter_dir: str, template_kwargs: dict
                                         template_kwargs)
                 req_seed = seed + i
                 order = ("base", "spec") if i % 2 == 0 else ("spec", "base")
+                if not speed_baseline:
+                    order = ("spec",)
                 outs = {}
                 for kind in order:
                     outs[kind] = decoder.generate(ids, max_new_tokens, temp, req_seed,
                                                   num_draft_tokens=0 if kind == "base" else None)
-                spec, base = outs["spec"], outs["base"]
+                spec, base = outs["spec"], outs.get("base")
                 records.append({
                     "spec_tokens": len(spec.tokens), "spec_s": spec.total_s,
-                    "base_tokens": len(base.tokens), "base_s": base.total_s,
-                    "spec_rounds": [(r.drafted, r.accepted, r.committed, r.draft_s, r.verify_s)
-                                    for r in spec.rounds],
-                    "identical": (spec.tokens == base.tokens) if temp <= 0 else None,
+                    "base_tokens": len(base.tokens) if base else 0,
+                    "base_s": base.total_s if base else 0.0,
+                    "spec_rounds": [(r.drafted, r.accepted, r.committed, r.draft_s, r.verify_s,
+                                     r.confidence_logits) for r in spec.rounds],
+                    "identical": (spec.tokens == base.tokens) if temp <= 0 and base else None,
                 })
                 bar.update(1)
-            results[name][str(temp)] = summarize(records, gamma)
+            results[name][str(temp)] = summarize(records, gamma,
+                                                 drafter.config.calibration_temperatures)
     bar.close()
-    return {"gamma": gamma, "drafter": drafter_dir, "target": target, "dtype": dtype,
-            "max_new_tokens": max_new_tokens, "results": results}
+    return {"gamma": gamma, "drafter": drafter_dir, "drafter_type": drafter.config.drafter_type,
+            "trainable_parameters": drafter.num_trainable_parameters(), "target": target,
+            "dtype": dtype, "max_new_tokens": max_new_tokens, "results": results,
+            "domains": {str(t): domain_summary(results, str(t)) for t in temperatures}}
 
 
 def render_report_md(report: dict) -> str:
@@ -164,10 +212,12 @@ def render_report_md(report: dict) -> str:
         for temp, s in by_temp.items():
             rates = " / ".join(f"{r:.2f}" for r in s["accept_rate"])
             same = s.get("greedy_identical_share")
+            base, speedup = s["target_tokens_per_s"], s["speedup"]
             lines.append(
                 f"| {name} | {temp} | {s['prompts']} | {s['tau']:.2f} | {rates} | "
-                f"{s['spec_tokens_per_s']:.1f} | {s['target_tokens_per_s']:.1f} | "
-                f"{s['speedup']:.2f}x | {s['draft_ms_per_round']:.1f} | "
+                f"{s['spec_tokens_per_s']:.1f} | {'-' if base is None else f'{base:.1f}'} | "
+                f"{'-' if speedup is None else f'{speedup:.2f}x'} | "
+                f"{s['draft_ms_per_round']:.1f} | "
                 f"{s['verify_ms_per_round']:.1f} | {'' if same is None else f'{same:.0%}'} |")
     lines += ["", "Conditional acceptance per position (P(token k accepted | tokens < k accepted)):", ""]
     lines.append("| dataset | temperature | " + " | ".join(f"k={k}" for k in range(1, gamma + 1)) + " |")
@@ -176,4 +226,25 @@ def render_report_md(report: dict) -> str:
         for temp, s in by_temp.items():
             lines.append(f"| {name} | {temp} | " +
                          " | ".join(f"{c:.2f}" for c in s["conditional_acceptance"]) + " |")
+    domains = report.get("domains", {})
+    if domains:
+        names = sorted({d for by_d in domains.values() for d in by_d if d != "macro"})
+        lines += ["", "Mean tau per domain (mean over the domain's datasets) and macro average:", "",
+                  "| temperature | " + " | ".join(names) + " | macro |",
+                  "|---|" + "---|" * (len(names) + 1)]
+        for temp, by_d in domains.items():
+            lines.append(f"| {temp} | " + " | ".join(
+                f"{by_d[d]:.2f}" if d in by_d else "-" for d in names) +
+                f" | {by_d.get('macro', 0.0):.2f} |")
+    cal_rows = [(name, temp, s["calibration"]) for name, by_t in report["results"].items()
+                for temp, s in by_t.items() if s.get("calibration")]
+    if cal_rows:
+        lines += ["", "Calibration of the prefix survival a_k on these rounds (ECE, 20 bins; 'after' "
+                  "uses the checkpoint's STS temperatures):", "",
+                  "| dataset | temperature | full rounds | mean ECE before | mean ECE after |",
+                  "|---|---|---|---|---|"]
+        for name, temp, c in cal_rows:
+            fmt = lambda v: "-" if v is None else f"{v:.3f}"
+            lines.append(f"| {name} | {temp} | {c['num_rounds']} | "
+                         f"{fmt(c['mean']['ece_before'])} | {fmt(c['mean']['ece_after'])} |")
     return "\n".join(lines) + "\n"

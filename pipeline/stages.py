@@ -115,6 +115,7 @@ STAGE_INPUTS = {"prompts": ["prompts", "storage_options"],
                 "generate": ["target", "generate", "seed"],
                 "cache": ["cache"],
                 "train": ["drafter", "train"],
+                "calibrate": ["calibrate"],
                 "eval": ["eval"]}
 
 
@@ -295,12 +296,44 @@ def stage_train(ctx: StageContext) -> dict:
                               if isinstance(v, (int, float))}}
 
 
+def _heldout_prompts(ctx: StageContext, limit: int) -> list[str]:
+    """First user turns of the held-out conversations (falls back to training prompts with a
+    warning when the split is empty, e.g. heldout_fraction 0)."""
+    from .prompts import read_jsonl
+
+    rows = read_jsonl(str(ctx.run_dir / "prompts" / "heldout.jsonl"))
+    if not rows:
+        logger.warning("no held-out prompts: calibrating on training prompts instead")
+        rows = read_jsonl(str(ctx.run_dir / "prompts" / "train.jsonl"))
+    return [r["messages"][0]["content"] for r in rows[:limit]]
+
+
+def stage_calibrate(ctx: StageContext) -> dict:
+    import ray
+
+    from .calibrate import collect_rounds, fit_and_report
+
+    _require(ctx, "train")
+    c = ctx.cfg.calibrate
+    ensure_ray(ctx.cfg)
+    task = ray.remote(num_cpus=c.cpus, num_gpus=c.gpus or None)(collect_rounds)
+    drafter_dir = str(ctx.run_dir / "train" / "drafter")
+    collected = ray.get(task.remote(
+        target=ctx.target, dtype=c.dtype, drafter_dir=drafter_dir,
+        template_kwargs=ctx.cfg.target.chat_template_kwargs,
+        prompts=_heldout_prompts(ctx, c.max_prompts), temperature=c.temperature,
+        max_new_tokens=c.max_new_tokens, seed=ctx.cfg.seed, num_threads=c.num_threads))
+    summary = fit_and_report(collected, ctx.stage_dir("calibrate"), drafter_dir, ctx.cfg.seed)
+    return {k: v for k, v in summary.items() if k != "report"}
+
+
 def stage_eval(ctx: StageContext) -> dict:
     import ray
 
     from .evaluate import evaluate, load_eval_prompts, render_report_md
+    from .plots import conditional_acceptance_plot, threshold_sweep_plot
 
-    _require(ctx, "train")
+    _require(ctx, "calibrate")
     e = ctx.cfg.eval
     data_dir = Path(storage.resolve(e.data_dir))
     datasets = {name: load_eval_prompts(data_dir / f"{name}.jsonl", n, e.shuffle_seed)
@@ -308,16 +341,28 @@ def stage_eval(ctx: StageContext) -> dict:
     ensure_ray(ctx.cfg)
     task = ray.remote(num_cpus=e.cpus, num_gpus=e.gpus or None)(evaluate)
     report = ray.get(task.remote(
-        target=ctx.target, dtype=e.dtype, drafter_dir=str(ctx.run_dir / "train" / "drafter"),
+        target=ctx.target, dtype=e.dtype, drafter_dir=str(ctx.run_dir / "calibrate" / "drafter"),
         template_kwargs=ctx.cfg.target.chat_template_kwargs, datasets=datasets,
         temperatures=e.temperatures, max_new_tokens=e.max_new_tokens,
-        num_threads=e.num_threads, seed=ctx.cfg.seed))
+        num_threads=e.num_threads, seed=ctx.cfg.seed, speed_baseline=e.speed_baseline))
     out = ctx.stage_dir("eval")
     (out / "report.json").write_text(json.dumps(report, indent=1))
     (out / "report.md").write_text(render_report_md(report))
-    return {name: {t: {"tau": round(s["tau"], 3), "speedup": round(s["speedup"], 3)}
-                   for t, s in by_t.items()} for name, by_t in report["results"].items()}
+    for temp in map(str, e.temperatures):
+        curves = {name: by_t[temp]["conditional_acceptance"]
+                  for name, by_t in report["results"].items()}
+        conditional_acceptance_plot(curves, out / f"conditional_acceptance_T{temp}.png",
+                                    title=f"P(token k accepted | tokens < k accepted), T = {temp}")
+        sweeps = [(name, by_t[temp]["threshold_sweep"]) for name, by_t in report["results"].items()
+                  if by_t[temp].get("threshold_sweep")]
+        for name, sweep in sweeps:
+            threshold_sweep_plot(sweep, out / f"threshold_sweep_{name}_T{temp}.png",
+                                 title=f"Static confidence threshold, {name}, T = {temp}")
+    return {"domains": report["domains"],
+            **{name: {t: {"tau": round(s["tau"], 3),
+                          "speedup": None if s["speedup"] is None else round(s["speedup"], 3)}
+                      for t, s in by_t.items()} for name, by_t in report["results"].items()}}
 
 
 STAGE_FUNCS = {"prompts": stage_prompts, "generate": stage_generate, "cache": stage_cache,
-               "train": stage_train, "eval": stage_eval}
+               "train": stage_train, "calibrate": stage_calibrate, "eval": stage_eval}

@@ -39,6 +39,14 @@ def test_end_to_end_smoke_and_rerun(tmp_path, tiny_target_dir):
     manifest = json.loads((run / "cache" / "manifest.json").read_text())
     assert manifest["layer_ids"] == [1, 3] and manifest["splits"]["train"]["rows"] > 0
     assert (run / "train" / "drafter" / "config.json").exists()
+    calibration = json.loads((run / "calibrate" / "report.json").read_text())
+    assert (run / "calibrate" / "drafter" / "config.json").exists()
+    if calibration["calibrated"]:  # enough full-block rounds on the tiny data
+        temps = json.loads((run / "calibrate" / "drafter" / "config.json").read_text())
+        assert temps["calibration_temperatures"] == calibration["temperatures"]
+        assert (run / "calibrate" / "reliability.png").stat().st_size > 0
+    else:
+        assert "full-block rounds" in calibration["reason"]
     report = json.loads((run / "eval" / "report.json").read_text())
     cell = report["results"]["gsm8k"]
     assert set(cell) == {"0.0", "1.0"}
@@ -47,6 +55,8 @@ def test_end_to_end_smoke_and_rerun(tmp_path, tiny_target_dir):
         assert len(s["accept_rate"]) == 4 and len(s["conditional_acceptance"]) == 4
     assert cell["0.0"]["greedy_identical_share"] == 1.0  # fp32: lossless greedy
     assert "| gsm8k | 1.0 | 2 |" in (run / "eval" / "report.md").read_text()
+    assert report["domains"]["1.0"]["math"] == cell["1.0"]["tau"]
+    assert (run / "eval" / "conditional_acceptance_T1.0.png").stat().st_size > 0
 
     # re-running is cheap and duplicates nothing
     before = (run / "generate" / "train.jsonl").read_text()

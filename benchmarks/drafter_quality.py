@@ -1,0 +1,211 @@
+"""DSpark vs DFlash vs Eagle3 at the same budget: accepted length tau per benchmark and domain.
+
+All three drafters train on the same regenerated data (one prompts/generate/cache run, shared),
+for the same number of optimizer steps, and are evaluated on the same prompts at temperature 1
+(SPEC 5, paper Table 1). DSpark's confidence head is calibrated (STS) on held-out prompts first.
+Writes ``benchmarks/results/drafter_quality.{md,json}`` and plots next to them.
+
+    .venv/bin/python benchmarks/drafter_quality.py [--config infra/configs/drafter_quality.yaml]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from pipeline import stages  # noqa: E402
+from pipeline.config import load_config  # noqa: E402
+
+# drafter section overrides of each contender (DSpark's comes from the config itself)
+CONTENDERS = {
+    "dspark": {},
+    "dflash": {"drafter_type": "dflash", "head_type": "none", "confidence_head": False},
+    "eagle3": {"drafter_type": "eagle3", "head_type": "none", "confidence_head": False},
+}
+SHARED_STAGES = ("prompts", "generate", "cache")
+
+
+def contender_config(base, name: str, overrides: list[str]):
+    """The base config with the contender's drafter section and its own run directory."""
+    extra = [f"drafter.{k}={json.dumps(v)}" for k, v in CONTENDERS[name].items()]
+    cfg = load_config(base, overrides + extra)
+    cfg.run_dir = str(Path(cfg.run_dir) / name)
+    return cfg
+
+
+def share_data_stages(src: Path, dest: Path) -> None:
+    """Link the shared data stages of the first contender into another contender's run dir (the
+    stage fingerprints match: only the drafter section differs)."""
+    dest.mkdir(parents=True, exist_ok=True)
+    for stage in SHARED_STAGES:
+        link = dest / stage
+        if not link.exists():
+            link.symlink_to(src / stage, target_is_directory=True)
+
+
+def run_contender(cfg, timings: dict, name: str) -> dict:
+    ctx = stages.StageContext.create(cfg)
+    for stage in ("prompts", "generate", "cache", "train", "calibrate", "eval"):
+        start = time.time()
+        summary = stages.run_stage(ctx, stage)
+        if "seconds" in summary and time.time() - start > 1:
+            timings[f"{name}.{stage}"] = summary["seconds"]
+    return {
+        "report": json.loads((ctx.run_dir / "eval" / "report.json").read_text()),
+        "calibration": json.loads((ctx.run_dir / "calibrate" / "report.json").read_text()),
+        "train": json.loads((ctx.run_dir / "train" / "_SUCCESS.json").read_text()),
+        "run_dir": str(ctx.run_dir),
+    }
+
+
+def mean(values):
+    values = [v for v in values if v is not None]
+    return sum(values) / len(values) if values else None
+
+
+def build_table(results: dict, temperature: str) -> dict:
+    """Per contender: tau per dataset and domain, macro tau, latency, parameters, training."""
+    table = {}
+    for name, res in results.items():
+        cells = {d: by_t[temperature] for d, by_t in res["report"]["results"].items()}
+        table[name] = {
+            "tau": {d: c["tau"] for d, c in cells.items()},
+            "domains": res["report"]["domains"][temperature],
+            "draft_ms_per_round": mean([c["draft_ms_per_round"] for c in cells.values()]),
+            "verify_ms_per_round": mean([c["verify_ms_per_round"] for c in cells.values()]),
+            "conditional_acceptance": [mean(col) for col in zip(
+                *[c["conditional_acceptance"] for c in cells.values()])],
+            "rounds": sum(c["rounds"] for c in cells.values()),
+            "trainable_parameters": res["report"]["trainable_parameters"],
+            "train_steps": res["train"]["steps"],
+            "final_train_metrics": res["train"].get("final_metrics", {}),
+        }
+    return table
+
+
+def render_md(table: dict, results: dict, meta: dict) -> str:
+    names = list(table)
+    datasets = list(table[names[0]]["tau"])
+    domains = [d for d in table[names[0]]["domains"] if d != "macro"]
+    lines = [
+        "# Drafter quality: DSpark vs DFlash vs Eagle3 (same data, steps and prompts)", "",
+        f"Target: `{meta['target']}` ({meta['dtype']}), gamma = {meta['gamma']}, temperature "
+        f"{meta['temperature']}, {meta['prompts_per_dataset']} prompts per benchmark, "
+        f"{meta['max_new_tokens']} new tokens, {meta['train_steps']} optimizer steps of "
+        f"{meta['global_batch_size']} sequences for each drafter. Machine: {meta['machine']}. "
+        f"Total wall time {meta['wall_minutes']:.1f} min. Command: `{meta['command']}`.", "",
+        "## Accepted length tau (bonus token included), paper Table 1 layout", "",
+        "| drafter | " + " | ".join(datasets) + " | " + " | ".join(domains) + " | macro |",
+        "|---|" + "---|" * (len(datasets) + len(domains) + 1),
+    ]
+    for n in names:
+        t = table[n]
+        lines.append(f"| {n} | " + " | ".join(f"{t['tau'][d]:.3f}" for d in datasets) + " | " +
+                     " | ".join(f"{t['domains'][d]:.3f}" for d in domains) +
+                     f" | {t['domains']['macro']:.3f} |")
+    lines += ["", "## DSpark's tau relative to the baselines", "",
+              "| ratio | " + " | ".join(domains) + " | macro |", "|---|" + "---|" * (len(domains) + 1)]
+    for base in names[1:]:
+        lines.append(f"| dspark / {base} | " + " | ".join(
+            f"{table['dspark']['domains'][d] / table[base]['domains'][d]:.3f}" for d in domains) +
+            f" | {table['dspark']['domains']['macro'] / table[base]['domains']['macro']:.3f} |")
+    lines += ["", "## Cost", "",
+              "| drafter | trainable parameters | draft ms/round | verify ms/round | rounds | "
+              "final train loss | final held-out tau (probabilistic) |",
+              "|---|---|---|---|---|---|---|"]
+    for n in names:
+        t, fm = table[n], table[n]["final_train_metrics"]
+        lines.append(f"| {n} | {t['trainable_parameters'] / 1e6:.1f} M | "
+                     f"{t['draft_ms_per_round']:.1f} | {t['verify_ms_per_round']:.1f} | "
+                     f"{t['rounds']} | {fm.get('loss', float('nan')):.3f} | "
+                     f"{fm.get('heldout_tau', float('nan')):.3f} |")
+    lines += ["", "Conditional acceptance per position (mean over benchmarks), "
+              "`conditional_acceptance.png`:", "",
+              "| drafter | " + " | ".join(f"k={k + 1}" for k in range(meta["gamma"])) + " |",
+              "|---|" + "---|" * meta["gamma"]]
+    for n in names:
+        lines.append(f"| {n} | " + " | ".join(f"{c:.3f}" for c in table[n]["conditional_acceptance"]) + " |")
+    cal = results["dspark"]["calibration"]
+    lines += ["", "## DSpark calibration (STS on held-out prompts)", ""]
+    if cal.get("calibrated"):
+        lines += [f"Temperatures fitted on {cal['fit_rounds']} full-block rounds of half the held-out "
+                  f"prompts, reported on the other half ({cal['report_rounds']} rounds); "
+                  f"reliability diagram: `dspark_reliability.png`.", "",
+                  "| position | positive rate | ECE before | ECE after | AUROC | Brier before | Brier after |",
+                  "|---|---|---|---|---|---|---|"]
+        for p in cal["report"]["positions"]:
+            auroc = "-" if p["auroc_before"] is None else f"{p['auroc_before']:.3f}"
+            lines.append(f"| {p['position']} | {p['positive_rate']:.3f} | {p['ece_before']:.3f} | "
+                         f"{p['ece_after']:.3f} | {auroc} | {p['brier_before']:.3f} | "
+                         f"{p['brier_after']:.3f} |")
+        lines.append(f"| mean | | {cal['mean_ece_before']:.3f} | {cal['mean_ece_after']:.3f} | | | |")
+        lines.append("")
+        lines.append("Temperatures: " + ", ".join(f"{t:.2f}" for t in cal["temperatures"]))
+    else:
+        lines.append(f"Not calibrated: {cal.get('reason')}")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--config", default=str(ROOT / "infra/configs/drafter_quality.yaml"))
+    parser.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE")
+    parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    started = time.time()
+    timings, results = {}, {}
+    first_dir = None
+    for name in CONTENDERS:
+        cfg = contender_config(args.config, name, args.set)
+        ctx_dir = Path(stages.StageContext.create(cfg).run_dir)
+        if first_dir is None:
+            first_dir = ctx_dir
+        else:
+            share_data_stages(first_dir, ctx_dir)
+        results[name] = run_contender(cfg, timings, name)
+    cfg = load_config(args.config, args.set)
+    temperature = str(cfg.eval.temperatures[-1])
+    table = build_table(results, temperature)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    from pipeline.plots import conditional_acceptance_plot, tau_bar_plot
+
+    conditional_acceptance_plot({n: t["conditional_acceptance"] for n, t in table.items()},
+                                out / "conditional_acceptance.png",
+                                title="P(token k accepted | tokens < k accepted), mean over benchmarks")
+    tau_bar_plot({n: t["tau"] for n, t in table.items()}, out / "drafter_quality_tau.png",
+                 title=f"Accepted length tau at T = {temperature}")
+    reliability = Path(results["dspark"]["run_dir"]) / "calibrate" / "reliability.png"
+    if reliability.exists():
+        (out / "dspark_reliability.png").write_bytes(reliability.read_bytes())
+    meta = {"target": cfg.target.name_or_path, "dtype": cfg.eval.dtype,
+            "gamma": cfg.drafter.block_size, "temperature": temperature,
+            "prompts_per_dataset": max(cfg.eval.datasets.values()),
+            "max_new_tokens": cfg.eval.max_new_tokens,
+            "train_steps": table["dspark"]["train_steps"],
+            "global_batch_size": cfg.train.global_batch_size,
+            "machine": f"{platform.machine()}, {os.cpu_count()} CPU cores, no GPU",
+            "wall_minutes": (time.time() - started) / 60, "timings_s": timings,
+            "command": "python benchmarks/drafter_quality.py " + " ".join(sys.argv[1:])}
+    (out / "drafter_quality.json").write_text(json.dumps(
+        {"meta": meta, "table": table,
+         "calibration": results["dspark"]["calibration"]}, indent=1))
+    md = render_md(table, results, meta)
+    (out / "drafter_quality.md").write_text(md)
+    print(md)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
