@@ -365,8 +365,8 @@ class Eagle3Drafter(DrafterBase):
 
     @torch.no_grad()
     def propose_block(self, state: Eagle3DraftState, anchor_tokens: torch.Tensor,
-                      anchor_positions: torch.Tensor, num_tokens: int, temperature: float,
-                      generator: torch.Generator | None = None) -> BlockProposal:
+                      anchor_positions: torch.Tensor, num_tokens: int, temperature,
+                      generator=None, top_p=1.0) -> BlockProposal:
         """Draft ``num_tokens`` tokens left to right (SPEC 5): token 1 from the stored h_1, each
         further step runs the layers on [embed(draft_{k-1}); h_{k-1}] at position p-1+(k-1) over
         the cache and this round's chain keys (discarded afterwards). Drafting cost grows linearly
@@ -376,9 +376,10 @@ class Eagle3Drafter(DrafterBase):
             state: holding exactly the positions < p (the last extend's next token is the anchor).
             anchor_tokens, anchor_positions: int64 [B], x_p and p.
             num_tokens: 1 <= num_tokens <= gamma.
-            temperature: <= 0 greedy (argmax); else multinomial from softmax(logits / T), the
-                temperature the target is verified at.
-            generator: RNG for sampling.
+            temperature: float or fp32 [B]; <= 0 greedy (argmax); else multinomial from
+                softmax(logits / T), the temperature the target is verified at.
+            generator: RNG for sampling, or one per row.
+            top_p: float or fp32 [B], nucleus filter of the draft distribution.
         Returns:
             :class:`~drafters.modeling.BlockProposal` with tokens int64 [B, num_tokens], probs fp32
             [B, num_tokens, V] (None when greedy) and confidence_logits None.
@@ -387,20 +388,19 @@ class Eagle3Drafter(DrafterBase):
         """
         if not 1 <= num_tokens <= self.config.block_size:
             raise ValueError(f"num_tokens must be in 1..{self.config.block_size}, got {num_tokens}")
+        from .sampling import sample_rows
+
         tokens, probs = [], []
+        all_greedy = bool((torch.as_tensor(temperature) <= 0).all())
 
         def sample(_k, normed):  # one draft token from a step's normed output [B, H]
             logits = F.linear(normed, self.lm_head_weight.to(normed.dtype)).float()
-            if temperature <= 0:
-                tok = logits.argmax(-1)
-            else:
-                p = torch.softmax(logits / temperature, dim=-1)
-                tok = torch.multinomial(p, 1, generator=generator).squeeze(-1)
-                probs.append(p)
+            tok, p = sample_rows(logits, temperature, top_p, generator)
+            probs.append(p)
             tokens.append(tok)
             return tok
 
         self._unroll(state, anchor_tokens, anchor_positions, num_tokens, sample)
         return BlockProposal(tokens=torch.stack(tokens, 1),
-                             probs=torch.stack(probs, 1) if probs else None,
+                             probs=None if all_greedy else torch.stack(probs, 1),
                              confidence_logits=None)

@@ -120,6 +120,41 @@ class DrafterBase(nn.Module):
     def num_trainable_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters() if p.requires_grad)
 
+    @torch.no_grad()
+    def propose_block_batch(self, states: list, anchor_tokens: torch.Tensor,
+                            anchor_positions: torch.Tensor, num_tokens: int, temperature,
+                            generator=None, top_p=1.0,
+                            row_limits: torch.Tensor | None = None) -> BlockProposal:
+        """Draft for R requests (see DSparkDrafter's batched override). This generic version
+        calls :meth:`propose_block` once per request (each with its own draft length) and stacks
+        the results, padding shorter rows with token 0 / zero probabilities (never verified).
+
+        Args:
+            states: R per-request draft states; anchor_tokens, anchor_positions: int64 [R];
+            num_tokens: the longest row's length; row_limits: int64 [R] per-row lengths (>= 1);
+            temperature, top_p: float or fp32 [R]; generator: one per row (list) or shared.
+        """
+        r = len(states)
+        limits = row_limits.tolist() if row_limits is not None else [num_tokens] * r
+        per_row = lambda v, j: v[j:j + 1] if isinstance(v, torch.Tensor) and v.dim() else v
+        parts = [self.propose_block(states[j], anchor_tokens[j:j + 1], anchor_positions[j:j + 1],
+                                    limits[j], per_row(temperature, j),
+                                    generator[j] if isinstance(generator, (list, tuple)) else generator,
+                                    per_row(top_p, j)) for j in range(r)]
+        pad = lambda t, value=0: torch.nn.functional.pad(
+            t, (0, 0) * (t.dim() - 2) + (0, num_tokens - t.shape[1]), value=value)
+        probs = [p.probs for p in parts]
+        if any(p is not None for p in probs):
+            v = self.config.target_vocab_size
+            probs = torch.cat([pad(p if p is not None else torch.nn.functional.one_hot(
+                q.tokens, v).float()) for p, q in zip(probs, parts)])
+        else:
+            probs = None
+        confs = [p.confidence_logits for p in parts]
+        return BlockProposal(tokens=torch.cat([pad(p.tokens) for p in parts]), probs=probs,
+                             confidence_logits=None if confs[0] is None
+                             else torch.cat([pad(c) for c in confs]))
+
 
 
 
@@ -252,34 +287,42 @@ class DSparkDrafter(DrafterBase):
 
     @torch.no_grad()
     def propose_block(self, cache: DraftContextCache, anchor_tokens: torch.Tensor,
-                      anchor_positions: torch.Tensor, num_tokens: int, temperature: float,
-                      generator: torch.Generator | None = None) -> BlockProposal:
+                      anchor_positions: torch.Tensor, num_tokens: int, temperature,
+                      generator=None, top_p=1.0) -> BlockProposal:
         """Draft ``num_tokens`` tokens after the anchors: :meth:`block_hidden` then
         :meth:`propose`. anchor_tokens, anchor_positions: int64 [B]; the cache must hold exactly
         the positions < anchor."""
         hidden = self.block_hidden(cache, anchor_tokens, anchor_positions)
-        return self.propose(hidden, anchor_tokens, num_tokens, temperature, generator)
+        return self.propose(hidden, anchor_tokens, num_tokens, temperature, generator, top_p)
 
     @torch.no_grad()
     def propose(self, hidden: torch.Tensor, anchor_tokens: torch.Tensor, num_tokens: int,
-                temperature: float, generator: torch.Generator | None = None) -> BlockProposal:
+                temperature, generator=None, top_p=1.0,
+                row_limits: torch.Tensor | None = None) -> BlockProposal:
         """Sample a block left to right from p_k = softmax((U_k + B_k(x_{k-1})) / T) (Eq. 4).
 
         Args:
             hidden: [B, K, H] from :meth:`block_hidden`.
             anchor_tokens: int64 [B], x_0.
             num_tokens: how many draft tokens to sample (<= K).
-            temperature: 0 means greedy (argmax); otherwise the sampling temperature, which must be
-                the one the target is verified at (SPEC 5).
-            generator: RNG for sampling.
+            temperature: float or fp32 [B]; <= 0 means greedy (argmax), otherwise the sampling
+                temperature, which must be the one the target is verified at (SPEC 5).
+            generator: RNG, or one per row.
+            top_p: float or fp32 [B], nucleus filter applied to the draft distribution too.
+            row_limits: int64 [B] or None; row b samples only its first row_limits[b] tokens
+                (the rest are argmax fillers that draw no randomness and must not be verified).
         Returns:
-            a :class:`BlockProposal` with ``num_tokens`` tokens.
+            a :class:`BlockProposal` with ``num_tokens`` tokens (``probs`` None when every row
+            is greedy).
         """
+        from .sampling import sample_rows
+
         b = hidden.shape[0]
         base = F.linear(hidden[:, :num_tokens], self.lm_head_weight.to(hidden.dtype)).float()
         state = self.head.init_state(b, hidden.device, hidden.dtype) if self.head else None
         prev = anchor_tokens
         tokens, probs, confs = [], [], []
+        all_greedy = bool((torch.as_tensor(temperature) <= 0).all())
         for k in range(num_tokens):
             logits = base[:, k]
             if self.head is not None:
@@ -287,20 +330,57 @@ class DSparkDrafter(DrafterBase):
                 logits = logits + bias.float()
                 if self.confidence is not None:
                     confs.append(self.confidence(hidden[:, k], prev_emb))
-            if temperature <= 0:
-                tok = logits.argmax(-1)
-            else:
-                p = torch.softmax(logits / temperature, dim=-1)
-                tok = torch.multinomial(p, 1, generator=generator).squeeze(-1)
-                probs.append(p)
+            active = None if row_limits is None else row_limits > k
+            tok, p = sample_rows(logits, temperature, top_p, generator, active)
             tokens.append(tok)
+            probs.append(p)
             prev = tok
         return BlockProposal(
             tokens=torch.stack(tokens, 1),
-            probs=torch.stack(probs, 1) if probs else None,
+            probs=None if all_greedy else torch.stack(probs, 1),
             confidence_logits=torch.stack(confs, 1) if confs else None,
         )
 
+    @torch.no_grad()
+    def propose_block_batch(self, states: list[DraftContextCache], anchor_tokens: torch.Tensor,
+                            anchor_positions: torch.Tensor, num_tokens: int, temperature,
+                            generator=None, top_p=1.0,
+                            row_limits: torch.Tensor | None = None) -> BlockProposal:
+        """One batched drafter call for many requests with context caches of different lengths
+        (continuous batching): the caches are left-padded into one [R, nkv, C_max, hd] tensor per
+        layer with a key-padding mask.
+
+        Args:
+            states: R per-request caches; state r must hold exactly positions < anchor_positions[r].
+            anchor_tokens, anchor_positions: int64 [R].
+            num_tokens: draft length of the longest row.
+            temperature, top_p: float or fp32 [R]; generator: one per row (list) or shared.
+            row_limits: int64 [R], each row's own draft length (see :meth:`propose`).
+        Returns:
+            a :class:`BlockProposal` over the R rows.
+        """
+        r, s = len(states), self.config.num_slots
+        lengths = [st.length for st in states]
+        c_max = max(lengths)
+        dev = anchor_tokens.device
+        hidden = self.block_inputs(anchor_tokens)  # [R, S, H]
+        rope = self.rotary(anchor_positions[:, None] + torch.arange(s, device=dev), hidden.dtype)
+        # key-padding mask [R, 1, S, C_max + S]: left padding is invisible, the block is visible
+        valid = torch.arange(c_max, device=dev)[None, :] >= (c_max - torch.tensor(lengths, device=dev))[:, None]
+        mask = torch.cat((valid, torch.ones(r, s, dtype=torch.bool, device=dev)), dim=1)
+        mask = mask[:, None, None, :].expand(r, 1, s, c_max + s)
+        for i, layer in enumerate(self.layers):
+            keys = torch.zeros(r, *states[0].keys[i].shape[1:2], c_max, states[0].keys[i].shape[-1],
+                               dtype=hidden.dtype, device=dev)
+            values = torch.zeros_like(keys)
+            for j, st in enumerate(states):  # [1, nkv, C_j, hd] -> right-aligned row j
+                keys[j, :, c_max - lengths[j]:] = st.keys[i][0]
+                values[j, :, c_max - lengths[j]:] = st.values[i][0]
+            hidden = layer(hidden, rope, (keys, values), mask)
+        off = self.config.prediction_offset
+        hidden = self.norm(hidden)[:, off:off + self.config.block_size]
+        return self.propose(hidden, anchor_tokens, num_tokens, temperature, generator, top_p,
+                            row_limits)
 
 
 def check_target_compatibility(config: DSparkConfig, target_name: str, vocab_size: int,

@@ -54,7 +54,7 @@ def collect_rounds(*, target: str, dtype: str, drafter_dir: str, template_kwargs
         ids = render_prompt_ids(tokenizer, [{"role": "user", "content": text}], template_kwargs)
         res = decoder.generate(ids, max_new_tokens, temperature, seed + i)
         out["rounds"].append([(r.confidence_logits, r.accepted) for r in res.rounds
-                              if r.drafted == gamma and r.confidence_logits is not None])
+                              if r.verified == gamma and r.confidence_logits is not None])
     return out
 
 

@@ -178,7 +178,7 @@ def evaluate(*, target: str, dtype: str, drafter_dir: str, template_kwargs: dict
                     "spec_tokens": len(spec.tokens), "spec_s": spec.total_s,
                     "base_tokens": len(base.tokens) if base else 0,
                     "base_s": base.total_s if base else 0.0,
-                    "spec_rounds": [(r.drafted, r.accepted, r.committed, r.draft_s, r.verify_s,
+                    "spec_rounds": [(r.verified, r.accepted, r.committed, r.draft_s, r.verify_s,
                                      r.confidence_logits) for r in spec.rounds],
                     "identical": (spec.tokens == base.tokens) if temp <= 0 and base else None,
                 })

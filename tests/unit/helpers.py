@@ -122,8 +122,8 @@ def scripted_drafter(drafter: DSparkDrafter, prompt: list[int], continuation: li
         state["pos"] = int(anchor_positions[0])
         return block_hidden(cache, anchor_tokens, anchor_positions)
 
-    def propose(hidden, anchor_tokens, num_tokens, temperature, generator=None):
-        assert temperature <= 0, "scripted drafter is for greedy decoding"
+    def propose(hidden, anchor_tokens, num_tokens, temperature, generator=None, top_p=1.0):
+        assert bool((torch.as_tensor(temperature) <= 0).all()), "scripted drafter is greedy only"
         i = state["pos"] - len(prompt)
         assert continuation[i] == int(anchor_tokens[0])
         toks = continuation[i + 1:i + 1 + num_tokens]

@@ -16,7 +16,7 @@ from drafters.loading import build_drafter, load_drafter
 from drafters.modeling import WEIGHTS_NAME, BlockProposal
 from drafters.packing import pack_blocks, pack_dense
 from serve.decoding import SpeculativeDecoder
-from serve.target_runner import TargetRunner
+from serve.target_runner import TargetKV, TargetRunner
 from tests.tiny import tiny_drafter, tiny_target
 from tests.unit.helpers import _drafter_config, greedy_reference, permuted_target
 
@@ -425,12 +425,12 @@ def _scripted(drafter, prompt, continuation, vocab_size, calls):
     original = drafter.propose_block
 
     def propose_block(state, anchor_tokens, anchor_positions, num_tokens, temperature,
-                      generator=None):
-        assert temperature <= 0, "scripted drafter is for greedy decoding"
+                      generator=None, top_p=1.0):
+        assert bool((torch.as_tensor(temperature) <= 0).all()), "scripted drafter is greedy only"
         pos = int(anchor_positions[0])
         calls.append(([k.clone() for k in state.keys], [v.clone() for v in state.values],
                       state.hidden.clone(), int(anchor_tokens[0]), pos))
-        original(state, anchor_tokens, anchor_positions, num_tokens, temperature, generator)
+        original(state, anchor_tokens, anchor_positions, num_tokens, temperature, generator, top_p)
         i = pos - len(prompt)
         toks = continuation[i + 1:i + 1 + num_tokens]
         toks = toks + [0] * (num_tokens - len(toks))
@@ -456,7 +456,7 @@ def test_greedy_with_accepted_drafts_is_lossless_and_keeps_the_committed_state()
     assert any(r.accepted < r.drafted for r in res.rounds)
     # every block was drafted from exactly the committed prefix's state
     seq = prompt + res.tokens
-    _, feats = runner.forward(runner.new_cache(), seq, with_features=True)
+    feats = runner.forward_batch([TargetKV()], [seq], with_features=True)[0].features
     ids = torch.tensor(seq)[None]
     for keys, values, hidden, anchor, pos in calls:
         assert seq[pos] == anchor and keys[0].shape[2] == pos

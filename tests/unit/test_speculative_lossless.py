@@ -13,7 +13,7 @@ from scipy.stats import chisquare
 
 from drafters import DraftContextCache
 from serve.decoding import SpeculativeDecoder
-from serve.target_runner import TargetRunner
+from serve.target_runner import TargetKV, TargetRunner
 from tests.tiny import tiny_drafter, tiny_target
 from tests.unit.helpers import (bigram_table, greedy_reference, oracle_drafter, permuted_target,
                                 randomize_heads, scripted_drafter)
@@ -319,7 +319,7 @@ def test_drafter_cache_holds_exactly_the_committed_prefix(varied_target, corrupt
     prompt = [4, 8, 15, 16, 23, 42]
     res = SpeculativeDecoder(runner, d, []).generate(prompt, 30, temperature=temperature, seed=1)
     seq = prompt + res.tokens
-    _, feats = runner.forward(runner.new_cache(), seq, with_features=True)
+    feats = runner.forward_batch([TargetKV()], [seq], with_features=True)[0].features
     assert any(r.accepted < r.drafted for r in res.rounds) and len(calls) >= 4
     for keys, values, anchor, pos in calls:
         assert seq[pos] == anchor

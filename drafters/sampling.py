@@ -1,0 +1,70 @@
+"""Drawing draft tokens with per-row temperature, top-p and RNG, returning the exact distribution
+each token was drawn from (rejection sampling needs it; SPEC 5: "the draft sample and the
+acceptance test use the same distribution").
+
+Shapes: B rows (requests), V vocabulary.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def warped_probs(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """softmax(logits / T) restricted to the top-p nucleus and renormalised, per row.
+
+    Args:
+        logits: [B, V] (any float dtype; computed in fp32).
+        temperature: fp32 [B], > 0.
+        top_p: fp32 [B] in (0, 1]; the most likely token is always kept.
+    Returns:
+        fp32 [B, V], rows summing to 1.
+    """
+    probs = torch.softmax(logits.float() / temperature[:, None], dim=-1)
+    if bool((top_p < 1).any()):
+        sorted_p, order = probs.sort(dim=-1, descending=True)
+        mass_before = sorted_p.cumsum(-1) - sorted_p
+        drop = mass_before >= top_p[:, None]
+        sorted_p = sorted_p.masked_fill(drop, 0.0)
+        probs = torch.zeros_like(probs).scatter(-1, order, sorted_p)
+        probs = probs / probs.sum(-1, keepdim=True)
+    return probs
+
+
+def _per_row(value, b: int, device) -> torch.Tensor:
+    if isinstance(value, torch.Tensor):
+        return value.to(device=device, dtype=torch.float32).expand(b)
+    return torch.full((b,), float(value), device=device)
+
+
+def sample_rows(logits: torch.Tensor, temperature, top_p=1.0, generator=None,
+                active: torch.Tensor | None = None):
+    """Draw one token per row.
+
+    Args:
+        logits: [B, V].
+        temperature: float or fp32 [B]; rows with T <= 0 take the argmax.
+        top_p: float or fp32 [B].
+        generator: a torch.Generator, one per row (a list: requests in one batch never share
+            randomness), or None.
+        active: bool [B] or None; inactive rows take the argmax and draw no random number, so a
+            row's RNG stream does not depend on how many tokens other rows of the batch draft.
+    Returns:
+        (tokens int64 [B], probs fp32 [B, V] of the sampled rows, one-hot for greedy rows).
+    """
+    b = logits.shape[0]
+    temp = _per_row(temperature, b, logits.device)
+    nucleus = _per_row(top_p, b, logits.device)
+    greedy = temp <= 0
+    if active is not None:
+        greedy = greedy | ~active.to(greedy.device)
+    tokens = logits.argmax(-1)
+    probs = torch.nn.functional.one_hot(tokens, logits.shape[-1]).float()
+    if bool((~greedy).any()):
+        rows = torch.nonzero(~greedy).flatten()
+        p = warped_probs(logits[rows], temp[rows], nucleus[rows])
+        probs[rows] = p
+        for j, r in enumerate(rows.tolist()):
+            g = generator[r] if isinstance(generator, (list, tuple)) else generator
+            tokens[r] = torch.multinomial(p[j], 1, generator=g).squeeze(-1)
+    return tokens, probs

@@ -1,0 +1,375 @@
+"""The speculative decoding engine with continuous batching (SPEC sections 5 and 6).
+
+One engine serves every caller: the Ray Serve app, offline evaluation and the benchmarks all drive
+:meth:`SpecEngine.step`. A step:
+
+1. admits waiting requests (one batched prefill; the first token, the anchor, is sampled);
+2. drafts a block for every running request in one batched drafter call;
+3. turns the drafter's confidence logits into calibrated c_k and asks the scheduler
+   (``serve/scheduler.py``) for each request's verification length l_r;
+4. verifies [anchor, x_1..x_{l_r}] of every request in one batched target forward pass;
+5. rejection-samples each request with its own temperature, top_p and RNG (lossless), commits
+   accepted + 1 tokens, applies EOS / stop tokens / stop strings / max_tokens exactly, and keeps
+   only the committed positions in the request's target and drafter caches.
+
+Requests join and leave between steps; a finished or aborted request's caches are dropped.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+
+from drafters.sampling import warped_probs
+
+from . import scheduler as sched
+from .config import EngineConfig
+from .detokenize import IncrementalDetokenizer
+from .errors import RequestError
+from .metrics import SpecDecodeStats
+from .rejection import verify_greedy, verify_sampled
+from .requests import EngineRequest, RequestOutput
+from .target_runner import TargetKV, TargetRunner
+
+logger = logging.getLogger(__name__)
+NEEDS_CONFIDENCE = ("dspark", "async", "static_threshold")
+
+
+@dataclass
+class RoundRecord:
+    """One verification round of one request: ``drafted`` tokens proposed, ``verified`` l of them
+    sent to the target, ``accepted`` n, ``committed`` tokens emitted (n + 1, or fewer when a stop
+    or the token budget ends the round), the step's draft and verify seconds, and the raw
+    confidence logits z_1..z_drafted (None without a confidence head)."""
+
+    drafted: int
+    verified: int
+    accepted: int
+    committed: int
+    draft_s: float
+    verify_s: float
+    confidence_logits: list[float] | None = None
+
+
+@dataclass
+class _Request:
+    req: EngineRequest
+    gen: torch.Generator
+    detok: IncrementalDetokenizer | None
+    kv: TargetKV = field(default_factory=TargetKV)
+    draft_state: object = None
+    anchor: int = -1
+    pos: int = 0  # position of the anchor (committed, not yet run through the target)
+    output: list = field(default_factory=list)
+    text: str = ""
+    finish_reason: str | None = None
+    rounds: list = field(default_factory=list)
+    arrival_s: float = 0.0
+    first_token_s: float | None = None
+
+
+class SpecEngine:
+    """Speculative decoding engine.
+
+    Args:
+        target: :class:`TargetRunner` over the target model.
+        drafter: a drafter (``drafters.loading.load_drafter``) reading the runner's layers, or
+            None (target-only decoding).
+        eos_token_ids: tokens that end generation (included in the output).
+        config: :class:`EngineConfig`.
+        tokenizer: for output text and stop strings (None: token ids only).
+        sps: the SPS(B) table the dspark and async schedulers need.
+    Raises:
+        ValueError: drafter/target layer mismatch, or a confidence-based scheduler without a
+            drafter confidence head or without an SPS table.
+    """
+
+    def __init__(self, target: TargetRunner, drafter, eos_token_ids: list[int],
+                 config: EngineConfig | None = None, tokenizer=None,
+                 sps: sched.SPSTable | None = None):
+        self.config = config or EngineConfig()
+        if drafter is not None and list(drafter.config.target_layer_ids) != target.layer_ids:
+            raise ValueError(f"drafter reads target layers {drafter.config.target_layer_ids}, "
+                             f"runner provides {target.layer_ids}")
+        name = self.config.scheduler if drafter is not None else "none"
+        if name in NEEDS_CONFIDENCE and not getattr(drafter.config, "confidence_head", False):
+            raise ValueError(f"scheduler {name!r} needs a drafter with a confidence head "
+                             f"({drafter.config.drafter_type} has none): use 'fixed' or 'none'")
+        if name in ("dspark", "async") and sps is None:
+            raise ValueError(f"scheduler {name!r} needs an SPS(B) table (serve/profiling.py)")
+        self.scheduler_name = name
+        self.target, self.drafter, self.tokenizer, self.sps = target, drafter, tokenizer, sps
+        self.eos = set(eos_token_ids)
+        self.gamma = 0 if drafter is None else min(drafter.config.block_size,
+                                                   self.config.num_draft_tokens or 10**9)
+        self.max_model_len = (self.config.max_model_len
+                              or target.model.config.max_position_embeddings)
+        self.waiting: deque[_Request] = deque()
+        self.running: list[_Request] = []
+        self.stats = SpecDecodeStats()
+        self._stale: deque[list[list[float]]] = deque(maxlen=2)  # confidences of past steps
+
+    # ------------------------------------------------------------------ requests
+    def add_request(self, request: EngineRequest) -> None:
+        """Queue a request; it is prefilled at the next step.
+
+        Raises:
+            RequestError: empty or too-long prompt (413), bad parameters (400), duplicate id, or
+                a full queue (429).
+        """
+        p = request.params
+        p.validate()
+        if not request.prompt_ids:
+            raise RequestError("the prompt is empty", field="prompt")
+        if len(request.prompt_ids) + p.max_tokens > self.max_model_len:
+            raise RequestError(f"prompt ({len(request.prompt_ids)} tokens) + max_tokens "
+                               f"({p.max_tokens}) exceeds the model length {self.max_model_len}",
+                               status=413, field="max_tokens")
+        if p.stop and self.tokenizer is None:
+            raise RequestError("stop strings need an engine with a tokenizer", field="stop")
+        if len(self.waiting) >= self.config.max_waiting + max(
+                0, self.config.max_num_requests - len(self.running)):
+            raise RequestError("the server is at capacity; retry later", status=429)
+        if any(r.req.request_id == request.request_id for r in (*self.waiting, *self.running)):
+            raise RequestError(f"duplicate request id {request.request_id!r}", field="request_id")
+        seed = p.seed if p.seed is not None else random.getrandbits(63)
+        detok = (IncrementalDetokenizer(self.tokenizer, request.prompt_ids, tuple(p.stop))
+                 if self.tokenizer is not None else None)
+        self.waiting.append(_Request(request, torch.Generator().manual_seed(seed), detok,
+                                     arrival_s=time.perf_counter()))
+
+    def abort(self, request_id: str) -> bool:
+        """Drop a request (e.g. client disconnect); its caches are freed. Returns whether it
+        existed."""
+        for queue in (self.waiting, self.running):
+            for r in list(queue):
+                if r.req.request_id == request_id:
+                    queue.remove(r)
+                    return True
+        return False
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    # ------------------------------------------------------------------ the step
+    @torch.no_grad()
+    def step(self) -> list[RequestOutput]:
+        """Run one engine step (admit + one speculative round for the running requests).
+
+        Returns:
+            one :class:`RequestOutput` per request that emitted tokens or finished.
+        """
+        outputs: list[RequestOutput] = []
+        decoding = list(self.running)
+        if decoding:
+            outputs += self._decode(decoding)
+        admitted = []
+        while self.waiting and len(self.running) + len(admitted) < self.config.max_num_requests:
+            admitted.append(self.waiting.popleft())
+        if admitted:
+            outputs += self._prefill(admitted)
+        self.stats.steps += 1
+        return outputs
+
+    def _prefill(self, reqs: list[_Request]) -> list[RequestOutput]:
+        speculate = self.drafter is not None and self.gamma > 0
+        outs = self.target.forward_batch([r.kv for r in reqs], [r.req.prompt_ids for r in reqs],
+                                         with_features=speculate)
+        results = []
+        for r, o in zip(reqs, outs):
+            n = len(r.req.prompt_ids)
+            r.kv.append(o.new_kv, n)
+            tok = self._sample_one(r, o.logits[-1])
+            r.anchor, r.pos = tok, n
+            r.first_token_s = time.perf_counter()
+            if speculate:
+                r.draft_state = self.drafter.new_draft_state()
+                nxt = torch.tensor(r.req.prompt_ids[1:] + [tok])[None]
+                self.drafter.extend_context(r.draft_state, o.features[None].to(self._draft_dtype()),
+                                            torch.arange(n)[None], nxt)
+            results.append(self._commit(r, [tok]))
+            if r.finish_reason is None:
+                self.running.append(r)
+        return results
+
+    def _draft_dtype(self):
+        return next(self.drafter.parameters()).dtype
+
+    def _draft_lengths(self, reqs: list[_Request]) -> list[int]:
+        """The most draft tokens each request may verify: gamma, one less than its remaining
+        budget (a fully accepted block adds a bonus token), and the drafter's context limit."""
+        limit = self.drafter.config.max_position_embeddings if self.drafter is not None else 0
+        out = []
+        for r in reqs:
+            room = r.req.params.max_tokens - len(r.output) - 1
+            l = max(0, min(self.gamma, room))
+            out.append(0 if r.pos + l >= limit else l)  # beyond its context: target-only steps
+        return out
+
+    def _decode(self, reqs: list[_Request]) -> list[RequestOutput]:
+        t0 = time.perf_counter()
+        caps = self._draft_lengths(reqs) if self.scheduler_name != "none" else [0] * len(reqs)
+        drafting = [i for i, c in enumerate(caps) if c > 0]
+        tokens = [[] for _ in reqs]
+        probs: list = [None] * len(reqs)
+        conf_logits: list = [None] * len(reqs)
+        confidences = [[] for _ in reqs]
+        if drafting:
+            num = max(caps[i] for i in drafting)
+            rows = [reqs[i] for i in drafting]
+            anchors = torch.tensor([r.anchor for r in rows])
+            positions = torch.tensor([r.pos for r in rows])
+            temps = torch.tensor([r.req.params.temperature for r in rows])
+            top_p = torch.tensor([r.req.params.top_p for r in rows])
+            gens = [r.gen for r in rows]
+            if len(rows) == 1:
+                prop = self.drafter.propose_block(rows[0].draft_state, anchors, positions, num,
+                                                  temps, gens, top_p)
+            else:
+                # each row draws only its own cap's worth of randomness: a request's output never
+                # depends on who else is in the batch
+                limits = torch.tensor([caps[i] for i in drafting])
+                prop = self.drafter.propose_block_batch([r.draft_state for r in rows], anchors,
+                                                        positions, num, temps, gens, top_p, limits)
+            for j, i in enumerate(drafting):
+                tokens[i] = prop.tokens[j, :caps[i]].tolist()
+                if prop.probs is not None:
+                    probs[i] = prop.probs[j, :caps[i]]
+                if prop.confidence_logits is not None:
+                    z = prop.confidence_logits[j, :caps[i]]
+                    conf_logits[i] = z.tolist()
+                    confidences[i] = self.drafter.calibrated_confidence(z.float()).tolist()
+        lengths = self._schedule(confidences, caps)
+        t1 = time.perf_counter()
+        verify_in = [[r.anchor] + tokens[i][:lengths[i]] for i, r in enumerate(reqs)]
+        outs = self.target.forward_batch([r.kv for r in reqs], verify_in,
+                                         with_features=self.drafter is not None)
+        self.stats.batch_tokens += sum(len(v) for v in verify_in)
+        results = []
+        for i, (r, o) in enumerate(zip(reqs, outs)):
+            l = lengths[i]
+            draft = torch.tensor(tokens[i][:l], dtype=torch.long)
+            n, nxt = self._verify(r, draft, None if probs[i] is None else probs[i][:l], o.logits)
+            committed = draft[:n].tolist() + [nxt]
+            before = len(r.output)
+            results.append(self._commit(r, committed))
+            kept = len(r.output) - before
+            t2 = time.perf_counter()
+            r.rounds.append(RoundRecord(len(tokens[i]), l, min(n, kept), kept, t1 - t0, t2 - t1,
+                                        conf_logits[i]))
+            self.stats.record_round(len(tokens[i]), l, min(n, kept), kept)
+            if r.finish_reason is not None:
+                self.running.remove(r)
+                continue
+            # keep the anchor and the accepted drafts; rejected positions never enter a cache
+            r.kv.append(o.new_kv, n + 1)
+            if self.drafter is not None:
+                self.drafter.extend_context(
+                    r.draft_state, o.features[None, :n + 1].to(self._draft_dtype()),
+                    torch.arange(r.pos, r.pos + n + 1)[None], torch.tensor(committed)[None])
+            r.anchor, r.pos = nxt, r.pos + n + 1
+        self._stale.append(confidences)
+        return results
+
+    def _schedule(self, confidences: list[list[float]], caps: list[int]) -> list[int]:
+        """Per-request verification lengths from the configured policy, clipped to the caps."""
+        name = self.scheduler_name
+        if name == "none":
+            lengths = sched.no_speculation_schedule(len(caps))
+        elif name == "fixed":
+            lengths = sched.fixed_schedule(caps, self.gamma)
+        elif name == "static_threshold":
+            lengths = sched.static_threshold_schedule(confidences, self.config.threshold)
+        elif name == "dspark":
+            lengths = sched.dspark_schedule(confidences, self.sps, self.config.max_batch_tokens)
+        else:  # async: capacity from the confidences of two steps earlier (section 5.2)
+            stale = self._stale[0] if len(self._stale) == 2 else None
+            lengths = sched.async_schedule(confidences, stale, self.sps,
+                                           self.config.max_batch_tokens)
+        return [min(l, c) for l, c in zip(lengths, caps)]
+
+    def _verify(self, r: _Request, draft: torch.Tensor, draft_probs, logits: torch.Tensor):
+        p = r.req.params
+        if p.temperature <= 0:
+            return verify_greedy(draft, logits)
+        target_probs = warped_probs(logits, torch.full((logits.shape[0],), p.temperature),
+                                    torch.full((logits.shape[0],), p.top_p))
+        if draft_probs is None:
+            draft_probs = target_probs[:0]
+        return verify_sampled(draft, draft_probs, target_probs, r.gen)
+
+    def _sample_one(self, r: _Request, logits: torch.Tensor) -> int:
+        p = r.req.params
+        if p.temperature <= 0:
+            return int(logits.argmax())
+        probs = warped_probs(logits[None], torch.tensor([p.temperature]), torch.tensor([p.top_p]))
+        return int(torch.multinomial(probs[0], 1, generator=r.gen))
+
+    def _commit(self, r: _Request, tokens: list[int]) -> RequestOutput:
+        """Append committed tokens, ending exactly at EOS / a stop token (included), a stop string
+        (excluded from the text; tokens after the one completing it are dropped) or max_tokens."""
+        p = r.req.params
+        room = p.max_tokens - len(r.output)
+        keep = tokens[:room]
+        reason = "length" if len(tokens) >= room else None
+        for i, tok in enumerate(keep):
+            if tok in self.eos or tok in p.stop_token_ids:
+                keep, reason = keep[:i + 1], "stop"
+                break
+        text = ""
+        if r.detok is not None:
+            res = r.detok.add(keep)
+            text = res.text
+            if res.stopped:
+                keep, reason = keep[:res.num_tokens_kept], "stop"
+            elif reason is not None:
+                text += r.detok.finish()
+        r.output += keep
+        r.text += text
+        r.finish_reason = reason
+        return RequestOutput(r.req.request_id, keep, text, reason is not None, reason,
+                             len(r.req.prompt_ids), len(r.output))
+
+    def generate(self, requests: list[EngineRequest]) -> list["Completion"]:
+        """Offline use: add ``requests``, step until all finish, return them in order.
+
+        Raises:
+            RequestError: a request is rejected by :meth:`add_request`.
+        """
+        start = time.perf_counter()
+        states = []
+        for req in requests:
+            self.add_request(req)
+            states.append(self.waiting[-1])
+        while any(s.finish_reason is None for s in states):
+            self.step()
+        end = time.perf_counter()
+        return [Completion(s.req.request_id, s.output, s.text, s.finish_reason, s.rounds,
+                           s.first_token_s - s.arrival_s, end - start) for s in states]
+
+
+@dataclass
+class Completion:
+    """A finished request (offline :meth:`SpecEngine.generate`): tokens (EOS included when it
+    ended the output), text, finish_reason, rounds, time to first token and total seconds."""
+
+    request_id: str
+    tokens: list[int]
+    text: str
+    finish_reason: str
+    rounds: list[RoundRecord]
+    first_token_s: float
+    total_s: float

@@ -1,0 +1,23 @@
+"""Engine and request errors, typed by recoverability (vLLM's EngineDeadError / request errors)."""
+
+from __future__ import annotations
+
+
+class RequestError(ValueError):
+    """A request the engine cannot serve as asked (bad parameter, prompt too long, queue full).
+
+    Args:
+        message: what is wrong, naming the offending field.
+        status: the HTTP status an API layer should answer with (400, 413, 429, 503, ...).
+        field: the request field at fault, if any (for the JSON error body).
+    """
+
+    def __init__(self, message: str, status: int = 400, field: str | None = None):
+        super().__init__(message)
+        self.status = status
+        self.field = field
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop failed; every in-flight request is failed with this error and the
+    deployment's health check reports unhealthy."""

@@ -1,0 +1,60 @@
+"""Raw speculative-decoding counters (vLLM's SpecDecodingStats style): rates are derived when read,
+each definition written once here. Evaluation, serving and the benchmarks all read these.
+
+Definitions: a *round* is one verification of one request; tau = committed tokens per round
+(bonus token included, SPEC 0); acceptance at position k = accepted_per_position[k] /
+verified_per_position[k] (conditional on reaching position k, paper Fig. 2).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class SpecDecodeStats:
+    """Counters accumulated by the engine. ``verified_per_position[k]``: rounds that verified a
+    draft token at position k+1; ``accepted_per_position[k]``: rounds that accepted it."""
+
+    steps: int = 0
+    rounds: int = 0
+    committed_tokens: int = 0
+    drafted_tokens: int = 0
+    verified_tokens: int = 0
+    accepted_tokens: int = 0
+    batch_tokens: int = 0
+    verified_per_position: list = field(default_factory=list)
+    accepted_per_position: list = field(default_factory=list)
+
+    def record_round(self, drafted: int, verified: int, accepted: int, committed: int) -> None:
+        self.rounds += 1
+        self.drafted_tokens += drafted
+        self.verified_tokens += verified
+        self.accepted_tokens += accepted
+        self.committed_tokens += committed
+        grow = verified - len(self.verified_per_position)
+        if grow > 0:
+            self.verified_per_position += [0] * grow
+            self.accepted_per_position += [0] * grow
+        for k in range(verified):
+            self.verified_per_position[k] += 1
+            if k < accepted:
+                self.accepted_per_position[k] += 1
+
+    @property
+    def tau(self) -> float:
+        """Committed tokens per round (bonus included)."""
+        return self.committed_tokens / self.rounds if self.rounds else 0.0
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Accepted / verified draft tokens."""
+        return self.accepted_tokens / self.verified_tokens if self.verified_tokens else 0.0
+
+    def conditional_acceptance(self) -> list[float]:
+        return [a / v if v else 0.0 for a, v in zip(self.accepted_per_position,
+                                                    self.verified_per_position)]
+
+    def mean_verification_budget(self) -> float:
+        """Draft tokens verified per request per round."""
+        return self.verified_tokens / self.rounds if self.rounds else 0.0

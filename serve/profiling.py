@@ -1,0 +1,164 @@
+"""SPS(B) profiling: target steps per second at a verification batch of B tokens (SPEC 6).
+
+At engine start-up the target's batched forward pass is timed over the batch-token sizes the
+engine can run (several requests, each with a cached context, verifying blocks of gamma + 1
+tokens). The measurements become an :class:`serve.scheduler.SPSTable` and are stored as JSON next
+to the drafter checkpoint together with a fingerprint of the hardware, software and model; a
+stored profile is reused only when the fingerprint matches, otherwise the target is re-profiled.
+
+CLI (prints the table):
+    python -m serve.profiling --target PATH --dtype bfloat16 --max-batch-tokens 64
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import os
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from .scheduler import SPSTable
+from .target_runner import TargetKV, TargetRunner
+
+logger = logging.getLogger(__name__)
+PROFILE_NAME = "sps_profile.json"
+
+
+def hardware_fingerprint(runner: TargetRunner) -> dict:
+    """What SPS depends on: device, threads, software versions, model and dtype."""
+    if runner.device.type == "cuda":
+        device = torch.cuda.get_device_name(runner.device)
+    else:
+        device = platform.processor() or platform.machine()
+        try:
+            with open("/proc/cpuinfo") as fh:
+                device = next((l.split(":", 1)[1].strip() for l in fh if l.startswith("model name")),
+                              device)
+        except OSError:
+            pass
+    cfg = runner.model.config
+    return {"device": device, "device_type": runner.device.type, "cpu_count": os.cpu_count(),
+            "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
+            "model": getattr(cfg, "_name_or_path", ""), "num_layers": cfg.num_hidden_layers,
+            "hidden_size": cfg.hidden_size, "dtype": str(runner.dtype)}
+
+
+def batch_grid(max_tokens: int) -> list[int]:
+    """Batch-token sizes to time: every size up to 8, then roughly geometric up to max_tokens."""
+    sizes = set(range(1, min(8, max_tokens) + 1))
+    b = 8
+    while b < max_tokens:
+        b = min(max_tokens, int(math.ceil(b * 1.5)))
+        sizes.add(b)
+    return sorted(sizes)
+
+
+@torch.no_grad()
+def profile_sps(runner: TargetRunner, max_tokens: int, block_tokens: int = 8,
+                context_len: int = 128, repeats: int = 3, seed: int = 0) -> dict[int, float]:
+    """Time batched verification forward passes.
+
+    A batch of B tokens is ceil(B / block_tokens) requests, each with ``context_len`` cached
+    tokens, verifying ``block_tokens`` tokens (the last one fewer), as a speculative step does.
+
+    Args:
+        runner: the target.
+        max_tokens: the largest B to time.
+        block_tokens: tokens per request (gamma + 1).
+        context_len: cached tokens per request.
+        repeats: timed passes per size (the median is kept, after one warm-up).
+    Returns:
+        {B: steps per second}.
+    """
+    g = torch.Generator().manual_seed(seed)
+    vocab = runner.model.config.vocab_size
+    n_req = math.ceil(max_tokens / block_tokens)
+    caches = []
+    for _ in range(n_req):
+        kv = TargetKV()
+        out = runner.forward_batch([kv], [torch.randint(0, vocab, (context_len,), generator=g).tolist()],
+                                   with_features=False)[0]
+        kv.append(out.new_kv, context_len)
+        caches.append(kv)
+    result = {}
+    for b in batch_grid(max_tokens):
+        r = math.ceil(b / block_tokens)
+        sizes = [block_tokens] * (r - 1) + [b - block_tokens * (r - 1)]
+        tokens = [torch.randint(0, vocab, (n,), generator=g).tolist() for n in sizes]
+        runner.forward_batch(caches[:r], tokens, with_features=True)  # warm-up
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            runner.forward_batch(caches[:r], tokens, with_features=True)
+            if runner.device.type == "cuda":
+                torch.cuda.synchronize(runner.device)
+            times.append(time.perf_counter() - start)
+        result[b] = 1.0 / statistics.median(times)
+    return result
+
+
+def load_or_profile(runner: TargetRunner, directory: str | Path | None, max_tokens: int,
+                    block_tokens: int = 8, repeats: int = 3) -> SPSTable:
+    """The SPS table for this hardware and model: reuse ``directory/sps_profile.json`` when its
+    fingerprint matches and it covers ``max_tokens``, else profile and (if ``directory`` is
+    writable) store it."""
+    fingerprint = hardware_fingerprint(runner)
+    path = Path(directory) / PROFILE_NAME if directory else None
+    if path is not None and path.is_file():
+        stored = json.loads(path.read_text())
+        if stored.get("fingerprint") == fingerprint and stored.get("max_tokens", 0) >= max_tokens:
+            logger.info("SPS profile reused from %s", path)
+            return SPSTable.from_dict(stored["table"])
+        logger.info("SPS profile at %s is for other hardware or sizes: re-profiling", path)
+    start = time.perf_counter()
+    measured = profile_sps(runner, max_tokens, block_tokens, repeats=repeats)
+    table = SPSTable.from_measurements(measured)
+    logger.info("profiled SPS(B) for B <= %d in %.1f s", max_tokens, time.perf_counter() - start)
+    if path is not None:
+        try:
+            path.write_text(json.dumps({"fingerprint": fingerprint, "max_tokens": max_tokens,
+                                        "measured": {str(k): v for k, v in measured.items()},
+                                        "table": table.to_dict()}, indent=1))
+        except OSError as err:
+            logger.warning("could not store the SPS profile at %s: %s", path, err)
+    return table
+
+
+def format_table(table: SPSTable, step: int = 1) -> str:
+    """SPS(B) and the token throughput B * SPS(B) as a text table."""
+    lines = [f"{'B':>5} {'SPS (steps/s)':>14} {'B x SPS (tokens/s)':>19}"]
+    for b in range(1, table.max_tokens + 1, step):
+        lines.append(f"{b:>5} {table.sps(b):>14.2f} {b * table.sps(b):>19.1f}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="Profile SPS(B) of a target model and print it.")
+    parser.add_argument("--target", required=True, help="from_pretrained name or directory")
+    parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--max-batch-tokens", type=int, default=64)
+    parser.add_argument("--block-tokens", type=int, default=8, help="gamma + 1")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--out", default=None, help="directory to store sps_profile.json in")
+    parser.add_argument("--threads", type=int, default=None)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    from pipeline.target import load_target
+
+    runner = TargetRunner(load_target(os.path.expanduser(args.target), args.dtype), [])
+    table = load_or_profile(runner, args.out, args.max_batch_tokens, args.block_tokens, args.repeats)
+    print(format_table(table))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,72 @@
+"""What flows into and out of the speculative engine: per-request sampling parameters, requests and
+their incremental outputs. Plain dataclasses; the HTTP layer maps OpenAI fields onto them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .errors import RequestError
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Per-request decoding parameters.
+
+    max_tokens: hard cap on generated tokens (>= 1); temperature: 0 = greedy, else the sampling
+    temperature of target and drafter alike; top_p: nucleus mass in (0, 1]; seed: seeds this
+    request's own RNG (None = engine-chosen); stop: strings that end the output (not included);
+    stop_token_ids: extra token ids that end the output (included, like EOS).
+    """
+
+    max_tokens: int = 256
+    temperature: float = 1.0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+
+    def validate(self) -> None:
+        """Raises:
+            RequestError: a parameter out of range (field named)."""
+        if self.max_tokens < 1:
+            raise RequestError(f"max_tokens must be >= 1, got {self.max_tokens}", field="max_tokens")
+        if not self.temperature >= 0:
+            raise RequestError(f"temperature must be >= 0, got {self.temperature}",
+                               field="temperature")
+        if not 0 < self.top_p <= 1:
+            raise RequestError(f"top_p must be in (0, 1], got {self.top_p}", field="top_p")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            raise RequestError("stop strings must be non-empty strings", field="stop")
+
+
+@dataclass
+class EngineRequest:
+    """A request handed to :meth:`serve.engine.SpecEngine.add_request`.
+
+    prompt_ids: the rendered prompt (chat template already applied), non-empty.
+    """
+
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams = field(default_factory=SamplingParams)
+
+
+@dataclass
+class RequestOutput:
+    """What one engine step produced for one request.
+
+    new_token_ids: tokens committed this step (after stop truncation); new_text: their text delta
+    (never splits a multi-byte character, never repeats earlier text, excludes a matched stop
+    string); finished / finish_reason: ``"stop"`` (EOS, stop token or stop string), ``"length"``
+    (max_tokens) or ``"abort"``; num_prompt_tokens / num_generated_tokens: usage so far (emitted
+    tokens only).
+    """
+
+    request_id: str
+    new_token_ids: list[int]
+    new_text: str
+    finished: bool
+    finish_reason: str | None
+    num_prompt_tokens: int
+    num_generated_tokens: int

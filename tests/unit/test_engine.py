@@ -1,0 +1,219 @@
+"""SpecEngine with continuous batching (SPEC sections 5, 6, 8): greedy output identical to the
+target alone for every request of a changing batch, sampled token statistics equal to target-only
+sampling for every shipped scheduler (chi-square), exact stopping, budgets, aborts, admission
+limits, and SPS profiling."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from serve.config import EngineConfig
+from serve.engine import SpecEngine
+from serve.errors import RequestError
+from serve.profiling import batch_grid, load_or_profile, profile_sps
+from serve.requests import EngineRequest, SamplingParams
+from serve.scheduler import SPSTable
+from serve.target_runner import TargetRunner
+from tests.tiny import tiny_drafter, tiny_target
+from tests.unit.helpers import (bigram_table, greedy_reference, oracle_drafter, permuted_target,
+                                randomize_heads, scripted_drafter)
+from tests.unit.test_speculative_lossless import _exact_first_tokens, _pooled_chisquare
+
+LAYERS = [1, 3]
+# a synthetic SPS curve: flat, then falling (a verification batch of B tokens costs more)
+SPS = SPSTable.from_measurements({1: 100.0, 8: 95.0, 16: 80.0, 64: 30.0, 256: 8.0})
+
+
+@pytest.fixture(scope="module")
+def varied_target():
+    return permuted_target()
+
+
+@pytest.fixture(scope="module")
+def corrupted_table(varied_target):
+    table = bigram_table(varied_target).clone()
+    g = torch.Generator().manual_seed(3)
+    v = table.numel()
+    idx = torch.randperm(v, generator=g)[: v // 3]
+    table[idx] = (table[idx] + 1 + torch.randint(0, v - 1, (idx.numel(),), generator=g)) % v
+    return table
+
+
+def _engine(target, drafter, scheduler="fixed", eos=(), **cfg):
+    config = EngineConfig(scheduler=scheduler, sps_profile="off", **cfg)
+    return SpecEngine(TargetRunner(target, LAYERS if drafter is None else
+                                   drafter.config.target_layer_ids), drafter, list(eos), config,
+                      sps=SPS)
+
+
+def _run(engine, pending: dict[int, list[EngineRequest]]):
+    """Step until done, adding pending[step] requests before that step; returns id -> tokens."""
+    out: dict[str, list[int]] = {}
+    reasons: dict[str, str] = {}
+    step = 0
+    while engine.has_unfinished() or any(k >= step for k in pending):
+        for req in pending.get(step, []):
+            engine.add_request(req)
+            out[req.request_id] = []
+        for o in engine.step():
+            out[o.request_id] += o.new_token_ids
+            if o.finished:
+                reasons[o.request_id] = o.finish_reason
+        step += 1
+    return out, reasons
+
+
+# ----------------------------------------------------------------------------- greedy, batched
+@pytest.mark.parametrize("scheduler", ["fixed", "dspark", "static_threshold", "async", "none"])
+def test_batched_greedy_equals_target_alone_while_requests_join_and_leave(
+        varied_target, corrupted_table, scheduler):
+    d = randomize_heads(oracle_drafter(varied_target, corrupted_table, "markov", 4))
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, 96, (n,), generator=g).tolist() for n in (3, 9, 1, 14, 6, 5)]
+    budgets = [25, 7, 18, 30, 2, 12]
+    reqs = [EngineRequest(f"r{i}", p, SamplingParams(max_tokens=m, temperature=0.0))
+            for i, (p, m) in enumerate(zip(prompts, budgets))]
+    engine = _engine(varied_target, d, scheduler, threshold=0.3)
+    out, reasons = _run(engine, {0: reqs[:3], 2: reqs[3:5], 5: reqs[5:]})
+    for i, (p, m) in enumerate(zip(prompts, budgets)):
+        assert out[f"r{i}"] == greedy_reference(varied_target, p, m), f"request {i}"
+        assert reasons[f"r{i}"] == "length"
+    assert not engine.running and not engine.waiting  # finished requests leave the batch
+    if scheduler != "none":
+        assert engine.stats.accepted_tokens > 0 and engine.stats.verified_tokens > \
+            engine.stats.accepted_tokens  # blocks both accepted and rejected
+
+
+def test_eos_inside_an_accepted_block_ends_the_output_there(varied_target):
+    prompt = [5, 17, 33]
+    ref = greedy_reference(varied_target, prompt, 40)
+    eos = ref[9]  # the 10th token: inside a block of the scripted (always accepted) drafter
+    first = ref.index(eos)
+    d = scripted_drafter(tiny_drafter(varied_target, block_size=4), prompt, ref)
+    engine = _engine(varied_target, d, "fixed", eos=[eos])
+    out, reasons = _run(engine, {0: [EngineRequest("a", prompt, SamplingParams(40, 0.0))]})
+    assert out["a"] == ref[:first + 1] and reasons["a"] == "stop"
+    # usage counts emitted tokens only: the prefill token plus what the rounds committed
+    assert 1 + engine.stats.committed_tokens == first + 1
+
+
+@pytest.mark.parametrize("budget", [1, 4, 5, 9, 13])
+def test_output_never_exceeds_max_tokens_even_when_a_whole_block_is_accepted(varied_target,
+                                                                             budget):
+    prompt = [2, 4, 6]
+    ref = greedy_reference(varied_target, prompt, 40)
+    d = scripted_drafter(tiny_drafter(varied_target, block_size=4), prompt, ref)
+    engine = _engine(varied_target, d, "fixed")
+    out, reasons = _run(engine, {0: [EngineRequest("a", prompt, SamplingParams(budget, 0.0))]})
+    assert out["a"] == ref[:budget] and reasons["a"] == "length"
+
+
+def test_abort_frees_the_request_and_others_go_on(varied_target, corrupted_table):
+    d = oracle_drafter(varied_target, corrupted_table, "markov", 4)
+    engine = _engine(varied_target, d, "fixed")
+    engine.add_request(EngineRequest("a", [1, 2, 3], SamplingParams(50, 0.0)))
+    engine.add_request(EngineRequest("b", [4, 5], SamplingParams(20, 0.0)))
+    engine.step()
+    engine.step()
+    assert engine.abort("a") and not engine.abort("a")
+    tokens = []
+    while engine.has_unfinished():
+        tokens += [t for o in engine.step() if o.request_id == "b" for t in o.new_token_ids]
+    assert [r.req.request_id for r in engine.running] == []
+    ref = greedy_reference(varied_target, [4, 5], 20)
+    assert ref[len(ref) - len(tokens):] == tokens  # b's remaining output continued correctly
+
+
+def test_admission_errors_name_the_problem(varied_target):
+    engine = _engine(varied_target, None, "none", max_num_requests=1, max_waiting=1,
+                     max_model_len=64)
+    with pytest.raises(RequestError, match="prompt is empty"):
+        engine.add_request(EngineRequest("x", [], SamplingParams(4)))
+    with pytest.raises(RequestError, match="exceeds the model length") as err:
+        engine.add_request(EngineRequest("x", [1] * 60, SamplingParams(8)))
+    assert err.value.status == 413
+    with pytest.raises(RequestError, match="temperature"):
+        engine.add_request(EngineRequest("x", [1], SamplingParams(4, temperature=-1)))
+    with pytest.raises(RequestError, match="stop strings need"):
+        engine.add_request(EngineRequest("x", [1], SamplingParams(4, stop=("a",))))
+    engine.add_request(EngineRequest("a", [1], SamplingParams(4)))
+    engine.add_request(EngineRequest("b", [1], SamplingParams(4)))  # fills the one waiting slot
+    with pytest.raises(RequestError, match="capacity") as err:
+        engine.add_request(EngineRequest("c", [1], SamplingParams(4)))
+    assert err.value.status == 429
+
+
+def test_confidence_schedulers_need_a_confidence_head_and_sps(varied_target):
+    dflash = tiny_drafter(varied_target, drafter_type="dflash")
+    with pytest.raises(ValueError, match="confidence head"):
+        _engine(varied_target, dflash, "dspark")
+    d = tiny_drafter(varied_target)
+    with pytest.raises(ValueError, match="SPS"):
+        SpecEngine(TargetRunner(varied_target, LAYERS), d, [], EngineConfig(scheduler="dspark"))
+
+
+# ----------------------------------------------------------------------------- sampling
+@pytest.fixture(scope="module")
+def sampling_pair():
+    target = tiny_target(vocab_size=12, num_layers=2, seed=0)
+    with torch.no_grad():
+        target.model.embed_tokens.weight.mul_(0.5)
+    d = randomize_heads(tiny_drafter(target, layer_ids=(0, 1), block_size=4), seed=1, scale=1.0)
+    with torch.no_grad():  # confidences that vary strongly with the drafted prefix
+        d.confidence.proj.weight.mul_(4.0)
+    return target, d
+
+
+@pytest.mark.parametrize("scheduler", ["dspark", "async", "static_threshold", "fixed", "none"])
+def test_sampled_tokens_follow_the_target_distribution_for_every_scheduler(sampling_pair,
+                                                                          scheduler):
+    """Many requests with different seeds decode together; the joint law of their first three
+    tokens must be the target's exact one (lossless whatever the scheduler decides)."""
+    target, d = sampling_pair
+    v = target.config.vocab_size
+    prompt = [3, 7, 2, 9, 5]
+    exact = _exact_first_tokens(target, prompt)
+    engine = _engine(target, d, scheduler, threshold=0.4, max_num_requests=48, max_waiting=2000)
+    n = 1500
+    reqs = [EngineRequest(f"s{i}", prompt, SamplingParams(4, temperature=1.0, seed=i))
+            for i in range(n)]
+    out, _ = _run(engine, {0: reqs})
+    counts = np.zeros((v, v, v))
+    for toks in out.values():
+        counts[tuple(toks[:3])] += 1
+    p12 = _pooled_chisquare(counts.sum(2), exact.sum(2))
+    p123 = _pooled_chisquare(counts, exact)
+    assert p12 > 1e-3 and p123 > 1e-3, (scheduler, p12, p123)
+    if scheduler != "none":
+        assert engine.stats.verified_tokens > 0
+    if scheduler in ("dspark", "static_threshold"):
+        # the policy really varied the verification length with the confidences
+        assert 0 < engine.stats.verified_tokens < 2 * engine.stats.rounds
+
+
+def test_requests_in_one_batch_do_not_influence_each_other(sampling_pair):
+    """A request's sampled output depends only on its own seed, not on who shares the batch."""
+    target, d = sampling_pair
+    crowd = [EngineRequest(f"o{i}", [4, i % 12, 6], SamplingParams(9, 0.7, 0.9, seed=i))
+             for i in range(6)]
+    together, _ = _run(_engine(target, d, "fixed", max_num_requests=8),
+                       {0: crowd[:3] + [EngineRequest("x", [1, 2, 3], SamplingParams(12, 1.0, seed=7))],
+                        1: crowd[3:]})
+    alone, _ = _run(_engine(target, d, "fixed"),
+                    {0: [EngineRequest("x", [1, 2, 3], SamplingParams(12, 1.0, seed=7))]})
+    assert together["x"] == alone["x"] and len(alone["x"]) == 12
+
+
+# ----------------------------------------------------------------------------- SPS profiling
+def test_sps_profile_is_measured_stored_and_reused(varied_target, tmp_path):
+    runner = TargetRunner(varied_target, LAYERS)
+    assert batch_grid(20) == [1, 2, 3, 4, 5, 6, 7, 8, 12, 18, 20]
+    measured = profile_sps(runner, 12, block_tokens=4, context_len=16, repeats=1)
+    assert set(measured) == set(batch_grid(12)) and all(v > 0 for v in measured.values())
+    table = load_or_profile(runner, tmp_path, 12, block_tokens=4, repeats=1)
+    assert table.max_tokens == 12 and (tmp_path / "sps_profile.json").is_file()
+    stored = (tmp_path / "sps_profile.json").read_text()
+    again = load_or_profile(runner, tmp_path, 12, block_tokens=4, repeats=1)
+    assert again == table and (tmp_path / "sps_profile.json").read_text() == stored
