@@ -34,9 +34,9 @@ def main() -> int:
     args = parser.parse_args()
     cfg = load_config(args.config, args.set)
     ctx = StageContext.create(cfg)
-    drafter = ctx.run_dir / "train" / "drafter"
+    drafter = ctx.run_dir / "calibrate" / "drafter"  # the calibrated checkpoint the pipeline ships
     if not drafter.exists():
-        print(f"no trained drafter at {drafter}: run the pipeline first", file=sys.stderr)
+        print(f"no calibrated drafter at {drafter}: run the pipeline first", file=sys.stderr)
         return 1
     e = cfg.eval
     data_dir = Path(storage.resolve(e.data_dir))

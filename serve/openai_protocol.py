@@ -1,0 +1,422 @@
+"""OpenAI-compatible request, response and error models for ``/v1/completions`` and
+``/v1/chat/completions`` (pydantic v2; no Ray, no torch).
+
+Source: OpenAI API reference, "Completions" (legacy) and "Chat Completions" (create, the chat
+completion object, the chunk object, streaming) and "Error codes"; vLLM's
+``entrypoints/openai/protocol.py`` for the shape of a self-hosted server.
+
+Field policy (checked against the official ``openai`` Python client 3.57, which sends only the
+arguments the caller passes, no extra fields by default):
+
+* supported: ``model``, ``prompt`` / ``messages``, ``max_tokens`` (chat also
+  ``max_completion_tokens``), ``temperature``, ``top_p``, ``seed``, ``stop``, ``stream``,
+  ``stream_options.include_usage``, ``n`` (only 1), ``user``;
+* accepted and ignored (no effect on decoding): ``store``, ``metadata``, ``service_tier``,
+  ``prompt_cache_key``, ``safety_identifier``, ``parallel_tool_calls``;
+* accepted only at their neutral value, else 400 naming the field: ``frequency_penalty``,
+  ``presence_penalty`` (0), ``logit_bias`` (empty), ``logprobs`` / ``top_logprobs`` /
+  ``echo`` / ``suffix`` / ``best_of``, ``tools`` (empty) / ``tool_choice`` ("none"),
+  ``response_format`` (``{"type": "text"}``);
+* anything else: 400 ``Unrecognized request argument supplied: <field>`` (the message the OpenAI
+  API itself answers with), so a typo such as ``max_token`` never silently falls back to a
+  default.
+
+Errors are ``{"error": {"message", "type", "param", "code"}}`` with the HTTP status of
+:class:`APIError`. Usage counts only emitted tokens (SPEC section 8): ``completion_tokens`` is the
+engine's ``num_generated_tokens`` after stop trimming, never more than ``max_tokens``.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+MAX_STOP_STRINGS = 4  # OpenAI: "Up to 4 sequences where the API will stop generating"
+
+# HTTP status -> OpenAI error "type"
+ERROR_TYPES = {400: "invalid_request_error", 404: "invalid_request_error",
+               413: "invalid_request_error", 429: "rate_limit_error", 500: "server_error",
+               503: "service_unavailable"}
+
+
+# ------------------------------------------------------------------------------------- errors
+class APIError(Exception):
+    """An error answered as an OpenAI JSON error body.
+
+    Args:
+        status: HTTP status (400 bad request, 404 unknown model, 413 prompt + max_tokens beyond
+            the model length, 429 engine queue full, 503 engine dead).
+        message: human-readable cause, naming the offending field.
+        param: the request field at fault (dotted path), or None.
+        code: machine-readable code (``model_not_found``, ``context_length_exceeded``, ...).
+    """
+
+    def __init__(self, status: int, message: str, param: str | None = None,
+                 code: str | None = None, type: str | None = None):  # noqa: A002 (OpenAI name)
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.type = type or ERROR_TYPES.get(status, "server_error" if status >= 500
+                                            else "invalid_request_error")
+
+    def body(self) -> dict:
+        """The JSON body: ``{"error": {"message", "type", "param", "code"}}``."""
+        return {"error": {"message": self.message, "type": self.type, "param": self.param,
+                          "code": self.code}}
+
+
+def _loc_to_param(loc: tuple) -> str | None:
+    parts = [str(p) for p in loc if p != "body"]
+    return ".".join(parts) or None
+
+
+def validation_error(errors: list[dict]) -> APIError:
+    """Map pydantic / FastAPI validation errors to one 400 :class:`APIError` naming the first
+    offending field (all problems are listed in the message)."""
+    messages, first_param = [], None
+    for err in errors:
+        param = _loc_to_param(tuple(err.get("loc", ())))
+        kind = err.get("type", "")
+        if kind == "extra_forbidden":
+            msg = f"Unrecognized request argument supplied: {param}"
+        elif kind == "json_invalid":
+            param, msg = None, f"request body is not valid JSON: {err.get('msg', '')}"
+        else:
+            text = str(err.get("msg", "invalid value")).removeprefix("Value error, ")
+            msg = f"{param}: {text}" if param else text
+        if first_param is None:
+            first_param = param
+        messages.append(msg)
+    return APIError(400, "; ".join(messages) or "invalid request", param=first_param,
+                    code="invalid_value")
+
+
+def from_validation_error(err: ValidationError) -> APIError:
+    return validation_error(err.errors())
+
+
+# ------------------------------------------------------------------------------------ requests
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    include_usage: bool = Field(False, description="Send a last chunk with usage (tokens) and "
+                                "no choices before ``data: [DONE]``.")
+
+
+class _SamplingFields(BaseModel):
+    """Fields shared by both endpoints (OpenAI semantics, defaults filled by the server)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str = Field(description="Served model name (GET /v1/models).")
+    max_tokens: int | None = Field(None, ge=1, description="Cap on generated tokens; None = the "
+                                   "server's default_max_tokens, clipped to the model length.")
+    temperature: float | None = Field(None, ge=0.0, le=2.0, description="0 = greedy; default 1.0.")
+    top_p: float | None = Field(None, gt=0.0, le=1.0, description="Nucleus mass; default 1.0.")
+    seed: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX, description="Seeds the request's "
+                             "own RNG (reproducible sampling on the same server build).")
+    stop: str | list[str] | None = Field(None, description="Up to 4 strings that end the output "
+                                         "(not included).")
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: int = Field(1, description="Choices per request; only 1 is supported.")
+    user: str | None = Field(None, max_length=256, description="End-user id (metrics tag).")
+    # accepted only at their neutral values
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    # accepted and ignored
+    store: bool | None = None
+    metadata: dict[str, str] | None = None
+    service_tier: str | None = None
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
+
+    @field_validator("n")
+    @classmethod
+    def _only_one_choice(cls, v: int) -> int:
+        if v != 1:
+            raise ValueError(f"only n=1 is supported, got {v}")
+        return v
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_strings(cls, v):
+        stops = [v] if isinstance(v, str) else list(v or [])
+        if len(stops) > MAX_STOP_STRINGS:
+            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings, got {len(stops)}")
+        if any(not s for s in stops):
+            raise ValueError("stop strings must be non-empty")
+        return stops
+
+    @field_validator("frequency_penalty", "presence_penalty")
+    @classmethod
+    def _no_penalty(cls, v):
+        if v not in (None, 0, 0.0):
+            raise ValueError("penalties are not supported by this server (only 0)")
+        return v
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _no_logit_bias(cls, v):
+        if v:
+            raise ValueError("logit_bias is not supported by this server")
+        return v
+
+    def stop_strings(self) -> tuple[str, ...]:
+        return tuple(self.stop or ())
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+    def requested_max_tokens(self) -> int | None:
+        return self.max_tokens
+
+
+class CompletionRequest(_SamplingFields):
+    """``POST /v1/completions`` body: one prompt (text, or token ids), one choice."""
+
+    prompt: str | list[str] | list[int] = Field(description="Text, a one-element list of text, "
+                                                "or token ids.")
+    echo: bool = False
+    logprobs: int | None = None
+    suffix: str | None = None
+    best_of: int | None = None
+
+    @field_validator("prompt")
+    @classmethod
+    def _one_prompt(cls, v):
+        if isinstance(v, list) and v and isinstance(v[0], str):
+            if len(v) != 1:
+                raise ValueError(f"only one prompt per request is supported, got {len(v)}")
+            return v[0]
+        return v
+
+    @field_validator("echo")
+    @classmethod
+    def _no_echo(cls, v):
+        if v:
+            raise ValueError("echo is not supported by this server")
+        return v
+
+    @field_validator("logprobs")
+    @classmethod
+    def _no_logprobs(cls, v):
+        if v is not None:
+            raise ValueError("logprobs are not supported by this server")
+        return v
+
+    @field_validator("suffix")
+    @classmethod
+    def _no_suffix(cls, v):
+        if v:
+            raise ValueError("suffix is not supported by this server")
+        return v
+
+    @field_validator("best_of")
+    @classmethod
+    def _no_best_of(cls, v):
+        if v not in (None, 1):
+            raise ValueError("only best_of=1 is supported")
+        return v
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    """One message of ``messages``. ``developer`` is rendered as ``system`` (OpenAI's rename);
+    content may be a string or a list of text parts (joined); ``name`` is accepted and dropped."""
+
+    model_config = ConfigDict(extra="forbid")
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+    def as_template_message(self) -> dict:
+        content = self.content
+        if isinstance(content, list):
+            content = "".join(p.text for p in content)
+        return {"role": "system" if self.role == "developer" else self.role,
+                "content": content or ""}
+
+
+class ChatCompletionRequest(_SamplingFields):
+    """``POST /v1/chat/completions`` body: rendered with the tokenizer's chat template."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1, description="Newer name of max_tokens; "
+                                              "wins when both are given.")
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    response_format: dict[str, Any] | None = None
+
+    @field_validator("logprobs")
+    @classmethod
+    def _no_logprobs(cls, v):
+        if v:
+            raise ValueError("logprobs are not supported by this server")
+        return v
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _no_top_logprobs(cls, v):
+        if v:
+            raise ValueError("top_logprobs are not supported by this server")
+        return v
+
+    @field_validator("tools")
+    @classmethod
+    def _no_tools(cls, v):
+        if v:
+            raise ValueError("tools are not supported by this server")
+        return v
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _no_tool_choice(cls, v):
+        if v not in (None, "none", "auto"):
+            raise ValueError("tool_choice is not supported by this server (only 'none' or 'auto')")
+        return v
+
+    @field_validator("response_format")
+    @classmethod
+    def _text_only(cls, v):
+        if v is not None and v.get("type") != "text":
+            raise ValueError("only response_format {'type': 'text'} is supported")
+        return v
+
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens or self.max_tokens
+
+    def template_messages(self) -> list[dict]:
+        return [m.as_template_message() for m in self.messages]
+
+
+# ----------------------------------------------------------------------------------- responses
+class Usage(BaseModel):
+    """Token counts of one request: emitted tokens only (stop-trimmed, <= max_tokens)."""
+
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+    @classmethod
+    def of(cls, prompt_tokens: int, completion_tokens: int) -> Usage:
+        return cls(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                   total_tokens=prompt_tokens + completion_tokens)
+
+
+FinishReason = Literal["stop", "length"]
+
+
+class CompletionChoice(BaseModel):
+    index: int = 0
+    text: str
+    logprobs: None = None
+    finish_reason: FinishReason | None = None
+
+
+class CompletionResponse(BaseModel):
+    """``text_completion`` object; also the streamed chunk (one delta of ``text`` per chunk)."""
+
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int = 0
+    message: AssistantMessage
+    logprobs: None = None
+    finish_reason: FinishReason
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class DeltaMessage(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(BaseModel):
+    index: int = 0
+    delta: DeltaMessage
+    logprobs: None = None
+    finish_reason: FinishReason | None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    """``chat.completion.chunk``: the first carries ``delta.role``, then one per engine step with
+    new text, then one with ``finish_reason``; with ``include_usage`` a last one with
+    ``choices == []`` and ``usage``."""
+
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "dspark-ray"
+    root: str | None = Field(None, description="The target model behind the served name.")
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+# ------------------------------------------------------------------------------------- helpers
+def new_id(prefix: str) -> str:
+    """``cmpl-<hex>`` / ``chatcmpl-<hex>`` (OpenAI id shapes)."""
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def now_s() -> int:
+    """``created``: Unix time in whole seconds."""
+    return int(time.time())
+
+
+def sse(payload: BaseModel | dict) -> str:
+    """One server-sent event: ``data: <json>\\n\\n`` (None fields kept, as OpenAI sends them)."""
+    if isinstance(payload, BaseModel):
+        return f"data: {payload.model_dump_json()}\n\n"
+    import json
+
+    return f"data: {json.dumps(payload)}\n\n"
+
+
+SSE_DONE = "data: [DONE]\n\n"
