@@ -33,11 +33,13 @@ def build_drafter(config: DSparkConfig, embed_weight: torch.Tensor,
 
 
 def load_drafter(path: str | Path, target_model, target_name: str,
-                 dtype: torch.dtype = torch.float32) -> DrafterBase:
+                 dtype: torch.dtype = torch.float32,
+                 allow_name_mismatch: bool = False) -> DrafterBase:
     """Load the drafter directory ``path`` for ``target_model`` (a HF causal LM).
 
     The target's embedding and LM head are bound to the drafter; the checkpoint's recorded target
-    is checked first (vocabulary, hidden size, layer ids).
+    is checked first (model name, vocabulary, hidden size, layer ids; see
+    :func:`drafters.modeling.check_target_compatibility`).
 
     Raises:
         FileNotFoundError: no drafter checkpoint at ``path``.
@@ -49,7 +51,7 @@ def load_drafter(path: str | Path, target_model, target_name: str,
     config = DSparkConfig.from_pretrained(path)
     tc = target_model.config
     check_target_compatibility(config, target_name, tc.vocab_size, tc.hidden_size,
-                               tc.num_hidden_layers)
+                               tc.num_hidden_layers, allow_name_mismatch)
     cls = drafter_class(config.drafter_type)
     return cls.from_pretrained(path, target_model.get_input_embeddings().weight,
                                target_model.get_output_embeddings().weight, dtype=dtype)

@@ -115,7 +115,8 @@ class DrafterBase(nn.Module):
         config = DSparkConfig.from_pretrained(path)
         model = cls(config, embed_weight, lm_head_weight)
         model.load_state_dict(load_file(str(path / WEIGHTS_NAME)), strict=True)
-        return model.to(dtype).eval()
+        # the drafter runs where the target's tensors are (they were bound as buffers)
+        return model.to(device=embed_weight.device, dtype=dtype).eval()
 
     def num_trainable_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters() if p.requires_grad)
@@ -383,14 +384,28 @@ class DSparkDrafter(DrafterBase):
                             row_limits)
 
 
+def _model_basename(name: str) -> str:
+    """'Qwen/Qwen3-4B', '/models/Qwen3-4B/' and '~/x/qwen3-4b' all give 'qwen3-4b'."""
+    return name.rstrip("/").split("/")[-1].lower()
+
+
 def check_target_compatibility(config: DSparkConfig, target_name: str, vocab_size: int,
-                               hidden_size: int, num_layers: int) -> None:
+                               hidden_size: int, num_layers: int,
+                               allow_name_mismatch: bool = False) -> None:
     """Reject a drafter trained for another target.
 
+    The names are compared by their last path component (a hub id and a local copy of the same
+    model match); a renamed copy can be accepted with ``allow_name_mismatch``, the shapes never.
+
     Raises:
-        ValueError: naming each mismatch (vocabulary, hidden size, layer ids out of range).
+        ValueError: naming each mismatch (model name, vocabulary, hidden size, layer ids).
     """
     problems = []
+    trained, serving = _model_basename(config.target_name_or_path), _model_basename(target_name)
+    if not allow_name_mismatch and trained and serving and trained != serving:
+        problems.append(f"model name {trained!r} != serving target's {serving!r} (a fine-tune of "
+                        "the same base still changes acceptance; pass allow_name_mismatch for a "
+                        "renamed copy)")
     if config.target_vocab_size != vocab_size:
         problems.append(f"vocab size {config.target_vocab_size} != target's {vocab_size}")
     if config.target_hidden_size != hidden_size:

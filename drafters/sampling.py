@@ -66,5 +66,6 @@ def sample_rows(logits: torch.Tensor, temperature, top_p=1.0, generator=None,
         probs[rows] = p
         for j, r in enumerate(rows.tolist()):
             g = generator[r] if isinstance(generator, (list, tuple)) else generator
-            tokens[r] = torch.multinomial(p[j], 1, generator=g).squeeze(-1)
+            # per-request generators live on the CPU (seeded, device independent)
+            tokens[r] = torch.multinomial(p[j].cpu(), 1, generator=g).squeeze(-1)
     return tokens, probs

@@ -42,7 +42,8 @@ def collect_rounds(*, target: str, dtype: str, drafter_dir: str, template_kwargs
     if num_threads:
         torch.set_num_threads(num_threads)
     tokenizer = load_tokenizer(target)
-    model = load_target(target, dtype)
+    # inside a Ray task with eval/calibrate gpus > 0 CUDA is visible: decode there
+    model = load_target(target, dtype).to("cuda" if torch.cuda.is_available() else "cpu")
     drafter = load_drafter(drafter_dir, model, target, dtype=DTYPES[dtype])
     gamma = drafter.config.block_size
     out = {"gamma": gamma, "has_confidence": drafter.config.confidence_head, "rounds": []}

@@ -150,7 +150,8 @@ def evaluate(*, target: str, dtype: str, drafter_dir: str, template_kwargs: dict
     if num_threads:
         torch.set_num_threads(num_threads)
     tokenizer = load_tokenizer(target)
-    model = load_target(target, dtype)
+    # inside a Ray task with eval/calibrate gpus > 0 CUDA is visible: decode there
+    model = load_target(target, dtype).to("cuda" if torch.cuda.is_available() else "cpu")
     drafter = load_drafter(drafter_dir, model, target, dtype=DTYPES[dtype])
     runner = TargetRunner(model, drafter.config.target_layer_ids)
     decoder = SpeculativeDecoder(runner, drafter, [tokenizer.eos_token_id])

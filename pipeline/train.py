@@ -100,7 +100,11 @@ def deepspeed_config(tc: dict, world_size: int) -> dict:
         "steps_per_print": 10**9,
     }
     # bf16 runs as autocast around the forward (train_loop_per_worker): the weights, gradients and
-    # optimizer state stay fp32 (SPEC 3: bf16 with fp32 master weights) on CPU and GPU alike
+    # optimizer state stay fp32 (SPEC 3: bf16 with fp32 master weights) on CPU and GPU alike. On
+    # CUDA, DeepSpeed's engine.forward re-enters autocast(enabled=False) unless its own
+    # torch_autocast section asks for bf16, which would silently run the backbone in fp32.
+    if tc["precision"] == "bf16" and tc["use_gpu"]:
+        cfg["torch_autocast"] = {"enabled": True, "dtype": "bfloat16"}
     return cfg
 
 
@@ -136,8 +140,9 @@ def batch_losses(model, samples: list[dict], tc: dict, objective: str, weights, 
 METRIC_KEYS = ("loss", "ce", "tv", "conf", "soft_ce", "tau")
 
 
-def reduce_metrics(outs: list[dict], block_size: int, prefix: str = "") -> dict:
-    """Mean of per-micro-batch metrics over micro-batches and all workers (all-reduce)."""
+def reduce_metrics(outs: list[dict], block_size: int, prefix: str = "", device=None) -> dict:
+    """Mean of per-micro-batch metrics over micro-batches and all workers (all-reduce on
+    ``device``: NCCL reduces only GPU tensors, gloo CPU ones)."""
     import torch
     import torch.distributed as dist
 
@@ -147,7 +152,9 @@ def reduce_metrics(outs: list[dict], block_size: int, prefix: str = "") -> dict:
         vec[len(METRIC_KEYS):-1] += o["accept_rate"].detach().float().cpu()
         vec[-1] += 1
     if dist.is_available() and dist.is_initialized():
+        vec = vec.to(device or "cpu")
         dist.all_reduce(vec)
+        vec = vec.cpu()
     vec = vec / vec[-1].clamp(min=1)
     out = {f"{prefix}{k}": float(vec[i]) for i, k in enumerate(METRIC_KEYS)}
     out.update({f"{prefix}accept_rate@{k + 1}": float(vec[len(METRIC_KEYS) + k])
@@ -233,7 +240,7 @@ def train_loop_per_worker(loop_cfg: dict) -> None:
                 outs.append(batch_losses(engine, heldout_reader.read(rows), tc, objective,
                                          weights, device, gens))
         engine.train()
-        return reduce_metrics(outs, dcfg.block_size, prefix="heldout_")
+        return reduce_metrics(outs, dcfg.block_size, prefix="heldout_", device=device)
 
     per_epoch = loop_cfg["steps_per_epoch"]
     history, last = [], {"step": step}
@@ -250,7 +257,7 @@ def train_loop_per_worker(loop_cfg: dict) -> None:
             outs.append(out)
         step += 1
         last = {"step": step, "epoch": epoch, "lr": engine.get_lr()[0],
-                **reduce_metrics(outs, dcfg.block_size)}
+                **reduce_metrics(outs, dcfg.block_size, device=device)}
         if heldout_rows is not None and (step % tc["eval_every"] == 0 or step == total_steps):
             last.update(heldout_metrics())
         history.append(last)

@@ -151,6 +151,9 @@ def worker_micro_batches(order: np.ndarray, step_in_epoch: int, global_batch_siz
 
 def row_generator(seed: int, epoch: int, row_id: int):
     """The anchor-sampling RNG of one row in one epoch (independent of which worker reads it)."""
+    import hashlib
+
     import torch
 
-    return torch.Generator().manual_seed((seed * 1_000_003 + epoch) * 1_000_000_007 + row_id)
+    digest = hashlib.blake2b(f"{seed}/{epoch}/{row_id}".encode(), digest_size=8).digest()
+    return torch.Generator().manual_seed(int.from_bytes(digest, "little") >> 1)  # 63 bits

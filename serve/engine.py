@@ -197,9 +197,11 @@ class SpecEngine:
             r.first_token_s = time.perf_counter()
             if speculate:
                 r.draft_state = self.drafter.new_draft_state()
-                nxt = torch.tensor(r.req.prompt_ids[1:] + [tok])[None]
-                self.drafter.extend_context(r.draft_state, o.features[None].to(self._draft_dtype()),
-                                            torch.arange(n)[None], nxt)
+                dev = self._draft_device()
+                nxt = torch.tensor(r.req.prompt_ids[1:] + [tok], device=dev)[None]
+                self.drafter.extend_context(
+                    r.draft_state, o.features[None].to(device=dev, dtype=self._draft_dtype()),
+                    torch.arange(n, device=dev)[None], nxt)
             results.append(self._commit(r, [tok]))
             if r.finish_reason is None:
                 self.running.append(r)
@@ -207,6 +209,9 @@ class SpecEngine:
 
     def _draft_dtype(self):
         return next(self.drafter.parameters()).dtype
+
+    def _draft_device(self):
+        return next(self.drafter.parameters()).device
 
     def _draft_lengths(self, reqs: list[_Request]) -> list[int]:
         """The most draft tokens each request may verify: gamma, one less than its remaining
@@ -230,8 +235,9 @@ class SpecEngine:
         if drafting:
             num = max(caps[i] for i in drafting)
             rows = [reqs[i] for i in drafting]
-            anchors = torch.tensor([r.anchor for r in rows])
-            positions = torch.tensor([r.pos for r in rows])
+            dev = self._draft_device()
+            anchors = torch.tensor([r.anchor for r in rows], device=dev)
+            positions = torch.tensor([r.pos for r in rows], device=dev)
             temps = torch.tensor([r.req.params.temperature for r in rows])
             top_p = torch.tensor([r.req.params.top_p for r in rows])
             gens = [r.gen for r in rows]
@@ -277,9 +283,11 @@ class SpecEngine:
             # keep the anchor and the accepted drafts; rejected positions never enter a cache
             r.kv.append(o.new_kv, n + 1)
             if self.drafter is not None:
+                dev = self._draft_device()
                 self.drafter.extend_context(
-                    r.draft_state, o.features[None, :n + 1].to(self._draft_dtype()),
-                    torch.arange(r.pos, r.pos + n + 1)[None], torch.tensor(committed)[None])
+                    r.draft_state, o.features[None, :n + 1].to(device=dev, dtype=self._draft_dtype()),
+                    torch.arange(r.pos, r.pos + n + 1, device=dev)[None],
+                    torch.tensor(committed, device=dev)[None])
             r.anchor, r.pos = nxt, r.pos + n + 1
         self._stale.append(confidences)
         return results
@@ -305,8 +313,9 @@ class SpecEngine:
         p = r.req.params
         if p.temperature <= 0:
             return verify_greedy(draft, logits)
-        target_probs = warped_probs(logits, torch.full((logits.shape[0],), p.temperature),
-                                    torch.full((logits.shape[0],), p.top_p))
+        rows = logits.shape[0]
+        target_probs = warped_probs(logits, torch.full((rows,), p.temperature, device=logits.device),
+                                    torch.full((rows,), p.top_p, device=logits.device))
         if draft_probs is None:
             draft_probs = target_probs[:0]
         return verify_sampled(draft, draft_probs, target_probs, r.gen)
@@ -315,8 +324,10 @@ class SpecEngine:
         p = r.req.params
         if p.temperature <= 0:
             return int(logits.argmax())
-        probs = warped_probs(logits[None], torch.tensor([p.temperature]), torch.tensor([p.top_p]))
-        return int(torch.multinomial(probs[0], 1, generator=r.gen))
+        dev = logits.device
+        probs = warped_probs(logits[None], torch.tensor([p.temperature], device=dev),
+                             torch.tensor([p.top_p], device=dev))
+        return int(torch.multinomial(probs[0].cpu(), 1, generator=r.gen))
 
     def _commit(self, r: _Request, tokens: list[int]) -> RequestOutput:
         """Append committed tokens, ending exactly at EOS / a stop token (included), a stop string

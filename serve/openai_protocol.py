@@ -52,12 +52,17 @@ class APIError(Exception):
             the model length, 429 engine queue full, 503 engine dead).
         message: human-readable cause, naming the offending field.
         param: the request field at fault (dotted path), or None.
-        code: machine-readable code (``model_not_found``, ``context_length_exceeded``, ...).
+        code: machine-readable code (``model_not_found``, ``context_length_exceeded``,
+            ``queue_full``, ``engine_dead``, ``invalid_value``).
+        type: OpenAI error type; default from the status (:data:`ERROR_TYPES`).
+        headers: extra response headers (``Retry-After`` on 429).
     """
 
     def __init__(self, status: int, message: str, param: str | None = None,
-                 code: str | None = None, type: str | None = None):  # noqa: A002 (OpenAI name)
+                 code: str | None = None, type: str | None = None,  # noqa: A002 (OpenAI name)
+                 headers: dict[str, str] | None = None):
         super().__init__(message)
+        self.headers = headers
         self.status = status
         self.message = message
         self.param = param

@@ -23,7 +23,8 @@ def verify_greedy(draft_tokens: torch.Tensor, target_logits: torch.Tensor) -> tu
     Returns:
         (number accepted n, the target token after the accepted prefix).
     """
-    target_tokens = target_logits.argmax(-1)
+    target_tokens = target_logits.argmax(-1).cpu()
+    draft_tokens = draft_tokens.cpu()
     l = draft_tokens.numel()
     matches = (draft_tokens == target_tokens[:l]).int()
     n = int(matches.cumprod(0).sum()) if l else 0
@@ -46,6 +47,9 @@ def verify_sampled(draft_tokens: torch.Tensor, draft_probs: torch.Tensor,
     Returns:
         (number accepted n, recovered or bonus token).
     """
+    # the request's generator is a CPU generator: the (small) decision tensors move to the CPU
+    target_probs, draft_probs = target_probs.cpu(), draft_probs.cpu()
+    draft_tokens = draft_tokens.cpu()
     l = draft_tokens.numel()
     if l:
         idx = torch.arange(l)

@@ -306,20 +306,24 @@ def test_calibrated_confidence_of_a_short_block(target):
 
 # ----------------------------------------------------------------------------- compatibility
 def test_check_target_compatibility(target):
-    cfg = tiny_drafter(target).config  # vocab 96, hidden 64, layers [1, 3]
-    check_target_compatibility(cfg, "tiny", 96, 64, 6)  # compatible: no error
+    cfg = tiny_drafter(target).config  # "tiny-qwen3": vocab 96, hidden 64, layers [1, 3]
+    check_target_compatibility(cfg, "tiny-qwen3", 96, 64, 6)  # compatible: no error
+    check_target_compatibility(cfg, "/models/Tiny-Qwen3/", 96, 64, 6)  # a local copy matches
     with pytest.raises(ValueError, match="vocab size 96 != target's 100") as e:
         check_target_compatibility(cfg, "other-model", 100, 64, 6)
     assert "other-model" in str(e.value) and "tiny-qwen3" in str(e.value)
     assert "hidden size" not in str(e.value)
+    with pytest.raises(ValueError, match="model name 'tiny-qwen3' != serving target's 'tiny-2'"):
+        check_target_compatibility(cfg, "org/tiny-2", 96, 64, 6)
+    check_target_compatibility(cfg, "org/tiny-2", 96, 64, 6, allow_name_mismatch=True)
     with pytest.raises(ValueError, match="hidden size 64 != target's 128"):
-        check_target_compatibility(cfg, "x", 96, 128, 6)
+        check_target_compatibility(cfg, "tiny-qwen3", 96, 128, 6)
     with pytest.raises(ValueError, match="layer ids") as e:
-        check_target_compatibility(cfg, "x", 96, 64, 3)
+        check_target_compatibility(cfg, "tiny-qwen3", 96, 64, 3)
     assert "vocab" not in str(e.value)
-    check_target_compatibility(cfg, "x", 96, 64, 4)  # layer 3 exists in a 4-layer target
+    check_target_compatibility(cfg, "tiny-qwen3", 96, 64, 4)  # layer 3 exists in a 4-layer target
     with pytest.raises(ValueError) as e:
-        check_target_compatibility(cfg, "x", 10, 32, 2)
+        check_target_compatibility(cfg, "tiny-qwen3", 10, 32, 2)
     msg = str(e.value)
     assert "vocab size" in msg and "hidden size" in msg and "layer ids" in msg
 
@@ -328,7 +332,7 @@ def test_check_target_compatibility_rejects_negative_layer_ids(target):
     cfg = tiny_drafter(target).config
     cfg.target_layer_ids = [-1, 3]
     with pytest.raises(ValueError, match="layer ids"):
-        check_target_compatibility(cfg, "x", 96, 64, 6)
+        check_target_compatibility(cfg, "tiny-qwen3", 96, 64, 6)
 
 
 def test_drafter_rejects_mismatched_target_tensors(target):

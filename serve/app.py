@@ -1,0 +1,543 @@
+"""The Ray Serve app: an OpenAI-compatible HTTP server over one speculative engine per replica.
+
+The only module of ``serve`` that imports Ray (STYLE section 2, item 1). Each replica loads the
+target, its tokenizer and the drafter, profiles SPS(B) when the scheduler needs it (SPEC 6), and
+drives one :class:`serve.engine.SpecEngine` through :class:`serve.async_engine.AsyncSpecEngine`
+(the one decoding loop every caller shares, STYLE item 8).
+
+Start it from a Ray Serve config file (``applications[].import_path: serve.app:build_app``, the
+``args`` block validated by :class:`ServeConfig`)::
+
+    serve run infra/configs/serve_quickstart.yaml
+
+or from Python: ``serve.start(http_options=...); serve.run(build_app({...}))``.
+
+Routes (OpenAI API reference; bodies in :mod:`serve.openai_protocol`):
+
+* ``POST /v1/completions``, ``POST /v1/chat/completions``: JSON, or server-sent events
+  (``data: {chunk}\\n\\n`` ... ``data: [DONE]\\n\\n``) with ``"stream": true``. Chat messages are
+  rendered with the tokenizer's chat template and ``chat_template_kwargs`` (the same variables
+  the training data used, SPEC 8: no template or thinking-mode mismatch).
+* ``GET /v1/models``; ``GET /health`` (200 with queue counts, 503 when the engine is dead).
+
+Errors are ``{"error": {"message", "type", "param", "code"}}``: 400 for a bad field (named in
+``param``; pydantic errors mapped), 404 ``model_not_found``, 413 ``context_length_exceeded``
+when prompt + max_tokens exceed the model length (OpenAI answers 400 with the same code; 413 is
+this server's choice so clients can tell it from a malformed request), 429 ``queue_full`` with
+``Retry-After`` when the engine's waiting queue is full (requests are refused, never queued
+without bound), 503 ``engine_dead``. A client that disconnects cancels its request in the engine.
+
+Metrics (``ray.serve.metrics``, exported to Prometheus by Ray; names get Ray's ``ray_`` prefix and
+counters a ``_total`` suffix): see :class:`ServeMetrics`.
+"""
+
+import asyncio
+import logging
+import time
+from pathlib import Path
+from typing import Any, Literal
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field
+from ray import serve
+from ray.serve import metrics as serve_metrics
+from ray.serve.deployment import Application
+
+from .async_engine import (AsyncSpecEngine, EngineSnapshot, RequestStream, copy_stats,
+                           rounds_by_verified_length, stats_delta)
+from .config import EngineConfig
+from .errors import EngineDeadError, RequestError
+from .metrics import SpecDecodeStats
+from .openai_protocol import (SSE_DONE, APIError, AssistantMessage, ChatChoice, ChatChunkChoice,
+                              ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse,
+                              CompletionChoice, CompletionRequest, CompletionResponse,
+                              DeltaMessage, ModelCard, ModelList, Usage, new_id, now_s, sse,
+                              validation_error)
+from .requests import EngineRequest, RequestOutput, SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class ServeConfig(BaseModel):
+    """The ``args`` of the Serve application (``build_app``). Relative paths resolve against the
+    project root (``pipeline.storage.resolve``)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    target: str = Field(description="`from_pretrained` name or directory of the target; a value "
+                        "starting with '.', '/' or '~' is a path (relative: project root).")
+    drafter: str | None = Field(None, description="Drafter checkpoint directory (relative: project "
+                                "root); null serves the target alone.")
+    allow_target_name_mismatch: bool = Field(
+        False, description="Serve a drafter whose recorded target has another name (a renamed "
+        "copy of the same model); shapes are always checked.")
+    dtype: Literal["float32", "bfloat16", "float16"] = Field(
+        "bfloat16", description="Target and drafter dtype (bf16 is the fast CPU path, STACK.md).")
+    served_model_name: str | None = Field(None, description="The `model` clients send; default: "
+                                          "the target's name (a path's last component).")
+    chat_template_kwargs: dict[str, Any] = Field(
+        default_factory=lambda: {"enable_thinking": False},
+        description="Extra chat-template variables; must equal the ones the training data used.")
+    num_threads: int | None = Field(None, ge=1, description="torch intra-op threads per replica "
+                                    "(CPU); None = torch's default.")
+    num_cpus: float = Field(1.0, gt=0, description="Logical CPUs Ray reserves per replica.")
+    default_max_tokens: int = Field(256, ge=1, description="max_tokens when a request omits it "
+                                    "(tokens); clipped to the room left in the model length.")
+    max_ongoing_requests: int | None = Field(
+        None, ge=1, description="Ray Serve's per-replica concurrency cap (requests); None = "
+        "engine.max_num_requests + engine.max_waiting + 16, so the engine's own admission control "
+        "answers 429 before Serve queues anything.")
+    metrics_interval_s: float = Field(1.0, gt=0, description="Seconds between engine-counter "
+                                      "exports to Ray's metrics.")
+    engine: EngineConfig = Field(default_factory=EngineConfig)
+
+    def model_name(self) -> str:
+        if self.served_model_name:
+            return self.served_model_name
+        return Path(self.target).name if _is_path(self.target) else self.target
+
+
+def _is_path(name_or_path: str) -> bool:
+    return name_or_path.startswith((".", "/", "~"))
+
+
+def eos_token_ids(tokenizer, model) -> list[int]:
+    """Tokens that end generation: the tokenizer's EOS plus the model's (generation) config EOS
+    (Qwen3 lists two)."""
+    ids: list[int] = []
+    candidates = [tokenizer.eos_token_id, getattr(model.config, "eos_token_id", None),
+                  getattr(getattr(model, "generation_config", None), "eos_token_id", None)]
+    for c in candidates:
+        for t in (c if isinstance(c, (list, tuple)) else [c]):
+            if isinstance(t, int) and t >= 0 and t not in ids:
+                ids.append(t)
+    return ids
+
+
+def load_engine(cfg: ServeConfig):
+    """Load target, tokenizer and drafter and build the :class:`SpecEngine` (no Ray).
+
+    The SPS(B) table is measured (or reused from ``<drafter>/sps_profile.json`` when its hardware
+    fingerprint matches) only for the dspark and async schedulers; ``engine.sps_profile: off``
+    assumes SPS constant.
+
+    Returns:
+        the engine (its ``tokenizer`` attribute set).
+    Raises:
+        FileNotFoundError: target or drafter missing (path named).
+        ValueError: the drafter was trained for another target (each mismatch named), or the
+            scheduler needs a confidence head the drafter lacks.
+    """
+    import torch
+
+    from drafters.loading import load_drafter
+    from pipeline.storage import resolve
+    from pipeline.target import DTYPES, load_target, load_tokenizer
+
+    from .engine import SpecEngine
+    from .profiling import load_or_profile
+    from .scheduler import SPSTable
+    from .target_runner import TargetRunner
+
+    if cfg.num_threads:
+        torch.set_num_threads(cfg.num_threads)
+    target = resolve(cfg.target) if _is_path(cfg.target) else cfg.target
+    tokenizer = load_tokenizer(target)
+    model = load_target(target, cfg.dtype)
+    drafter, drafter_dir = None, None
+    if cfg.drafter:
+        drafter_dir = resolve(cfg.drafter)
+        drafter = load_drafter(drafter_dir, model, cfg.target, dtype=DTYPES[cfg.dtype],
+                               allow_name_mismatch=cfg.allow_target_name_mismatch)
+    layer_ids = list(drafter.config.target_layer_ids) if drafter is not None else []
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    runner = TargetRunner(model, layer_ids, pad)
+    sps = None
+    if drafter is not None and cfg.engine.scheduler in ("dspark", "async"):
+        gamma = min(drafter.config.block_size, cfg.engine.num_draft_tokens or 10**9)
+        if cfg.engine.sps_profile == "auto":
+            start = time.perf_counter()
+            sps = load_or_profile(runner, drafter_dir, cfg.engine.max_batch_tokens,
+                                  block_tokens=gamma + 1, repeats=cfg.engine.sps_repeats)
+            logger.info("SPS(B) ready for B <= %d in %.1f s", sps.max_tokens,
+                        time.perf_counter() - start)
+        else:
+            sps = SPSTable((1.0,) * cfg.engine.max_batch_tokens)
+    return SpecEngine(runner, drafter, eos_token_ids(tokenizer, model), cfg.engine,
+                      tokenizer=tokenizer, sps=sps)
+
+
+# ------------------------------------------------------------------------------------- metrics
+TOKENS_PER_S_BUCKETS = [1, 2, 5, 10, 20, 30, 50, 80, 120, 200, 300, 500, 1000, 2000, 5000]
+TTFT_BUCKETS_S = [0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120]
+
+
+class ServeMetrics:
+    """Replica metrics through ``ray.serve.metrics`` (deployment/replica/application tags added by
+    Serve). Engine counters are exported as differences of :class:`EngineSnapshot` taken
+    periodically on the replica's event loop, so the engine thread never touches a metric.
+
+    Counters (tokens unless noted): ``dspark_drafted_tokens``, ``dspark_verified_draft_tokens``,
+    ``dspark_accepted_tokens``, ``dspark_committed_tokens`` (bonus included), ``dspark_rounds``
+    (one request verified once), ``dspark_engine_steps``; per draft position k (tag ``position``,
+    1-based): ``dspark_verified_tokens_per_position`` and ``dspark_accepted_tokens_per_position``
+    (their ratio is the conditional acceptance at k, paper Fig. 2; SPEC 5).
+    Histograms: ``dspark_verification_budget_tokens`` (draft tokens verified per request per step,
+    l_r of SPEC 6; buckets at k + 0.5), ``dspark_request_decode_tokens_per_s`` (per request, tokens
+    after the first / seconds after the first, tag ``user`` = the OpenAI ``user`` field or
+    ``anonymous``), ``dspark_time_to_first_token_s`` (s, from request arrival).
+    Gauges: ``dspark_num_waiting_requests`` (queue length), ``dspark_num_running_requests``,
+    ``dspark_engine_alive`` (1/0).
+    """
+
+    COUNTERS = {"drafted_tokens": "dspark_drafted_tokens",
+                "verified_tokens": "dspark_verified_draft_tokens",
+                "accepted_tokens": "dspark_accepted_tokens",
+                "committed_tokens": "dspark_committed_tokens",
+                "rounds": "dspark_rounds", "steps": "dspark_engine_steps"}
+
+    def __init__(self, gamma: int):
+        m = serve_metrics
+        self.counters = {field: m.Counter(name, description=f"SpecDecodeStats.{field} (raw).")
+                         for field, name in self.COUNTERS.items()}
+        self.verified_pos = m.Counter("dspark_verified_tokens_per_position", tag_keys=("position",),
+                                      description="Rounds that verified draft position k.")
+        self.accepted_pos = m.Counter("dspark_accepted_tokens_per_position", tag_keys=("position",),
+                                      description="Rounds that accepted draft position k.")
+        self.budget = m.Histogram("dspark_verification_budget_tokens",
+                                  description="Draft tokens verified per request per step.",
+                                  boundaries=[k + 0.5 for k in range(max(gamma, 1) + 1)])
+        self.decode_tps = m.Histogram("dspark_request_decode_tokens_per_s", tag_keys=("user",),
+                                      description="Per-request decode speed (tokens/s).",
+                                      boundaries=TOKENS_PER_S_BUCKETS)
+        self.ttft = m.Histogram("dspark_time_to_first_token_s", boundaries=TTFT_BUCKETS_S,
+                                description="Request arrival to first token (s).")
+        self.waiting = m.Gauge("dspark_num_waiting_requests", description="Engine queue length.")
+        self.running = m.Gauge("dspark_num_running_requests", description="Requests decoding.")
+        self.alive = m.Gauge("dspark_engine_alive", description="1 while the engine is healthy.")
+        self._prev = SpecDecodeStats()
+        self.exported = SpecDecodeStats()  # totals pushed so far (for /health and tests)
+
+    def update(self, snap: EngineSnapshot) -> None:
+        """Push the counter increments since the previous call and set the gauges."""
+        delta = stats_delta(self._prev, snap.stats)
+        self._prev = snap.stats
+        for field, counter in self.counters.items():
+            value = getattr(delta, field)
+            if value > 0:
+                counter.inc(value)
+        for k, (v, a) in enumerate(zip(delta.verified_per_position, delta.accepted_per_position)):
+            if v > 0:
+                self.verified_pos.inc(v, tags={"position": str(k + 1)})
+            if a > 0:
+                self.accepted_pos.inc(a, tags={"position": str(k + 1)})
+        for length, count in rounds_by_verified_length(delta).items():
+            for _ in range(count):
+                self.budget.observe(length)
+        self.waiting.set(snap.num_waiting)
+        self.running.set(snap.num_running)
+        self.alive.set(0 if snap.dead else 1)
+        self.exported = copy_stats(snap.stats)
+
+
+class _RequestTimer:
+    """Time to first token and decode tokens/s of one request, measured on the event loop."""
+
+    def __init__(self, metrics: ServeMetrics, user: str | None, arrival_s: float):
+        self.metrics, self.user, self.arrival_s = metrics, (user or "anonymous")[:64], arrival_s
+        self.first_s: float | None = None
+        self.first_tokens = 0
+        self.last_s = arrival_s
+        self.done = False
+
+    def observe(self, out: RequestOutput) -> None:
+        now = time.perf_counter()
+        if out.new_token_ids and self.first_s is None:
+            self.first_s, self.first_tokens = now, out.num_generated_tokens
+            self.metrics.ttft.observe(now - self.arrival_s)
+        self.last_s = now
+
+    def finish(self, last: RequestOutput | None) -> None:
+        if self.done or last is None or not last.finished or self.first_s is None:
+            return
+        self.done = True
+        tokens, seconds = last.num_generated_tokens - self.first_tokens, self.last_s - self.first_s
+        if tokens > 0 and seconds > 0:
+            self.metrics.decode_tps.observe(tokens / seconds, tags={"user": self.user})
+
+
+# ---------------------------------------------------------------------------------------- app
+api = FastAPI(title="dspark-ray", description="OpenAI-compatible speculative decoding (DSpark).")
+
+
+@api.exception_handler(APIError)
+async def _api_error(request: Request, exc: APIError):
+    return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+
+
+@api.exception_handler(RequestValidationError)
+async def _validation_error(request: Request, exc: RequestValidationError):
+    err = validation_error(list(exc.errors()))
+    return JSONResponse(err.body(), status_code=err.status)
+
+
+def _request_error(err: RequestError, chat: bool) -> APIError:
+    """Map an engine :class:`RequestError` to its OpenAI error (status kept)."""
+    param = err.field
+    if param == "prompt" and chat:
+        param = "messages"
+    code = {413: "context_length_exceeded", 429: "queue_full"}.get(err.status, "invalid_value")
+    headers = {"Retry-After": "1"} if err.status == 429 else None
+    return APIError(err.status, str(err), param=param, code=code, headers=headers)
+
+
+def _dead_error(err: EngineDeadError) -> APIError:
+    return APIError(503, f"the engine is dead: {err}", code="engine_dead")
+
+
+@serve.deployment(name="SpecServer", health_check_period_s=10, health_check_timeout_s=30,
+                  graceful_shutdown_timeout_s=10)
+@serve.ingress(api)
+class SpecServer:
+    """One replica: an :class:`AsyncSpecEngine` behind the OpenAI routes.
+
+    Args:
+        config: a :class:`ServeConfig` as a dict.
+    Raises:
+        ValueError / FileNotFoundError: from :func:`load_engine` (the replica fails to start).
+    """
+
+    def __init__(self, config: dict):
+        self.cfg = ServeConfig.model_validate(config)
+        engine = load_engine(self.cfg)
+        self.engine = AsyncSpecEngine(engine, num_threads=self.cfg.num_threads)
+        self.tokenizer = engine.tokenizer
+        self.vocab_size = engine.target.model.config.vocab_size
+        self.model_name = self.cfg.model_name()
+        self.created = now_s()
+        self.metrics = ServeMetrics(engine.gamma)
+        self._pump_task: asyncio.Task | None = None
+        logger.info("serving %s: target %s, drafter %s, scheduler %s, gamma %d",
+                    self.model_name, self.cfg.target, self.cfg.drafter, engine.scheduler_name,
+                    engine.gamma)
+
+    # --------------------------------------------------------------------------- lifecycle
+    def _ensure_pump(self) -> None:
+        """Start the periodic metrics export on the replica's event loop (once)."""
+        if self._pump_task is None or self._pump_task.done():
+            self._pump_task = asyncio.get_running_loop().create_task(self._pump())
+
+    async def _pump(self) -> None:
+        while True:
+            try:
+                self.metrics.update(self.engine.snapshot())
+            except Exception:  # noqa: BLE001 - metrics must never take the replica down
+                logger.exception("metrics export failed")
+            await asyncio.sleep(self.cfg.metrics_interval_s)
+
+    async def check_health(self) -> None:
+        """Ray Serve's replica health check: raises EngineDeadError once the engine died, so
+        Serve replaces the replica."""
+        self._ensure_pump()
+        self.engine.check_health()
+
+    def __del__(self):
+        engine = getattr(self, "engine", None)
+        if engine is not None:
+            engine.shutdown(timeout_s=5.0)
+
+    async def engine_state(self) -> dict:
+        """Engine counters for operators and tests (DeploymentHandle call)."""
+        snap = self.engine.snapshot()
+        return {"num_waiting": snap.num_waiting, "num_running": snap.num_running,
+                "num_finished": snap.num_finished, "num_aborted": snap.num_aborted,
+                "num_rejected": snap.num_rejected, "dead": snap.dead,
+                "scheduler": self.engine.engine.scheduler_name, "gamma": self.engine.engine.gamma,
+                "stats": vars(copy_stats(snap.stats)),
+                "exported_stats": vars(copy_stats(self.metrics.exported))}
+
+    # ------------------------------------------------------------------------------ routes
+    @api.get("/health")
+    async def health(self):
+        """200 ``{"status": "ok", num_waiting, num_running, ...}``; 503 once the engine died."""
+        self._ensure_pump()
+        try:
+            self.engine.check_health()
+        except EngineDeadError as err:
+            raise _dead_error(err) from err
+        snap = self.engine.snapshot()
+        return {"status": "ok", "model": self.model_name, "num_waiting": snap.num_waiting,
+                "num_running": snap.num_running, "num_finished": snap.num_finished,
+                "num_aborted": snap.num_aborted, "num_rejected": snap.num_rejected}
+
+    @api.get("/v1/models")
+    async def models(self):
+        return ModelList(data=[ModelCard(id=self.model_name, created=self.created,
+                                         root=self.cfg.target)]).model_dump()
+
+    @api.post("/v1/completions")
+    async def completions(self, body: CompletionRequest):
+        """OpenAI ``POST /v1/completions`` (one prompt, one choice)."""
+        arrival_s = time.perf_counter()
+        self._check_model(body.model)
+        if isinstance(body.prompt, str):
+            prompt_ids = self.tokenizer(body.prompt)["input_ids"]
+        else:
+            prompt_ids = list(body.prompt)
+            bad = [t for t in prompt_ids if not 0 <= t < self.vocab_size]
+            if bad:
+                raise APIError(400, f"prompt: token ids {bad[:5]} outside the vocabulary "
+                               f"[0, {self.vocab_size})", param="prompt", code="invalid_value")
+        return await self._serve(body, prompt_ids, chat=False, arrival_s=arrival_s)
+
+    @api.post("/v1/chat/completions")
+    async def chat_completions(self, body: ChatCompletionRequest):
+        """OpenAI ``POST /v1/chat/completions`` rendered with the chat template (one choice)."""
+        arrival_s = time.perf_counter()
+        self._check_model(body.model)
+        from pipeline.chat import render_prompt_ids
+
+        try:
+            prompt_ids = render_prompt_ids(self.tokenizer, body.template_messages(),
+                                           self.cfg.chat_template_kwargs)
+        except Exception as err:  # noqa: BLE001 - jinja errors raised by the template itself
+            raise APIError(400, f"messages: the chat template cannot render them: {err}",
+                           param="messages", code="invalid_value") from err
+        return await self._serve(body, prompt_ids, chat=True, arrival_s=arrival_s)
+
+    # ----------------------------------------------------------------------------- helpers
+    def _check_model(self, model: str) -> None:
+        self._ensure_pump()
+        if model != self.model_name:
+            raise APIError(404, f"The model `{model}` does not exist; this server serves "
+                           f"`{self.model_name}` (GET /v1/models).", param="model",
+                           code="model_not_found")
+
+    def _sampling_params(self, body, num_prompt: int, chat: bool) -> SamplingParams:
+        limit = self.engine.max_model_len
+        if num_prompt >= limit:
+            raise APIError(413, f"the prompt has {num_prompt} tokens; the model length is {limit}",
+                           param="messages" if chat else "prompt",
+                           code="context_length_exceeded")
+        max_tokens = body.requested_max_tokens()
+        if max_tokens is None:
+            max_tokens = min(self.cfg.default_max_tokens, limit - num_prompt)
+        return SamplingParams(max_tokens=max_tokens,
+                              temperature=1.0 if body.temperature is None else body.temperature,
+                              top_p=1.0 if body.top_p is None else body.top_p, seed=body.seed,
+                              stop=body.stop_strings())
+
+    async def _serve(self, body, prompt_ids: list[int], chat: bool, arrival_s: float):
+        params = self._sampling_params(body, len(prompt_ids), chat)
+        request_id = new_id("chatcmpl" if chat else "cmpl")
+        try:
+            stream = await self.engine.add_request(EngineRequest(request_id, prompt_ids, params))
+        except RequestError as err:
+            raise _request_error(err, chat) from err
+        except EngineDeadError as err:
+            raise _dead_error(err) from err
+        timer = _RequestTimer(self.metrics, body.user, arrival_s)
+        created = now_s()
+        if body.stream:
+            events = (self._chat_events if chat else self._completion_events)(
+                stream, request_id, created, body.include_usage, timer)
+            return StreamingResponse(events, media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache"})
+        text, last = await self._collect(stream, timer)
+        usage = Usage.of(stream.num_prompt_tokens, last.num_generated_tokens)
+        if chat:
+            return ChatCompletionResponse(
+                id=request_id, created=created, model=self.model_name, usage=usage,
+                choices=[ChatChoice(message=AssistantMessage(content=text),
+                                    finish_reason=last.finish_reason)]).model_dump()
+        return CompletionResponse(
+            id=request_id, created=created, model=self.model_name, usage=usage,
+            choices=[CompletionChoice(text=text, finish_reason=last.finish_reason)]).model_dump()
+
+    async def _collect(self, stream: RequestStream, timer: _RequestTimer):
+        """All of a request's text; a cancelled handler (client gone) aborts it."""
+        pieces, last = [], None
+        try:
+            async for out in stream:
+                timer.observe(out)
+                pieces.append(out.new_text)
+                last = out
+        except EngineDeadError as err:
+            raise _dead_error(err) from err
+        finally:
+            stream.abort()  # no-op once finished
+            timer.finish(last)
+        return "".join(pieces), last
+
+    async def _chat_events(self, stream: RequestStream, request_id: str, created: int,
+                           include_usage: bool, timer: _RequestTimer):
+        def chunk(delta: DeltaMessage, finish_reason=None, usage=None, choices=True):
+            return sse(ChatCompletionChunk(
+                id=request_id, created=created, model=self.model_name, usage=usage,
+                choices=[ChatChunkChoice(delta=delta, finish_reason=finish_reason)]
+                if choices else []))
+
+        last = None
+        try:
+            yield chunk(DeltaMessage(role="assistant", content=""))
+            async for out in stream:
+                timer.observe(out)
+                last = out
+                if out.new_text:
+                    yield chunk(DeltaMessage(content=out.new_text))
+                if out.finished:
+                    yield chunk(DeltaMessage(), finish_reason=out.finish_reason)
+            if include_usage and last is not None:
+                yield chunk(DeltaMessage(), choices=False,
+                            usage=Usage.of(stream.num_prompt_tokens, last.num_generated_tokens))
+            yield SSE_DONE
+        except EngineDeadError as err:
+            yield sse(_dead_error(err).body())
+            yield SSE_DONE
+        finally:
+            stream.abort()  # client gone (cancelled / closed generator): free the engine slot
+            timer.finish(last)
+
+    async def _completion_events(self, stream: RequestStream, request_id: str, created: int,
+                                 include_usage: bool, timer: _RequestTimer):
+        def chunk(text: str, finish_reason=None, usage=None, choices=True):
+            return sse(CompletionResponse(
+                id=request_id, created=created, model=self.model_name, usage=usage,
+                choices=[CompletionChoice(text=text, finish_reason=finish_reason)]
+                if choices else []))
+
+        last = None
+        try:
+            async for out in stream:
+                timer.observe(out)
+                last = out
+                if out.new_text or out.finished:
+                    yield chunk(out.new_text, finish_reason=out.finish_reason)
+            if include_usage and last is not None:
+                yield chunk("", choices=False,
+                            usage=Usage.of(stream.num_prompt_tokens, last.num_generated_tokens))
+            yield SSE_DONE
+        except EngineDeadError as err:
+            yield sse(_dead_error(err).body())
+            yield SSE_DONE
+        finally:
+            stream.abort()
+            timer.finish(last)
+
+
+def build_app(args: dict) -> Application:
+    """The Serve application for ``serve run`` (``import_path: serve.app:build_app``).
+
+    Args:
+        args: the config file's ``args`` block, a :class:`ServeConfig` as a dict.
+    Raises:
+        pydantic.ValidationError (a ValueError): an invalid or unknown field (each named).
+    """
+    cfg = ServeConfig.model_validate(args)
+    max_ongoing = cfg.max_ongoing_requests or (cfg.engine.max_num_requests
+                                               + cfg.engine.max_waiting + 16)
+    return SpecServer.options(max_ongoing_requests=max_ongoing,
+                              ray_actor_options={"num_cpus": cfg.num_cpus}
+                              ).bind(cfg.model_dump(mode="json"))

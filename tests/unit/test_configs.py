@@ -1,0 +1,31 @@
+"""Every shipped pipeline config validates against the schema (STYLE 16)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from pipeline.config import load_config
+
+CONFIGS = sorted((Path(__file__).resolve().parents[2] / "infra" / "configs").glob("*.yaml"))
+PIPELINE = [p for p in CONFIGS if "applications" not in yaml.safe_load(p.read_text())]
+
+
+@pytest.mark.parametrize("path", PIPELINE, ids=lambda p: p.name)
+def test_pipeline_config_validates(path):
+    cfg = load_config(path)
+    assert cfg.target.name_or_path and cfg.prompts.sources
+
+
+def test_drafter_quality_config_trains_the_baselines_like_dspark():
+    """The benchmark's contenders differ only in the drafter section."""
+    from benchmarks.drafter_quality import CONTENDERS, contender_config
+
+    base = Path(__file__).resolve().parents[2] / "infra" / "configs" / "drafter_quality.yaml"
+    cfgs = {name: contender_config(base, name, []) for name in CONTENDERS}
+    for name, cfg in cfgs.items():
+        assert cfg.drafter.drafter_type == name
+        assert cfg.train == cfgs["dspark"].train and cfg.eval == cfgs["dspark"].eval
+        assert cfg.run_dir.endswith(name)
