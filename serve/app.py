@@ -190,6 +190,10 @@ class ServeMetrics:
     ``anonymous``), ``dspark_time_to_first_token_s`` (s, from request arrival).
     Gauges: ``dspark_num_waiting_requests`` (queue length), ``dspark_num_running_requests``,
     ``dspark_engine_alive`` (1/0).
+
+    Ray 2.60's OpenTelemetry recorder reports a histogram's ``_sum`` from bucket midpoints, so
+    read the bucket counts (exact), not ``_sum / _count``. The ``user`` tag is cut to 64
+    characters; each distinct value is a time series.
     """
 
     COUNTERS = {"drafted_tokens": "dspark_drafted_tokens",
@@ -281,6 +285,13 @@ async def _api_error(request: Request, exc: APIError):
 async def _validation_error(request: Request, exc: RequestValidationError):
     err = validation_error(list(exc.errors()))
     return JSONResponse(err.body(), status_code=err.status)
+
+
+@api.exception_handler(Exception)
+async def _internal_error(request: Request, exc: Exception):
+    """A bug, not the client's fault: 500 with the JSON error body (Starlette still logs it)."""
+    err = APIError(500, f"internal error: {type(exc).__name__}", code="internal_error")
+    return JSONResponse(err.body(), status_code=500)
 
 
 def _request_error(err: RequestError, chat: bool) -> APIError:

@@ -22,7 +22,8 @@ never race and a slow step never blocks the event loop:
 The thread sleeps on an event while no request is unfinished. After every step it publishes an
 immutable :class:`EngineSnapshot` (queue length, running requests, a copy of the raw
 :class:`SpecDecodeStats` counters) that any thread may read; metrics exporters turn differences of
-successive snapshots into counter increments (:func:`stats_delta`, :func:`rounds_by_verified_length`).
+successive snapshots into counter increments (:func:`stats_delta`,
+:func:`rounds_by_verified_length`).
 """
 
 from __future__ import annotations
@@ -269,7 +270,7 @@ class AsyncSpecEngine:
         """Raises:
             EngineDeadError: a step failed, or the engine thread is gone."""
         if self._dead is not None:
-            raise self._dead
+            raise _fresh(self._dead)
         if not self._thread.is_alive():
             raise EngineDeadError("the engine thread has exited")
 
@@ -301,7 +302,7 @@ class AsyncSpecEngine:
     def _enqueue(self, command: tuple) -> None:
         with self._cmd_lock:
             if self._dead is not None:
-                raise self._dead
+                raise _fresh(self._dead)
             if self._stopping:
                 raise EngineDeadError("the engine is shut down")
             self._commands.append(command)
@@ -386,15 +387,23 @@ class AsyncSpecEngine:
         admissions: dict = {}
         for command in pending:
             if command[0] == "add":
-                admissions.setdefault(command[2]._loop, []).append((command[2], error))
+                admissions.setdefault(command[2]._loop, []).append((command[2], _fresh(error)))
         for loop, pairs in admissions.items():
             _call_soon(loop, _resolve_all, pairs)
         by_loop: dict = {}
         for stream in self._streams.values():
-            by_loop.setdefault(stream._loop, []).append((stream, error))
+            by_loop.setdefault(stream._loop, []).append((stream, _fresh(error)))
         self._streams.clear()
         for loop, pairs in by_loop.items():
             _call_soon(loop, _deliver_all, pairs)
+
+
+def _fresh(error: EngineDeadError) -> EngineDeadError:
+    """A new exception per raise site (one instance raised in many tasks would pile up
+    tracebacks), chained to the original failure."""
+    copy = EngineDeadError(str(error))
+    copy.__cause__ = error.__cause__ or error
+    return copy
 
 
 def _call_soon(loop: asyncio.AbstractEventLoop, fn, pairs: list) -> None:

@@ -1,0 +1,103 @@
+"""OpenAI request validation (field policy, error bodies naming the field) and response shapes
+that the official ``openai`` client parses (serve/openai_protocol.py)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from pydantic import ValidationError
+
+from serve.openai_protocol import (APIError, AssistantMessage, ChatChoice, ChatChunkChoice,
+                                   ChatCompletionChunk, ChatCompletionRequest,
+                                   ChatCompletionResponse, CompletionChoice, CompletionRequest,
+                                   CompletionResponse, DeltaMessage, ModelCard, ModelList, Usage,
+                                   from_validation_error, sse)
+
+MSG = [{"role": "user", "content": "hi"}]
+
+
+def _error(cls, **body) -> APIError:
+    with pytest.raises(ValidationError) as err:
+        cls.model_validate(body)
+    return from_validation_error(err.value)
+
+
+def test_defaults_and_accepted_forms():
+    req = ChatCompletionRequest.model_validate({"model": "m", "messages": MSG})
+    assert (req.requested_max_tokens(), req.temperature, req.stream) == (None, None, False)
+    assert req.stop_strings() == ()
+    req = ChatCompletionRequest.model_validate({
+        "model": "m", "stop": "###", "max_tokens": 9, "max_completion_tokens": 7,
+        "stream": True, "stream_options": {"include_usage": True}, "user": "u1",
+        "frequency_penalty": 0, "store": False, "metadata": {"k": "v"},
+        "messages": [{"role": "developer", "content": [{"type": "text", "text": "be "},
+                                                       {"type": "text", "text": "brief"}]},
+                     {"role": "user", "content": "hi", "name": "ann"}]})
+    assert req.stop_strings() == ("###",) and req.requested_max_tokens() == 7 and req.include_usage
+    assert req.template_messages() == [{"role": "system", "content": "be brief"},
+                                       {"role": "user", "content": "hi"}]
+    comp = CompletionRequest.model_validate({"model": "m", "prompt": ["only one"]})
+    assert comp.prompt == "only one"
+    assert CompletionRequest.model_validate({"model": "m", "prompt": [1, 2, 3]}).prompt == [1, 2, 3]
+
+
+@pytest.mark.parametrize("body, param, words", [
+    ({"temperature": 2.5}, "temperature", "less than or equal to 2"),
+    ({"temperature": -1}, "temperature", "greater than or equal to 0"),
+    ({"top_p": 0}, "top_p", "greater than 0"),
+    ({"max_tokens": 0}, "max_tokens", "greater than or equal to 1"),
+    ({"n": 3}, "n", "only n=1"),
+    ({"stop": ["a", "b", "c", "d", "e"]}, "stop", "at most 4"),
+    ({"stop": [""]}, "stop", "non-empty"),
+    ({"presence_penalty": 0.5}, "presence_penalty", "not supported"),
+    ({"logit_bias": {"5": 1.0}}, "logit_bias", "not supported"),
+    ({"tools": [{"type": "function"}]}, "tools", "not supported"),
+    ({"response_format": {"type": "json_object"}}, "response_format", "text"),
+    ({"max_tokenz": 5}, "max_tokenz", "Unrecognized request argument supplied: max_tokenz"),
+    ({"messages": [{"role": "robot", "content": "x"}]}, "messages.0.role", "Input should be"),
+    ({"messages": []}, "messages", "at least 1"),
+])
+def test_chat_validation_errors_name_the_field(body, param, words):
+    err = _error(ChatCompletionRequest, **{"model": "m", "messages": MSG, **body})
+    assert err.status == 400 and err.param == param and words in err.message, err.message
+    payload = err.body()["error"]
+    assert set(payload) == {"message", "type", "param", "code"}
+    assert payload["type"] == "invalid_request_error"
+
+
+def test_missing_fields_and_completion_only_options():
+    assert _error(ChatCompletionRequest, model="m").param == "messages"
+    assert _error(ChatCompletionRequest, messages=MSG).param == "model"
+    assert _error(CompletionRequest, model="m").param == "prompt"
+    assert _error(CompletionRequest, model="m", prompt=["a", "b"]).param == "prompt"
+    for field, value in (("echo", True), ("logprobs", 2), ("best_of", 2), ("suffix", "x")):
+        assert _error(CompletionRequest, model="m", prompt="p", **{field: value}).param == field
+
+
+def test_status_maps_to_openai_error_types():
+    assert APIError(429, "full", code="queue_full").body()["error"]["type"] == "rate_limit_error"
+    assert APIError(503, "dead").body()["error"]["type"] == "service_unavailable"
+    assert APIError(413, "long", param="max_tokens").body()["error"]["param"] == "max_tokens"
+
+
+def test_responses_parse_with_the_official_client_types():
+    types = pytest.importorskip("openai.types")
+    chat_types = pytest.importorskip("openai.types.chat")
+    usage = Usage.of(7, 3)
+    assert usage.total_tokens == 10
+    chat = ChatCompletionResponse(id="chatcmpl-1", created=1, model="m", usage=usage, choices=[
+        ChatChoice(message=AssistantMessage(content="hey"), finish_reason="stop")])
+    parsed = chat_types.ChatCompletion.model_validate(chat.model_dump())
+    assert parsed.choices[0].message.content == "hey" and parsed.usage.completion_tokens == 3
+    chunk = ChatCompletionChunk(id="c", created=1, model="m", choices=[
+        ChatChunkChoice(delta=DeltaMessage(content="he"))])
+    line = sse(chunk)
+    assert line.startswith("data: ") and line.endswith("\n\n")
+    parsed = chat_types.ChatCompletionChunk.model_validate(json.loads(line[6:]))
+    assert parsed.choices[0].delta.content == "he" and parsed.object == "chat.completion.chunk"
+    comp = CompletionResponse(id="cmpl-1", created=1, model="m", usage=usage,
+                              choices=[CompletionChoice(text="x", finish_reason="length")])
+    assert types.Completion.model_validate(comp.model_dump()).choices[0].finish_reason == "length"
+    models = ModelList(data=[ModelCard(id="m", created=1)]).model_dump()
+    assert types.Model.model_validate(models["data"][0]).id == "m"
