@@ -37,7 +37,7 @@ def collect_rounds(*, target: str, dtype: str, drafter_dir: str, template_kwargs
     from serve.target_runner import TargetRunner
 
     from .chat import render_prompt_ids
-    from .target import DTYPES, load_target, load_tokenizer
+    from .target import DTYPES, eos_token_ids, load_target, load_tokenizer
 
     if num_threads:
         torch.set_num_threads(num_threads)
@@ -50,7 +50,7 @@ def collect_rounds(*, target: str, dtype: str, drafter_dir: str, template_kwargs
     if not drafter.config.confidence_head:
         return out
     decoder = SpeculativeDecoder(TargetRunner(model, drafter.config.target_layer_ids), drafter,
-                                 [tokenizer.eos_token_id])
+                                 eos_token_ids(tokenizer, model))
     for i, text in enumerate(tqdm(prompts, desc="calibrate", unit="prompt", mininterval=5)):
         ids = render_prompt_ids(tokenizer, [{"role": "user", "content": text}], template_kwargs)
         res = decoder.generate(ids, max_new_tokens, temperature, seed + i)

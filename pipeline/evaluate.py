@@ -145,7 +145,7 @@ def evaluate(*, target: str, dtype: str, drafter_dir: str, template_kwargs: dict
     from serve.target_runner import TargetRunner
 
     from .chat import render_prompt_ids
-    from .target import DTYPES, load_target, load_tokenizer
+    from .target import DTYPES, eos_token_ids, load_target, load_tokenizer
 
     if num_threads:
         torch.set_num_threads(num_threads)
@@ -154,7 +154,7 @@ def evaluate(*, target: str, dtype: str, drafter_dir: str, template_kwargs: dict
     model = load_target(target, dtype).to("cuda" if torch.cuda.is_available() else "cpu")
     drafter = load_drafter(drafter_dir, model, target, dtype=DTYPES[dtype])
     runner = TargetRunner(model, drafter.config.target_layer_ids)
-    decoder = SpeculativeDecoder(runner, drafter, [tokenizer.eos_token_id])
+    decoder = SpeculativeDecoder(runner, drafter, eos_token_ids(tokenizer, model))
     gamma = drafter.config.block_size
     results: dict[str, dict] = {}
     total = sum(len(p) for p in datasets.values()) * len(temperatures)

@@ -124,6 +124,19 @@ def load_target(name_or_path: str, dtype: str = "float32"):
     return model
 
 
+def eos_token_ids(tokenizer, model) -> list[int]:
+    """Tokens that end generation: the tokenizer's EOS plus the model's (generation) config EOS
+    (Qwen3 lists two). Serving, evaluation and calibration all stop on the same set."""
+    ids: list[int] = []
+    candidates = [tokenizer.eos_token_id, getattr(model.config, "eos_token_id", None),
+                  getattr(getattr(model, "generation_config", None), "eos_token_id", None)]
+    for c in candidates:
+        for t in (c if isinstance(c, (list, tuple)) else [c]):
+            if isinstance(t, int) and t >= 0 and t not in ids:
+                ids.append(t)
+    return ids
+
+
 def default_layer_ids(num_layers: int, count: int = 5) -> list[int]:
     """m layers evenly spaced from layer 1 to L-3 (SPEC 1.4): 36 layers -> [1, 9, 17, 25, 33].
 

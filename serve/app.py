@@ -103,19 +103,6 @@ def _is_path(name_or_path: str) -> bool:
     return name_or_path.startswith((".", "/", "~"))
 
 
-def eos_token_ids(tokenizer, model) -> list[int]:
-    """Tokens that end generation: the tokenizer's EOS plus the model's (generation) config EOS
-    (Qwen3 lists two)."""
-    ids: list[int] = []
-    candidates = [tokenizer.eos_token_id, getattr(model.config, "eos_token_id", None),
-                  getattr(getattr(model, "generation_config", None), "eos_token_id", None)]
-    for c in candidates:
-        for t in (c if isinstance(c, (list, tuple)) else [c]):
-            if isinstance(t, int) and t >= 0 and t not in ids:
-                ids.append(t)
-    return ids
-
-
 def load_engine(cfg: ServeConfig):
     """Load target, tokenizer and drafter and build the :class:`SpecEngine` (no Ray).
 
@@ -134,7 +121,7 @@ def load_engine(cfg: ServeConfig):
 
     from drafters.loading import load_drafter
     from pipeline.storage import resolve
-    from pipeline.target import DTYPES, load_target, load_tokenizer
+    from pipeline.target import DTYPES, eos_token_ids, load_target, load_tokenizer
 
     from .engine import SpecEngine
     from .profiling import load_or_profile
@@ -145,7 +132,7 @@ def load_engine(cfg: ServeConfig):
         torch.set_num_threads(cfg.num_threads)
     target = resolve(cfg.target) if _is_path(cfg.target) else cfg.target
     tokenizer = load_tokenizer(target)
-    model = load_target(target, cfg.dtype)
+    model = load_target(target, cfg.dtype).to("cuda" if torch.cuda.is_available() else "cpu")
     drafter, drafter_dir = None, None
     if cfg.drafter:
         drafter_dir = resolve(cfg.drafter)

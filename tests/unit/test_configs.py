@@ -29,3 +29,16 @@ def test_drafter_quality_config_trains_the_baselines_like_dspark():
         assert cfg.drafter.drafter_type == name
         assert cfg.train == cfgs["dspark"].train and cfg.eval == cfgs["dspark"].eval
         assert cfg.run_dir.endswith(name)
+
+
+SERVE = [p for p in CONFIGS if p not in PIPELINE]
+
+
+@pytest.mark.parametrize("path", SERVE, ids=lambda p: p.name)
+def test_serve_config_args_validate(path):
+    from serve.app import ServeConfig
+
+    apps = yaml.safe_load(path.read_text())["applications"]
+    for app in apps:
+        assert app["import_path"] == "serve.app:build_app"
+        ServeConfig.model_validate(app["args"])
