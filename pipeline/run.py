@@ -1,4 +1,4 @@
-"""Run the DSpark pipeline: prompts -> generate -> cache -> train -> eval.
+"""Run the DSpark pipeline: prompts -> generate -> cache -> train -> calibrate -> eval.
 
 Usage::
 
