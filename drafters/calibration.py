@@ -122,7 +122,6 @@ def _ece_grid(probs: np.ndarray, labels: np.ndarray, num_bins: int) -> np.ndarra
     g, n = probs.shape
     idx = (np.arange(g)[:, None] * num_bins + _bin_index(probs, num_bins)).ravel()  # [G*N]
     size = g * num_bins
-    count = np.bincount(idx, minlength=size)
     sum_p = np.bincount(idx, weights=probs.ravel(), minlength=size)
     sum_y = np.bincount(idx, weights=np.broadcast_to(labels, (g, n)).ravel(), minlength=size)
     # n_b/N * |sum_y/n_b - sum_p/n_b| = |sum_y - sum_p| / N: no division by empty bins needed.

@@ -24,7 +24,6 @@ if __name__ == "__main__" and __package__ in (None, ""):
     sys.path.insert(0, str(_root))
 
 import argparse  # noqa: E402
-import json  # noqa: E402
 import logging  # noqa: E402
 import os  # noqa: E402
 import time  # noqa: E402

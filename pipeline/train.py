@@ -48,8 +48,9 @@ def build_drafter_config(target_config, target_name: str, layer_ids: list[int], 
         qk_norm=getattr(tc, "model_type", "") in ("qwen3", "qwen3_moe"))
 
 
-def training_objective(config) -> tuple[str, "torch.Tensor"]:
-    """(loss objective, position weights [K]) of a drafter type (SPEC 3; Eagle3 per SPEC 2)."""
+def training_objective(config):
+    """(loss objective name, position weights fp32 [K]) of a drafter type (SPEC 3; Eagle3 per
+    SPEC 2)."""
     from drafters.losses import eagle3_step_weights, position_weights
 
     if config.drafter_type == "eagle3":

@@ -6,7 +6,8 @@ Ray Serve app (STYLE: engine kwargs are not repeated across configs).
 
 from __future__ import annotations
 
-from typing import Literal
+from pathlib import Path
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -34,3 +35,46 @@ class EngineConfig(BaseModel):
                                                 "(or reuse a stored profile for this hardware and "
                                                 "model); off: assume SPS constant (B-independent).")
     sps_repeats: int = Field(3, ge=1, description="Timed forward passes per batch size when profiling.")
+
+
+class ServeConfig(BaseModel):
+    """The ``args`` of the Serve application (``build_app``). Relative paths resolve against the
+    project root (``pipeline.storage.resolve``)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    target: str = Field(description="`from_pretrained` name or directory of the target; a value "
+                        "starting with '.', '/' or '~' is a path (relative: project root).")
+    drafter: str | None = Field(None, description="Drafter checkpoint directory (relative: project "
+                                "root); null serves the target alone.")
+    allow_target_name_mismatch: bool = Field(
+        False, description="Serve a drafter whose recorded target has another name (a renamed "
+        "copy of the same model); shapes are always checked.")
+    dtype: Literal["float32", "bfloat16", "float16"] = Field(
+        "bfloat16", description="Target and drafter dtype (bf16 is the fast CPU path, STACK.md).")
+    served_model_name: str | None = Field(None, description="The `model` clients send; default: "
+                                          "the target's name (a path's last component).")
+    chat_template_kwargs: dict[str, Any] = Field(
+        default_factory=lambda: {"enable_thinking": False},
+        description="Extra chat-template variables; must equal the ones the training data used.")
+    num_threads: int | None = Field(None, ge=1, description="torch intra-op threads per replica "
+                                    "(CPU); None = torch's default.")
+    num_cpus: float = Field(1.0, gt=0, description="Logical CPUs Ray reserves per replica.")
+    default_max_tokens: int = Field(256, ge=1, description="max_tokens when a request omits it "
+                                    "(tokens); clipped to the room left in the model length.")
+    max_ongoing_requests: int | None = Field(
+        None, ge=1, description="Ray Serve's per-replica concurrency cap (requests); None = "
+        "engine.max_num_requests + engine.max_waiting + 16, so the engine's own admission control "
+        "answers 429 before Serve queues anything.")
+    metrics_interval_s: float = Field(1.0, gt=0, description="Seconds between engine-counter "
+                                      "exports to Ray's metrics.")
+    engine: EngineConfig = Field(default_factory=EngineConfig)
+
+    def model_name(self) -> str:
+        if self.served_model_name:
+            return self.served_model_name
+        return Path(self.target).name if _is_path(self.target) else self.target
+
+
+def _is_path(name_or_path: str) -> bool:
+    return name_or_path.startswith((".", "/", "~"))

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import pytest
 import torch
 
 from drafters.anchors import sample_anchors, supervised_slots, valid_anchor_positions
