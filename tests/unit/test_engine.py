@@ -17,9 +17,10 @@ from serve.requests import EngineRequest, SamplingParams
 from serve.scheduler import SPSTable
 from serve.target_runner import TargetRunner
 from tests.tiny import tiny_drafter, tiny_target
-from tests.unit.helpers import (bigram_table, greedy_reference, oracle_drafter, permuted_target,
+from tests.unit.helpers import (greedy_reference, oracle_drafter, permuted_target,
                                 randomize_heads, scripted_drafter)
-from tests.unit.test_speculative_lossless import _exact_first_tokens, _pooled_chisquare
+from tests.unit.test_speculative_lossless import (_exact_first_tokens, _pooled_chisquare,  # noqa: F401
+                                                  corrupted_table)  # a shared fixture
 
 LAYERS = [1, 3]
 # a synthetic SPS curve: flat, then falling (a verification batch of B tokens costs more)
@@ -29,16 +30,6 @@ SPS = SPSTable.from_measurements({1: 100.0, 8: 95.0, 16: 80.0, 64: 30.0, 256: 8.
 @pytest.fixture(scope="module")
 def varied_target():
     return permuted_target()
-
-
-@pytest.fixture(scope="module")
-def corrupted_table(varied_target):
-    table = bigram_table(varied_target).clone()
-    g = torch.Generator().manual_seed(3)
-    v = table.numel()
-    idx = torch.randperm(v, generator=g)[: v // 3]
-    table[idx] = (table[idx] + 1 + torch.randint(0, v - 1, (idx.numel(),), generator=g)) % v
-    return table
 
 
 def _engine(target, drafter, scheduler="fixed", eos=(), **cfg):
