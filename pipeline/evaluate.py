@@ -248,4 +248,16 @@ def render_report_md(report: dict) -> str:
             fmt = lambda v: "-" if v is None else f"{v:.3f}"
             lines.append(f"| {name} | {temp} | {c['num_rounds']} | "
                          f"{fmt(c['mean']['ece_before'])} | {fmt(c['mean']['ece_after'])} |")
+    sweeps = [(name, temp, s["threshold_sweep"]) for name, by_t in report["results"].items()
+              for temp, s in by_t.items() if s.get("threshold_sweep")]
+    if sweeps:
+        lines += ["", "Static confidence threshold on the same rounds (paper Fig. 5; offline: each "
+                  "round verifies its draft prefix whose calibrated survival a_k >= threshold):", "",
+                  "| dataset | temperature | threshold | tokens/step | accepted/step | "
+                  "rejected/step | acceptance rate |", "|---|---|---|---|---|---|---|"]
+        for name, temp, sweep in sweeps:
+            for row in sweep[::4]:
+                lines.append(f"| {name} | {temp} | {row['threshold']:.2f} | "
+                             f"{row['committed_per_step']:.2f} | {row['accepted_per_step']:.2f} | "
+                             f"{row['rejected_per_step']:.2f} | {row['acceptance_rate']:.2f} |")
     return "\n".join(lines) + "\n"

@@ -1,0 +1,45 @@
+"""Evaluation summaries (SPEC 5): tau, prefix survival, conditional acceptance, domain averages and
+the static-threshold sweep, on hand-made rounds."""
+
+from __future__ import annotations
+
+import pytest
+
+from pipeline.evaluate import domain_summary, render_report_md, summarize
+
+# (verified l, accepted n, committed, draft_s, verify_s, confidence logits)
+ROUNDS = [(3, 1, 2, 0.01, 0.02, [2.0, 0.0, -2.0]),
+          (3, 3, 4, 0.01, 0.02, [3.0, 2.0, 1.0]),
+          (2, 2, 3, 0.01, 0.02, [1.0, 1.0]),     # a shorter block (budget end): not "full"
+          (0, 0, 1, 0.0, 0.02, None)]             # a target-only step: ignored
+
+
+def _records():
+    return [{"spec_tokens": 10, "spec_s": 2.0, "base_tokens": 10, "base_s": 4.0,
+             "spec_rounds": ROUNDS, "identical": True}]
+
+
+def test_summary_by_hand():
+    s = summarize(_records(), gamma=3)
+    assert s["rounds"] == 3
+    assert s["tau"] == pytest.approx((2 + 4 + 3) / 3)
+    # survival over the two full rounds: accepted >= 1: both, >= 2: one, >= 3: one
+    assert s["accept_rate"] == pytest.approx([1.0, 0.5, 0.5])
+    # conditional: k=1 reached by 3 rounds, all accept; k=2 reached by 3 (n >= 1), 2 accept;
+    # k=3 reached by rounds with l >= 3 and n >= 2: one, it accepts
+    assert s["conditional_acceptance"] == pytest.approx([1.0, 2 / 3, 1.0])
+    assert s["speedup"] == pytest.approx(2.0) and s["greedy_identical_share"] == 1.0
+    assert s["calibration"]["num_rounds"] == 2  # full rounds with confidences
+    low = s["threshold_sweep"][0]
+    assert low["threshold"] == 0.0 and low["committed_per_step"] == pytest.approx(3.0)
+
+
+def test_domains_and_report():
+    s = summarize(_records(), gamma=3)
+    results = {"gsm8k": {"1.0": s}, "mbpp": {"1.0": dict(s, tau=2.0)}}
+    dom = domain_summary(results, "1.0")
+    assert dom["math"] == pytest.approx(3.0) and dom["code"] == 2.0
+    assert dom["macro"] == pytest.approx(2.5)
+    md = render_report_md({"gamma": 3, "target": "t", "dtype": "float32", "max_new_tokens": 8,
+                           "results": results, "domains": {"1.0": dom}})
+    assert "| 1.0 | 2.00 | 3.00 | 2.50 |" in md and "Static confidence threshold" in md
