@@ -24,6 +24,10 @@ class EngineConfig(BaseModel):
                                          "the drafter's block size gamma. Also fixed's length.")
     threshold: float = Field(0.5, ge=0.0, le=1.0, description="static_threshold: verify while "
                              "the prefix survival a_k >= threshold.")
+    adaptive_draft_depth: bool = Field(
+        True, description="Confidence-based schedulers: draft at most one token more than the "
+        "request's previous verification length (lossless: the depth depends only on past steps), "
+        "so a request the scheduler keeps at l = 0 stops paying for gamma sequential head steps.")
     max_num_requests: int = Field(32, ge=1, description="Requests decoded together (batch).")
     max_batch_tokens: int = Field(512, ge=1, description="Cap on tokens verified per step, all "
                                   "requests together (also the SPS profile's range).")

@@ -65,6 +65,7 @@ class _Request:
     draft_state: object = None
     anchor: int = -1
     pos: int = 0  # position of the anchor (committed, not yet run through the target)
+    depth_hint: int = 10**9  # draft depth allowed by the previous step's verification length
     output: list = field(default_factory=list)
     text: str = ""
     finish_reason: str | None = None
@@ -217,10 +218,11 @@ class SpecEngine:
         """The most draft tokens each request may verify: gamma, one less than its remaining
         budget (a fully accepted block adds a bonus token), and the drafter's context limit."""
         limit = self.drafter.config.max_position_embeddings if self.drafter is not None else 0
+        adaptive = self.config.adaptive_draft_depth and self.scheduler_name in NEEDS_CONFIDENCE
         out = []
         for r in reqs:
             room = r.req.params.max_tokens - len(r.output) - 1
-            l = max(0, min(self.gamma, room))
+            l = max(0, min(self.gamma, room, r.depth_hint if adaptive else self.gamma))
             out.append(0 if r.pos + l >= limit else l)  # beyond its context: target-only steps
         return out
 
@@ -276,6 +278,7 @@ class SpecEngine:
             t2 = time.perf_counter()
             r.rounds.append(RoundRecord(len(tokens[i]), l, min(n, kept), kept, t1 - t0, t2 - t1,
                                         conf_logits[i]))
+            r.depth_hint = l + 1  # decided from this step's outcome only: lossless next step
             self.stats.record_round(len(tokens[i]), l, min(n, kept), kept)
             if r.finish_reason is not None:
                 self.running.remove(r)
