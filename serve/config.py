@@ -28,6 +28,11 @@ class EngineConfig(BaseModel):
         True, description="Confidence-based schedulers: draft at most one token more than the "
         "request's previous verification length (lossless: the depth depends only on past steps), "
         "so a request the scheduler keeps at l = 0 stops paying for gamma sequential head steps.")
+    probe_interval: int = Field(4, ge=1, description="Confidence-based schedulers with "
+                                "adaptive_draft_depth: a request whose drafts the scheduler "
+                                "declined (l = 0) is drafted for again only every N steps, so a "
+                                "drafter that does not pay off costs little (lossless: decided from "
+                                "past steps only). 1 = draft every step.")
     max_num_requests: int = Field(32, ge=1, description="Requests decoded together (batch).")
     max_batch_tokens: int = Field(512, ge=1, description="Cap on tokens verified per step, all "
                                   "requests together (also the SPS profile's range).")

@@ -66,6 +66,7 @@ class _Request:
     anchor: int = -1
     pos: int = 0  # position of the anchor (committed, not yet run through the target)
     depth_hint: int = 10**9  # draft depth allowed by the previous step's verification length
+    idle_steps: int = 0  # consecutive steps whose drafts the scheduler declined
     output: list = field(default_factory=list)
     text: str = ""
     finish_reason: str | None = None
@@ -223,6 +224,8 @@ class SpecEngine:
         for r in reqs:
             room = r.req.params.max_tokens - len(r.output) - 1
             l = max(0, min(self.gamma, room, r.depth_hint if adaptive else self.gamma))
+            if adaptive and r.idle_steps and r.idle_steps % self.config.probe_interval:
+                l = 0  # declined recently: probe again every probe_interval steps
             out.append(0 if r.pos + l >= limit else l)  # beyond its context: target-only steps
         return out
 
@@ -279,6 +282,7 @@ class SpecEngine:
             r.rounds.append(RoundRecord(len(tokens[i]), l, min(n, kept), kept, t1 - t0, t2 - t1,
                                         conf_logits[i]))
             r.depth_hint = l + 1  # decided from this step's outcome only: lossless next step
+            r.idle_steps = r.idle_steps + 1 if l == 0 else 0
             self.stats.record_round(len(tokens[i]), l, min(n, kept), kept)
             if r.finish_reason is not None:
                 self.running.remove(r)

@@ -208,3 +208,30 @@ def test_sps_profile_is_measured_stored_and_reused(varied_target, tmp_path):
     stored = (tmp_path / "sps_profile.json").read_text()
     again = load_or_profile(runner, tmp_path, 12, block_tokens=4, repeats=1)
     assert again == table and (tmp_path / "sps_profile.json").read_text() == stored
+
+
+def test_declined_requests_are_drafted_for_only_every_probe_interval_steps(varied_target):
+    """A drafter whose confidence is ~0 is never admitted by Algorithm 1; with adaptive depth the
+    engine then drafts for the request only every probe_interval steps (output unchanged)."""
+    d = tiny_drafter(varied_target, block_size=4)
+    with torch.no_grad():
+        d.confidence.proj.bias.fill_(-20.0)  # c_1 ~ 0: never worth verifying
+    calls = {"n": 0}
+    original = d.propose_block
+
+    def counting(*args, **kwargs):
+        calls["n"] += 1
+        return original(*args, **kwargs)
+
+    d.propose_block = counting
+    prompt, budget = [3, 1, 4, 1, 5], 21
+    outs = {}
+    for interval in (1, 4):
+        calls["n"] = 0
+        engine = _engine(varied_target, d, "dspark", probe_interval=interval)
+        out, _ = _run(engine, {0: [EngineRequest("a", prompt, SamplingParams(budget, 0.0))]})
+        outs[interval] = (out["a"], calls["n"], engine.stats.verified_tokens)
+    assert outs[1][0] == outs[4][0] == greedy_reference(varied_target, prompt, budget)
+    assert outs[1][2] == outs[4][2] == 0  # nothing was ever verified
+    # 20 rounds after the prefill; the last has room for the bonus token only (no draft)
+    assert outs[1][1] == budget - 2 and outs[4][1] == 5  # rounds 1, 5, 9, 13, 17
