@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from pipeline import stages  # noqa: E402
-from pipeline.config import load_config  # noqa: E402
+from pipeline.config import ConfigError, load_config  # noqa: E402
 
 # drafter section overrides of each contender (DSpark's comes from the config itself)
 CONTENDERS = {
@@ -163,6 +163,12 @@ def main() -> int:
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    try:  # a bad config or --set is reported like pipeline/run.py does, before any work
+        for name in CONTENDERS:
+            contender_config(args.config, name, args.set)
+    except ConfigError as err:
+        print(err, file=sys.stderr)
+        return 2
     started = time.time()
     timings, results = {}, {}
     first_dir = None

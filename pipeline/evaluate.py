@@ -193,6 +193,12 @@ def evaluate(*, target: str, dtype: str, drafter_dir: str, template_kwargs: dict
             "domains": {str(t): domain_summary(results, str(t)) for t in temperatures}}
 
 
+def _cells_with(report: dict, key: str) -> list[tuple[str, str, object]]:
+    """(dataset, temperature, summary[key]) of every cell that has ``key``."""
+    return [(name, temp, s[key]) for name, by_t in report["results"].items()
+            for temp, s in by_t.items() if s.get(key)]
+
+
 def render_report_md(report: dict) -> str:
     """The ``report.md`` table."""
     gamma = report["gamma"]
@@ -237,8 +243,7 @@ def render_report_md(report: dict) -> str:
             lines.append(f"| {temp} | " + " | ".join(
                 f"{by_d[d]:.2f}" if d in by_d else "-" for d in names) +
                 f" | {by_d.get('macro', 0.0):.2f} |")
-    cal_rows = [(name, temp, s["calibration"]) for name, by_t in report["results"].items()
-                for temp, s in by_t.items() if s.get("calibration")]
+    cal_rows = _cells_with(report, "calibration")
     if cal_rows:
         lines += ["", "Calibration of the prefix survival a_k on these rounds (ECE, 20 bins; 'after' "
                   "uses the checkpoint's STS temperatures):", "",
@@ -248,8 +253,7 @@ def render_report_md(report: dict) -> str:
             fmt = lambda v: "-" if v is None else f"{v:.3f}"
             lines.append(f"| {name} | {temp} | {c['num_rounds']} | "
                          f"{fmt(c['mean']['ece_before'])} | {fmt(c['mean']['ece_after'])} |")
-    sweeps = [(name, temp, s["threshold_sweep"]) for name, by_t in report["results"].items()
-              for temp, s in by_t.items() if s.get("threshold_sweep")]
+    sweeps = _cells_with(report, "threshold_sweep")
     if sweeps:
         lines += ["", "Static confidence threshold on the same rounds (paper Fig. 5; offline: each "
                   "round verifies its draft prefix whose calibrated survival a_k >= threshold):", "",

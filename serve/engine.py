@@ -106,6 +106,9 @@ class SpecEngine:
             raise ValueError(f"scheduler {name!r} needs an SPS(B) table (serve/profiling.py)")
         self.scheduler_name = name
         self.target, self.drafter, self.tokenizer, self.sps = target, drafter, tokenizer, sps
+        if drafter is not None:  # looked up once, not per request per step
+            param = next(drafter.parameters())
+            self._draft_device, self._draft_dtype = param.device, param.dtype
         self.eos = set(eos_token_ids)
         self.gamma = 0 if drafter is None else min(drafter.config.block_size,
                                                    self.config.num_draft_tokens or 10**9)
@@ -199,21 +202,15 @@ class SpecEngine:
             r.first_token_s = time.perf_counter()
             if speculate:
                 r.draft_state = self.drafter.new_draft_state()
-                dev = self._draft_device()
+                dev = self._draft_device
                 nxt = torch.tensor(r.req.prompt_ids[1:] + [tok], device=dev)[None]
                 self.drafter.extend_context(
-                    r.draft_state, o.features[None].to(device=dev, dtype=self._draft_dtype()),
+                    r.draft_state, o.features[None].to(device=dev, dtype=self._draft_dtype),
                     torch.arange(n, device=dev)[None], nxt)
             results.append(self._commit(r, [tok]))
             if r.finish_reason is None:
                 self.running.append(r)
         return results
-
-    def _draft_dtype(self):
-        return next(self.drafter.parameters()).dtype
-
-    def _draft_device(self):
-        return next(self.drafter.parameters()).device
 
     def _draft_lengths(self, reqs: list[_Request]) -> list[int]:
         """The most draft tokens each request may verify: gamma, one less than its remaining
@@ -240,7 +237,7 @@ class SpecEngine:
         if drafting:
             num = max(caps[i] for i in drafting)
             rows = [reqs[i] for i in drafting]
-            dev = self._draft_device()
+            dev = self._draft_device
             anchors = torch.tensor([r.anchor for r in rows], device=dev)
             positions = torch.tensor([r.pos for r in rows], device=dev)
             temps = torch.tensor([r.req.params.temperature for r in rows])
@@ -290,9 +287,9 @@ class SpecEngine:
             # keep the anchor and the accepted drafts; rejected positions never enter a cache
             r.kv.append(o.new_kv, n + 1)
             if self.drafter is not None:
-                dev = self._draft_device()
+                dev = self._draft_device
                 self.drafter.extend_context(
-                    r.draft_state, o.features[None, :n + 1].to(device=dev, dtype=self._draft_dtype()),
+                    r.draft_state, o.features[None, :n + 1].to(device=dev, dtype=self._draft_dtype),
                     torch.arange(r.pos, r.pos + n + 1, device=dev)[None],
                     torch.tensor(committed, device=dev)[None])
             r.anchor, r.pos = nxt, r.pos + n + 1
