@@ -38,6 +38,10 @@ class DSparkConfig(PretrainedConfig):
             means uncalibrated (all 1.0).
         loss_decay: denominator of the position weights w_k = exp(-(k-1)/loss_decay); the paper
             uses gamma, the reference repository 4.
+        draft_vocab_size: N, the size of the frequency-ranked draft vocabulary the drafter predicts
+            in (``drafters/draft_vocab.py``; FR-Spec, EAGLE-3); 0 = the full target vocabulary.
+        draft_vocab_sha256: fingerprint of the draft-to-target map stored with the weights
+            (``d2t``); the loader rejects a map that does not match it.
     """
 
     model_type = "dspark_drafter"
@@ -65,6 +69,8 @@ class DSparkConfig(PretrainedConfig):
         calibration_temperatures: list[float] | None = None,
         loss_decay: float | None = None,
         qk_norm: bool = False,
+        draft_vocab_size: int = 0,
+        draft_vocab_sha256: str | None = None,
         **kwargs,
     ):
         self.drafter_type = drafter_type
@@ -88,6 +94,8 @@ class DSparkConfig(PretrainedConfig):
         self.calibration_temperatures = calibration_temperatures
         self.loss_decay = loss_decay if loss_decay is not None else float(block_size)
         self.qk_norm = qk_norm
+        self.draft_vocab_size = int(draft_vocab_size)
+        self.draft_vocab_sha256 = draft_vocab_sha256
         super().__init__(**kwargs)
         self.vocab_size = target_vocab_size
         self._validate()
@@ -104,6 +112,9 @@ class DSparkConfig(PretrainedConfig):
         if self.confidence_head and self.head_type == "none":
             raise ValueError("the confidence head (Eq. 7) reads the sequential head's embedding "
                              "W1[x_{k-1}]: it needs head_type 'markov' or 'rnn'")
+        if not 0 <= self.draft_vocab_size <= self.target_vocab_size:
+            raise ValueError(f"draft_vocab_size must be in [0, {self.target_vocab_size}] (0 = the "
+                             f"full vocabulary), got {self.draft_vocab_size}")
         if self.block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
         ids = list(self.target_layer_ids)
@@ -127,6 +138,11 @@ class DSparkConfig(PretrainedConfig):
     def prediction_offset(self) -> int:
         """Index of the first slot whose output predicts a draft token."""
         return 1 if self.drafter_type == "dflash" else 0
+
+    @property
+    def draft_vocab_len(self) -> int:
+        """Size of the vocabulary the drafter predicts in: N, or V for the full vocabulary."""
+        return self.draft_vocab_size or self.target_vocab_size
 
     @property
     def num_context_layers(self) -> int:

@@ -126,14 +126,14 @@ class Eagle3Drafter(DrafterBase):
     """
 
     def __init__(self, config: DSparkConfig, embed_weight: torch.Tensor,
-                 lm_head_weight: torch.Tensor):
+                 lm_head_weight: torch.Tensor, draft_vocab=None):
         if config.drafter_type != "eagle3":
             raise ValueError(f"Eagle3Drafter needs drafter_type 'eagle3', got "
                              f"{config.drafter_type!r}")
         if config.num_hidden_layers < 1:
             raise ValueError(f"an Eagle3 drafter needs num_hidden_layers >= 1, got "
                              f"{config.num_hidden_layers}")
-        super().__init__(config, embed_weight, lm_head_weight)
+        super().__init__(config, embed_weight, lm_head_weight, draft_vocab)
         h = config.hidden_size
         self.fc = nn.Linear(config.num_context_layers * config.target_hidden_size, h, bias=False)
         self.layers = nn.ModuleList(Eagle3Layer(config, fused=i == 0)
@@ -241,6 +241,15 @@ class Eagle3Drafter(DrafterBase):
                                               no_block_key)[:, 0]
         return layer.finish(hidden, attn)
 
+    def head_features(self, hidden: torch.Tensor, prev_tokens: torch.Tensor):
+        """Eagle3 has no sequential or confidence head: (None, None)."""
+        return None, None
+
+    def logits_from(self, hidden: torch.Tensor, features=None) -> torch.Tensor:
+        """Draft logits through the frozen LM head (rows of the draft vocabulary):
+        [..., H] -> fp32 [..., N]."""
+        return self.draft_head(hidden)
+
     def draft_logits(self, hidden: torch.Tensor, prev_tokens: torch.Tensor):
         """Draft logits through the frozen LM head (Eagle3 has no sequential or confidence head).
 
@@ -248,9 +257,9 @@ class Eagle3Drafter(DrafterBase):
             hidden: [N, K, H] step outputs (after the final norm).
             prev_tokens: int64 [N, K], unused (the previous tokens already entered the chain).
         Returns:
-            (logits fp32 [N, K, V], None).
+            (logits fp32 [N, K, N_d] over the draft vocabulary, None).
         """
-        return F.linear(hidden, self.lm_head_weight.to(hidden.dtype)).float(), None
+        return self.draft_head(hidden), None
 
     # ------------------------------------------------------------------ inference
     def new_draft_state(self) -> Eagle3DraftState:
@@ -394,13 +403,14 @@ class Eagle3Drafter(DrafterBase):
         all_greedy = bool((torch.as_tensor(temperature) <= 0).all())
 
         def sample(_k, normed):  # one draft token from a step's normed output [B, H]
-            logits = F.linear(normed, self.lm_head_weight.to(normed.dtype)).float()
-            tok, p = sample_rows(logits, temperature, top_p, generator)
+            tok, p = sample_rows(self.draft_head(normed), temperature, top_p, generator)
+            tok = self.to_target_ids(tok)  # the chain embeds target tokens
             probs.append(p)
             tokens.append(tok)
             return tok
 
         self._unroll(state, anchor_tokens, anchor_positions, num_tokens, sample)
         return BlockProposal(tokens=torch.stack(tokens, 1),
-                             probs=None if all_greedy else torch.stack(probs, 1),
+                             probs=None if all_greedy else self.to_target_probs(
+                                 torch.stack(probs, 1)),
                              confidence_logits=None)

@@ -27,9 +27,13 @@ def drafter_class(drafter_type: str) -> type[DrafterBase]:
 
 
 def build_drafter(config: DSparkConfig, embed_weight: torch.Tensor,
-                  lm_head_weight: torch.Tensor) -> DrafterBase:
-    """A freshly initialised drafter of ``config.drafter_type`` bound to the target's tensors."""
-    return drafter_class(config.drafter_type)(config, embed_weight, lm_head_weight)
+                  lm_head_weight: torch.Tensor, draft_vocab=None) -> DrafterBase:
+    """A freshly initialised drafter of ``config.drafter_type`` bound to the target's tensors;
+    ``draft_vocab`` (int64 [N] target ids) is required when ``config.draft_vocab_size`` > 0."""
+    if config.draft_vocab_size and draft_vocab is None:
+        raise ValueError(f"draft_vocab_size {config.draft_vocab_size} needs the draft vocabulary "
+                         "(the cache manifest's token frequency ranking)")
+    return drafter_class(config.drafter_type)(config, embed_weight, lm_head_weight, draft_vocab)
 
 
 def load_drafter(path: str | Path, target_model, target_name: str,

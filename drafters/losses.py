@@ -29,55 +29,113 @@ def eagle3_step_weights(block_size: int, base: float = 0.8) -> torch.Tensor:
 
 
 OBJECTIVES = ("dspark", "ce", "soft_ce")
+DEFAULT_CHUNK_ROWS = 1024
 
 
-def drafter_losses(draft_logits: torch.Tensor, target_logits: torch.Tensor, labels: torch.Tensor,
-                   valid: torch.Tensor, weights: torch.Tensor,
-                   confidence_logits: torch.Tensor | None = None,
-                   coefficients: tuple[float, float, float] = (0.1, 0.9, 1.0),
-                   objective: str = "dspark") -> dict[str, torch.Tensor]:
-    """Losses and per-step training metrics.
+def row_loss_terms(draft_logits: torch.Tensor, target_logits: torch.Tensor, labels: torch.Tensor,
+                   draft_vocab: torch.Tensor | None = None):
+    """Per-row loss terms of supervised slots (the one definition every loss path uses).
+
+    With a draft vocabulary (``drafters/draft_vocab.py``) the draft distribution p_d lives on the
+    N subset tokens and is 0 elsewhere, while the target distribution p_t is the full softmax:
+    - L1 = sum_{v in subset} |p_d(v) - p_t(v)| + p_t(outside), i.e. target mass outside the subset
+      counts as rejected mass, exactly as rejection sampling sees it;
+    - CE: a label outside the subset cannot be predicted; its row gets CE 0 and ``in_vocab`` False
+      (the caller averages CE over in-vocabulary rows only; the L1 term still penalises the row);
+    - soft CE = -sum_{v in subset} p_t(v) log p_d(v) (the outside mass only adds a constant).
 
     Args:
-        draft_logits: fp32 [N, K, V], U_k + B_k.
-        target_logits: fp32 [N, K, V], LM_head(last_hidden[p+j]) (no grad needed).
-        labels: int64 [N, K], the true next tokens.
-        valid: bool [N, K], supervised slots (a prefix of each block).
-        weights: fp32 [K], position weights w_k.
-        confidence_logits: fp32 [N, K] or None.
-        coefficients: (ce, tv, conf) mixing weights.
-        objective: ``"dspark"`` (Eq. 12 mix), ``"ce"`` (DFlash: L = L_ce) or ``"soft_ce"``
-            (Eagle3: L = weighted -sum p_t log p_d). Every term is reported whatever the objective.
+        draft_logits: fp32 [R, N] (N = V without a draft vocabulary).
+        target_logits: [R, V] (no grad needed), computed in fp32.
+        labels: int64 [R], target ids of the true next tokens.
+        draft_vocab: int64 [N] draft -> target ids, or None (full vocabulary).
     Returns:
-        dict with ``loss`` (scalar with grad), ``ce``, ``tv``, ``conf``, ``soft_ce`` (detached
-        scalars),
-        ``accept_rate`` fp32 [K] (accept_rate@k = mean over blocks whose slot k is supervised of
-        prod_{i<=k}(1 - TV_i)) and ``tau`` (probabilistic accepted length
-        1 + sum_k prod_{i<=k}(1 - TV_i), averaged over blocks with a supervised first slot;
-        truncated blocks count what they have).
-    Raises:
-        ValueError: no supervised slot at all, or an unknown objective.
+        (ce [R], l1 [R] in [0, 2], soft_ce [R], in_vocab bool [R]).
     """
+    logp_t = torch.log_softmax(target_logits.float(), dim=-1)
+    if draft_vocab is None:
+        labels_d, in_vocab = labels, torch.ones_like(labels, dtype=torch.bool)
+        p_t_sub, outside = logp_t.exp(), None
+    else:
+        t2d = torch.full((target_logits.shape[-1],), -1, dtype=torch.long, device=labels.device)
+        t2d[draft_vocab] = torch.arange(draft_vocab.numel(), device=labels.device)
+        labels_d = t2d[labels]
+        in_vocab = labels_d >= 0
+        labels_d = labels_d.clamp(min=0)
+        p_t_sub = logp_t[:, draft_vocab].exp()
+        outside = (1.0 - p_t_sub.sum(-1)).clamp(min=0.0)
+    logp_d = torch.log_softmax(draft_logits, dim=-1)
+    ce = -logp_d.gather(-1, labels_d[:, None]).squeeze(-1) * in_vocab
+    l1 = (logp_d.exp() - p_t_sub).abs().sum(-1)
+    if outside is not None:
+        l1 = l1 + outside
+    soft = -(p_t_sub * logp_d).sum(-1)
+    return ce, l1, soft, in_vocab
+
+
+def chunked_drafter_losses(draft_logits_fn, target_logits_fn, labels: torch.Tensor,
+                           valid: torch.Tensor, weights: torch.Tensor,
+                           confidence_logits: torch.Tensor | None = None,
+                           coefficients: tuple[float, float, float] = (0.1, 0.9, 1.0),
+                           objective: str = "dspark", draft_vocab: torch.Tensor | None = None,
+                           chunk_rows: int = DEFAULT_CHUNK_ROWS) -> dict[str, torch.Tensor]:
+    """The drafter losses computed over the R supervised rows in chunks of ``chunk_rows``: no
+    fp32 [rows, vocabulary] tensor lives longer than one chunk. Each chunk's vocabulary-sized work
+    (draft logits, target softmax, the three terms) runs under activation checkpointing, so the
+    backward pass recomputes it chunk by chunk instead of keeping it.
+
+    Args:
+        draft_logits_fn: ``fn(idx int64 [c]) -> fp32 [c, N]``, draft logits of supervised rows
+            ``idx`` (with grad).
+        target_logits_fn: ``fn(idx) -> [c, V]``, the target's logits of the same rows (no grad).
+        labels: int64 [N_blocks, K]; valid: bool [N_blocks, K] (a prefix of each block);
+        weights: fp32 [K] position weights; confidence_logits: fp32 [N_blocks, K] or None;
+        coefficients, objective: see :func:`drafter_losses`;
+        draft_vocab: int64 [N] or None (see :func:`row_loss_terms`);
+        chunk_rows: rows per chunk (>= 1).
+    Returns / Raises: as :func:`drafter_losses`.
+    """
+    from torch.utils.checkpoint import checkpoint
+
     if objective not in OBJECTIVES:
         raise ValueError(f"unknown objective {objective!r}; expected one of {OBJECTIVES}")
     if not bool(valid.any()):
         raise ValueError("drafter_losses got a batch without any supervised slot")
-    w = weights.to(draft_logits.device)[None, :].expand_as(valid)
-    wv = w[valid]
-    logits_v = draft_logits[valid]  # [R, V]
-    ce_rows = F.cross_entropy(logits_v, labels[valid], reduction="none")
-    ce = (wv * ce_rows).sum() / wv.sum()
-    p_t = torch.softmax(target_logits[valid].float(), dim=-1)
-    with torch.set_grad_enabled(torch.is_grad_enabled() and objective == "dspark"):
-        p_d = torch.softmax(logits_v, dim=-1)
-        l1_rows = (p_d - p_t).abs().sum(-1)  # [R], in [0, 2]
-    tv = (wv * l1_rows).sum() / wv.sum()
-    with torch.set_grad_enabled(torch.is_grad_enabled() and objective == "soft_ce"):
-        soft_rows = -(p_t * torch.log_softmax(logits_v, dim=-1)).sum(-1)
-    soft_ce = (wv * soft_rows).sum() / wv.sum()
-    conf = torch.zeros((), device=draft_logits.device)
+    if chunk_rows < 1:
+        raise ValueError(f"chunk_rows must be >= 1, got {chunk_rows}")
+    device = valid.device
+    w = weights.to(device)[None, :].expand_as(valid)[valid]  # [R]
+    labels_v = labels[valid]
+    rows = labels_v.numel()
+
+    def chunk_terms(idx: torch.Tensor, w_c: torch.Tensor):
+        with torch.no_grad():
+            target = target_logits_fn(idx)
+        ce, l1, soft, in_vocab = row_loss_terms(draft_logits_fn(idx), target, labels_v[idx],
+                                                draft_vocab)
+        return (w_c * ce).sum(), (w_c * l1).sum(), (w_c * soft).sum(), l1.detach(), in_vocab
+
+    sums = [torch.zeros((), device=device) for _ in range(3)]
+    l1_parts, in_vocab_parts = [], []
+    for start in range(0, rows, chunk_rows):
+        idx = torch.arange(start, min(rows, start + chunk_rows), device=device)
+        w_c = w[idx]
+        if torch.is_grad_enabled():
+            out = checkpoint(chunk_terms, idx, w_c, use_reentrant=False)
+        else:
+            out = chunk_terms(idx, w_c)
+        for i in range(3):
+            sums[i] = sums[i] + out[i]
+        l1_parts.append(out[3])
+        in_vocab_parts.append(out[4])
+    l1_rows = torch.cat(l1_parts)
+    in_vocab = torch.cat(in_vocab_parts)
+    w_sum = w.sum()
+    ce = sums[0] / (w * in_vocab).sum().clamp(min=1e-12)
+    tv, soft_ce = sums[1] / w_sum, sums[2] / w_sum
+    conf = torch.zeros((), device=device)
     if confidence_logits is not None:
-        soft_label = (1.0 - 0.5 * l1_rows).detach().clamp(0.0, 1.0)
+        soft_label = (1.0 - 0.5 * l1_rows).clamp(0.0, 1.0)
         conf = F.binary_cross_entropy_with_logits(confidence_logits[valid].float(), soft_label)
     if objective == "ce":
         loss = ce
@@ -88,14 +146,49 @@ def drafter_losses(draft_logits: torch.Tensor, target_logits: torch.Tensor, labe
         loss = c_ce * ce + c_tv * tv + c_conf * conf
 
     with torch.no_grad():
-        accept = torch.zeros(valid.shape, device=draft_logits.device)
-        accept[valid] = 1.0 - 0.5 * l1_rows.detach()
+        accept = torch.zeros(valid.shape, device=device)
+        accept[valid] = 1.0 - 0.5 * l1_rows
         survival = accept.cumprod(dim=1)  # 0 after the first unsupervised slot
         counts = valid.sum(0).clamp(min=1)
         accept_rate = survival.sum(0) / counts
         has_slot = valid[:, 0]  # padding blocks (no supervised slot) do not count
         tau = 1.0 + survival[has_slot].sum(1).mean()
     return {"loss": loss, "ce": ce.detach(), "tv": tv.detach(), "conf": conf.detach(),
-            "soft_ce": soft_ce.detach(),
-            "accept_rate": accept_rate, "tau": tau}
+            "soft_ce": soft_ce.detach(), "accept_rate": accept_rate, "tau": tau,
+            "draft_vocab_coverage": in_vocab.float().mean()}
 
+
+def drafter_losses(draft_logits: torch.Tensor, target_logits: torch.Tensor, labels: torch.Tensor,
+                   valid: torch.Tensor, weights: torch.Tensor,
+                   confidence_logits: torch.Tensor | None = None,
+                   coefficients: tuple[float, float, float] = (0.1, 0.9, 1.0),
+                   objective: str = "dspark",
+                   draft_vocab: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+    """Losses and per-step training metrics from dense logits (small shapes and tests; training
+    uses :func:`chunked_drafter_losses`, which this calls with one chunk).
+
+    Args:
+        draft_logits: fp32 [N, K, Nd], U_k + B_k (Nd = V without a draft vocabulary).
+        target_logits: fp32 [N, K, V], LM_head(last_hidden[p+j]) (no grad needed).
+        labels: int64 [N, K], the true next tokens (target ids).
+        valid: bool [N, K], supervised slots (a prefix of each block).
+        weights: fp32 [K], position weights w_k.
+        confidence_logits: fp32 [N, K] or None.
+        coefficients: (ce, tv, conf) mixing weights.
+        objective: ``"dspark"`` (Eq. 12 mix), ``"ce"`` (DFlash: L = L_ce) or ``"soft_ce"``
+            (Eagle3: L = weighted -sum p_t log p_d). Every term is reported whatever the objective.
+        draft_vocab: int64 [Nd] draft -> target ids, or None (see :func:`row_loss_terms`).
+    Returns:
+        dict with ``loss`` (scalar with grad), ``ce``, ``tv``, ``conf``, ``soft_ce`` (detached
+        scalars), ``accept_rate`` fp32 [K] (accept_rate@k = mean over blocks whose slot k is
+        supervised of prod_{i<=k}(1 - TV_i)), ``tau`` (probabilistic accepted length
+        1 + sum_k prod_{i<=k}(1 - TV_i), averaged over blocks with a supervised first slot;
+        truncated blocks count what they have) and ``draft_vocab_coverage`` (share of supervised
+        labels inside the draft vocabulary).
+    Raises:
+        ValueError: no supervised slot at all, or an unknown objective.
+    """
+    logits_v, target_v = draft_logits[valid], target_logits[valid]
+    return chunked_drafter_losses(lambda idx: logits_v[idx], lambda idx: target_v[idx], labels,
+                                  valid, weights, confidence_logits, coefficients, objective,
+                                  draft_vocab, chunk_rows=max(1, logits_v.shape[0]))

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from . import draft_vocab as dv
 from .config import DSparkConfig
 from .heads import ConfidenceHead, MarkovHead, RNNHead
 from .layers import DrafterLayer, RMSNorm, RotaryEmbedding
@@ -66,12 +67,22 @@ class DrafterBase(nn.Module):
     ``draft_logits`` and the inference protocol ``new_draft_state`` / ``extend_context`` /
     ``propose_block`` used by the speculative engine.
 
+    With ``config.draft_vocab_size`` N > 0 the drafter predicts in a frequency-ranked draft
+    vocabulary (``drafters/draft_vocab.py``): ``d2t`` (int64 [N], a persistent buffer saved with the
+    weights) maps draft ids to target ids, the draft LM head is the frozen target rows
+    ``lm_head_weight[d2t]``, and proposals come back as target ids with probabilities that are 0
+    outside the subset.
+
+    Args:
+        draft_vocab: int64 [N] target ids of the draft vocabulary (most frequent first); None with
+            N > 0 means "loaded from a checkpoint next".
     Raises:
-        ValueError: the target tensors do not match the config's vocabulary / hidden size.
+        ValueError: the target tensors do not match the config's vocabulary / hidden size, or the
+            draft vocabulary is malformed.
     """
 
     def __init__(self, config: DSparkConfig, embed_weight: torch.Tensor,
-                 lm_head_weight: torch.Tensor):
+                 lm_head_weight: torch.Tensor, draft_vocab=None):
         super().__init__()
         v, h = config.target_vocab_size, config.hidden_size
         for name, w in (("embed_weight", embed_weight), ("lm_head_weight", lm_head_weight)):
@@ -80,6 +91,57 @@ class DrafterBase(nn.Module):
         self.config = config
         self.register_buffer("embed_weight", embed_weight.detach(), persistent=False)
         self.register_buffer("lm_head_weight", lm_head_weight.detach(), persistent=False)
+        n = config.draft_vocab_size
+        if n:
+            d2t = torch.as_tensor(draft_vocab if draft_vocab is not None else range(n),
+                                  dtype=torch.int64, device=lm_head_weight.device)
+            dv.check_draft_vocab(d2t, n, v)
+            if draft_vocab is not None:
+                config.draft_vocab_sha256 = dv.fingerprint(d2t)
+            self.register_buffer("d2t", d2t)
+        else:
+            self.d2t = None
+        self.register_buffer("t2d", None, persistent=False)
+        self.register_buffer("draft_head_weight", None, persistent=False)
+        self._bind_draft_vocab()
+        # a loaded checkpoint brings its own d2t: re-derive the subset head and the inverse map
+        self.register_load_state_dict_post_hook(lambda module, _keys: module._bind_draft_vocab())
+
+    def _bind_draft_vocab(self) -> None:
+        if self.d2t is None:
+            self.draft_head_weight = self.lm_head_weight
+            return
+        d2t = self.d2t.to(self.lm_head_weight.device)
+        self.draft_head_weight = self.lm_head_weight[d2t]
+        self.t2d = dv.target_to_draft(d2t, self.config.target_vocab_size)
+
+    def _apply(self, fn, recurse=True):
+        # .to(dtype/device) converts every buffer; keep the subset head a view of the same rows
+        out = super()._apply(fn, recurse)
+        if self.d2t is None:
+            self.draft_head_weight = self.lm_head_weight
+        return out
+
+    # ------------------------------------------------------------------ draft vocabulary
+    def draft_head(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Draft logits through the frozen LM head rows of the draft vocabulary:
+        [..., H] -> fp32 [..., N] (N = V without a draft vocabulary)."""
+        return F.linear(hidden, self.draft_head_weight.to(hidden.dtype)).float()
+
+    def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        """int64 draft ids -> target ids (identity without a draft vocabulary)."""
+        return draft_ids if self.d2t is None else self.d2t[draft_ids]
+
+    def to_draft_ids(self, target_ids: torch.Tensor) -> torch.Tensor:
+        """int64 target ids -> draft ids, N for ids outside the subset (identity without one)."""
+        return target_ids if self.t2d is None else self.t2d[target_ids]
+
+    def to_target_probs(self, probs: torch.Tensor) -> torch.Tensor:
+        """fp32 [..., N] draft-vocabulary distributions -> [..., V] (0 outside the subset)."""
+        if self.d2t is None:
+            return probs
+        full = probs.new_zeros(*probs.shape[:-1], self.config.target_vocab_size)
+        return full.index_copy_(-1, self.d2t, probs)
 
     def calibrated_confidence(self, confidence_logits: torch.Tensor) -> torch.Tensor:
         """c_k = sigma(z_k / T_k) with the checkpoint's STS temperatures: [.., l] -> [.., l] for the
@@ -115,6 +177,12 @@ class DrafterBase(nn.Module):
         config = DSparkConfig.from_pretrained(path)
         model = cls(config, embed_weight, lm_head_weight)
         model.load_state_dict(load_file(str(path / WEIGHTS_NAME)), strict=True)
+        if config.draft_vocab_size:
+            dv.check_draft_vocab(model.d2t, config.draft_vocab_size, config.target_vocab_size)
+            if dv.fingerprint(model.d2t) != config.draft_vocab_sha256:
+                raise ValueError(f"{path}: the draft vocabulary map in {WEIGHTS_NAME} does not "
+                                 f"match the config's draft_vocab_sha256 (weights and config come "
+                                 "from different drafters)")
         # the drafter runs where the target's tensors are (they were bound as buffers)
         return model.to(device=embed_weight.device, dtype=dtype).eval()
 
@@ -171,9 +239,11 @@ class DSparkDrafter(DrafterBase):
     """
 
     def __init__(self, config: DSparkConfig, embed_weight: torch.Tensor,
-                 lm_head_weight: torch.Tensor):
-        super().__init__(config, embed_weight, lm_head_weight)
-        v, h = config.target_vocab_size, config.hidden_size
+                 lm_head_weight: torch.Tensor, draft_vocab=None):
+        super().__init__(config, embed_weight, lm_head_weight, draft_vocab)
+        h = config.hidden_size
+        n = config.draft_vocab_len
+        n_in = n + 1 if config.draft_vocab_size else n  # + "previous token outside the subset"
         m_h = config.num_context_layers * config.target_hidden_size
         self.context_proj = nn.Linear(m_h, h, bias=False)  # W_c of Eq. 2
         self.context_norm = RMSNorm(h, config.rms_norm_eps)
@@ -182,9 +252,9 @@ class DSparkDrafter(DrafterBase):
         self.norm = RMSNorm(h, config.rms_norm_eps)
         self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta)
         if config.head_type == "markov":
-            self.head = MarkovHead(v, config.markov_rank)
+            self.head = MarkovHead(n_in, config.markov_rank, n)
         elif config.head_type == "rnn":
-            self.head = RNNHead(v, config.markov_rank, h)
+            self.head = RNNHead(n_in, config.markov_rank, h, n)
         else:
             self.head = None
         self.confidence = ConfidenceHead(h, config.markov_rank) if config.confidence_head else None
@@ -226,21 +296,41 @@ class DSparkDrafter(DrafterBase):
         return self.norm(hidden)[:, off:off + self.config.block_size]
 
     # ------------------------------------------------------------------ heads
+    def head_features(self, hidden: torch.Tensor, prev_tokens: torch.Tensor):
+        """Teacher-forced sequential-head features and confidence logits, without any
+        vocabulary-sized tensor (the trainer turns rows into logits chunk by chunk).
+
+        Args:
+            hidden: [N, K, H] prediction-slot states.
+            prev_tokens: int64 [N, K], x_{k-1} of each slot (x_0 = anchor), target ids.
+        Returns:
+            (features [N, K, r] or None without a sequential head, confidence logits fp32 [N, K]
+            or None).
+        """
+        if self.head is None:
+            return None, None
+        feat, prev_emb = self.head.features(hidden, self.to_draft_ids(prev_tokens))
+        conf = self.confidence(hidden, prev_emb) if self.confidence is not None else None
+        return feat, conf
+
+    def logits_from(self, hidden: torch.Tensor, features: torch.Tensor | None) -> torch.Tensor:
+        """U_k + B_k (Eq. 4) from slot states [..., H] and head features [..., r] (or None):
+        fp32 [..., N]."""
+        logits = self.draft_head(hidden)
+        return logits if features is None else logits + self.head.w2(features).float()
+
     def draft_logits(self, hidden: torch.Tensor, prev_tokens: torch.Tensor):
-        """Teacher-forced corrected draft logits and confidence logits.
+        """Teacher-forced corrected draft logits and confidence logits (dense; small shapes).
 
         Args:
             hidden: [N, K, H] prediction-slot states.
             prev_tokens: int64 [N, K], x_{k-1} of each slot (x_0 = anchor), ground truth.
         Returns:
-            (logits fp32 [N, K, V] = U_k + B_k (Eq. 4), confidence logits fp32 [N, K] or None).
+            (logits fp32 [N, K, N_d] = U_k + B_k (Eq. 4) over the draft vocabulary, confidence
+            logits fp32 [N, K] or None).
         """
-        logits = F.linear(hidden, self.lm_head_weight.to(hidden.dtype)).float()
-        if self.head is None:
-            return logits, None
-        bias, prev_emb = self.head(hidden, prev_tokens)
-        conf = self.confidence(hidden, prev_emb) if self.confidence is not None else None
-        return logits + bias.float(), conf
+        feat, conf = self.head_features(hidden, prev_tokens)
+        return self.logits_from(hidden, feat), conf
 
     # ------------------------------------------------------------------ inference
     # Inference protocol shared by every drafter (DSpark, DFlash, Eagle3) and used by the
@@ -313,15 +403,15 @@ class DSparkDrafter(DrafterBase):
             row_limits: int64 [B] or None; row b samples only its first row_limits[b] tokens
                 (the rest are argmax fillers that draw no randomness and must not be verified).
         Returns:
-            a :class:`BlockProposal` with ``num_tokens`` tokens (``probs`` None when every row
-            is greedy).
+            a :class:`BlockProposal` with ``num_tokens`` target-id tokens (``probs`` over the target
+            vocabulary, None when every row is greedy).
         """
         from .sampling import sample_rows
 
         b = hidden.shape[0]
-        base = F.linear(hidden[:, :num_tokens], self.lm_head_weight.to(hidden.dtype)).float()
+        base = self.draft_head(hidden[:, :num_tokens])
         state = self.head.init_state(b, hidden.device, hidden.dtype) if self.head else None
-        prev = anchor_tokens
+        prev = self.to_draft_ids(anchor_tokens)
         tokens, probs, confs = [], [], []
         all_greedy = bool((torch.as_tensor(temperature) <= 0).all())
         for k in range(num_tokens):
@@ -337,8 +427,8 @@ class DSparkDrafter(DrafterBase):
             probs.append(p)
             prev = tok
         return BlockProposal(
-            tokens=torch.stack(tokens, 1),
-            probs=None if all_greedy else torch.stack(probs, 1),
+            tokens=self.to_target_ids(torch.stack(tokens, 1)),
+            probs=None if all_greedy else self.to_target_probs(torch.stack(probs, 1)),
             confidence_logits=torch.stack(confs, 1) if confs else None,
         )
 

@@ -148,6 +148,7 @@ class CacheWriterUDF:
             summary = {"file": path.rsplit("/", 1)[-1] + ".parquet", "rows": len(records),
                        "tokens": int(sum(r["num_tokens"] for r in records)),
                        "supervised_tokens": int(sum(sum(r["loss_mask"]) for r in records)),
+                       "supervised_token_counts": supervised_token_counts(records),
                        "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest(),
                        "fingerprint": str(fingerprint), "errors": errors}
             # the sidecar is written last: its presence marks the shard complete
@@ -156,6 +157,30 @@ class CacheWriterUDF:
             summaries["shard"].append(int(shard))
             summaries["summary"].append(json.dumps(summary))
         return summaries
+
+
+def supervised_token_counts(records: list[dict]) -> dict[str, int]:
+    """How often each target token is a supervised (assistant) token in these cache rows:
+    {str(token id): count}, the input of the draft vocabulary's frequency ranking."""
+    counts = np.zeros(0, dtype=np.int64)
+    for r in records:
+        ids = np.frombuffer(r["input_ids"], dtype="<i4")
+        mask = np.frombuffer(r["loss_mask"], dtype=np.uint8).astype(bool)
+        c = np.bincount(ids[mask], minlength=counts.size)
+        counts = np.pad(counts, (0, c.size - counts.size)) + c
+    return {str(t): int(counts[t]) for t in np.flatnonzero(counts)}
+
+
+def merge_token_counts(shards: list[dict]) -> dict[int, int]:
+    """Sum the shards' ``supervised_token_counts``: {token id: count}."""
+    total: dict[int, int] = {}
+    for s in shards:
+        for t, c in s.get("supervised_token_counts", {}).items():
+            total[int(t)] = total.get(int(t), 0) + int(c)
+    return total
+
+
+DRAFT_VOCAB_REPORT_SIZES = (1024, 2048, 4096, 8192, 16384, 32768)
 
 
 def shard_fingerprint(rows: list[dict], settings: dict) -> str:
@@ -184,7 +209,8 @@ def run_cache_split(conversations: list[dict], split_dir: str, *, target: str, d
     shards = plan_shards(conversations, rows_per_shard)
     settings = {"target": target, "dtype": dtype, "layer_ids": layer_ids,
                 "template_kwargs": template_kwargs, "max_length": max_length,
-                "min_supervised": min_supervised}
+                "min_supervised": min_supervised,
+                "summary": 2}  # 2: sidecars carry supervised_token_counts
     summaries: dict[int, dict] = {}
     todo = []
     for i, rows in enumerate(shards):
@@ -218,8 +244,17 @@ def run_cache_split(conversations: list[dict], split_dir: str, *, target: str, d
 def build_manifest(*, target: str, revision: str | None, layer_ids: list[int], hidden_size: int,
                    vocab_size: int, template_sha256: str, template_kwargs: dict, max_length: int,
                    splits: dict[str, list[dict]]) -> dict:
-    """The manifest of SPEC 1.4 (shard errors are moved out to the error file by the caller)."""
-    return {
+    """The manifest of SPEC 1.4 (shard errors are moved out to the error file by the caller),
+    with each split's supervised-token frequencies (``token_frequency``: [[id, count], ...], most
+    frequent first) and the coverage of the train ranking's top-N at a few draft vocabulary sizes
+    (``draft_vocab_coverage``: {N: {split: share of supervised tokens inside the top N}})."""
+    from drafters.draft_vocab import coverage, frequency_ranking
+
+    counts = {name: merge_token_counts(shards) for name, shards in splits.items()}
+    ranking = frequency_ranking(counts.get("train", {}), vocab_size)
+    report = {str(n): {name: round(coverage(c, ranking[:n]), 5) for name, c in counts.items()}
+              for n in DRAFT_VOCAB_REPORT_SIZES if n < vocab_size}
+    manifest = {
         "format": CACHE_FORMAT,
         "target": {"name_or_path": target, "revision": revision, "hidden_size": hidden_size,
                    "vocab_size": vocab_size},
@@ -235,11 +270,16 @@ def build_manifest(*, target: str, revision: str | None, layer_ids: list[int], h
             name: {"rows": sum(s["rows"] for s in shards),
                    "tokens": sum(s["tokens"] for s in shards),
                    "supervised_tokens": sum(s["supervised_tokens"] for s in shards),
-                   "shards": [{k: v for k, v in s.items() if k not in ("errors", "fingerprint")}
+                   "token_frequency": sorted(([t, c] for t, c in counts[name].items()),
+                                             key=lambda tc: (-tc[1], tc[0])),
+                   "shards": [{k: v for k, v in s.items()
+                               if k not in ("errors", "fingerprint", "supervised_token_counts")}
                               for s in shards]}
             for name, shards in splits.items()
         },
+        "draft_vocab_coverage": report,
     }
+    return manifest
 
 
 def read_manifest(cache_dir: str, storage_options: dict | None = None) -> dict:

@@ -108,6 +108,9 @@ class DrafterSection(Strict):
     confidence_head: bool = True
     loss_decay: float | None = Field(None, gt=0, description="w_k = exp(-(k-1)/decay); None = "
                                      "block_size (paper); the reference repository uses 4.")
+    draft_vocab_size: int = Field(0, ge=0, description="N most frequent supervised target tokens "
+                                  "(the cache manifest's ranking) the drafter predicts in; "
+                                  "0 = the full target vocabulary.")
 
     @model_validator(mode="after")
     def _consistent(self):
@@ -138,6 +141,8 @@ class TrainConfig(Strict):
         "fp32", description="bf16 = autocast forward with fp32 master weights and optimizer state.")
     loss_weights: tuple[float, float, float] = Field((0.1, 0.9, 1.0),
                                                      description="(ce, tv, conf), Eq. 12.")
+    loss_chunk_rows: int = Field(1024, ge=1, description="Supervised rows per chunk of the "
+                                 "vocabulary-sized loss work (recomputed in backward).")
     log_every: int = Field(1, ge=1)
     eval_every: int | None = Field(None, ge=1, description="Held-out losses, tau and "
                                    "accept_rate@k every N steps (and at the end); None = never.")

@@ -291,7 +291,7 @@ def stage_train(ctx: StageContext) -> dict:
         train=ctx.cfg.train.model_dump(), wandb_cfg=ctx.cfg.wandb.model_dump(),
         storage_options=ctx.cfg.storage_options, run_name=ctx.run_dir.name)
     return {"steps": result["steps"], "rows": result["rows"],
-            "drafter": str(ctx.run_dir / "train" / "drafter"),
+            "drafter": str(ctx.run_dir / "train" / "drafter"), "draft_vocab": result["draft_vocab"],
             "final_metrics": {k: v for k, v in result["metrics"].items()
                               if isinstance(v, (int, float))}}
 

@@ -45,7 +45,8 @@ def build_drafter_config(target_config, target_name: str, layer_ids: list[int], 
         markov_rank=drafter["markov_rank"],
         confidence_head=drafter["confidence_head"] if kind == "dspark" else False,
         loss_decay=drafter["loss_decay"],
-        qk_norm=getattr(tc, "model_type", "") in ("qwen3", "qwen3_moe"))
+        qk_norm=getattr(tc, "model_type", "") in ("qwen3", "qwen3_moe"),
+        draft_vocab_size=drafter.get("draft_vocab_size", 0))
 
 
 def training_objective(config):
@@ -111,34 +112,43 @@ def deepspeed_config(tc: dict, world_size: int) -> dict:
 
 def batch_losses(model, samples: list[dict], tc: dict, objective: str, weights, device,
                  generators) -> dict:
-    """Pack ``samples``, run the drafter and return :func:`drafters.losses.drafter_losses`.
+    """Pack ``samples``, run the drafter and return
+    :func:`drafters.losses.chunked_drafter_losses`.
 
     Target probabilities come from the cached O(H) ``last_hidden`` through the frozen LM head,
-    only at supervised rows (SPEC 3: never V-sized tensors on the wire).
+    only at supervised rows and one chunk of rows at a time (SPEC 3: never V-sized tensors on the
+    wire; no [rows, V] tensor lives longer than a chunk).
     """
     import torch
 
-    from drafters.losses import drafter_losses
+    from drafters.losses import chunked_drafter_losses
     from drafters.packing import pack_blocks
 
     module = getattr(model, "module", model)  # DeepSpeed engine or the bare drafter
     cfg = module.config
     pb = pack_blocks(samples, tc["num_anchors"], cfg.block_size, generators,
                      min_anchor=1 if cfg.drafter_type == "eagle3" else 0).to(device)
+    valid = pb.label_valid
     with torch.autocast(device.type, dtype=torch.bfloat16, enabled=tc["precision"] == "bf16"):
         hidden = model(pb)
-        logits, conf = module.draft_logits(hidden, pb.prev_tokens)
-        valid = pb.label_valid
-        with torch.no_grad():
-            head_w = module.lm_head_weight
-            target_logits = torch.zeros(logits.shape, device=device)
-            target_logits[valid] = torch.nn.functional.linear(
-                pb.target_hidden[valid].to(head_w.dtype), head_w).float()
-    return drafter_losses(logits, target_logits, pb.labels, valid, weights, conf,
-                          tuple(tc["loss_weights"]), objective=objective)
+        feat, conf = module.head_features(hidden, pb.prev_tokens)
+        hidden_rows = hidden[valid]
+        feat_rows = None if feat is None else feat[valid]
+        target_rows = pb.target_hidden[valid]
+        head_w = module.lm_head_weight
+
+        def draft_logits(idx):
+            return module.logits_from(hidden_rows[idx], None if feat_rows is None else feat_rows[idx])
+
+        def target_logits(idx):
+            return torch.nn.functional.linear(target_rows[idx].to(head_w.dtype), head_w).float()
+
+        return chunked_drafter_losses(draft_logits, target_logits, pb.labels, valid, weights, conf,
+                                      tuple(tc["loss_weights"]), objective=objective,
+                                      draft_vocab=module.d2t, chunk_rows=tc["loss_chunk_rows"])
 
 
-METRIC_KEYS = ("loss", "ce", "tv", "conf", "soft_ce", "tau")
+METRIC_KEYS = ("loss", "ce", "tv", "conf", "soft_ce", "tau", "draft_vocab_coverage")
 
 
 def reduce_metrics(outs: list[dict], block_size: int, prefix: str = "", device=None) -> dict:
@@ -190,7 +200,7 @@ def train_loop_per_worker(loop_cfg: dict) -> None:
     target_cfg, emb, head = load_frozen_head(loop_cfg["target"])
     dcfg = build_drafter_config(target_cfg, loop_cfg["target"], loop_cfg["layer_ids"],
                                 loop_cfg["drafter"])
-    model = build_drafter(dcfg, emb, head)
+    model = build_drafter(dcfg, emb, head, loop_cfg.get("draft_vocab"))
     if loop_cfg.get("init_from"):
         init_weights(model, loop_cfg["init_from"])
     model = model.to(device)
@@ -449,6 +459,7 @@ def run_train(*, cache_dir: str, manifest: dict, out_dir: Path, target: str, lay
     if per_epoch < 1:
         raise ValueError(f"the cache has {rows} training rows: fewer than one global batch "
                          f"({train['global_batch_size']})")
+    draft_vocab, vocab_report = select_draft_vocab(manifest, drafter.get("draft_vocab_size", 0))
     total = per_epoch * train["num_epochs"]
     if train["max_steps"]:
         total = min(total, train["max_steps"])
@@ -473,6 +484,7 @@ def run_train(*, cache_dir: str, manifest: dict, out_dir: Path, target: str, lay
         "storage_options": storage_options, "resume_from": resume,
         "init_from": storage.resolve(train["init_from"]) if train["init_from"] else None,
         "wandb": wandb_cfg, "wandb_dir": str(wandb_dir), "run_name": run_name,
+        "draft_vocab": draft_vocab,
         "torch_extensions_dir": os.environ.get(
             "TORCH_EXTENSIONS_DIR", str(Path.home() / ".cache" / "dspark_ray" / "torch_extensions")),
     }
@@ -494,5 +506,36 @@ def run_train(*, cache_dir: str, manifest: dict, out_dir: Path, target: str, lay
         if dest.exists():
             shutil.rmtree(dest)
         shutil.copytree(Path(ckpt) / "drafter", dest)
+        if vocab_report:
+            (dest / "draft_vocab.json").write_text(json.dumps(vocab_report, indent=1))
     return {"steps": total, "rows": rows, "metrics": result.metrics or {}, "resumed_from": resume,
-            "checkpoint": result.checkpoint.path}
+            "checkpoint": result.checkpoint.path, "draft_vocab": vocab_report}
+
+
+def select_draft_vocab(manifest: dict, size: int) -> tuple[list[int] | None, dict]:
+    """The top-``size`` target ids of the cache's supervised-token ranking (train split) and a
+    report of their coverage per split (share of supervised tokens inside the subset).
+
+    Returns:
+        (draft vocabulary, most frequent first, or None for ``size`` 0; the report dict).
+    Raises:
+        ValueError: ``size`` exceeds the vocabulary, or the cache predates token counting.
+    """
+    from drafters.draft_vocab import coverage, frequency_ranking
+
+    if not size:
+        return None, {}
+    vocab = manifest["target"]["vocab_size"]
+    if size > vocab:
+        raise ValueError(f"drafter.draft_vocab_size {size} exceeds the target vocabulary ({vocab})")
+    splits = manifest["splits"]
+    if "token_frequency" not in splits["train"]:
+        raise ValueError("the cache manifest has no token_frequency (written by an older version): "
+                         "re-run the cache stage (--force cache) to use drafter.draft_vocab_size")
+    counts = {name: {t: c for t, c in sp.get("token_frequency", [])} for name, sp in splits.items()}
+    ids = frequency_ranking(counts["train"], vocab)[:size]
+    report = {"draft_vocab_size": size,
+              "coverage": {name: round(coverage(c, ids), 5) for name, c in counts.items()}}
+    logger.info("draft vocabulary: top %d of %d target tokens, supervised-token coverage %s",
+                size, vocab, report["coverage"])
+    return ids, report

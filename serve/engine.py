@@ -192,11 +192,11 @@ class SpecEngine:
     def _prefill(self, reqs: list[_Request]) -> list[RequestOutput]:
         speculate = self.drafter is not None and self.gamma > 0
         outs = self.target.forward_batch([r.kv for r in reqs], [r.req.prompt_ids for r in reqs],
-                                         with_features=speculate)
+                                         with_features=speculate, logits="last")
         results = []
         for r, o in zip(reqs, outs):
             n = len(r.req.prompt_ids)
-            r.kv.append(o.new_kv, n)
+            o.keep(n)
             tok = self._sample_one(r, o.logits[-1])
             r.anchor, r.pos = tok, n
             r.first_token_s = time.perf_counter()
@@ -285,7 +285,7 @@ class SpecEngine:
                 self.running.remove(r)
                 continue
             # keep the anchor and the accepted drafts; rejected positions never enter a cache
-            r.kv.append(o.new_kv, n + 1)
+            o.keep(n + 1)
             if self.drafter is not None:
                 dev = self._draft_device
                 self.drafter.extend_context(

@@ -85,7 +85,7 @@ def profile_sps(runner: TargetRunner, max_tokens: int, block_tokens: int = 8,
         kv = TargetKV()
         out = runner.forward_batch([kv], [torch.randint(0, vocab, (context_len,), generator=g).tolist()],
                                    with_features=False)[0]
-        kv.append(out.new_kv, context_len)
+        out.keep(context_len)
         caches.append(kv)
     result = {}
     for b in batch_grid(max_tokens):
