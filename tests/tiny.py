@@ -24,7 +24,10 @@ def tiny_target(vocab_size: int = 96, seed: int = 0, num_layers: int = 6) -> Qwe
 
 
 def tiny_drafter(target, layer_ids=(1, 3), block_size: int = 4, head_type: str = "markov",
-                 num_layers: int = 1, seed: int = 0, drafter_type: str = "dspark") -> DSparkDrafter:
+                 num_layers: int = 1, seed: int = 0, drafter_type: str = "dspark",
+                 draft_vocab: list[int] | None = None) -> DSparkDrafter:
+    """A 1-layer drafter for ``target``; ``draft_vocab`` (target ids) makes it predict in that
+    subset only (``drafters/draft_vocab.py``)."""
     torch.manual_seed(seed)
     tc = target.config
     cfg = DSparkConfig(
@@ -35,7 +38,12 @@ def tiny_drafter(target, layer_ids=(1, 3), block_size: int = 4, head_type: str =
         num_key_value_heads=tc.num_key_value_heads, head_dim=tc.head_dim,
         intermediate_size=tc.intermediate_size, rms_norm_eps=tc.rms_norm_eps,
         max_position_embeddings=512, head_type=head_type if drafter_type == "dspark" else "none",
-        markov_rank=16, confidence_head=drafter_type == "dspark", qk_norm=True)
+        markov_rank=16, confidence_head=drafter_type == "dspark", qk_norm=True,
+        draft_vocab_size=len(draft_vocab) if draft_vocab else 0)
     emb = target.get_input_embeddings().weight
     head = target.get_output_embeddings().weight
-    return DSparkDrafter(cfg, emb, head).eval()
+    if drafter_type == "eagle3":
+        from drafters.eagle3 import Eagle3Drafter
+
+        return Eagle3Drafter(cfg, emb, head, draft_vocab).eval()
+    return DSparkDrafter(cfg, emb, head, draft_vocab).eval()
