@@ -1,11 +1,24 @@
-"""Speculative decoding vs the target alone, measured side by side in one run.
+"""Speculative decoding against what users already have, end to end, in one run.
 
-Re-evaluates the drafter of a finished pipeline run (default: the quickstart) on the configured
-benchmarks and writes ``benchmarks/results/spec_vs_target.{md,json}``. Target-only and speculative
-decoding alternate prompt by prompt, so machine noise hits both alike; the speed-up is their ratio.
+Arms (batch 1, the same rendered prompts, max_new_tokens 128 by default), alternating prompt by
+prompt (prompt i starts at arm i mod n) so machine drift hits every arm alike:
+
+- ``hf_generate_fp32`` / ``hf_generate_bf16``: plain transformers ``generate``; the faster of the
+  two per (dataset, temperature) is the baseline every ``speedup_vs_generate`` is taken against;
+- ``engine_target_only``: this project's engine without a drafter;
+- ``dspark``: the calibrated DSpark drafter with the dspark scheduler (Algorithm 1 over SPS(B));
+- ``dspark_fixed``: the same drafter verifying fixed gamma-token blocks;
+- ``eagle3``: an Eagle3 drafter trained on the same data and steps (``--eagle3 DIR``), fixed gamma;
+- ``prompt_lookup``: transformers prompt-lookup decoding (``prompt_lookup_num_tokens``).
+
+Greedy and temperature 1 (T = 1 reports tokens/s; tau and acceptance are the engine's round
+records). Afterwards every non-plain arm decodes the greedy prompts again in fp32 and is compared
+token by token with plain fp32 ``generate``: ``identical_to_target`` is the share of prompts whose
+outputs match. Writes ``benchmarks/results/spec_vs_target.{md,json}`` (one JSON row per arm,
+dataset and temperature).
 
     .venv/bin/python benchmarks/spec_vs_target.py --config infra/configs/quickstart.yaml \
-        [--set eval.datasets="{gsm8k: 50}"]
+        [--eagle3 runs/quickstart_eagle3/train/drafter] [--datasets gsm8k=20,mt-bench=10,humaneval=10]
 """
 
 from __future__ import annotations
@@ -13,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -21,40 +35,228 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from pipeline import storage  # noqa: E402
-from pipeline.config import load_config  # noqa: E402
-from pipeline.evaluate import evaluate, load_eval_prompts, render_report_md  # noqa: E402
+from pipeline.config import ConfigError, load_config  # noqa: E402
+from pipeline.evaluate import load_eval_prompts  # noqa: E402
 from pipeline.stages import StageContext  # noqa: E402
+
+PLAIN = ("hf_generate_fp32", "hf_generate_bf16")
+PROMPT_LOOKUP_TOKENS = 10
+
+
+def parse_datasets(text: str) -> dict[str, int]:
+    out = {}
+    for part in text.split(","):
+        name, _, count = part.partition("=")
+        if not name or not count.isdigit() or int(count) < 1:
+            raise ValueError(f"--datasets wants name=count[,name=count...], got {text!r}")
+        out[name.strip()] = int(count)
+    return out
+
+
+class Arms:
+    """Loads the target (fp32 and the benchmark dtype), the drafters and one engine per arm."""
+
+    def __init__(self, target: str, dtype: str, drafter_dir: str, eagle3_dir: str | None,
+                 max_batch_tokens: int):
+        import torch
+
+        from drafters.loading import load_drafter
+        from pipeline.target import DTYPES, eos_token_ids, load_target, load_tokenizer
+        from serve.config import EngineConfig
+        from serve.engine import SpecEngine
+        from serve.profiling import load_or_profile
+        from serve.target_runner import TargetRunner
+
+        self.tokenizer = load_tokenizer(target)
+        self.models = {d: load_target(target, d) for d in ("float32", "bfloat16")}
+        self.dtype = dtype
+        self.eos = eos_token_ids(self.tokenizer, self.models["float32"])
+        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+        self.pad = pad
+        self.engines: dict[str, dict] = {}
+        for d in {dtype, "float32"}:
+            model = self.models[d]
+            dspark = load_drafter(drafter_dir, model, target, dtype=DTYPES[d])
+            layers = list(dspark.config.target_layer_ids)
+            runner = TargetRunner(model, layers, pad)
+            self.gamma = dspark.config.block_size
+            one = dict(max_num_requests=1, max_batch_tokens=max_batch_tokens)
+            sps = load_or_profile(runner, drafter_dir if d == dtype else None, max_batch_tokens,
+                                  block_tokens=self.gamma + 1)
+            engines = {
+                "engine_target_only": SpecEngine(runner, None, self.eos,
+                                                 EngineConfig(scheduler="none", **one), self.tokenizer),
+                "dspark": SpecEngine(runner, dspark, self.eos, EngineConfig(scheduler="dspark", **one),
+                                     self.tokenizer, sps),
+                "dspark_fixed": SpecEngine(runner, dspark, self.eos,
+                                           EngineConfig(scheduler="fixed", **one), self.tokenizer),
+            }
+            if eagle3_dir:
+                eagle3 = load_drafter(eagle3_dir, model, target, dtype=DTYPES[d])
+                if list(eagle3.config.target_layer_ids) != layers:
+                    raise ValueError(f"{eagle3_dir} reads target layers "
+                                     f"{eagle3.config.target_layer_ids}, the DSpark drafter {layers}")
+                engines["eagle3"] = SpecEngine(runner, eagle3, self.eos,
+                                               EngineConfig(scheduler="fixed", **one), self.tokenizer)
+            self.engines[d] = engines
+        self.names = list(PLAIN) + list(self.engines[dtype]) + ["prompt_lookup"]
+        torch.set_grad_enabled(False)
+
+    def run(self, arm: str, ids: list[int], max_new: int, temperature: float, seed: int,
+            dtype: str | None = None) -> dict:
+        from pipeline.baselines import hf_generate
+        from serve.requests import EngineRequest, SamplingParams
+
+        dtype = dtype or self.dtype
+        if arm in PLAIN or arm == "prompt_lookup":
+            model = self.models["float32" if arm == "hf_generate_fp32" else
+                                "bfloat16" if arm == "hf_generate_bf16" else dtype]
+            out = hf_generate(model, ids, max_new, temperature, seed, self.eos, self.pad,
+                              PROMPT_LOOKUP_TOKENS if arm == "prompt_lookup" else 0)
+            return {"tokens": out.tokens, "seconds": out.seconds, "rounds": []}
+        engine = self.engines[dtype][arm]
+        req = EngineRequest(f"bench-{arm}", list(ids),
+                            SamplingParams(max_tokens=max_new, temperature=temperature, seed=seed))
+        done = engine.generate([req])[0]
+        return {"tokens": done.tokens, "seconds": done.total_s, "rounds": done.rounds}
+
+
+def summarize(results: list[dict], gamma: int) -> dict:
+    """Tokens/s over all prompts of a cell, and the engine's round statistics."""
+    tokens = sum(len(r["tokens"]) for r in results)
+    seconds = sum(r["seconds"] for r in results)
+    rounds = [rd for r in results for rd in r["rounds"] if rd.drafted > 0]
+    full = [rd for rd in rounds if rd.verified == gamma]
+    row = {"prompts": len(results), "tokens": tokens, "seconds": round(seconds, 3),
+           "tokens_per_s": tokens / seconds if seconds else 0.0}
+    if rounds:
+        row.update({
+            "tau": sum(rd.committed for rd in rounds) / len(rounds),
+            "verified_per_round": sum(rd.verified for rd in rounds) / len(rounds),
+            "accept_rate": [sum(rd.accepted >= k for rd in full) / len(full) if full else None
+                            for k in range(1, gamma + 1)],
+            "draft_ms_per_round": 1e3 * statistics.fmean(rd.draft_s for rd in rounds),
+            "verify_ms_per_round": 1e3 * statistics.fmean(rd.verify_s for rd in rounds),
+            "rounds": len(rounds)})
+    return row
+
+
+def render(rows: list[dict], meta: dict) -> str:
+    lines = [
+        "# Speculative decoding vs plain `generate` (measured)", "",
+        f"Target `{meta['target']}`, arms in {meta['dtype']} (plain generate in fp32 and bf16), "
+        f"batch 1, max_new_tokens {meta['max_new_tokens']}, {meta['threads']} threads, "
+        f"{meta['date']}, {meta['seconds']:.0f} s. speed-up = tokens/s / tokens/s of the faster "
+        "plain `generate` on the same prompts. tau = committed tokens per drafting round (bonus "
+        "included); accept_rate@k = share of full-gamma rounds with >= k accepted; identical = "
+        "share of prompts whose fp32 greedy output equals plain fp32 `generate` token for token.",
+        "", "| dataset | T | arm | tok/s | speed-up | tau | verified/round | accept_rate@1..k "
+        "| draft / verify ms | identical |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        acc = " / ".join("-" if a is None else f"{a:.2f}" for a in r.get("accept_rate") or [])
+        dv = (f"{r['draft_ms_per_round']:.1f} / {r['verify_ms_per_round']:.1f}"
+              if "draft_ms_per_round" in r else "")
+        same = r.get("identical_to_target")
+        lines.append(
+            f"| {r['dataset']} | {r['temperature']:g} | {r['arm']} | {r['tokens_per_s']:.1f} | "
+            f"{r['speedup_vs_generate']:.2f}x | {r.get('tau', float('nan')):.2f} | "
+            f"{r.get('verified_per_round', float('nan')):.2f} | {acc} | {dv} | "
+            f"{'' if same is None else f'{same:.0%}'} |".replace("nan", "-"))
+    return "\n".join(lines) + "\n"
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--config", default=str(ROOT / "infra" / "configs" / "quickstart.yaml"))
     parser.add_argument("--set", action="append", default=[])
+    parser.add_argument("--drafter", default=None,
+                        help="DSpark drafter directory (default: <run_dir>/calibrate/drafter)")
+    parser.add_argument("--eagle3", default=None, help="Eagle3 drafter directory (optional arm)")
+    parser.add_argument("--datasets", default="gsm8k=20,mt-bench=10,humaneval=10")
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--temperatures", default="0,1")
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--max-batch-tokens", type=int, default=64)
+    parser.add_argument("--no-identity", action="store_true",
+                        help="skip the fp32 greedy token-identity pass")
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "spec_vs_target"))
     args = parser.parse_args()
-    cfg = load_config(args.config, args.set)
+    try:
+        cfg = load_config(args.config, args.set)
+        datasets = parse_datasets(args.datasets)
+        temperatures = [float(t) for t in args.temperatures.split(",")]
+    except (ConfigError, ValueError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    import torch
+
+    from pipeline.chat import render_prompt_ids
+
+    torch.set_num_threads(args.threads)
     ctx = StageContext.create(cfg)
-    drafter = ctx.run_dir / "calibrate" / "drafter"  # the calibrated checkpoint the pipeline ships
-    if not drafter.exists():
-        print(f"no calibrated drafter at {drafter}: run the pipeline first", file=sys.stderr)
-        return 1
-    e = cfg.eval
-    data_dir = Path(storage.resolve(e.data_dir))
-    datasets = {n: load_eval_prompts(data_dir / f"{n}.jsonl", c, e.shuffle_seed)
-                for n, c in e.datasets.items()}
+    drafter = args.drafter or str(ctx.run_dir / "calibrate" / "drafter")
+    for path in filter(None, (drafter, args.eagle3)):
+        if not (Path(storage.resolve(path)) / "config.json").is_file():
+            print(f"error: no drafter at {path}: run the pipeline first", file=sys.stderr)
+            return 1
+    data_dir = Path(storage.resolve(cfg.eval.data_dir))
+    prompts = {n: load_eval_prompts(data_dir / f"{n}.jsonl", c, cfg.eval.shuffle_seed)
+               for n, c in datasets.items()}
     start = time.time()
-    report = evaluate(target=ctx.target, dtype=e.dtype, drafter_dir=str(drafter),
-                      template_kwargs=cfg.target.chat_template_kwargs, datasets=datasets,
-                      temperatures=e.temperatures, max_new_tokens=e.max_new_tokens,
-                      num_threads=e.num_threads, seed=cfg.seed)
-    report["machine"] = {"platform": platform.platform(), "processor": platform.processor(),
-                         "threads": e.num_threads, "seconds": round(time.time() - start, 1),
-                         "date": time.strftime("%Y-%m-%d")}
-    md = render_report_md(report)
+    arms = Arms(ctx.target, args.dtype, storage.resolve(drafter),
+                args.eagle3 and storage.resolve(args.eagle3), args.max_batch_tokens)
+    tmpl = cfg.target.chat_template_kwargs
+    rendered = {n: [render_prompt_ids(arms.tokenizer, [{"role": "user", "content": p}], tmpl)
+                    for p in ps] for n, ps in prompts.items()}
+    # warm-up: one short decode per arm (first-call allocations, SPS profile already done)
+    for arm in arms.names:
+        arms.run(arm, rendered[next(iter(rendered))][0], 8, 0.0, 0)
+    results: dict[tuple, list] = {}
+    for temp in temperatures:
+        for name, items in rendered.items():
+            for i, ids in enumerate(items):
+                order = arms.names[i % len(arms.names):] + arms.names[:i % len(arms.names)]
+                for arm in order:
+                    results.setdefault((arm, name, temp), []).append(
+                        arms.run(arm, ids, args.max_new_tokens, temp, cfg.seed + i))
+                print(f"T={temp:g} {name} {i + 1}/{len(items)}", flush=True)
+    identical: dict[tuple, float] = {}
+    if not args.no_identity and 0.0 in temperatures:
+        ref_arm = "hf_generate_fp32"
+        for name, items in rendered.items():
+            refs = [r["tokens"] for r in results[(ref_arm, name, 0.0)]]
+            for arm in arms.names:
+                if arm in PLAIN:
+                    continue
+                same = [arms.run(arm, ids, args.max_new_tokens, 0.0, cfg.seed + i,
+                                 dtype="float32")["tokens"] == refs[i]
+                        for i, ids in enumerate(items)]
+                identical[(arm, name)] = sum(same) / len(same)
+            identical[(ref_arm, name)] = 1.0
+            print(f"fp32 identity {name}: " + ", ".join(
+                f"{a} {identical[(a, name)]:.0%}" for a in arms.names if (a, name) in identical),
+                flush=True)
+    rows = []
+    for temp in temperatures:
+        for name in rendered:
+            cells = {arm: summarize(results[(arm, name, temp)], arms.gamma) for arm in arms.names}
+            base = max(cells[a]["tokens_per_s"] for a in PLAIN)
+            for arm, cell in cells.items():
+                row = {"arm": arm, "dataset": name, "temperature": temp, **cell,
+                       "speedup_vs_generate": cell["tokens_per_s"] / base if base else 0.0}
+                if temp == 0.0 and (arm, name) in identical:
+                    row["identical_to_target"] = identical[(arm, name)]
+                rows.append(row)
+    meta = {"target": ctx.target, "dtype": args.dtype, "max_new_tokens": args.max_new_tokens,
+            "threads": args.threads, "drafter": drafter, "eagle3": args.eagle3,
+            "datasets": datasets, "date": time.strftime("%Y-%m-%d"),
+            "seconds": time.time() - start, "platform": platform.platform()}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps(report, indent=1))
-    out.with_suffix(".md").write_text(md + f"\nMachine: {report['machine']}\n")
+    out.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    md = render(rows, meta)
+    out.with_suffix(".md").write_text(md)
     print(md)
     return 0
 

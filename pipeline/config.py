@@ -192,7 +192,10 @@ class EvalConfig(Strict):
                                  "alpaca": 500, "arena-hard-v2": 500},
         description="Benchmark file stem -> number of prompts (SPEC 5 caps by default).")
     temperatures: list[float] = Field(default_factory=lambda: [0.0, 1.0], min_length=1)
-    speed_baseline: bool = Field(True, description="Also decode target-only to measure speed-up.")
+    speed_baseline: bool = Field(True, description="Also decode with plain transformers `generate` "
+                                 "(what users already have) to measure the speed-up.")
+    baseline_dtype: Dtype = Field("float32", description="dtype of the plain `generate` baseline "
+                                  "(fp32 is its faster path on the project's CPU).")
     max_new_tokens: int = Field(2048, ge=1)
     shuffle_seed: int = 980406
     num_threads: int | None = Field(None, ge=1)

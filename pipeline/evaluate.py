@@ -1,10 +1,12 @@
 """Eval stage: speculative decoding with the trained drafter on the benchmark files (SPEC section 5).
 
-For every prompt and temperature the same engine decodes twice, target-only and speculative,
+For every prompt and temperature the prompt is decoded twice, with plain transformers ``generate``
+(the baseline users already have, ``eval.baseline_dtype``) and speculatively by the engine,
 alternating which goes first so that machine drift affects both alike. Reported per dataset and
 temperature: tau (mean committed tokens per round, bonus included), prefix survival accept_rate@k,
 conditional acceptance per position, tokens/s of both and their ratio, draft and verify time per
-round, and (greedy) the share of prompts whose speculative output is token-identical to the target's.
+round, and (greedy, when both run in the same dtype) the share of prompts whose speculative output
+is token-identical to plain ``generate``'s.
 """
 
 from __future__ import annotations
@@ -125,12 +127,13 @@ def domain_summary(results: dict, temperature: str) -> dict:
 def evaluate(*, target: str, dtype: str, drafter_dir: str, template_kwargs: dict,
              datasets: dict[str, list[str]], temperatures: list[float], max_new_tokens: int,
              num_threads: int | None, seed: int, progress: bool = True,
-             speed_baseline: bool = True) -> dict:
+             speed_baseline: bool = True, baseline_dtype: str = "float32") -> dict:
     """Run the evaluation in this process (the pipeline runs it inside a Ray task).
 
     Args:
         datasets: dataset name -> prompts (first user turns).
-        speed_baseline: also decode target-only to measure the speed-up (doubles the time).
+        speed_baseline: also decode with plain ``generate`` (in ``baseline_dtype``) to measure the
+            speed-up (doubles the time).
     Returns:
         ``{"gamma", "drafter", "results": {dataset: {str(temperature): summary}},
         "domains": {str(temperature): {domain: tau, "macro": tau}}, ...}``.
@@ -144,6 +147,7 @@ def evaluate(*, target: str, dtype: str, drafter_dir: str, template_kwargs: dict
     from serve.decoding import SpeculativeDecoder
     from serve.target_runner import TargetRunner
 
+    from .baselines import hf_generate
     from .chat import render_prompt_ids
     from .target import DTYPES, eos_token_ids, load_target, load_tokenizer
 
@@ -154,7 +158,11 @@ def evaluate(*, target: str, dtype: str, drafter_dir: str, template_kwargs: dict
     model = load_target(target, dtype).to("cuda" if torch.cuda.is_available() else "cpu")
     drafter = load_drafter(drafter_dir, model, target, dtype=DTYPES[dtype])
     runner = TargetRunner(model, drafter.config.target_layer_ids)
-    decoder = SpeculativeDecoder(runner, drafter, eos_token_ids(tokenizer, model))
+    eos = eos_token_ids(tokenizer, model)
+    decoder = SpeculativeDecoder(runner, drafter, eos)
+    plain = (model if baseline_dtype == dtype
+             else load_target(target, baseline_dtype).to(model.device)) if speed_baseline else None
+    pad = tokenizer.pad_token_id
     gamma = drafter.config.block_size
     results: dict[str, dict] = {}
     total = sum(len(p) for p in datasets.values()) * len(temperatures)
@@ -172,16 +180,19 @@ def evaluate(*, target: str, dtype: str, drafter_dir: str, template_kwargs: dict
                     order = ("spec",)
                 outs = {}
                 for kind in order:
-                    outs[kind] = decoder.generate(ids, max_new_tokens, temp, req_seed,
-                                                  num_draft_tokens=0 if kind == "base" else None)
+                    outs[kind] = (hf_generate(plain, ids, max_new_tokens, temp, req_seed, eos, pad)
+                                  if kind == "base" else
+                                  decoder.generate(ids, max_new_tokens, temp, req_seed))
                 spec, base = outs["spec"], outs.get("base")
+                same_dtype = baseline_dtype == dtype
                 records.append({
                     "spec_tokens": len(spec.tokens), "spec_s": spec.total_s,
                     "base_tokens": len(base.tokens) if base else 0,
-                    "base_s": base.total_s if base else 0.0,
+                    "base_s": base.seconds if base else 0.0,
                     "spec_rounds": [(r.verified, r.accepted, r.committed, r.draft_s, r.verify_s,
                                      r.confidence_logits) for r in spec.rounds],
-                    "identical": (spec.tokens == base.tokens) if temp <= 0 and base else None,
+                    "identical": (spec.tokens == base.tokens)
+                    if temp <= 0 and base and same_dtype else None,
                 })
                 bar.update(1)
             results[name][str(temp)] = summarize(records, gamma,
@@ -189,7 +200,8 @@ def evaluate(*, target: str, dtype: str, drafter_dir: str, template_kwargs: dict
     bar.close()
     return {"gamma": gamma, "drafter": drafter_dir, "drafter_type": drafter.config.drafter_type,
             "trainable_parameters": drafter.num_trainable_parameters(), "target": target,
-            "dtype": dtype, "max_new_tokens": max_new_tokens, "results": results,
+            "dtype": dtype, "baseline": f"transformers generate ({baseline_dtype})"
+            if speed_baseline else None, "max_new_tokens": max_new_tokens, "results": results,
             "domains": {str(t): domain_summary(results, str(t)) for t in temperatures}}
 
 
@@ -206,12 +218,15 @@ def render_report_md(report: dict) -> str:
         f"# Evaluation: {report['target']} ({report['dtype']}), drafter gamma = {gamma}",
         "",
         f"max_new_tokens = {report['max_new_tokens']}; tau counts the bonus token; tokens/s are "
-        "measured in the same run on the same prompts, target-only and speculative alternating. "
-        "'greedy identical' compares the two outputs token by token: in bf16, verifying several "
-        "tokens in one pass can flip near-ties against one-token steps, so it may read below 100 %; "
-        "losslessness itself is tested in fp32 (tests/unit/test_speculative_lossless.py).",
+        "measured in the same run on the same prompts, plain decoding "
+        f"({report.get('baseline') or 'not measured'}) and speculative alternating; speed-up = "
+        "speculative tokens/s / plain tokens/s. 'greedy identical' (only when both run in the same "
+        "dtype) compares the two outputs token by token: in bf16, verifying several tokens in one "
+        "pass can flip near-ties against one-token steps, so it may read below 100 %; "
+        "losslessness itself is tested in fp32 (tests/unit/test_speculative_lossless.py, "
+        "benchmarks/spec_vs_target.py).",
         "",
-        "| dataset | temperature | prompts | tau | accept_rate@1..k | spec tok/s | target tok/s "
+        "| dataset | temperature | prompts | tau | accept_rate@1..k | spec tok/s | plain tok/s "
         "| speed-up | draft ms/round | verify ms/round | greedy identical |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
