@@ -141,6 +141,42 @@ def summarize(results: list[dict], gamma: int) -> dict:
     return row
 
 
+# where an engine step's time goes: (label, module path suffix, function name) of cProfile entries
+STEP_PARTS = (
+    ("target forward", "target_runner.py", "forward_batch"),
+    ("drafter: block + sampling", "modeling.py", "propose_block"),
+    ("drafter: batched block", "modeling.py", "propose_block_batch"),
+    ("drafter: extend context", "modeling.py", "extend_context"),
+    ("eagle3 drafting", "eagle3.py", "propose_block"),
+    ("scheduler", "engine.py", "_schedule"),
+    ("verification (rejection sampling)", "engine.py", "_verify"),
+    ("commit + detokenize", "engine.py", "_commit"),
+)
+
+
+def profile_steps(arms: Arms, arm: str, ids: list[int], max_new: int) -> dict:
+    """cProfile one decode of ``arm`` and split its time into the engine step's parts
+    (cumulative seconds per part; "other" is the rest of the steps: Python bookkeeping)."""
+    import cProfile
+    import pstats
+
+    prof = cProfile.Profile()
+    prof.enable()
+    out = arms.run(arm, ids, max_new, 0.0, 0)
+    prof.disable()
+    stats = pstats.Stats(prof).stats
+    total = next(v[3] for k, v in stats.items() if k[2] == "step" and k[0].endswith("engine.py"))
+    parts = {}
+    for label, path, func in STEP_PARTS:
+        t = sum(v[3] for k, v in stats.items() if k[0].endswith(path) and k[2] == func)
+        if t:
+            parts[label] = t
+    parts["other (Python bookkeeping)"] = max(0.0, total - sum(parts.values()))
+    steps = max(1, len(out["rounds"]))
+    return {"arm": arm, "steps": steps, "step_ms": 1e3 * total / steps,
+            "parts_ms_per_step": {k: 1e3 * v / steps for k, v in parts.items()}}
+
+
 def render(rows: list[dict], meta: dict) -> str:
     lines = [
         "# Speculative decoding vs plain `generate` (measured)", "",
@@ -162,6 +198,12 @@ def render(rows: list[dict], meta: dict) -> str:
             f"{r['speedup_vs_generate']:.2f}x | {r.get('tau', float('nan')):.2f} | "
             f"{r.get('verified_per_round', float('nan')):.2f} | {acc} | {dv} | "
             f"{'' if same is None else f'{same:.0%}'} |".replace("nan", "-"))
+    for prof in meta.get("profile", []):
+        lines += ["", f"Where one engine step goes ({prof['arm']}, greedy, cProfile, "
+                  f"{prof['steps']} steps, {prof['step_ms']:.1f} ms per step with the profiler "
+                  "on):", "", "| part | ms / step | share |", "|---|---|---|"]
+        for part, ms in prof["parts_ms_per_step"].items():
+            lines.append(f"| {part} | {ms:.1f} | {ms / prof['step_ms']:.0%} |")
     return "\n".join(lines) + "\n"
 
 
@@ -248,7 +290,11 @@ def main() -> int:
                 if temp == 0.0 and (arm, name) in identical:
                     row["identical_to_target"] = identical[(arm, name)]
                 rows.append(row)
-    meta = {"target": ctx.target, "dtype": args.dtype, "max_new_tokens": args.max_new_tokens,
+    first = rendered[next(iter(rendered))][0]
+    profiles = [profile_steps(arms, arm, first, args.max_new_tokens)
+                for arm in ("engine_target_only", "dspark") if arm in arms.names]
+    meta = {"profile": profiles,
+            "target": ctx.target, "dtype": args.dtype, "max_new_tokens": args.max_new_tokens,
             "threads": args.threads, "drafter": drafter, "eagle3": args.eagle3,
             "datasets": datasets, "date": time.strftime("%Y-%m-%d"),
             "seconds": time.time() - start, "platform": platform.platform()}

@@ -403,9 +403,13 @@ class Eagle3Drafter(DrafterBase):
         all_greedy = bool((torch.as_tensor(temperature) <= 0).all())
 
         def sample(_k, normed):  # one draft token from a step's normed output [B, H]
-            tok, p = sample_rows(self.draft_head(normed), temperature, top_p, generator)
+            logits = self.draft_head(normed)
+            if all_greedy:
+                tok = logits.argmax(-1)
+            else:
+                tok, p = sample_rows(logits, temperature, top_p, generator)
+                probs.append(p)
             tok = self.to_target_ids(tok)  # the chain embeds target tokens
-            probs.append(p)
             tokens.append(tok)
             return tok
 

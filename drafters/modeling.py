@@ -421,10 +421,13 @@ class DSparkDrafter(DrafterBase):
                 logits = logits + bias.float()
                 if self.confidence is not None:
                     confs.append(self.confidence(hidden[:, k], prev_emb))
-            active = None if row_limits is None else row_limits > k
-            tok, p = sample_rows(logits, temperature, top_p, generator, active)
+            if all_greedy:  # argmax only: no distribution is needed to verify greedy drafts
+                tok = logits.argmax(-1)
+            else:
+                active = None if row_limits is None else row_limits > k
+                tok, p = sample_rows(logits, temperature, top_p, generator, active)
+                probs.append(p)
             tokens.append(tok)
-            probs.append(p)
             prev = tok
         return BlockProposal(
             tokens=self.to_target_ids(torch.stack(tokens, 1)),
