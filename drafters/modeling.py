@@ -259,6 +259,38 @@ class DSparkDrafter(DrafterBase):
             self.head = None
         self.confidence = ConfidenceHead(h, config.markov_rank) if config.confidence_head else None
 
+    @torch.no_grad()
+    def init_from_target(self, layer_states: list[dict], norm_state: dict) -> None:
+        """Start the backbone from the target's last decoder layers instead of random weights.
+
+        The drafter layers take the weights of the target's last ``num_hidden_layers`` decoder
+        layers (same parameter names and shapes: Llama / Qwen3 layers), the final norm the
+        target's (the frozen LM head expects its output), and W_c starts as the identity on the
+        deepest selected target layer with the first copied layer's input norm as the context
+        norm, so that the first drafter layer's context keys/values equal that target layer's
+        keys/values when the deepest feature layer feeds it. The mask embedding is unchanged.
+
+        Args:
+            layer_states: ``num_hidden_layers`` state dicts of target decoder layers (first = the
+                lowest copied layer).
+            norm_state: the target's final norm state dict.
+        Raises:
+            ValueError: wrong number of layers; RuntimeError: names or shapes do not match.
+        """
+        if len(layer_states) != len(self.layers):
+            raise ValueError(f"init_from_target needs {len(self.layers)} layer states, got "
+                             f"{len(layer_states)}")
+        for layer, state in zip(self.layers, layer_states):
+            own = layer.state_dict()
+            layer.load_state_dict({k: v.to(own[k].dtype) for k, v in state.items()
+                                   if not k.endswith("rotary_emb.inv_freq")}, strict=True)
+        self.norm.load_state_dict({k: v.float() for k, v in norm_state.items()})
+        h = self.config.hidden_size
+        w = self.context_proj.weight
+        w.zero_()
+        w[:, -self.config.target_hidden_size:][:, :h] += torch.eye(h, dtype=w.dtype)
+        self.context_norm.weight.copy_(self.layers[0].input_layernorm.weight)
+
     # ------------------------------------------------------------------ backbone
     def context_states(self, context_features: torch.Tensor) -> torch.Tensor:
         """H_ctx = RMSNorm(W_c [h_l1; ...; h_lm]) (Eq. 2): [B, T, m*H_t] -> [B, T, H]."""

@@ -108,6 +108,9 @@ class DrafterSection(Strict):
     confidence_head: bool = True
     loss_decay: float | None = Field(None, gt=0, description="w_k = exp(-(k-1)/decay); None = "
                                      "block_size (paper); the reference repository uses 4.")
+    init: Literal["random", "target_layers"] = Field(
+        "random", description="DSpark/DFlash backbone start: random, or the target's last "
+        "num_layers decoder layers and final norm (W_c = identity on the deepest feature layer).")
     draft_vocab_size: int = Field(0, ge=0, description="N most frequent supervised target tokens "
                                   "(the cache manifest's ranking) the drafter predicts in; "
                                   "0 = the full target vocabulary.")
@@ -119,6 +122,9 @@ class DrafterSection(Strict):
                              "confidence_head false")
         if self.confidence_head and self.head_type == "none":
             raise ValueError("confidence_head needs head_type 'markov' or 'rnn'")
+        if self.init == "target_layers" and self.drafter_type == "eagle3":
+            raise ValueError("init 'target_layers' is for the DSpark/DFlash backbone (an Eagle3 "
+                             "layer reads a 2H-wide input)")
         return self
 
 

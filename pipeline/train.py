@@ -65,14 +65,21 @@ def _rope_theta(tc) -> float:
     return float(params.get("rope_theta") or getattr(tc, "rope_theta", 10000.0))
 
 
-def load_frozen_head(target_name: str):
-    """(target config, embedding [V, H], LM head [V, H]) of the target, fp32 on CPU."""
+def load_frozen_head(target_name: str, top_layers: int = 0):
+    """(target config, embedding [V, H], LM head [V, H]) of the target, fp32 on CPU; with
+    ``top_layers`` > 0 also (state dicts of the last ``top_layers`` decoder layers, the final
+    norm's state dict) for :meth:`drafters.modeling.DSparkDrafter.init_from_target`."""
     from .target import load_target
 
     model = load_target(target_name, "float32")
     emb = model.get_input_embeddings().weight.detach().clone()
     head = model.get_output_embeddings().weight.detach().clone()
-    return model.config, emb, head
+    if not top_layers:
+        return model.config, emb, head
+    layers = [{k: v.detach().clone() for k, v in layer.state_dict().items()}
+              for layer in model.model.layers[-top_layers:]]
+    norm = {k: v.detach().clone() for k, v in model.model.norm.state_dict().items()}
+    return model.config, emb, head, (layers, norm)
 
 
 def lr_lambda(total_steps: int, warmup_ratio: float):
@@ -197,10 +204,15 @@ def train_loop_per_worker(loop_cfg: dict) -> None:
     torch.manual_seed(tc["seed"])
     device = torch.device("cuda", ctx.get_local_rank()) if tc["use_gpu"] else torch.device("cpu")
 
-    target_cfg, emb, head = load_frozen_head(loop_cfg["target"])
+    from_target = loop_cfg["drafter"].get("init") == "target_layers"
+    dcfg_layers = loop_cfg["drafter"]["num_layers"]
+    target_cfg, emb, head, *top = load_frozen_head(loop_cfg["target"],
+                                                   dcfg_layers if from_target else 0)
     dcfg = build_drafter_config(target_cfg, loop_cfg["target"], loop_cfg["layer_ids"],
                                 loop_cfg["drafter"])
     model = build_drafter(dcfg, emb, head, loop_cfg.get("draft_vocab"))
+    if from_target and not loop_cfg.get("init_from") and not loop_cfg["resume_from"]:
+        model.init_from_target(*top[0])
     if loop_cfg.get("init_from"):
         init_weights(model, loop_cfg["init_from"])
     model = model.to(device)

@@ -446,3 +446,30 @@ def test_rnn_bias_depends_on_the_whole_prefix_markov_only_on_last_token(target):
         assert (la[:, 0] - lb[:, 0]).abs().max() > 1e-4
         changed = bool((la[:, 1:] - lb[:, 1:]).abs().max() > 1e-4)
         assert changed == later_changes
+
+
+def test_init_from_target_copies_the_last_layers_and_their_context_kv():
+    """drafter.init = target_layers: the drafter layer takes the target's last decoder layer, the
+    final norm the target's, and with the deepest feature layer feeding it the injected context
+    values (and the RoPE-free position-0 keys) equal that target layer's own."""
+    from transformers import DynamicCache
+
+    from tests.tiny import tiny_drafter, tiny_target
+
+    target = tiny_target(vocab_size=64, num_layers=6, seed=0)
+    d = tiny_drafter(target, layer_ids=(1, 4), num_layers=1)
+    layers = [{k: v.clone() for k, v in target.model.layers[-1].state_dict().items()}]
+    d.init_from_target(layers, target.model.norm.state_dict())
+    for k, v in layers[0].items():
+        torch.testing.assert_close(d.layers[0].state_dict()[k], v)
+    torch.testing.assert_close(d.norm.weight, target.model.norm.weight)
+    ids = torch.tensor([[3, 9, 27, 5, 14, 40]])
+    cache = DynamicCache(config=target.config)
+    with torch.no_grad():
+        out = target(input_ids=ids, cache=cache, use_cache=True, output_hidden_states=True)
+    feats = torch.cat([out.hidden_states[l + 1] for l in (1, 4)], dim=-1)
+    state = d.new_draft_state()
+    d.extend_context(state, feats, torch.arange(6)[None])
+    torch.testing.assert_close(state.values[0], cache.layers[5].values, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(state.keys[0][:, :, 0], cache.layers[5].keys[:, :, 0],
+                               rtol=1e-4, atol=1e-5)
