@@ -127,13 +127,16 @@ def domain_summary(results: dict, temperature: str) -> dict:
 def evaluate(*, target: str, dtype: str, drafter_dir: str, template_kwargs: dict,
              datasets: dict[str, list[str]], temperatures: list[float], max_new_tokens: int,
              num_threads: int | None, seed: int, progress: bool = True,
-             speed_baseline: bool = True, baseline_dtype: str = "float32") -> dict:
+             speed_baseline: bool = True, baseline_dtype: str = "float32",
+             engine=None) -> dict:
     """Run the evaluation in this process (the pipeline runs it inside a Ray task).
 
     Args:
         datasets: dataset name -> prompts (first user turns).
         speed_baseline: also decode with plain ``generate`` (in ``baseline_dtype``) to measure the
             speed-up (doubles the time).
+        engine: ``serve.config.EngineConfig`` of the speculative engine (its scheduler); None =
+            fixed gamma-token verification.
     Returns:
         ``{"gamma", "drafter", "results": {dataset: {str(temperature): summary}},
         "domains": {str(temperature): {domain: tau, "macro": tau}}, ...}``.
@@ -159,7 +162,7 @@ def evaluate(*, target: str, dtype: str, drafter_dir: str, template_kwargs: dict
     drafter = load_drafter(drafter_dir, model, target, dtype=DTYPES[dtype])
     runner = TargetRunner(model, drafter.config.target_layer_ids)
     eos = eos_token_ids(tokenizer, model)
-    decoder = SpeculativeDecoder(runner, drafter, eos)
+    decoder = SpeculativeDecoder(runner, drafter, eos, engine, sps_dir=drafter_dir)
     plain = (model if baseline_dtype == dtype
              else load_target(target, baseline_dtype).to(model.device)) if speed_baseline else None
     pad = tokenizer.pad_token_id
@@ -199,6 +202,7 @@ def evaluate(*, target: str, dtype: str, drafter_dir: str, template_kwargs: dict
                                                  drafter.config.calibration_temperatures)
     bar.close()
     return {"gamma": gamma, "drafter": drafter_dir, "drafter_type": drafter.config.drafter_type,
+            "scheduler": decoder.scheduler,
             "trainable_parameters": drafter.num_trainable_parameters(), "target": target,
             "dtype": dtype, "baseline": f"transformers generate ({baseline_dtype})"
             if speed_baseline else None, "max_new_tokens": max_new_tokens, "results": results,
@@ -215,7 +219,8 @@ def render_report_md(report: dict) -> str:
     """The ``report.md`` table."""
     gamma = report["gamma"]
     lines = [
-        f"# Evaluation: {report['target']} ({report['dtype']}), drafter gamma = {gamma}",
+        f"# Evaluation: {report['target']} ({report['dtype']}), drafter gamma = {gamma}, "
+        f"scheduler {report.get('scheduler', 'fixed')}",
         "",
         f"max_new_tokens = {report['max_new_tokens']}; tau counts the bonus token; tokens/s are "
         "measured in the same run on the same prompts, plain decoding "

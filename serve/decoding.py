@@ -1,7 +1,8 @@
 """One request at a time through the speculative engine: the offline entry point used by
 evaluation and calibration (SPEC section 5). There is no second decoding loop: this is
-:class:`serve.engine.SpecEngine` with a single request and a fixed verification length, and a
-verification length of zero is plain target-only decoding through the same path.
+:class:`serve.engine.SpecEngine` with a single request (a fixed verification length by default,
+or any scheduler given as an engine config), and a verification length of zero is plain
+target-only decoding through the same path.
 """
 
 from __future__ import annotations
@@ -39,24 +40,48 @@ class SpeculativeDecoder:
         target: :class:`TargetRunner` over the target model.
         drafter: a drafter whose ``target_layer_ids`` equal the runner's, or None.
         eos_token_ids: tokens that end generation.
+        engine: the speculative engine's config (scheduler and its knobs; ``max_num_requests`` is
+            1 here); None = fixed verification of ``num_draft_tokens`` (default gamma).
+        sps_dir: where the dspark/async schedulers store or reuse their SPS(B) profile (profiled
+            here up to one request's gamma + 1 tokens).
     Raises:
-        ValueError: the drafter's layer ids differ from the runner's.
+        ValueError: the drafter's layer ids differ from the runner's, or the scheduler needs a
+            confidence head the drafter lacks.
     """
 
-    def __init__(self, target: TargetRunner, drafter, eos_token_ids: list[int]):
+    def __init__(self, target: TargetRunner, drafter, eos_token_ids: list[int],
+                 engine: EngineConfig | None = None, sps_dir: str | None = None):
         self.target, self.drafter, self.eos = target, drafter, list(eos_token_ids)
+        self.engine_config = engine
+        self._sps_dir = sps_dir
         self._engines: dict = {}
         self._engine(None)  # validates the drafter against the runner now
+
+    @property
+    def scheduler(self) -> str:
+        """The scheduler speculative decoding runs with."""
+        return self._engine(None).scheduler_name
 
     def _engine(self, num_draft_tokens: int | None) -> SpecEngine:
         key = num_draft_tokens
         if key not in self._engines:
             speculative = self.drafter is not None and num_draft_tokens != 0
-            cfg = EngineConfig(scheduler="fixed" if speculative else "none",
-                               num_draft_tokens=num_draft_tokens or None, max_num_requests=1,
-                               sps_profile="off")
+            sps = None
+            if speculative and self.engine_config is not None and num_draft_tokens is None:
+                cfg = self.engine_config.model_copy(update={"max_num_requests": 1})
+                if cfg.scheduler in ("dspark", "async"):
+                    from .profiling import load_or_profile
+
+                    gamma = min(self.drafter.config.block_size, cfg.num_draft_tokens or 10**9)
+                    sps = load_or_profile(self.target, self._sps_dir, gamma + 1,
+                                          block_tokens=gamma + 1, repeats=cfg.sps_repeats)
+                    cfg = cfg.model_copy(update={"max_batch_tokens": gamma + 1})
+            else:
+                cfg = EngineConfig(scheduler="fixed" if speculative else "none",
+                                   num_draft_tokens=num_draft_tokens or None, max_num_requests=1,
+                                   sps_profile="off")
             self._engines[key] = SpecEngine(self.target, self.drafter if speculative else None,
-                                            self.eos, cfg)
+                                            self.eos, cfg, sps=sps)
         return self._engines[key]
 
     def generate(self, prompt_ids: list[int], max_new_tokens: int, temperature: float = 0.0,
