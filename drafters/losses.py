@@ -32,8 +32,19 @@ OBJECTIVES = ("dspark", "ce", "soft_ce")
 DEFAULT_CHUNK_ROWS = 1024
 
 
-def row_loss_terms(draft_logits: torch.Tensor, target_logits: torch.Tensor, labels: torch.Tensor,
-                   draft_vocab: torch.Tensor | None = None):
+def target_terms(target_logits: torch.Tensor, draft_vocab: torch.Tensor | None = None):
+    """The target side of the losses for rows: (p_t on the drafter's vocabulary fp32 [R, N],
+    target mass outside it fp32 [R] or None without a draft vocabulary). No grad needed."""
+    logp_t = torch.log_softmax(target_logits.float(), dim=-1)
+    if draft_vocab is None:
+        return logp_t.exp(), None
+    p_t_sub = logp_t[:, draft_vocab].exp()
+    return p_t_sub, (1.0 - p_t_sub.sum(-1)).clamp(min=0.0)
+
+
+def row_loss_terms(draft_logits: torch.Tensor, target_logits: torch.Tensor | None,
+                   labels: torch.Tensor, draft_vocab: torch.Tensor | None = None,
+                   target_parts: tuple | None = None):
     """Per-row loss terms of supervised slots (the one definition every loss path uses).
 
     With a draft vocabulary (``drafters/draft_vocab.py``) the draft distribution p_d lives on the
@@ -46,24 +57,23 @@ def row_loss_terms(draft_logits: torch.Tensor, target_logits: torch.Tensor, labe
 
     Args:
         draft_logits: fp32 [R, N] (N = V without a draft vocabulary).
-        target_logits: [R, V] (no grad needed), computed in fp32.
+        target_logits: [R, V] (no grad needed), computed in fp32; or None with ``target_parts``.
         labels: int64 [R], target ids of the true next tokens.
         draft_vocab: int64 [N] draft -> target ids, or None (full vocabulary).
+        target_parts: :func:`target_terms` of the rows, when already computed.
     Returns:
         (ce [R], l1 [R] in [0, 2], soft_ce [R], in_vocab bool [R]).
     """
-    logp_t = torch.log_softmax(target_logits.float(), dim=-1)
+    p_t_sub, outside = target_parts if target_parts is not None else target_terms(
+        target_logits, draft_vocab)
     if draft_vocab is None:
         labels_d, in_vocab = labels, torch.ones_like(labels, dtype=torch.bool)
-        p_t_sub, outside = logp_t.exp(), None
     else:
-        t2d = torch.full((target_logits.shape[-1],), -1, dtype=torch.long, device=labels.device)
+        t2d = torch.full((int(draft_vocab.max()) + 1,), -1, dtype=torch.long, device=labels.device)
         t2d[draft_vocab] = torch.arange(draft_vocab.numel(), device=labels.device)
-        labels_d = t2d[labels]
+        labels_d = torch.where(labels < t2d.numel(), t2d[labels.clamp(max=t2d.numel() - 1)], -1)
         in_vocab = labels_d >= 0
         labels_d = labels_d.clamp(min=0)
-        p_t_sub = logp_t[:, draft_vocab].exp()
-        outside = (1.0 - p_t_sub.sum(-1)).clamp(min=0.0)
     logp_d = torch.log_softmax(draft_logits, dim=-1)
     ce = -logp_d.gather(-1, labels_d[:, None]).squeeze(-1) * in_vocab
     l1 = (logp_d.exp() - p_t_sub).abs().sum(-1)
@@ -80,9 +90,12 @@ def chunked_drafter_losses(draft_logits_fn, target_logits_fn, labels: torch.Tens
                            objective: str = "dspark", draft_vocab: torch.Tensor | None = None,
                            chunk_rows: int = DEFAULT_CHUNK_ROWS) -> dict[str, torch.Tensor]:
     """The drafter losses computed over the R supervised rows in chunks of ``chunk_rows``: no
-    fp32 [rows, vocabulary] tensor lives longer than one chunk. Each chunk's vocabulary-sized work
-    (draft logits, target softmax, the three terms) runs under activation checkpointing, so the
-    backward pass recomputes it chunk by chunk instead of keeping it.
+    fp32 [rows, V] tensor lives longer than one chunk. Each chunk's draft-side work (draft logits
+    and the three terms) runs under activation checkpointing, so the backward pass recomputes it
+    chunk by chunk instead of keeping it. The target side (a [c, V] LM-head product and softmax)
+    is computed once per chunk outside the checkpoint when a draft vocabulary makes what it keeps
+    small ([c, N] subset probabilities and [c] outside mass); with the full vocabulary it is
+    recomputed in backward too, so that nothing [rows, V] outlives its chunk.
 
     Args:
         draft_logits_fn: ``fn(idx int64 [c]) -> fp32 [c, N]``, draft logits of supervised rows
@@ -108,11 +121,14 @@ def chunked_drafter_losses(draft_logits_fn, target_logits_fn, labels: torch.Tens
     labels_v = labels[valid]
     rows = labels_v.numel()
 
-    def chunk_terms(idx: torch.Tensor, w_c: torch.Tensor):
-        with torch.no_grad():
-            target = target_logits_fn(idx)
-        ce, l1, soft, in_vocab = row_loss_terms(draft_logits_fn(idx), target, labels_v[idx],
-                                                draft_vocab)
+    def chunk_terms(idx: torch.Tensor, w_c: torch.Tensor, p_t_sub=None, outside=None):
+        if p_t_sub is None:
+            with torch.no_grad():
+                parts = target_terms(target_logits_fn(idx), draft_vocab)
+        else:
+            parts = (p_t_sub, outside)
+        ce, l1, soft, in_vocab = row_loss_terms(draft_logits_fn(idx), None, labels_v[idx],
+                                                draft_vocab, parts)
         return (w_c * ce).sum(), (w_c * l1).sum(), (w_c * soft).sum(), l1.detach(), in_vocab
 
     sums = [torch.zeros((), device=device) for _ in range(3)]
@@ -120,10 +136,14 @@ def chunked_drafter_losses(draft_logits_fn, target_logits_fn, labels: torch.Tens
     for start in range(0, rows, chunk_rows):
         idx = torch.arange(start, min(rows, start + chunk_rows), device=device)
         w_c = w[idx]
+        parts = ()
+        if draft_vocab is not None:  # small: keep it instead of recomputing [c, V] in backward
+            with torch.no_grad():
+                parts = target_terms(target_logits_fn(idx), draft_vocab)
         if torch.is_grad_enabled():
-            out = checkpoint(chunk_terms, idx, w_c, use_reentrant=False)
+            out = checkpoint(chunk_terms, idx, w_c, *parts, use_reentrant=False)
         else:
-            out = chunk_terms(idx, w_c)
+            out = chunk_terms(idx, w_c, *parts)
         for i in range(3):
             sums[i] = sums[i] + out[i]
         l1_parts.append(out[3])
