@@ -29,7 +29,8 @@ from pipeline.config import ConfigError, load_config  # noqa: E402
 CONTENDERS = {
     "dspark": {},
     "dflash": {"drafter_type": "dflash", "head_type": "none", "confidence_head": False},
-    "eagle3": {"drafter_type": "eagle3", "head_type": "none", "confidence_head": False},
+    "eagle3": {"drafter_type": "eagle3", "head_type": "none", "confidence_head": False,
+               "init": "random"},  # an Eagle3 layer reads a 2H-wide input: no target-layer start
 }
 SHARED_STAGES = ("prompts", "generate", "cache")
 

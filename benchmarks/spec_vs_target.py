@@ -8,7 +8,9 @@ prompt (prompt i starts at arm i mod n) so machine drift hits every arm alike:
 - ``engine_target_only``: this project's engine without a drafter;
 - ``dspark``: the calibrated DSpark drafter with the dspark scheduler (Algorithm 1 over SPS(B));
 - ``dspark_fixed``: the same drafter verifying fixed gamma-token blocks;
-- ``eagle3``: an Eagle3 drafter trained on the same data and steps (``--eagle3 DIR``), fixed gamma;
+- ``eagle3``: an Eagle3 drafter trained on the same data and steps, fixed gamma (``--eagle3 DIR``,
+  or ``--eagle3 train``: train it now on the run's cache with the config's train section, in
+  ``<run_dir>_eagle3``);
 - ``prompt_lookup``: transformers prompt-lookup decoding (``prompt_lookup_num_tokens``).
 
 Greedy and temperature 1 (T = 1 reports tokens/s; tau and acceptance are the engine's round
@@ -121,6 +123,25 @@ class Arms:
         return {"tokens": done.tokens, "seconds": done.total_s, "rounds": done.rounds}
 
 
+def train_eagle3(config: str, overrides: list[str]) -> str:
+    """Train an Eagle3 drafter on the finished run's data stages (shared by symlink) with the
+    same train section, in ``<run_dir>_eagle3``; returns its drafter directory."""
+    from pipeline import stages
+
+    base = StageContext.create(load_config(config, overrides))
+    cfg = load_config(config, overrides + ["drafter.drafter_type=eagle3", "drafter.head_type=none",
+                                           "drafter.confidence_head=false", "drafter.init=random"])
+    cfg.run_dir = str(base.run_dir) + "_eagle3"
+    ctx = StageContext.create(cfg)
+    ctx.run_dir.mkdir(parents=True, exist_ok=True)
+    for stage in ("prompts", "generate", "cache"):
+        link = ctx.run_dir / stage
+        if not link.exists():
+            link.symlink_to(base.run_dir / stage, target_is_directory=True)
+    stages.run_stage(ctx, "train")
+    return str(ctx.run_dir / "train" / "drafter")
+
+
 def summarize(results: list[dict], gamma: int) -> dict:
     """Tokens/s over all prompts of a cell, and the engine's round statistics."""
     tokens = sum(len(r["tokens"]) for r in results)
@@ -213,7 +234,8 @@ def main() -> int:
     parser.add_argument("--set", action="append", default=[])
     parser.add_argument("--drafter", default=None,
                         help="DSpark drafter directory (default: <run_dir>/calibrate/drafter)")
-    parser.add_argument("--eagle3", default=None, help="Eagle3 drafter directory (optional arm)")
+    parser.add_argument("--eagle3", default=None,
+                        help="Eagle3 drafter directory, or 'train' (optional arm)")
     parser.add_argument("--datasets", default="gsm8k=20,mt-bench=10,humaneval=10")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--temperatures", default="0,1")
@@ -238,6 +260,8 @@ def main() -> int:
     torch.set_num_threads(args.threads)
     ctx = StageContext.create(cfg)
     drafter = args.drafter or str(ctx.run_dir / "calibrate" / "drafter")
+    if args.eagle3 == "train":
+        args.eagle3 = train_eagle3(args.config, args.set)
     for path in filter(None, (drafter, args.eagle3)):
         if not (Path(storage.resolve(path)) / "config.json").is_file():
             print(f"error: no drafter at {path}: run the pipeline first", file=sys.stderr)

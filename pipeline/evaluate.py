@@ -127,7 +127,7 @@ def domain_summary(results: dict, temperature: str) -> dict:
 def evaluate(*, target: str, dtype: str, drafter_dir: str, template_kwargs: dict,
              datasets: dict[str, list[str]], temperatures: list[float], max_new_tokens: int,
              num_threads: int | None, seed: int, progress: bool = True,
-             speed_baseline: bool = True, baseline_dtype: str = "float32",
+             speed_baseline: bool = True, baseline_dtype: str = "bfloat16",
              engine=None) -> dict:
     """Run the evaluation in this process (the pipeline runs it inside a Ray task).
 

@@ -223,3 +223,20 @@ def test_chunked_losses_and_gradients_equal_dense(objective, subset):
         for key, grad in dense_grads.items():
             torch.testing.assert_close(grads[key], grad, rtol=1e-5, atol=1e-6)
             assert float(grad.abs().sum()) > 0 or key != "hidden"
+
+
+def test_select_draft_vocab_from_the_manifest():
+    from pipeline.train import select_draft_vocab
+
+    manifest = {"target": {"vocab_size": 10},
+                "splits": {"train": {"token_frequency": [[7, 5], [2, 3]]},
+                           "heldout": {"token_frequency": [[2, 1], [9, 1]]}}}
+    ids, report = select_draft_vocab(manifest, 3)
+    assert ids == [7, 2, 0]
+    assert report == {"draft_vocab_size": 3, "coverage": {"train": 1.0, "heldout": 0.5}}
+    assert select_draft_vocab(manifest, 0) == (None, {})
+    with pytest.raises(ValueError, match="exceeds the target vocabulary"):
+        select_draft_vocab(manifest, 11)
+    del manifest["splits"]["train"]["token_frequency"]
+    with pytest.raises(ValueError, match="--force cache"):
+        select_draft_vocab(manifest, 3)
