@@ -143,22 +143,27 @@ def train_eagle3(config: str, overrides: list[str]) -> str:
 
 
 def summarize(results: list[dict], gamma: int) -> dict:
-    """Tokens/s over all prompts of a cell, and the engine's round statistics."""
+    """Tokens/s over all prompts of a cell, and the engine's round statistics over the rounds
+    that verified at least one draft token (``serve.metrics.SpecDecodeStats`` definitions)."""
+    from serve.metrics import SpecDecodeStats
+
     tokens = sum(len(r["tokens"]) for r in results)
     seconds = sum(r["seconds"] for r in results)
-    rounds = [rd for r in results for rd in r["rounds"] if rd.drafted > 0]
-    full = [rd for rd in rounds if rd.verified == gamma]
+    rounds = [rd for r in results for rd in r["rounds"] if rd.verified > 0]
     row = {"prompts": len(results), "tokens": tokens, "seconds": round(seconds, 3),
            "tokens_per_s": tokens / seconds if seconds else 0.0}
+    all_rounds = [rd for r in results for rd in r["rounds"]]
     if rounds:
+        stats = SpecDecodeStats()
+        for rd in rounds:
+            stats.record_round(rd.drafted, rd.verified, rd.accepted, rd.committed)
         row.update({
-            "tau": sum(rd.committed for rd in rounds) / len(rounds),
-            "verified_per_round": sum(rd.verified for rd in rounds) / len(rounds),
-            "accept_rate": [sum(rd.accepted >= k for rd in full) / len(full) if full else None
-                            for k in range(1, gamma + 1)],
-            "draft_ms_per_round": 1e3 * statistics.fmean(rd.draft_s for rd in rounds),
-            "verify_ms_per_round": 1e3 * statistics.fmean(rd.verify_s for rd in rounds),
-            "rounds": len(rounds)})
+            "tau": stats.tau, "verified_per_round": stats.mean_verification_budget(),
+            # accept_rate@k: rounds that verified >= k draft tokens and accepted the first k
+            "accept_rate": stats.conditional_acceptance(),
+            "draft_ms_per_round": 1e3 * statistics.fmean(rd.draft_s for rd in all_rounds),
+            "verify_ms_per_round": 1e3 * statistics.fmean(rd.verify_s for rd in all_rounds),
+            "rounds": len(rounds), "steps": len(all_rounds)})
     return row
 
 
@@ -204,8 +209,9 @@ def render(rows: list[dict], meta: dict) -> str:
         f"Target `{meta['target']}`, arms in {meta['dtype']} (plain generate in fp32 and bf16), "
         f"batch 1, max_new_tokens {meta['max_new_tokens']}, {meta['threads']} threads, "
         f"{meta['date']}, {meta['seconds']:.0f} s. speed-up = tokens/s / tokens/s of the faster "
-        "plain `generate` on the same prompts. tau = committed tokens per drafting round (bonus "
-        "included); accept_rate@k = share of full-gamma rounds with >= k accepted; identical = "
+        "plain `generate` on the same prompts. tau = committed tokens per round that verified drafts "
+        "(bonus included); accept_rate@k = share of rounds verifying >= k drafts that accepted the "
+        "first k; draft / verify ms = per engine step (all steps); identical = "
         "share of prompts whose fp32 greedy output equals plain fp32 `generate` token for token "
         f"(first {meta['identity_max_new_tokens']} tokens). "
         + ("" if meta["fp32_sampled"] else "Plain fp32 `generate` is timed at greedy only; at "

@@ -64,7 +64,10 @@ def summarize(records: list[dict], gamma: int, temperatures: list[float] | None 
     full = [r for r in rounds if r[0] == gamma]  # rounds that drafted the full block
     survival, conditional = [], []
     for k in range(1, gamma + 1):
-        survival.append(sum(1 for r in full if r[1] >= k) / len(full) if full else 0.0)
+        # prefix survival among the rounds that verified at least k drafts (all of them with a
+        # fixed gamma; the dspark scheduler verifies fewer when it is not confident)
+        verified = [r for r in rounds if r[0] >= k]
+        survival.append(sum(1 for r in verified if r[1] >= k) / len(verified) if verified else 0.0)
         reached = [r for r in rounds if r[0] >= k and r[1] >= k - 1]
         conditional.append(sum(1 for r in reached if r[1] >= k) / len(reached) if reached else 0.0)
     spec_tokens = sum(rec["spec_tokens"] for rec in records)

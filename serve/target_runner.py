@@ -104,7 +104,7 @@ class TargetRunner:
     def device(self) -> torch.device:
         return next(self.model.parameters()).device
 
-    @torch.no_grad()
+    @torch.inference_mode()
     def forward_batch(self, caches: list[TargetKV], tokens: list[list[int]],
                       with_features: bool, logits: str = "all") -> list[BatchOutput]:
         """Run each request's new ``tokens`` after what its cache holds, in one forward pass.
