@@ -23,8 +23,9 @@ def test_summary_by_hand():
     s = summarize(_records(), gamma=3)
     assert s["rounds"] == 3
     assert s["tau"] == pytest.approx((2 + 4 + 3) / 3)
-    # survival over the two full rounds: accepted >= 1: both, >= 2: one, >= 3: one
-    assert s["accept_rate"] == pytest.approx([1.0, 0.5, 0.5])
+    # survival among rounds that verified >= k: k=1: 3 of 3 accept; k=2: 3 verified, 2 accept
+    # >= 2; k=3: the two full rounds verified, one accepts all 3
+    assert s["accept_rate"] == pytest.approx([1.0, 2 / 3, 0.5])
     # conditional: k=1 reached by 3 rounds, all accept; k=2 reached by 3 (n >= 1), 2 accept;
     # k=3 reached by rounds with l >= 3 and n >= 2: one, it accepts
     assert s["conditional_acceptance"] == pytest.approx([1.0, 2 / 3, 1.0])
