@@ -127,8 +127,7 @@ class SpecEngine:
             RequestError: empty or too-long prompt (413), bad parameters (400), duplicate id, or
                 a full queue (429).
         """
-        p = request.params
-        p.validate()
+        p = request.params = request.params.normalized()
         if not request.prompt_ids:
             raise RequestError("the prompt is empty", field="prompt")
         if len(request.prompt_ids) + p.max_tokens > self.max_model_len:

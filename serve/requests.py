@@ -4,17 +4,23 @@ their incremental outputs. Plain dataclasses; the HTTP layer maps OpenAI fields 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import math
+from dataclasses import dataclass, field, replace
 
 from .errors import RequestError
+
+# Temperatures below this are greedy (vLLM's _SAMPLING_EPS): dividing logits by ~1e-38 overflows
+# to inf and the softmax to NaN, which must never reach the sampler.
+GREEDY_TEMPERATURE_EPS = 1e-5
 
 
 @dataclass(frozen=True)
 class SamplingParams:
     """Per-request decoding parameters.
 
-    max_tokens: hard cap on generated tokens (>= 1); temperature: 0 = greedy, else the sampling
-    temperature of target and drafter alike; top_p: nucleus mass in (0, 1]; seed: seeds this
+    max_tokens: hard cap on generated tokens (>= 1); temperature: 0 (or anything below
+    ``GREEDY_TEMPERATURE_EPS`` = 1e-5) = greedy, else the sampling temperature of target and
+    drafter alike (finite); top_p: nucleus mass in (0, 1]; seed: seeds this
     request's own RNG (None = engine-chosen); stop: strings that end the output (not included);
     stop_token_ids: extra token ids that end the output (included, like EOS).
     """
@@ -31,13 +37,25 @@ class SamplingParams:
             RequestError: a parameter out of range (field named)."""
         if self.max_tokens < 1:
             raise RequestError(f"max_tokens must be >= 1, got {self.max_tokens}", field="max_tokens")
-        if not self.temperature >= 0:
-            raise RequestError(f"temperature must be >= 0, got {self.temperature}",
+        if not (self.temperature >= 0 and math.isfinite(self.temperature)):
+            raise RequestError(f"temperature must be a finite number >= 0, got {self.temperature}",
                                field="temperature")
         if not 0 < self.top_p <= 1:
             raise RequestError(f"top_p must be in (0, 1], got {self.top_p}", field="top_p")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise RequestError("stop strings must be non-empty strings", field="stop")
+
+    def normalized(self) -> "SamplingParams":
+        """Validated parameters with a temperature below ``GREEDY_TEMPERATURE_EPS`` made exactly
+        0 (greedy), as the engine runs them.
+
+        Raises:
+            RequestError: see :meth:`validate`.
+        """
+        self.validate()
+        if 0 < self.temperature < GREEDY_TEMPERATURE_EPS:
+            return replace(self, temperature=0.0)
+        return self
 
 
 @dataclass

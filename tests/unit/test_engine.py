@@ -235,3 +235,18 @@ def test_declined_requests_are_drafted_for_only_every_probe_interval_steps(varie
     assert outs[1][2] == outs[4][2] == 0  # nothing was ever verified
     # 20 rounds after the prefill; the last has room for the bonus token only (no draft)
     assert outs[1][1] == budget - 2 and outs[4][1] == 5  # rounds 1, 5, 9, 13, 17
+
+
+def test_tiny_temperature_is_greedy_and_never_nan(varied_target):
+    """temperature 1e-38 passes validation as greedy (below GREEDY_TEMPERATURE_EPS) instead of
+    dividing logits into NaN; infinite and NaN temperatures are refused with the field named."""
+    import math
+
+    runner = TargetRunner(varied_target, [])
+    engine = SpecEngine(runner, None, [], EngineConfig(scheduler="none"))
+    greedy = engine.generate([EngineRequest("g", [5, 6, 7], SamplingParams(8, temperature=0.0))])
+    tiny = engine.generate([EngineRequest("t", [5, 6, 7], SamplingParams(8, temperature=1e-38))])
+    assert tiny[0].tokens == greedy[0].tokens
+    for bad in (math.inf, math.nan):
+        with pytest.raises(RequestError, match="temperature"):
+            engine.add_request(EngineRequest("x", [1], SamplingParams(4, temperature=bad)))
