@@ -200,9 +200,10 @@ class EvalConfig(Strict):
     temperatures: list[float] = Field(default_factory=lambda: [0.0, 1.0], min_length=1)
     speed_baseline: bool = Field(True, description="Also decode with plain transformers `generate` "
                                  "(what users already have) to measure the speed-up.")
-    baseline_dtype: Dtype = Field("bfloat16", description="dtype of the plain `generate` baseline; "
-                                  "use its faster one on your hardware (bf16 on the project's CPU: "
-                                  "benchmarks/results/spec_vs_target.md).")
+    baseline_dtype: Dtype | None = Field(None, description="dtype of the plain `generate` "
+                                         "baseline; None = eval.dtype. Use its faster one on your "
+                                         "hardware (bf16 on the project's CPU: "
+                                         "benchmarks/results/spec_vs_target.md).")
     max_new_tokens: int = Field(2048, ge=1)
     shuffle_seed: int = 980406
     num_threads: int | None = Field(None, ge=1)
