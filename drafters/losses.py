@@ -17,6 +17,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .draft_vocab import target_to_draft
+
 
 def position_weights(block_size: int, decay: float) -> torch.Tensor:
     """w_k = exp(-(k-1)/decay) for k = 1..gamma: fp32 [K]."""
@@ -69,11 +71,11 @@ def row_loss_terms(draft_logits: torch.Tensor, target_logits: torch.Tensor | Non
     if draft_vocab is None:
         labels_d, in_vocab = labels, torch.ones_like(labels, dtype=torch.bool)
     else:
-        t2d = torch.full((int(draft_vocab.max()) + 1,), -1, dtype=torch.long, device=labels.device)
-        t2d[draft_vocab] = torch.arange(draft_vocab.numel(), device=labels.device)
-        labels_d = torch.where(labels < t2d.numel(), t2d[labels.clamp(max=t2d.numel() - 1)], -1)
-        in_vocab = labels_d >= 0
-        labels_d = labels_d.clamp(min=0)
+        n = draft_vocab.numel()
+        vocab = max(int(draft_vocab.max()), int(labels.max())) + 1
+        labels_d = target_to_draft(draft_vocab.to(labels.device), vocab)[labels]  # n = outside
+        in_vocab = labels_d < n
+        labels_d = labels_d.clamp(max=n - 1)
     logp_d = torch.log_softmax(draft_logits, dim=-1)
     ce = -logp_d.gather(-1, labels_d[:, None]).squeeze(-1) * in_vocab
     l1 = (logp_d.exp() - p_t_sub).abs().sum(-1)
