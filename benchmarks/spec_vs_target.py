@@ -6,7 +6,11 @@ prompt (prompt i starts at arm i mod n) so machine drift hits every arm alike:
 - ``hf_generate_fp32`` / ``hf_generate_bf16``: plain transformers ``generate``; the faster of the
   two per (dataset, temperature) is the baseline every ``speedup_vs_generate`` is taken against;
 - ``engine_target_only``: this project's engine without a drafter;
-- ``dspark``: the calibrated DSpark drafter with the dspark scheduler (Algorithm 1 over SPS(B));
+- ``dspark``: the calibrated DSpark drafter with the dspark scheduler (Algorithm 1 over SPS(B))
+  and the goodput planner (drafts only where its profiled cost pays, ``serve/draft_planner.py``);
+- ``dspark_lookup``: the same, with prompt-lookup drafts as a second, free source the planner
+  picks per request and round (``engine.prompt_lookup_max_ngram``);
+- ``dspark_unplanned``: the dspark scheduler drafting gamma tokens every round (no planner);
 - ``dspark_fixed``: the same drafter verifying fixed gamma-token blocks;
 - ``eagle3``: an Eagle3 drafter trained on the same data and steps, fixed gamma (``--eagle3 DIR``,
   or ``--eagle3 train``: train it now on the run's cache with the config's train section, in
@@ -43,6 +47,7 @@ from pipeline.stages import StageContext  # noqa: E402
 
 PLAIN = ("hf_generate_fp32", "hf_generate_bf16")
 PROMPT_LOOKUP_TOKENS = 10
+LOOKUP_NGRAM = 3  # the engine's lookup source: n-grams of 3 down to 2 tokens
 
 
 def parse_datasets(text: str) -> dict[str, int]:
@@ -59,14 +64,14 @@ class Arms:
     """Loads the target (fp32 and the benchmark dtype), the drafters and one engine per arm."""
 
     def __init__(self, target: str, dtype: str, drafter_dir: str, eagle3_dir: str | None,
-                 max_batch_tokens: int):
+                 max_batch_tokens: int, only: list[str] | None = None):
         import torch
 
         from drafters.loading import load_drafter
         from pipeline.target import DTYPES, eos_token_ids, load_target, load_tokenizer
         from serve.config import EngineConfig
         from serve.engine import SpecEngine
-        from serve.profiling import load_or_profile
+        from serve.profiling import engine_profiles
         from serve.target_runner import TargetRunner
 
         self.tokenizer = load_tokenizer(target)
@@ -83,16 +88,22 @@ class Arms:
             runner = TargetRunner(model, layers, pad)
             self.gamma = dspark.config.block_size
             one = dict(max_num_requests=1, max_batch_tokens=max_batch_tokens)
-            sps = load_or_profile(runner, drafter_dir if d == dtype else None, max_batch_tokens,
-                                  block_tokens=self.gamma + 1)
-            engines = {
-                "engine_target_only": SpecEngine(runner, None, self.eos,
-                                                 EngineConfig(scheduler="none", **one), self.tokenizer),
-                "dspark": SpecEngine(runner, dspark, self.eos, EngineConfig(scheduler="dspark", **one),
-                                     self.tokenizer, sps),
-                "dspark_fixed": SpecEngine(runner, dspark, self.eos,
-                                           EngineConfig(scheduler="fixed", **one), self.tokenizer),
+            planned = {
+                "dspark": EngineConfig(scheduler="dspark", **one),
+                "dspark_lookup": EngineConfig(scheduler="dspark", prompt_lookup_max_ngram=LOOKUP_NGRAM,
+                                              **one),
+                "dspark_unplanned": EngineConfig(scheduler="dspark", draft_planning="off", **one),
             }
+            sps, cost = engine_profiles(runner, dspark, planned["dspark"],
+                                        drafter_dir if d == dtype else None)
+            engines = {"engine_target_only": SpecEngine(runner, None, self.eos,
+                                                        EngineConfig(scheduler="none", **one),
+                                                        self.tokenizer)}
+            for name, cfg in planned.items():
+                engines[name] = SpecEngine(runner, dspark, self.eos, cfg, self.tokenizer, sps, cost)
+            engines["dspark_fixed"] = SpecEngine(runner, dspark, self.eos,
+                                                 EngineConfig(scheduler="fixed", **one),
+                                                 self.tokenizer)
             if eagle3_dir:
                 eagle3 = load_drafter(eagle3_dir, model, target, dtype=DTYPES[d])
                 if list(eagle3.config.target_layer_ids) != layers:
@@ -101,7 +112,8 @@ class Arms:
                 engines["eagle3"] = SpecEngine(runner, eagle3, self.eos,
                                                EngineConfig(scheduler="fixed", **one), self.tokenizer)
             self.engines[d] = engines
-        self.names = list(PLAIN) + list(self.engines[dtype]) + ["prompt_lookup"]
+        self.names = [a for a in list(PLAIN) + list(self.engines[dtype]) + ["prompt_lookup"]
+                      if not only or a in only]
         torch.set_grad_enabled(False)
 
     def run(self, arm: str, ids: list[int], max_new: int, temperature: float, seed: int,
@@ -163,7 +175,10 @@ def summarize(results: list[dict], gamma: int) -> dict:
             "accept_rate": stats.conditional_acceptance(),
             "draft_ms_per_round": 1e3 * statistics.fmean(rd.draft_s for rd in all_rounds),
             "verify_ms_per_round": 1e3 * statistics.fmean(rd.verify_s for rd in all_rounds),
-            "rounds": len(rounds), "steps": len(all_rounds)})
+            "rounds": len(rounds), "steps": len(all_rounds),
+            # where the drafts came from: share of steps the drafter ran / a lookup draft was used
+            "drafter_step_share": sum(rd.source == "model" for rd in all_rounds) / len(all_rounds),
+            "lookup_step_share": sum(rd.source == "lookup" for rd in all_rounds) / len(all_rounds)})
     return row
 
 
@@ -211,22 +226,26 @@ def render(rows: list[dict], meta: dict) -> str:
         f"{meta['date']}, {meta['seconds']:.0f} s. speed-up = tokens/s / tokens/s of the faster "
         "plain `generate` on the same prompts. tau = committed tokens per round that verified drafts "
         "(bonus included); accept_rate@k = share of rounds verifying >= k drafts that accepted the "
-        "first k; draft / verify ms = per engine step (all steps); identical = "
+        "first k; draft / verify ms = per engine step (all steps); drafter / lookup steps = share "
+        "of steps in which the drafter ran / a prompt-lookup draft was verified; identical = "
         "share of prompts whose fp32 greedy output equals plain fp32 `generate` token for token "
         f"(first {meta['identity_max_new_tokens']} tokens). "
         + ("" if meta["fp32_sampled"] else "Plain fp32 `generate` is timed at greedy only; at "
            "T = 1 the baseline is bf16 `generate`."),
         "", "| dataset | T | arm | tok/s | speed-up | tau | verified/round | accept_rate@1..k "
-        "| draft / verify ms | identical |", "|---|---|---|---|---|---|---|---|---|---|"]
+        "| draft / verify ms | drafter / lookup steps | identical |",
+        "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         acc = " / ".join("-" if a is None else f"{a:.2f}" for a in r.get("accept_rate") or [])
         dv = (f"{r['draft_ms_per_round']:.1f} / {r['verify_ms_per_round']:.1f}"
               if "draft_ms_per_round" in r else "")
         same = r.get("identical_to_target")
+        src = (f"{r['drafter_step_share']:.0%} / {r['lookup_step_share']:.0%}"
+               if "drafter_step_share" in r else "")
         lines.append(
             f"| {r['dataset']} | {r['temperature']:g} | {r['arm']} | {r['tokens_per_s']:.1f} | "
             f"{r['speedup_vs_generate']:.2f}x | {r.get('tau', float('nan')):.2f} | "
-            f"{r.get('verified_per_round', float('nan')):.2f} | {acc} | {dv} | "
+            f"{r.get('verified_per_round', float('nan')):.2f} | {acc} | {dv} | {src} | "
             f"{'' if same is None else f'{same:.0%}'} |".replace("nan", "-"))
     for prof in meta.get("profile", []):
         lines += ["", f"Where one engine step goes ({prof['arm']}, greedy, cProfile, "
@@ -257,12 +276,18 @@ def main() -> int:
                         help="tokens compared per prompt in the identity pass (default: all)")
     parser.add_argument("--fp32-sampled", action="store_true",
                         help="also time plain fp32 generate at temperature > 0")
+    parser.add_argument("--arms", default=None, help="comma-separated subset of the arms "
+                        "(default: all; hf_generate_bf16 or _fp32 is needed as the baseline)")
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "spec_vs_target"))
     args = parser.parse_args()
     try:
         cfg = load_config(args.config, args.set)
         datasets = parse_datasets(args.datasets)
         temperatures = [float(t) for t in args.temperatures.split(",")]
+        only = args.arms.split(",") if args.arms else None
+        if only and not set(only) & set(PLAIN):
+            raise ValueError(f"--arms {args.arms!r} needs a plain generate arm as the baseline: "
+                             f"one of {PLAIN}")
     except (ConfigError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
@@ -284,7 +309,7 @@ def main() -> int:
                for n, c in datasets.items()}
     start = time.time()
     arms = Arms(ctx.target, args.dtype, storage.resolve(drafter),
-                args.eagle3 and storage.resolve(args.eagle3), args.max_batch_tokens)
+                args.eagle3 and storage.resolve(args.eagle3), args.max_batch_tokens, only)
     tmpl = cfg.target.chat_template_kwargs
     rendered = {n: [render_prompt_ids(arms.tokenizer, [{"role": "user", "content": p}], tmpl)
                     for p in ps] for n, ps in prompts.items()}
@@ -303,7 +328,7 @@ def main() -> int:
                         arms.run(arm, ids, args.max_new_tokens, temp, cfg.seed + i))
                 print(f"T={temp:g} {name} {i + 1}/{len(items)}", flush=True)
     identical: dict[tuple, float] = {}
-    if not args.no_identity and 0.0 in temperatures:
+    if not args.no_identity and 0.0 in temperatures and "hf_generate_fp32" in arms.names:
         ref_arm = "hf_generate_fp32"
         for name, items in rendered.items():
             refs = [r["tokens"] for r in results[(ref_arm, name, 0.0)]]

@@ -14,6 +14,8 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from serve.config import EngineConfig
+
 Dtype = Literal["float32", "bfloat16", "float16"]
 
 
@@ -229,23 +231,6 @@ class WandbConfig(Strict):
 STAGES = ("prompts", "generate", "cache", "train", "calibrate", "eval")
 
 
-class EngineSection(Strict):
-    """The engine the eval stage decodes with (one request at a time); the same knobs as
-    ``serve.config.EngineConfig``, which serving uses."""
-
-    scheduler: Literal["dspark", "async", "static_threshold", "fixed"] = Field(
-        "dspark", description="Verification-length policy (SPEC 6).")
-    num_draft_tokens: int | None = Field(None, ge=1, description="None = the drafter's gamma.")
-    threshold: float = Field(0.5, ge=0.0, le=1.0, description="static_threshold's a_k bound.")
-    adaptive_draft_depth: bool = True
-    probe_interval: int = Field(4, ge=1)
-
-    def engine_config(self):
-        from serve.config import EngineConfig
-
-        return EngineConfig(**self.model_dump(), max_num_requests=1)
-
-
 class PipelineConfig(Strict):
     run_dir: str = Field("runs/default", description="Where every stage writes (relative paths "
                          "resolve against the project root).")
@@ -261,8 +246,9 @@ class PipelineConfig(Strict):
     train: TrainConfig = Field(default_factory=TrainConfig)
     calibrate: CalibrateConfig = Field(default_factory=CalibrateConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
-    engine: EngineSection = Field(default_factory=lambda: EngineSection(),
-                                  description="Speculative engine of the eval stage.")
+    engine: EngineConfig = Field(default_factory=EngineConfig, description="Speculative engine "
+                                 "of the eval stage (decoding one request at a time; "
+                                 "max_num_requests is forced to 1 there).")
     wandb: WandbConfig = Field(default_factory=WandbConfig)
 
 

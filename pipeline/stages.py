@@ -345,7 +345,7 @@ def stage_eval(ctx: StageContext) -> dict:
         template_kwargs=ctx.cfg.target.chat_template_kwargs, datasets=datasets,
         temperatures=e.temperatures, max_new_tokens=e.max_new_tokens,
         num_threads=e.num_threads, seed=ctx.cfg.seed, speed_baseline=e.speed_baseline,
-        baseline_dtype=e.baseline_dtype or e.dtype, engine=ctx.cfg.engine.engine_config()))
+        baseline_dtype=e.baseline_dtype or e.dtype, engine=ctx.cfg.engine.model_copy(update={"max_num_requests": 1})))
     out = ctx.stage_dir("eval")
     (out / "report.json").write_text(json.dumps(report, indent=1))
     (out / "report.md").write_text(render_report_md(report))

@@ -78,8 +78,7 @@ def load_engine(cfg: ServeConfig):
     from pipeline.target import DTYPES, eos_token_ids, load_target, load_tokenizer
 
     from .engine import SpecEngine
-    from .profiling import load_or_profile
-    from .scheduler import SPSTable
+    from .profiling import engine_profiles
     from .target_runner import TargetRunner
 
     if cfg.num_threads:
@@ -95,19 +94,12 @@ def load_engine(cfg: ServeConfig):
     layer_ids = list(drafter.config.target_layer_ids) if drafter is not None else []
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     runner = TargetRunner(model, layer_ids, pad)
-    sps = None
-    if drafter is not None and cfg.engine.scheduler in ("dspark", "async"):
-        gamma = min(drafter.config.block_size, cfg.engine.num_draft_tokens or 10**9)
-        if cfg.engine.sps_profile == "auto":
-            start = time.perf_counter()
-            sps = load_or_profile(runner, drafter_dir, cfg.engine.max_batch_tokens,
-                                  block_tokens=gamma + 1, repeats=cfg.engine.sps_repeats)
-            logger.info("SPS(B) ready for B <= %d in %.1f s", sps.max_tokens,
-                        time.perf_counter() - start)
-        else:
-            sps = SPSTable((1.0,) * cfg.engine.max_batch_tokens)
+    start = time.perf_counter()
+    sps, draft_cost = engine_profiles(runner, drafter, cfg.engine, drafter_dir)
+    if sps is not None:
+        logger.info("SPS(B) and drafter cost ready in %.1f s", time.perf_counter() - start)
     return SpecEngine(runner, drafter, eos_token_ids(tokenizer, model), cfg.engine,
-                      tokenizer=tokenizer, sps=sps)
+                      tokenizer=tokenizer, sps=sps, draft_cost=draft_cost)
 
 
 # ------------------------------------------------------------------------------------- metrics

@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 SchedulerName = Literal["dspark", "async", "static_threshold", "fixed", "none"]
 
@@ -24,15 +24,23 @@ class EngineConfig(BaseModel):
                                          "the drafter's block size gamma. Also fixed's length.")
     threshold: float = Field(0.5, ge=0.0, le=1.0, description="static_threshold: verify while "
                              "the prefix survival a_k >= threshold.")
-    adaptive_draft_depth: bool = Field(
-        True, description="Confidence-based schedulers: draft at most one token more than the "
-        "request's previous verification length (lossless: the depth depends only on past steps), "
-        "so a request the scheduler keeps at l = 0 stops paying for gamma sequential head steps.")
-    probe_interval: int = Field(4, ge=1, description="Confidence-based schedulers with "
-                                "adaptive_draft_depth: a request whose drafts the scheduler "
-                                "declined (l = 0) is drafted for again only every N steps, so a "
-                                "drafter that does not pay off costs little (lossless: decided from "
-                                "past steps only). 1 = draft every step.")
+    draft_planning: Literal["goodput", "off"] = Field(
+        "goodput", description="dspark/async: before drafting, predict each request's acceptance "
+        "from its past rounds and draft only for the requests (and to the depth) that raise the "
+        "step's expected tokens/s once the drafter's profiled cost is counted "
+        "(serve/draft_planner.py); off = draft gamma tokens for every request every step.")
+    probe_interval: int = Field(4, ge=1, description="goodput planning: a request the planner "
+                                "keeps from the drafter is drafted for again after N steps (a "
+                                "lossless probe); the interval doubles while probes keep saying "
+                                "no, up to max_probe_interval.")
+    max_probe_interval: int = Field(64, ge=1, description="Longest probe back-off (steps).")
+    prompt_lookup_max_ngram: int = Field(
+        0, ge=0, le=16, description="goodput planning: also consider a prompt-lookup draft (the "
+        "tokens that followed the latest earlier occurrence of the request's last n tokens, n "
+        "from this down to prompt_lookup_min_ngram) and verify it instead of drafting when its "
+        "predicted accepted length is at least the drafter's; 0 = off. Lossless (one-hot draft "
+        "distribution).")
+    prompt_lookup_min_ngram: int = Field(2, ge=1, le=16, description="Shortest n-gram matched.")
     max_num_requests: int = Field(32, ge=1, description="Requests decoded together (batch).")
     max_batch_tokens: int = Field(512, ge=1, description="Cap on tokens verified per step, all "
                                   "requests together (also the SPS profile's range).")
@@ -44,6 +52,21 @@ class EngineConfig(BaseModel):
                                                 "(or reuse a stored profile for this hardware and "
                                                 "model); off: assume SPS constant (B-independent).")
     sps_repeats: int = Field(3, ge=1, description="Timed forward passes per batch size when profiling.")
+
+    @model_validator(mode="after")
+    def _check_lookup(self) -> "EngineConfig":
+        if self.prompt_lookup_max_ngram and self.prompt_lookup_min_ngram > self.prompt_lookup_max_ngram:
+            raise ValueError(f"prompt_lookup_min_ngram ({self.prompt_lookup_min_ngram}) exceeds "
+                             f"prompt_lookup_max_ngram ({self.prompt_lookup_max_ngram})")
+        if self.max_probe_interval < self.probe_interval:
+            raise ValueError(f"max_probe_interval ({self.max_probe_interval}) is below "
+                             f"probe_interval ({self.probe_interval})")
+        return self
+
+    @property
+    def plans_drafts(self) -> bool:
+        """Whether the goodput planner (with its SPS table and drafter cost) is in use."""
+        return self.draft_planning == "goodput" and self.scheduler in ("dspark", "async")
 
 
 class ServeConfig(BaseModel):

@@ -66,22 +66,22 @@ class SpeculativeDecoder:
         key = num_draft_tokens
         if key not in self._engines:
             speculative = self.drafter is not None and num_draft_tokens != 0
-            sps = None
+            sps = cost = None
             if speculative and self.engine_config is not None and num_draft_tokens is None:
                 cfg = self.engine_config.model_copy(update={"max_num_requests": 1})
                 if cfg.scheduler in ("dspark", "async"):
-                    from .profiling import load_or_profile
+                    from .profiling import engine_profiles
 
                     gamma = min(self.drafter.config.block_size, cfg.num_draft_tokens or 10**9)
-                    sps = load_or_profile(self.target, self._sps_dir, gamma + 1,
-                                          block_tokens=gamma + 1, repeats=cfg.sps_repeats)
                     cfg = cfg.model_copy(update={"max_batch_tokens": gamma + 1})
+                    sps, cost = engine_profiles(self.target, self.drafter, cfg, self._sps_dir)
             else:
                 cfg = EngineConfig(scheduler="fixed" if speculative else "none",
                                    num_draft_tokens=num_draft_tokens or None, max_num_requests=1,
                                    sps_profile="off")
             self._engines[key] = SpecEngine(self.target, self.drafter if speculative else None,
-                                            self.eos, cfg, sps=sps)
+                                            self.eos, cfg, sps=sps,
+                                            draft_cost=cost)
         return self._engines[key]
 
     def generate(self, prompt_ids: list[int], max_new_tokens: int, temperature: float = 0.0,

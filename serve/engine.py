@@ -4,9 +4,12 @@ One engine serves every caller: the Ray Serve app, offline evaluation and the be
 :meth:`SpecEngine.step`. A step:
 
 1. admits waiting requests (one batched prefill; the first token, the anchor, is sampled);
-2. drafts a block for every running request in one batched drafter call;
-3. turns the drafter's confidence logits into calibrated c_k and asks the scheduler
-   (``serve/scheduler.py``) for each request's verification length l_r;
+2. plans the drafting (``serve/draft_planner.py``, dspark/async): from each request's past rounds,
+   which requests the drafter drafts for and how deep, and which verify a free prompt-lookup
+   draft instead, so that the drafter's cost is paid only where it raises the step's tokens/s;
+3. drafts those blocks in one batched drafter call, turns the drafter's confidence logits into
+   calibrated c_k and asks the scheduler (``serve/scheduler.py``) for each request's
+   verification length l_r;
 4. verifies [anchor, x_1..x_{l_r}] of every request in one batched target forward pass;
 5. rejection-samples each request with its own temperature, top_p and RNG (lossless), commits
    accepted + 1 tokens, applies EOS / stop tokens / stop strings / max_tokens exactly, and keeps
@@ -30,7 +33,9 @@ from drafters.sampling import warped_probs
 from . import scheduler as sched
 from .config import EngineConfig
 from .detokenize import IncrementalDetokenizer
+from .draft_planner import AcceptanceEstimate, DraftCostTable, RequestOptions, plan_drafts
 from .errors import RequestError
+from .lookup import NgramIndex
 from .metrics import SpecDecodeStats
 from .rejection import verify_greedy, verify_sampled
 from .requests import EngineRequest, RequestOutput
@@ -54,6 +59,17 @@ class RoundRecord:
     draft_s: float
     verify_s: float
     confidence_logits: list[float] | None = None
+    source: str | None = None  # "model" (the drafter), "lookup" (prompt lookup) or None
+
+
+@dataclass
+class _PendingContext:
+    """Committed positions not yet in the drafter's context (extended lazily, right before the
+    request is next drafted for, so a step that drafts nothing costs no drafter work)."""
+
+    features: list = field(default_factory=list)  # [n_i, m*H_t] each
+    start: int = 0  # position of the first pending row
+    tokens: list = field(default_factory=list)  # the token after each pending position
 
 
 @dataclass
@@ -65,8 +81,12 @@ class _Request:
     draft_state: object = None
     anchor: int = -1
     pos: int = 0  # position of the anchor (committed, not yet run through the target)
-    depth_hint: int = 10**9  # draft depth allowed by the previous step's verification length
-    idle_steps: int = 0  # consecutive steps whose drafts the scheduler declined
+    pending: _PendingContext = field(default_factory=_PendingContext)
+    model_acc: AcceptanceEstimate = field(default_factory=AcceptanceEstimate)
+    lookup_acc: AcceptanceEstimate = field(default_factory=AcceptanceEstimate)
+    lookup: NgramIndex | None = None
+    skipped: int = 0  # steps since the planner last let the drafter draft for this request
+    backoff: int = 1  # steps until the next probe
     output: list = field(default_factory=list)
     text: str = ""
     finish_reason: str | None = None
@@ -86,6 +106,9 @@ class SpecEngine:
         config: :class:`EngineConfig`.
         tokenizer: for output text and stop strings (None: token ids only).
         sps: the SPS(B) table the dspark and async schedulers need.
+        draft_cost: the drafter's profiled cost (``serve.profiling.engine_profiles``) for goodput
+            planning; None = drafting counts as free (the planner still skips requests Algorithm
+            1 would not verify).
     Raises:
         ValueError: drafter/target layer mismatch, or a confidence-based scheduler without a
             drafter confidence head or without an SPS table.
@@ -93,7 +116,7 @@ class SpecEngine:
 
     def __init__(self, target: TargetRunner, drafter, eos_token_ids: list[int],
                  config: EngineConfig | None = None, tokenizer=None,
-                 sps: sched.SPSTable | None = None):
+                 sps: sched.SPSTable | None = None, draft_cost: DraftCostTable | None = None):
         self.config = config or EngineConfig()
         if drafter is not None and list(drafter.config.target_layer_ids) != target.layer_ids:
             raise ValueError(f"drafter reads target layers {drafter.config.target_layer_ids}, "
@@ -106,6 +129,9 @@ class SpecEngine:
             raise ValueError(f"scheduler {name!r} needs an SPS(B) table (serve/profiling.py)")
         self.scheduler_name = name
         self.target, self.drafter, self.tokenizer, self.sps = target, drafter, tokenizer, sps
+        self.draft_cost = draft_cost
+        self.plans = drafter is not None and self.config.plans_drafts
+        self.lookup_n = self.config.prompt_lookup_max_ngram if self.plans else 0
         if drafter is not None:  # looked up once, not per request per step
             param = next(drafter.parameters())
             self._draft_device, self._draft_dtype = param.device, param.dtype
@@ -201,41 +227,84 @@ class SpecEngine:
             r.first_token_s = time.perf_counter()
             if speculate:
                 r.draft_state = self.drafter.new_draft_state()
-                dev = self._draft_device
-                nxt = torch.tensor(r.req.prompt_ids[1:] + [tok], device=dev)[None]
-                self.drafter.extend_context(
-                    r.draft_state, o.features[None].to(device=dev, dtype=self._draft_dtype),
-                    torch.arange(n, device=dev)[None], nxt)
+                r.backoff = self.config.probe_interval
+                self._add_pending(r, 0, o.features, r.req.prompt_ids[1:] + [tok])
+                if self.lookup_n:
+                    r.lookup = NgramIndex(r.req.prompt_ids + [tok], self.lookup_n,
+                                          self.config.prompt_lookup_min_ngram)
             results.append(self._commit(r, [tok]))
             if r.finish_reason is None:
                 self.running.append(r)
         return results
 
-    def _draft_lengths(self, reqs: list[_Request]) -> list[int]:
+    def _caps(self, reqs: list[_Request]) -> list[int]:
         """The most draft tokens each request may verify: gamma, one less than its remaining
         budget (a fully accepted block adds a bonus token), and the drafter's context limit."""
-        limit = self.drafter.config.max_position_embeddings if self.drafter is not None else 0
-        adaptive = self.config.adaptive_draft_depth and self.scheduler_name in NEEDS_CONFIDENCE
+        if self.scheduler_name == "none":
+            return [0] * len(reqs)
+        limit = self.drafter.config.max_position_embeddings
         out = []
         for r in reqs:
             room = r.req.params.max_tokens - len(r.output) - 1
-            l = max(0, min(self.gamma, room, r.depth_hint if adaptive else self.gamma))
-            if adaptive and r.idle_steps and r.idle_steps % self.config.probe_interval:
-                l = 0  # declined recently: probe again every probe_interval steps
+            l = max(0, min(self.gamma, room))
             out.append(0 if r.pos + l >= limit else l)  # beyond its context: target-only steps
         return out
 
+    def _add_pending(self, r: _Request, start: int, features: torch.Tensor,
+                     next_tokens: list[int]) -> None:
+        """Queue committed positions start.. (their target features [n, m*H_t] and the token
+        after each) for the drafter's context."""
+        if not r.pending.features:
+            r.pending.start = start
+        # a copy: a slice would keep the whole padded batch output of this step alive
+        r.pending.features.append(features.to(device=self._draft_device, dtype=self._draft_dtype,
+                                              copy=True))
+        r.pending.tokens += next_tokens
+
+    def _flush_pending(self, r: _Request) -> None:
+        """Extend the request's draft context with everything committed since its last draft."""
+        p = r.pending
+        if not p.features:
+            return
+        dev = self._draft_device
+        feats = torch.cat(p.features)[None]
+        n = feats.shape[1]
+        self.drafter.extend_context(r.draft_state, feats,
+                                    torch.arange(p.start, p.start + n, device=dev)[None],
+                                    torch.tensor(p.tokens, device=dev)[None])
+        r.pending = _PendingContext()
+
+    def _plan(self, reqs: list[_Request], caps: list[int]):
+        """Per request: (source, depth, lookup tokens, predicted confidences of a lookup draft,
+        probed) from the goodput planner, or gamma from the drafter for every request without it."""
+        if not self.plans:
+            return [("model" if c > 0 else None, c, [], [], False) for c in caps]
+        options, looks = [], []
+        for r, cap in zip(reqs, caps):
+            look = r.lookup.propose(cap) if r.lookup is not None and cap > 0 else []
+            looks.append(look)
+            options.append(RequestOptions(cap, r.model_acc.alpha if cap > 0 else None, len(look),
+                                          r.lookup_acc.alpha, probe_due=r.skipped >= r.backoff))
+        sampled = any(r.req.params.temperature > 0 for r in reqs)
+        plan = plan_drafts(options, self.sps, self.draft_cost, sampled,
+                           self.config.max_batch_tokens)
+        return [(plan.sources[i], plan.depths[i], looks[i], plan.lookup_confidences[i],
+                 plan.probed[i]) for i in range(len(reqs))]
+
     def _decode(self, reqs: list[_Request]) -> list[RequestOutput]:
         t0 = time.perf_counter()
-        caps = self._draft_lengths(reqs) if self.scheduler_name != "none" else [0] * len(reqs)
-        drafting = [i for i, c in enumerate(caps) if c > 0]
-        tokens = [[] for _ in reqs]
+        caps = self._caps(reqs)
+        plan = self._plan(reqs, caps)
+        tokens = [list(look[:depth]) if src == "lookup" else [] for src, depth, look, _, _ in plan]
         probs: list = [None] * len(reqs)
         conf_logits: list = [None] * len(reqs)
-        confidences = [[] for _ in reqs]
+        confidences = [list(conf) for _, _, _, conf, _ in plan]
+        drafting = [i for i, (src, depth, _, _, _) in enumerate(plan) if src == "model" and depth]
         if drafting:
-            num = max(caps[i] for i in drafting)
+            depths = [plan[i][1] for i in drafting]
             rows = [reqs[i] for i in drafting]
+            for r in rows:
+                self._flush_pending(r)
             dev = self._draft_device
             anchors = torch.tensor([r.anchor for r in rows], device=dev)
             positions = torch.tensor([r.pos for r in rows], device=dev)
@@ -243,23 +312,23 @@ class SpecEngine:
             top_p = torch.tensor([r.req.params.top_p for r in rows])
             gens = [r.gen for r in rows]
             if len(rows) == 1:
-                prop = self.drafter.propose_block(rows[0].draft_state, anchors, positions, num,
-                                                  temps, gens, top_p)
+                prop = self.drafter.propose_block(rows[0].draft_state, anchors, positions,
+                                                  depths[0], temps, gens, top_p)
             else:
-                # each row draws only its own cap's worth of randomness: a request's output never
-                # depends on who else is in the batch
-                limits = torch.tensor([caps[i] for i in drafting])
+                # each row draws only its own depth's worth of randomness: a request's output
+                # never depends on who else is in the batch
                 prop = self.drafter.propose_block_batch([r.draft_state for r in rows], anchors,
-                                                        positions, num, temps, gens, top_p, limits)
-            for j, i in enumerate(drafting):
-                tokens[i] = prop.tokens[j, :caps[i]].tolist()
+                                                        positions, max(depths), temps, gens, top_p,
+                                                        torch.tensor(depths))
+            for j, (i, d) in enumerate(zip(drafting, depths)):
+                tokens[i] = prop.tokens[j, :d].tolist()
                 if prop.probs is not None:
-                    probs[i] = prop.probs[j, :caps[i]]
+                    probs[i] = prop.probs[j, :d]
                 if prop.confidence_logits is not None:
-                    z = prop.confidence_logits[j, :caps[i]]
+                    z = prop.confidence_logits[j, :d]
                     conf_logits[i] = z.tolist()
                     confidences[i] = self.drafter.calibrated_confidence(z.float()).tolist()
-        lengths = self._schedule(confidences, caps)
+        lengths = self._schedule(confidences, [len(t) for t in tokens])
         t1 = time.perf_counter()
         verify_in = [[r.anchor] + tokens[i][:lengths[i]] for i, r in enumerate(reqs)]
         outs = self.target.forward_batch([r.kv for r in reqs], verify_in,
@@ -267,33 +336,55 @@ class SpecEngine:
         self.stats.batch_tokens += sum(len(v) for v in verify_in)
         results = []
         for i, (r, o) in enumerate(zip(reqs, outs)):
-            l = lengths[i]
+            l, (source, _, _, _, probed) = lengths[i], plan[i]
             draft = torch.tensor(tokens[i][:l], dtype=torch.long)
-            n, nxt = self._verify(r, draft, None if probs[i] is None else probs[i][:l], o.logits)
+            n, nxt = self._verify(r, draft, None if probs[i] is None else probs[i][:l], o.logits,
+                                  one_hot=source == "lookup")
             committed = draft[:n].tolist() + [nxt]
             before = len(r.output)
             results.append(self._commit(r, committed))
             kept = len(r.output) - before
             t2 = time.perf_counter()
             r.rounds.append(RoundRecord(len(tokens[i]), l, min(n, kept), kept, t1 - t0, t2 - t1,
-                                        conf_logits[i]))
-            r.depth_hint = l + 1  # decided from this step's outcome only: lossless next step
-            r.idle_steps = r.idle_steps + 1 if l == 0 else 0
+                                        conf_logits[i], source if tokens[i] else None))
             self.stats.record_round(len(tokens[i]), l, min(n, kept), kept)
             if r.finish_reason is not None:
                 self.running.remove(r)
                 continue
+            self._learn(r, source, caps[i], confidences[i], l, n, probed)
             # keep the anchor and the accepted drafts; rejected positions never enter a cache
             o.keep(n + 1)
             if self.drafter is not None:
-                dev = self._draft_device
-                self.drafter.extend_context(
-                    r.draft_state, o.features[None, :n + 1].to(device=dev, dtype=self._draft_dtype),
-                    torch.arange(r.pos, r.pos + n + 1, device=dev)[None],
-                    torch.tensor(committed, device=dev)[None])
+                self._add_pending(r, r.pos, o.features[:n + 1], committed)
+            if r.lookup is not None:
+                r.lookup.extend(committed)
             r.anchor, r.pos = nxt, r.pos + n + 1
         self._stale.append(confidences)
         return results
+
+    def _learn(self, r: _Request, source, cap: int, confidences: list[float], verified: int,
+               accepted: int, probed: bool) -> None:
+        """Update the request's acceptance estimates and probe back-off after a round (planner).
+
+        The drafter's alpha learns from the calibrated confidences of every drafted token
+        (expected successes sum_j a_j over expected trials sum_j a_{j-1}), so a round the
+        scheduler did not verify still informs it; prompt lookup learns from what was verified."""
+        if not self.plans:
+            return
+        if source == "model":
+            survival, reach = 1.0, 0.0
+            for c in confidences:
+                reach += survival
+                survival *= c
+            r.model_acc.update(reach - 1.0 + survival if confidences else 0.0, reach)
+            r.skipped = 0
+            r.backoff = (min(2 * r.backoff, self.config.max_probe_interval) if probed
+                         else self.config.probe_interval)
+        elif source == "lookup":
+            if verified:
+                r.lookup_acc.update(accepted, accepted + (accepted < verified))
+        elif cap > 0:
+            r.skipped += 1
 
     def _schedule(self, confidences: list[list[float]], caps: list[int]) -> list[int]:
         """Per-request verification lengths from the configured policy, clipped to the caps."""
@@ -308,18 +399,28 @@ class SpecEngine:
             lengths = sched.dspark_schedule(confidences, self.sps, self.config.max_batch_tokens)
         else:  # async: capacity from the confidences of two steps earlier (section 5.2)
             stale = self._stale[0] if len(self._stale) == 2 else None
+            if stale is not None and not any(stale):
+                # nothing was drafted then (the planner skipped the drafter): like the warm-up,
+                # Algorithm 1 on the current confidences (the choice depends on the past only)
+                stale = None
             lengths = sched.async_schedule(confidences, stale, self.sps,
                                            self.config.max_batch_tokens)
         return [min(l, c) for l, c in zip(lengths, caps)]
 
-    def _verify(self, r: _Request, draft: torch.Tensor, draft_probs, logits: torch.Tensor):
+    def _verify(self, r: _Request, draft: torch.Tensor, draft_probs, logits: torch.Tensor,
+                one_hot: bool = False):
+        """Rejection-sample the round; ``one_hot``: the draft is deterministic (prompt lookup),
+        so its draft distribution puts probability 1 on each drafted token."""
         p = r.req.params
         if p.temperature <= 0:
             return verify_greedy(draft, logits)
         rows = logits.shape[0]
         target_probs = warped_probs(logits, torch.full((rows,), p.temperature, device=logits.device),
                                     torch.full((rows,), p.top_p, device=logits.device))
-        if draft_probs is None:
+        if one_hot:
+            draft_probs = torch.zeros_like(target_probs[:draft.numel()])
+            draft_probs[torch.arange(draft.numel()), draft.to(draft_probs.device)] = 1.0
+        elif draft_probs is None:
             draft_probs = target_probs[:0]
         return verify_sampled(draft, draft_probs, target_probs, r.gen)
 

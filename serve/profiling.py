@@ -24,11 +24,14 @@ from pathlib import Path
 
 import torch
 
+from .config import EngineConfig
+from .draft_planner import DraftCostTable
 from .scheduler import SPSTable
 from .target_runner import TargetKV, TargetRunner
 
 logger = logging.getLogger(__name__)
 PROFILE_NAME = "sps_profile.json"
+DRAFT_COST_NAME = "draft_cost_profile.json"
 
 
 def hardware_fingerprint(runner: TargetRunner) -> dict:
@@ -129,6 +132,128 @@ def load_or_profile(runner: TargetRunner, directory: str | Path | None, max_toke
         except OSError as err:
             logger.warning("could not store the SPS profile at %s: %s", path, err)
     return table
+
+
+def _drafter_fingerprint(drafter) -> dict:
+    cfg = drafter.config
+    param = next(drafter.parameters())
+    return {"drafter_type": getattr(cfg, "drafter_type", type(drafter).__name__),
+            "parameters": sum(p.numel() for p in drafter.parameters()),
+            "block_size": cfg.block_size, "draft_vocab_size": getattr(cfg, "draft_vocab_size", 0),
+            "dtype": str(param.dtype), "device": str(param.device)}
+
+
+@torch.no_grad()
+def profile_draft_cost(drafter, max_rows: int, context_len: int = 128, repeats: int = 3,
+                       seed: int = 0) -> DraftCostTable:
+    """Time one batched drafter call as the engine makes it: extend each request's context by 2
+    committed positions, then propose a block of depth 1 and of depth gamma, greedy and sampled
+    (temperature 1), for every row count of :func:`batch_grid` up to ``max_rows``.
+
+    Args:
+        drafter: a drafter (``drafters.loading.load_drafter``) on its serving device and dtype.
+        max_rows: the most requests drafted for together (the engine's max_num_requests).
+        context_len: committed positions already in each request's draft context.
+        repeats: timed calls per point (median kept, after one warm-up).
+    Returns:
+        a :class:`serve.draft_planner.DraftCostTable` in seconds.
+    """
+    cfg = drafter.config
+    param = next(drafter.parameters())
+    dev, dtype = param.device, param.dtype
+    g = torch.Generator().manual_seed(seed)
+    width = cfg.target_hidden_size * len(cfg.target_layer_ids)
+    vocab = cfg.target_vocab_size
+    gamma = cfg.block_size
+    rows_grid = batch_grid(max_rows)
+    states = []
+    for _ in range(rows_grid[-1]):
+        st = drafter.new_draft_state()
+        feats = torch.randn(1, context_len, width, generator=g).to(device=dev, dtype=dtype)
+        drafter.extend_context(st, feats, torch.arange(context_len, device=dev)[None],
+                               torch.randint(0, vocab, (1, context_len), generator=g).to(dev))
+        states.append(st)
+
+    def one_call(rows: int, depth: int, temperature: float) -> float:
+        start = time.perf_counter()
+        for st in states[:rows]:
+            pos = st.length
+            drafter.extend_context(st, torch.randn(1, 2, width, generator=g).to(device=dev, dtype=dtype),
+                                   torch.arange(pos, pos + 2, device=dev)[None],
+                                   torch.randint(0, vocab, (1, 2), generator=g).to(dev))
+        anchors = torch.randint(0, vocab, (rows,), generator=g).to(dev)
+        positions = torch.tensor([st.length for st in states[:rows]], device=dev)
+        temps = torch.full((rows,), temperature)
+        gens = [torch.Generator().manual_seed(seed + i) for i in range(rows)]
+        if rows == 1:
+            drafter.propose_block(states[0], anchors, positions, depth, temps, gens, torch.ones(1))
+        else:
+            drafter.propose_block_batch(states[:rows], anchors, positions, depth, temps, gens,
+                                        torch.ones(rows), torch.full((rows,), depth))
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+        return time.perf_counter() - start
+
+    greedy, sampled = [], []
+    for rows in rows_grid:
+        for temperature, out in ((0.0, greedy), (1.0, sampled)):
+            pair = []
+            for depth in (1, gamma):
+                one_call(rows, depth, temperature)  # warm-up
+                pair.append(statistics.median(one_call(rows, depth, temperature)
+                                              for _ in range(repeats)))
+            out.append(tuple(pair))
+    return DraftCostTable(tuple(rows_grid), tuple(greedy), tuple(sampled), gamma)
+
+
+def load_or_profile_draft_cost(drafter, runner: TargetRunner, directory: str | Path | None,
+                               max_rows: int, repeats: int = 3) -> DraftCostTable:
+    """The drafter cost table for this hardware and drafter: reuse
+    ``directory/draft_cost_profile.json`` when its fingerprint matches and it covers
+    ``max_rows``, else profile and (if ``directory`` is writable) store it."""
+    fingerprint = {**hardware_fingerprint(runner), "drafter": _drafter_fingerprint(drafter)}
+    path = Path(directory) / DRAFT_COST_NAME if directory else None
+    if path is not None and path.is_file():
+        stored = json.loads(path.read_text())
+        if stored.get("fingerprint") == fingerprint and stored.get("max_rows", 0) >= max_rows:
+            logger.info("drafter cost profile reused from %s", path)
+            return DraftCostTable.from_dict(stored["table"])
+    start = time.perf_counter()
+    table = profile_draft_cost(drafter, max_rows, repeats=repeats)
+    logger.info("profiled the drafter cost for <= %d rows in %.1f s", max_rows,
+                time.perf_counter() - start)
+    if path is not None:
+        try:
+            path.write_text(json.dumps({"fingerprint": fingerprint, "max_rows": max_rows,
+                                        "table": table.to_dict()}, indent=1))
+        except OSError as err:
+            logger.warning("could not store the drafter cost profile at %s: %s", path, err)
+    return table
+
+
+def engine_profiles(runner: TargetRunner, drafter, config: EngineConfig,
+                    directory: str | Path | None) -> tuple[SPSTable | None, DraftCostTable | None]:
+    """What the engine's scheduler needs for ``config``: the SPS(B) table (dspark and async, up
+    to ``config.max_batch_tokens``) and the drafter cost table (goodput planning, up to
+    ``config.max_num_requests`` rows), loaded from ``directory`` or profiled there.
+
+    Returns:
+        (sps, draft_cost); None for what the configuration does not use (no drafter, other
+        schedulers, ``sps_profile: off`` gives a flat SPS table).
+    """
+    if drafter is None or config.scheduler not in ("dspark", "async"):
+        return None, None
+    gamma = min(drafter.config.block_size, config.num_draft_tokens or 10**9)
+    if config.sps_profile == "off":
+        sps = SPSTable((1.0,) * config.max_batch_tokens)
+    else:
+        sps = load_or_profile(runner, directory, config.max_batch_tokens, block_tokens=gamma + 1,
+                              repeats=config.sps_repeats)
+    cost = None  # a flat SPS table has no time unit to compare the drafter's seconds with
+    if config.plans_drafts and config.sps_profile == "auto":
+        cost = load_or_profile_draft_cost(drafter, runner, directory, config.max_num_requests,
+                                          repeats=config.sps_repeats)
+    return sps, cost
 
 
 def format_table(table: SPSTable, step: int = 1) -> str:

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from serve.config import EngineConfig
+from serve.draft_planner import DraftCostTable
 from serve.engine import SpecEngine
 from serve.errors import RequestError
 from serve.profiling import batch_grid, load_or_profile, profile_sps
@@ -210,31 +211,110 @@ def test_sps_profile_is_measured_stored_and_reused(varied_target, tmp_path):
     assert again == table and (tmp_path / "sps_profile.json").read_text() == stored
 
 
-def test_declined_requests_are_drafted_for_only_every_probe_interval_steps(varied_target):
-    """A drafter whose confidence is ~0 is never admitted by Algorithm 1; with adaptive depth the
-    engine then drafts for the request only every probe_interval steps (output unchanged)."""
+# a drafter costing half a verification step at every batch and depth (seconds)
+HALF_STEP = DraftCostTable((1,), ((0.005, 0.005),), ((0.005, 0.005),), 4)
+
+
+def _counting(drafter):
+    """Count propose_block and extend_context calls (the drafter's work per step)."""
+    calls = {"propose": 0, "extend": 0}
+    propose, extend = drafter.propose_block, drafter.extend_context
+
+    def counting_propose(*args, **kwargs):
+        calls["propose"] += 1
+        return propose(*args, **kwargs)
+
+    def counting_extend(*args, **kwargs):
+        calls["extend"] += 1
+        return extend(*args, **kwargs)
+
+    drafter.propose_block, drafter.extend_context = counting_propose, counting_extend
+    return calls
+
+
+def test_planner_stops_drafting_a_request_whose_drafts_do_not_pay_and_probes_with_backoff(
+        varied_target):
+    """A drafter whose confidence is ~0 and whose cost is half a verification: after the first
+    round the planner predicts that drafting lowers tokens/s, so the step runs target-only (no
+    drafter call, not even a context extension); probes come after 4, then 8 skipped steps."""
     d = tiny_drafter(varied_target, block_size=4)
     with torch.no_grad():
-        d.confidence.proj.bias.fill_(-20.0)  # c_1 ~ 0: never worth verifying
-    calls = {"n": 0}
-    original = d.propose_block
-
-    def counting(*args, **kwargs):
-        calls["n"] += 1
-        return original(*args, **kwargs)
-
-    d.propose_block = counting
+        d.confidence.proj.bias.fill_(-20.0)  # c ~ 0: never worth verifying
+    calls = _counting(d)
     prompt, budget = [3, 1, 4, 1, 5], 21
-    outs = {}
-    for interval in (1, 4):
-        calls["n"] = 0
-        engine = _engine(varied_target, d, "dspark", probe_interval=interval)
-        out, _ = _run(engine, {0: [EngineRequest("a", prompt, SamplingParams(budget, 0.0))]})
-        outs[interval] = (out["a"], calls["n"], engine.stats.verified_tokens)
-    assert outs[1][0] == outs[4][0] == greedy_reference(varied_target, prompt, budget)
-    assert outs[1][2] == outs[4][2] == 0  # nothing was ever verified
-    # 20 rounds after the prefill; the last has room for the bonus token only (no draft)
-    assert outs[1][1] == budget - 2 and outs[4][1] == 5  # rounds 1, 5, 9, 13, 17
+    engine = SpecEngine(TargetRunner(varied_target, LAYERS), d, [],
+                        EngineConfig(scheduler="dspark", probe_interval=4), sps=SPS,
+                        draft_cost=HALF_STEP)
+    out, _ = _run(engine, {0: [EngineRequest("a", prompt, SamplingParams(budget, 0.0))]})
+    assert out["a"] == greedy_reference(varied_target, prompt, budget)
+    assert engine.stats.verified_tokens == 0
+    # 20 rounds after the prefill: drafted at round 1, probes at rounds 6 and 15
+    assert calls == {"propose": 3, "extend": 3}
+    sources = [rec.source for rec in engine.running or []]
+    assert sources == []
+
+
+def test_planner_keeps_drafting_a_drafter_that_pays(varied_target, corrupted_table):
+    """An accurate, confident drafter is drafted for every round (planning changes nothing)."""
+    d = oracle_drafter(varied_target, corrupted_table, "markov", 4)
+    with torch.no_grad():
+        d.confidence.proj.bias.fill_(20.0)  # c ~ 1
+    calls = _counting(d)
+    engine = SpecEngine(TargetRunner(varied_target, d.config.target_layer_ids), d, [],
+                        EngineConfig(scheduler="dspark"), sps=SPS, draft_cost=HALF_STEP)
+    done = engine.generate([EngineRequest("a", [2, 5, 7], SamplingParams(30, 0.0))])[0]
+    assert done.tokens == greedy_reference(varied_target, [2, 5, 7], 30)
+    assert all(rec.source == "model" for rec in done.rounds[:-1])
+    assert calls["propose"] >= len(done.rounds) - 1
+
+
+@pytest.mark.parametrize("scheduler", ["dspark", "async"])
+def test_prompt_lookup_drafts_are_greedy_lossless_and_used(varied_target, scheduler):
+    """A prompt that repeats itself: the lookup source is chosen (it costs nothing and matches),
+    and the output still equals the target alone."""
+    prompt = [7, 3, 9, 1, 4] * 4
+    ref = greedy_reference(varied_target, prompt, 30)
+    d = tiny_drafter(varied_target, block_size=4)
+    with torch.no_grad():
+        d.confidence.proj.bias.fill_(-20.0)
+    engine = SpecEngine(TargetRunner(varied_target, LAYERS), d, [],
+                        EngineConfig(scheduler=scheduler, prompt_lookup_max_ngram=3,
+                                     prompt_lookup_min_ngram=1), sps=SPS, draft_cost=HALF_STEP)
+    done = engine.generate([EngineRequest("a", prompt, SamplingParams(30, 0.0))])[0]
+    assert done.tokens == ref
+    assert any(rec.source == "lookup" and rec.verified for rec in done.rounds)
+
+
+def test_sampled_tokens_stay_lossless_with_prompt_lookup(sampling_pair):
+    """Lookup drafts are deterministic (one-hot draft distribution): the joint law of the first
+    three tokens is still the target's (chi-square), with lookup rounds verified (a small batch:
+    SPS(B) is flat there, so Algorithm 1 verifies what the lookup proposes)."""
+    target, d = sampling_pair
+    v = target.config.vocab_size
+    prompt = [3, 7, 2, 9, 5, 0, 1, 4, 6, 8, 10, 11, 3, 7, 2]
+    exact = _exact_first_tokens(target, prompt)
+    engine = SpecEngine(TargetRunner(target, d.config.target_layer_ids), d, [],
+                        EngineConfig(scheduler="dspark", max_num_requests=6, max_waiting=2000,
+                                     prompt_lookup_max_ngram=2, prompt_lookup_min_ngram=1),
+                        sps=SPS, draft_cost=HALF_STEP)
+    n = 1500
+    reqs = [EngineRequest(f"s{i}", prompt, SamplingParams(4, temperature=1.0, seed=i))
+            for i in range(n)]
+    states = []
+    for req in reqs:
+        engine.add_request(req)
+        states.append(engine.waiting[-1])
+    while engine.has_unfinished():
+        engine.step()
+    counts = np.zeros((v, v, v))
+    for st in states:
+        counts[tuple(st.output[:3])] += 1
+    p12 = _pooled_chisquare(counts.sum(2), exact.sum(2))
+    p123 = _pooled_chisquare(counts, exact)
+    assert p12 > 1e-3 and p123 > 1e-3, (p12, p123)
+    lookup_verified = sum(rec.verified for st in states for rec in st.rounds
+                          if rec.source == "lookup")
+    assert lookup_verified > 100
 
 
 def test_tiny_temperature_is_greedy_and_never_nan(varied_target):

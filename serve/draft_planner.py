@@ -1,0 +1,265 @@
+"""Which requests to draft for, how deep, and from which source, before anything is drafted:
+the goodput model with the drafter's cost in it.
+
+Algorithm 1 (``serve/scheduler.py``) maximises tau * SPS(B) over the drafts it is given, but the
+drafts are already paid for when it runs. On hardware where a draft round costs a sizeable share
+of a verification (a 2-core CPU: ~9 ms against ~45 ms), drafting for a request that will accept
+nothing makes the step slower than a target-only step. The planner therefore predicts each
+request's per-token acceptance alpha from its past rounds only and picks the drafting plan that
+maximises the expected tokens per second of the whole step:
+
+    Theta = (R + sum_r sum_{j <= l_r} alpha_r^j) / (1 / SPS(B) + T_draft(rows, depth)),
+
+where l_r is what Algorithm 1 would verify under the predicted confidences, B = R + sum_r l_r and
+T_draft is the profiled drafter cost (:class:`DraftCostTable`) for the requests drafted for. A
+request may instead verify a prompt-lookup draft (``serve/lookup.py``), which costs nothing to
+propose: it is used when its predicted accepted length is at least the drafter's.
+
+Losslessness: the plan is a function of past steps only (earlier confidences, acceptances and
+committed tokens), never of this step's drafts, so it is like choosing gamma before drafting.
+A request the plan keeps from the drafter is still drafted for now and then (a probe, with
+exponential back-off) so that a recovering confidence is noticed.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from dataclasses import dataclass, field
+from typing import Any, Literal, Mapping
+
+from .scheduler import SPSTable, dspark_schedule
+
+Source = Literal["model", "lookup"]
+
+
+# ----------------------------------------------------------------------------- drafter cost
+@dataclass(frozen=True, slots=True)
+class DraftCostTable:
+    """Profiled seconds of one batched drafter call (context extension included) by the number of
+    requests drafted for (rows) and the draft depth, greedy and sampled.
+
+    Cost is affine in the depth (one parallel block pass plus one head step per drafted token), so
+    it is measured at depth 1 and at ``max_depth`` and interpolated in between; rows are
+    interpolated linearly between measured sizes and clamped beyond them.
+
+    Args:
+        rows: measured row counts, ascending, starting at 1.
+        greedy_s, sampled_s: per row count, (seconds at depth 1, seconds at max_depth).
+        max_depth: the deepest draft measured (the drafter's gamma).
+    Raises:
+        ValueError: empty or unsorted rows, mismatched lengths, a non-finite or negative time.
+    """
+
+    rows: tuple[int, ...]
+    greedy_s: tuple[tuple[float, float], ...]
+    sampled_s: tuple[tuple[float, float], ...]
+    max_depth: int
+
+    def __post_init__(self) -> None:
+        if not self.rows or self.rows[0] != 1 or list(self.rows) != sorted(set(self.rows)):
+            raise ValueError(f"draft cost rows must be ascending and start at 1, got {self.rows}")
+        if self.max_depth < 1:
+            raise ValueError(f"max_depth must be >= 1, got {self.max_depth}")
+        for name in ("greedy_s", "sampled_s"):
+            values = getattr(self, name)
+            if len(values) != len(self.rows):
+                raise ValueError(f"{name} has {len(values)} entries for {len(self.rows)} row sizes")
+            for pair in values:
+                if len(pair) != 2 or not all(math.isfinite(v) and v >= 0 for v in pair):
+                    raise ValueError(f"{name} entries must be two finite seconds >= 0, got {pair}")
+
+    def seconds(self, rows: int, depth: int, sampled: bool) -> float:
+        """Predicted seconds of one drafter call for ``rows`` requests drafting ``depth`` tokens
+        (0 when either is 0)."""
+        if rows <= 0 or depth <= 0:
+            return 0.0
+        table = self.sampled_s if sampled else self.greedy_s
+        i = bisect.bisect_left(self.rows, rows)
+        if i >= len(self.rows):
+            lo = hi = table[-1]
+            w = 0.0
+        elif self.rows[i] == rows or i == 0:
+            lo = hi = table[i]
+            w = 0.0
+        else:
+            lo, hi = table[i - 1], table[i]
+            w = (rows - self.rows[i - 1]) / (self.rows[i] - self.rows[i - 1])
+        at = [(1 - w) * a + w * b for a, b in zip(lo, hi)]
+        if self.max_depth == 1:
+            return at[0]
+        frac = (min(depth, self.max_depth) - 1) / (self.max_depth - 1)
+        return at[0] + frac * (at[1] - at[0])
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready form (seconds)."""
+        return {"unit": "seconds", "rows": list(self.rows), "max_depth": self.max_depth,
+                "greedy_s": [list(p) for p in self.greedy_s],
+                "sampled_s": [list(p) for p in self.sampled_s]}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> DraftCostTable:
+        """Inverse of :meth:`to_dict`.
+
+        Raises:
+            ValueError: missing keys or bad values.
+        """
+        try:
+            return cls(tuple(int(r) for r in data["rows"]),
+                       tuple(tuple(float(v) for v in p) for p in data["greedy_s"]),
+                       tuple(tuple(float(v) for v in p) for p in data["sampled_s"]),
+                       int(data["max_depth"]))
+        except (KeyError, TypeError) as err:
+            raise ValueError(f"bad draft cost table: {err!r}") from None
+
+
+# ----------------------------------------------------------------------------- acceptance
+@dataclass(slots=True)
+class AcceptanceEstimate:
+    """A request's per-token acceptance alpha for one draft source, from its past rounds: a
+    Beta(prior * weight, (1 - prior) * weight) prior updated with exponentially discounted counts
+    (recent rounds matter more: acceptance drifts within a response).
+
+    successes / trials may be fractional (expected counts from calibrated confidences).
+    """
+
+    prior: float = 0.5
+    weight: float = 2.0
+    decay: float = 0.8
+    successes: float = 0.0
+    trials: float = 0.0
+
+    @property
+    def alpha(self) -> float:
+        """Predicted probability that a draft token survives, given its prefix did."""
+        return (self.successes + self.prior * self.weight) / (self.trials + self.weight)
+
+    def update(self, successes: float, trials: float) -> None:
+        self.successes = self.decay * self.successes + successes
+        self.trials = self.decay * self.trials + trials
+
+
+def expected_accepted(alpha: float, depth: int) -> float:
+    """sum_{j=1..depth} alpha^j: expected accepted tokens of a draft of ``depth`` tokens whose
+    tokens survive with probability alpha each given their prefix did."""
+    return sum(alpha ** j for j in range(1, depth + 1))
+
+
+# ----------------------------------------------------------------------------- the plan
+@dataclass(slots=True)
+class RequestOptions:
+    """What one request could verify this step.
+
+    cap: the most draft tokens it may verify (budget, gamma, drafter context); model_alpha:
+    predicted per-token acceptance of the drafter (None: the drafter cannot draft for it);
+    lookup_len / lookup_alpha: length and predicted acceptance of its prompt-lookup draft
+    (0: no match); probe_due: the drafter must draft for it this step (a lossless probe).
+    """
+
+    cap: int
+    model_alpha: float | None
+    lookup_len: int = 0
+    lookup_alpha: float = 0.0
+    probe_due: bool = False
+
+
+@dataclass(slots=True)
+class DraftPlan:
+    """Per request: source ("model", "lookup" or None), the draft depth (tokens to propose), for
+    lookup rows the predicted confidences handed to the verification scheduler, and whether a
+    drafter row is drafted only as a probe; plus the
+    predicted step goodput (tokens/s) with and without drafting, for the logs and tests."""
+
+    sources: list[Source | None] = field(default_factory=list)
+    depths: list[int] = field(default_factory=list)
+    lookup_confidences: list[list[float]] = field(default_factory=list)
+    probed: list[bool] = field(default_factory=list)
+    predicted_tps: float = 0.0
+    predicted_tps_without_drafter: float = 0.0
+
+
+def _goodput(rows_alpha: list[tuple[float, int]], num_requests: int, sps: SPSTable,
+             draft_s: float) -> float:
+    batch = num_requests + sum(l for _, l in rows_alpha)
+    if batch > sps.max_tokens:
+        return 0.0
+    tokens = num_requests + sum(expected_accepted(a, l) for a, l in rows_alpha)
+    return tokens / (1.0 / sps.sps(batch) + draft_s)
+
+
+def plan_drafts(options: list[RequestOptions], sps: SPSTable, draft_cost: DraftCostTable | None,
+                sampled: bool, max_batch_tokens: int | None = None) -> DraftPlan:
+    """Choose, for every request, whether the drafter drafts for it and how deep, or whether it
+    verifies its prompt-lookup draft, maximising the predicted goodput of the whole step.
+
+    1. Source: lookup when its predicted accepted length is at least the drafter's at the same cap.
+    2. Predicted verification lengths l_r: Algorithm 1 on the predicted confidences (alpha_r
+       repeated), under the same SPS table and token budget as the real verification.
+    3. Drafter rows are dropped greedily (least predicted gain first) while that raises Theta
+       (module docstring); the drafter cost is that of the rows kept plus probes.
+    4. A kept drafter row drafts l_r + 1 tokens (one beyond the prediction, so Algorithm 1 can
+       verify deeper when this step's confidences are higher), capped at ``cap``; a probe drafts
+       at least one.
+
+    Args:
+        options: one :class:`RequestOptions` per running request.
+        sps: the SPS(B) table (steps/s).
+        draft_cost: the drafter's cost table; None = drafting is free.
+        sampled: whether any request samples (temperature > 0): picks the cost column.
+        max_batch_tokens: token budget of the step.
+    Returns:
+        a :class:`DraftPlan`.
+    Source: DSpark paper section 3.2.2 (goodput tau * SPS(B)), extended with the drafting time.
+    """
+    n = len(options)
+    plan = DraftPlan([None] * n, [0] * n, [[] for _ in range(n)], [False] * n)
+    if n == 0:
+        return plan
+    preds: list[list[float]] = []
+    for i, o in enumerate(options):
+        model_value = (expected_accepted(o.model_alpha, o.cap)
+                       if o.model_alpha is not None and o.cap > 0 else -1.0)
+        look_len = min(o.lookup_len, o.cap)
+        if look_len > 0 and expected_accepted(o.lookup_alpha, look_len) >= model_value:
+            plan.sources[i] = "lookup"
+            preds.append([o.lookup_alpha] * look_len)
+        elif model_value >= 0:
+            plan.sources[i] = "model"
+            preds.append([o.model_alpha] * o.cap)
+        else:
+            preds.append([])
+    # predicted confidences must be valid probabilities for Algorithm 1
+    preds = [[min(max(c, 0.0), 1.0) for c in row] for row in preds]
+    lengths = dspark_schedule(preds, sps, max_batch_tokens)
+    alphas = [row[0] if row else 0.0 for row in preds]
+    lookup_rows = [(alphas[i], lengths[i]) for i in range(n) if plan.sources[i] == "lookup"]
+    model_rows = sorted((i for i in range(n) if plan.sources[i] == "model" and lengths[i] > 0),
+                        key=lambda i: expected_accepted(alphas[i], lengths[i]))
+    probes = [i for i in range(n) if plan.sources[i] == "model" and options[i].probe_due]
+
+    def theta(kept: list[int]) -> float:
+        depth = max((min(options[i].cap, lengths[i] + 1) for i in kept), default=0)
+        cost = draft_cost.seconds(len(kept), depth, sampled) if draft_cost else 0.0
+        return _goodput(lookup_rows + [(alphas[i], lengths[i]) for i in kept], n, sps, cost)
+
+    # the economic decision ignores probes: a probe is drafted whatever it costs, and a row kept
+    # only because its probe was paid for anyway would never let the back-off grow
+    kept = list(model_rows)
+    best = theta(kept)
+    while kept:  # drop the row with the smallest predicted gain while that helps
+        trial = theta(kept[1:])
+        if trial < best:
+            break
+        kept, best = kept[1:], trial
+    plan.predicted_tps = best
+    plan.predicted_tps_without_drafter = _goodput(lookup_rows, n, sps, 0.0)
+    for i in range(n):
+        if plan.sources[i] == "lookup":
+            plan.depths[i] = min(options[i].lookup_len, options[i].cap)
+            plan.lookup_confidences[i] = preds[i]
+        elif plan.sources[i] == "model" and (i in kept or i in probes):
+            plan.depths[i] = min(options[i].cap, max(1, lengths[i] + 1))
+            plan.probed[i] = i not in kept
+        else:
+            plan.sources[i] = None
+    return plan

@@ -1,0 +1,91 @@
+"""The goodput planner (serve/draft_planner.py) and prompt-lookup candidates (serve/lookup.py):
+cost-table lookups, acceptance estimates, which requests are drafted for and from which source."""
+
+from __future__ import annotations
+
+import pytest
+
+from serve.draft_planner import (AcceptanceEstimate, DraftCostTable, RequestOptions,
+                                 expected_accepted, plan_drafts)
+from serve.lookup import NgramIndex
+from serve.scheduler import SPSTable
+
+FLAT = SPSTable.from_measurements({1: 100.0, 16: 96.0})  # a CPU-like flat curve: 10 ms a step
+
+
+def _cost(seconds_at_1: float, seconds_at_gamma: float, gamma: int = 4) -> DraftCostTable:
+    pair = (seconds_at_1, seconds_at_gamma)
+    return DraftCostTable((1, 4), (pair, (2 * pair[0], 2 * pair[1])),
+                          ((pair[0] * 1.5, pair[1] * 1.5), (3 * pair[0], 3 * pair[1])), gamma)
+
+
+def test_cost_table_interpolates_rows_and_depth_and_validates():
+    t = _cost(0.002, 0.008)
+    assert t.seconds(1, 1, False) == pytest.approx(0.002)
+    assert t.seconds(1, 4, False) == pytest.approx(0.008)
+    assert t.seconds(1, 2, False) == pytest.approx(0.004)  # affine in depth
+    assert t.seconds(4, 4, False) == pytest.approx(0.016)
+    assert t.seconds(2, 1, False) == pytest.approx(0.002 + (0.004 - 0.002) / 3)
+    assert t.seconds(9, 9, True) == pytest.approx(0.024)  # clamped beyond the grid
+    assert t.seconds(0, 3, True) == 0.0 and t.seconds(3, 0, True) == 0.0
+    assert DraftCostTable.from_dict(t.to_dict()) == t
+    with pytest.raises(ValueError, match="start at 1"):
+        DraftCostTable((2,), ((0.1, 0.1),), ((0.1, 0.1),), 4)
+    with pytest.raises(ValueError, match="finite"):
+        DraftCostTable((1,), ((float("nan"), 0.1),), ((0.1, 0.1),), 4)
+
+
+def test_acceptance_estimate_starts_at_the_prior_and_follows_recent_rounds():
+    est = AcceptanceEstimate()
+    assert est.alpha == 0.5
+    for _ in range(20):
+        est.update(0.0, 1.0)
+    assert est.alpha < 0.2
+    for _ in range(20):
+        est.update(3.0, 3.0)
+    assert est.alpha > 0.9
+    assert expected_accepted(0.5, 3) == pytest.approx(0.875)
+
+
+def test_plan_drafts_a_confident_request_and_skips_one_whose_drafts_cost_more_than_they_bring():
+    cost = _cost(0.004, 0.006)  # 40-60 % of a 10 ms verification
+    plan = plan_drafts([RequestOptions(4, 0.9), RequestOptions(4, 0.05)], FLAT, cost, False)
+    assert plan.sources == ["model", None] and plan.depths[0] >= 2 and plan.depths[1] == 0
+    # alone, the weak request is not drafted for at all: the step is a target-only step
+    alone = plan_drafts([RequestOptions(4, 0.05)], FLAT, cost, False)
+    assert alone.sources == [None] and alone.depths == [0]
+    assert alone.predicted_tps == pytest.approx(100.0)
+    # free drafting: Algorithm 1's prediction alone decides, so even alpha 0.05 is worth a token
+    free = plan_drafts([RequestOptions(4, 0.05)], FLAT, None, False)
+    assert free.sources == ["model"] and free.depths == [2]  # predicted l = 1, plus one
+
+
+def test_plan_probes_a_skipped_request_and_marks_it():
+    cost = _cost(0.004, 0.006)
+    plan = plan_drafts([RequestOptions(4, 0.05, probe_due=True)], FLAT, cost, True)
+    assert plan.sources == ["model"] and plan.depths[0] >= 1 and plan.probed == [True]
+    kept = plan_drafts([RequestOptions(4, 0.9, probe_due=True)], FLAT, cost, True)
+    assert kept.probed == [False]
+
+
+def test_plan_prefers_a_lookup_draft_that_is_at_least_as_good_and_gives_its_confidences():
+    cost = _cost(0.001, 0.002)  # cheap: a step of three requests gains from drafting one
+    plan = plan_drafts([RequestOptions(4, 0.4, lookup_len=3, lookup_alpha=0.8),
+                        RequestOptions(4, 0.8, lookup_len=2, lookup_alpha=0.3),
+                        RequestOptions(0, None, lookup_len=0)], FLAT, cost, False)
+    assert plan.sources == ["lookup", "model", None]
+    assert plan.depths[0] == 3 and plan.lookup_confidences[0] == [0.8] * 3
+    assert plan.lookup_confidences[1] == [] and plan.depths[2] == 0
+
+
+def test_ngram_index_continues_the_latest_earlier_occurrence_of_the_longest_suffix():
+    idx = NgramIndex([1, 2, 3, 9, 1, 2, 4, 7, 1, 2], max_n=3, min_n=1)
+    # suffix (1, 2) last occurred before at index 4 -> followed by 4, 7, 1, 2
+    assert idx.propose(3) == [4, 7, 1]
+    idx.extend([3])  # suffix (1, 2, 3) occurred at the start -> 9, 1, 2 ...
+    assert idx.propose(2) == [9, 1]
+    assert NgramIndex([5, 6, 7], max_n=2, min_n=2).propose(4) == []  # no repeat, no draft
+    short = NgramIndex([5, 6, 5], max_n=2, min_n=1)
+    assert short.propose(4) == [6, 5]  # the continuation may run into the suffix itself
+    with pytest.raises(ValueError, match="min_n"):
+        NgramIndex([1], max_n=1, min_n=2)
