@@ -218,7 +218,7 @@ def main() -> int:
     parser.add_argument("--max-batch-tokens", type=int, default=256)
     parser.add_argument("--duration-s", type=float, default=25.0)
     parser.add_argument("--min-requests", type=int, default=4)
-    parser.add_argument("--data-dir", default=str(ROOT.parent / "shared" / "datasets" / "eval"))
+    parser.add_argument("--data-dir", default=str(ROOT / "infra" / "datasets" / "eval"))
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")

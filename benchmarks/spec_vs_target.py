@@ -68,50 +68,43 @@ class Arms:
         import torch
 
         from drafters.loading import load_drafter
-        from pipeline.target import DTYPES, eos_token_ids, load_target, load_tokenizer
+        from serve.builder import build_engine, load_models
         from serve.config import EngineConfig
-        from serve.engine import SpecEngine
-        from serve.profiling import engine_profiles
-        from serve.target_runner import TargetRunner
+        from serve.target_loading import DTYPES
 
-        self.tokenizer = load_tokenizer(target)
-        self.models = {d: load_target(target, d) for d in ("float32", "bfloat16")}
         self.dtype = dtype
-        self.eos = eos_token_ids(self.tokenizer, self.models["float32"])
-        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
-        self.pad = pad
+        self.models = {}
         self.engines: dict[str, dict] = {}
-        for d in {dtype, "float32"}:
-            model = self.models[d]
-            dspark = load_drafter(drafter_dir, model, target, dtype=DTYPES[d])
-            layers = list(dspark.config.target_layer_ids)
-            runner = TargetRunner(model, layers, pad)
-            self.gamma = dspark.config.block_size
+        for d in ("float32", "bfloat16"):
+            # the fp32 engines serve the identity check only: their profiles are not stored
+            m = self.models[d] = load_models(target, d, drafter_dir if d in (dtype, "float32")
+                                             else None)
+            if m.drafter is None:
+                continue
+            self.gamma = m.drafter.config.block_size
             one = dict(max_num_requests=1, max_batch_tokens=max_batch_tokens)
-            planned = {
+            configs = {
+                "engine_target_only": EngineConfig(scheduler="none", **one),
                 "dspark": EngineConfig(scheduler="dspark", **one),
                 "dspark_lookup": EngineConfig(scheduler="dspark", prompt_lookup_max_ngram=LOOKUP_NGRAM,
                                               **one),
                 "dspark_unplanned": EngineConfig(scheduler="dspark", draft_planning="off", **one),
+                "dspark_fixed": EngineConfig(scheduler="fixed", **one),
             }
-            sps, cost = engine_profiles(runner, dspark, planned["dspark"],
-                                        drafter_dir if d == dtype else None)
-            engines = {"engine_target_only": SpecEngine(runner, None, self.eos,
-                                                        EngineConfig(scheduler="none", **one),
-                                                        self.tokenizer)}
-            for name, cfg in planned.items():
-                engines[name] = SpecEngine(runner, dspark, self.eos, cfg, self.tokenizer, sps, cost)
-            engines["dspark_fixed"] = SpecEngine(runner, dspark, self.eos,
-                                                 EngineConfig(scheduler="fixed", **one),
-                                                 self.tokenizer)
+            where = None if d == dtype else ""
+            engines = {name: build_engine(m, cfg, profile_dir=where)
+                       for name, cfg in configs.items()}
             if eagle3_dir:
-                eagle3 = load_drafter(eagle3_dir, model, target, dtype=DTYPES[d])
-                if list(eagle3.config.target_layer_ids) != layers:
+                eagle3 = load_drafter(eagle3_dir, m.model, target, dtype=DTYPES[d])
+                if list(eagle3.config.target_layer_ids) != m.runner.layer_ids:
                     raise ValueError(f"{eagle3_dir} reads target layers "
-                                     f"{eagle3.config.target_layer_ids}, the DSpark drafter {layers}")
-                engines["eagle3"] = SpecEngine(runner, eagle3, self.eos,
-                                               EngineConfig(scheduler="fixed", **one), self.tokenizer)
+                                     f"{eagle3.config.target_layer_ids}, the DSpark drafter "
+                                     f"{m.runner.layer_ids}")
+                engines["eagle3"] = build_engine(m, EngineConfig(scheduler="fixed", **one),
+                                                 drafter=eagle3, profile_dir="")
             self.engines[d] = engines
+        self.tokenizer = self.models[dtype].tokenizer
+        self.eos, self.pad = self.models[dtype].eos, self.models[dtype].runner.pad_token_id
         self.names = [a for a in list(PLAIN) + list(self.engines[dtype]) + ["prompt_lookup"]
                       if not only or a in only]
         torch.set_grad_enabled(False)
@@ -124,7 +117,7 @@ class Arms:
         dtype = dtype or self.dtype
         if arm in PLAIN or arm == "prompt_lookup":
             model = self.models["float32" if arm == "hf_generate_fp32" else
-                                "bfloat16" if arm == "hf_generate_bf16" else dtype]
+                                "bfloat16" if arm == "hf_generate_bf16" else dtype].model
             out = hf_generate(model, ids, max_new, temperature, seed, self.eos, self.pad,
                               PROMPT_LOOKUP_TOKENS if arm == "prompt_lookup" else 0)
             return {"tokens": out.tokens, "seconds": out.seconds, "rounds": []}
@@ -293,7 +286,7 @@ def main() -> int:
         return 2
     import torch
 
-    from pipeline.chat import render_prompt_ids
+    from serve.chat import render_prompt_ids
 
     torch.set_num_threads(args.threads)
     ctx = StageContext.create(cfg)

@@ -88,7 +88,7 @@ class CacheWriterUDF:
                  num_threads: int | None, storage_options: dict):
         import torch
 
-        from .target import load_target, load_tokenizer
+        from serve.target_loading import load_target, load_tokenizer
 
         if num_threads:
             torch.set_num_threads(num_threads)
@@ -105,7 +105,7 @@ class CacheWriterUDF:
         self.storage_options = storage_options
 
     def _encode(self, conv: dict) -> dict:
-        from .chat import tokenize_conversation
+        from serve.chat import tokenize_conversation
 
         tok = tokenize_conversation(self.tokenizer, conv["messages"], self.template_kwargs,
                                     self.max_length)

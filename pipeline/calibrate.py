@@ -32,25 +32,20 @@ def collect_rounds(*, target: str, dtype: str, drafter_dir: str, template_kwargs
     import torch
     from tqdm import tqdm
 
-    from drafters.loading import load_drafter
+    from serve.builder import load_models
+    from serve.chat import render_prompt_ids
     from serve.decoding import SpeculativeDecoder
-    from serve.target_runner import TargetRunner
-
-    from .chat import render_prompt_ids
-    from .target import DTYPES, eos_token_ids, load_target, load_tokenizer
 
     if num_threads:
         torch.set_num_threads(num_threads)
-    tokenizer = load_tokenizer(target)
     # inside a Ray task with eval/calibrate gpus > 0 CUDA is visible: decode there
-    model = load_target(target, dtype).to("cuda" if torch.cuda.is_available() else "cpu")
-    drafter = load_drafter(drafter_dir, model, target, dtype=DTYPES[dtype])
+    models = load_models(target, dtype, drafter_dir)
+    tokenizer, drafter = models.tokenizer, models.drafter
     gamma = drafter.config.block_size
     out = {"gamma": gamma, "has_confidence": drafter.config.confidence_head, "rounds": []}
     if not drafter.config.confidence_head:
         return out
-    decoder = SpeculativeDecoder(TargetRunner(model, drafter.config.target_layer_ids), drafter,
-                                 eos_token_ids(tokenizer, model))
+    decoder = SpeculativeDecoder(models.runner, drafter, models.eos)
     for i, text in enumerate(tqdm(prompts, desc="calibrate", unit="prompt", mininterval=5)):
         ids = render_prompt_ids(tokenizer, [{"role": "user", "content": text}], template_kwargs)
         res = decoder.generate(ids, max_new_tokens, temperature, seed + i)

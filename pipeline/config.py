@@ -193,7 +193,9 @@ class CalibrateConfig(Strict):
 
 
 class EvalConfig(Strict):
-    data_dir: str = "../shared/datasets/eval"
+    data_dir: str = Field("infra/datasets/eval", description="Benchmark files "
+                          "(`<name>.jsonl` or `.jsonl.gz`, `{\"turns\": [...]}` rows); relative "
+                          "paths resolve against the project root.")
     datasets: dict[str, int] = Field(
         default_factory=lambda: {"gsm8k": 500, "math500": 500, "aime25": 30, "humaneval": 164,
                                  "mbpp": 256, "livecodebench": 500, "mt-bench": 80,

@@ -11,6 +11,7 @@ is token-identical to plain ``generate``'s.
 
 from __future__ import annotations
 
+import gzip
 import json
 import random
 from pathlib import Path
@@ -33,10 +34,14 @@ def load_eval_prompts(path: Path, count: int, seed: int) -> list[str]:
     Raises:
         EvalDataError: missing file or a malformed row.
     """
+    path = Path(path)
+    if not path.is_file() and path.with_name(path.name + ".gz").is_file():
+        path = path.with_name(path.name + ".gz")  # the repository ships its sets compressed
     if not path.is_file():
-        raise EvalDataError(f"benchmark file not found: {path}")
+        raise EvalDataError(f"benchmark file not found: {path} (nor {path.name}.gz)")
     prompts = []
-    with open(path, encoding="utf-8") as fh:
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rt", encoding="utf-8") as fh:
         for line_no, raw in enumerate(fh, start=1):
             if not raw.strip():
                 continue
@@ -149,23 +154,19 @@ def evaluate(*, target: str, dtype: str, drafter_dir: str, template_kwargs: dict
     import torch
     from tqdm import tqdm
 
-    from drafters.loading import load_drafter
+    from serve.builder import load_models
+    from serve.chat import render_prompt_ids
     from serve.decoding import SpeculativeDecoder
-    from serve.target_runner import TargetRunner
+    from serve.target_loading import load_target
 
     from .baselines import hf_generate
-    from .chat import render_prompt_ids
-    from .target import DTYPES, eos_token_ids, load_target, load_tokenizer
 
     if num_threads:
         torch.set_num_threads(num_threads)
-    tokenizer = load_tokenizer(target)
     # inside a Ray task with eval/calibrate gpus > 0 CUDA is visible: decode there
-    model = load_target(target, dtype).to("cuda" if torch.cuda.is_available() else "cpu")
-    drafter = load_drafter(drafter_dir, model, target, dtype=DTYPES[dtype])
-    runner = TargetRunner(model, drafter.config.target_layer_ids)
-    eos = eos_token_ids(tokenizer, model)
-    decoder = SpeculativeDecoder(runner, drafter, eos, engine, sps_dir=drafter_dir)
+    models = load_models(target, dtype, drafter_dir)
+    tokenizer, model, drafter, eos = models.tokenizer, models.model, models.drafter, models.eos
+    decoder = SpeculativeDecoder(models.runner, drafter, eos, engine, sps_dir=drafter_dir)
     plain = (model if baseline_dtype == dtype
              else load_target(target, baseline_dtype).to(model.device)) if speed_baseline else None
     pad = tokenizer.pad_token_id

@@ -30,7 +30,7 @@ class GenerateUDF:
                  num_threads: int | None, max_prompt_tokens: int, seed: int):
         import torch
 
-        from .target import load_target, load_tokenizer
+        from serve.target_loading import load_target, load_tokenizer
 
         if num_threads:
             torch.set_num_threads(num_threads)
@@ -91,7 +91,7 @@ class GenerateUDF:
         return texts, reasons
 
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, list]:
-        from .chat import render_prompt_ids
+        from serve.chat import render_prompt_ids
 
         ids = [str(x) for x in batch["id"]]
         turns = [json.loads(m) for m in batch["messages"]]

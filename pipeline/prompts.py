@@ -82,7 +82,7 @@ def _iter_raw_rows(path: str, storage_options: dict):
                     continue
             yield i, row
         return
-    with fs.open(path, "rb") as fh:
+    with fs.open(path, "rb", compression="infer") as fh:  # .jsonl or .jsonl.gz
         for i, raw in enumerate(fh, start=1):
             if not raw.strip():
                 continue
@@ -113,13 +113,14 @@ def read_prompt_file(path: str, storage_options: dict | None = None) -> tuple[li
 
 
 def expand_sources(path: str, storage_options: dict | None = None) -> list[str]:
-    """A directory expands to its ``*.jsonl`` and ``*.parquet`` files (sorted)."""
+    """A directory expands to its ``*.jsonl``, ``*.jsonl.gz`` and ``*.parquet`` files (sorted)."""
     fs = storage.get_fsspec(path, storage_options)
     if fs.isdir(path):
         files = storage.list_files(path, ".jsonl", storage_options)
+        files += storage.list_files(path, ".jsonl.gz", storage_options)
         files += storage.list_files(path, ".parquet", storage_options)
         if not files:
-            raise FileNotFoundError(f"no .jsonl or .parquet prompt files in {path}")
+            raise FileNotFoundError(f"no .jsonl, .jsonl.gz or .parquet prompt files in {path}")
         return sorted(files)
     return [path]
 

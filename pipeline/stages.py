@@ -41,7 +41,7 @@ class StageContext:
         """
         from transformers import AutoConfig
 
-        from .target import default_layer_ids, materialize_gguf_target
+        from serve.target_loading import default_layer_ids, materialize_gguf_target
 
         run_dir = Path(storage.resolve(cfg.run_dir))
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -225,7 +225,7 @@ def stage_generate(ctx: StageContext) -> dict:
 
 
 def _template_sha(target: str) -> str:
-    from .target import load_tokenizer
+    from serve.target_loading import load_tokenizer
 
     template = load_tokenizer(target).chat_template or ""
     return hashlib.sha256(template.encode()).hexdigest()

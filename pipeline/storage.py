@@ -1,48 +1,17 @@
-"""Paths and filesystems: local paths and ``s3://`` URLs (through s3fs, wrapped for pyarrow).
+"""Filesystems: local paths and ``s3://`` URLs (through s3fs, wrapped for pyarrow).
 
-Relative local paths in configs resolve against the project root: the checkout dspark-ray was
-installed from (so ``ray job submit --working-dir .`` and a local run see the same files), or
-``$DSPARK_PROJECT_ROOT``, or the current directory.
+Relative local paths in configs resolve against the project root (``serve.paths``, re-exported
+here as ``storage.resolve`` for the pipeline's stages).
 """
 
 from __future__ import annotations
 
-import json
 import os
-from functools import lru_cache
-from importlib import metadata
 from pathlib import Path
-from urllib.parse import urlparse
 
 import pyarrow.fs as pafs
 
-
-def is_url(path: str) -> bool:
-    return "://" in path
-
-
-@lru_cache(maxsize=1)
-def project_root() -> Path:
-    """The project checkout: $DSPARK_PROJECT_ROOT, else the editable install's source, else CWD."""
-    env = os.environ.get("DSPARK_PROJECT_ROOT")
-    if env:
-        return Path(env)
-    try:
-        direct = metadata.distribution("dspark-ray").read_text("direct_url.json")
-        info = json.loads(direct or "{}")
-        if info.get("dir_info", {}).get("editable") and info["url"].startswith("file://"):
-            return Path(urlparse(info["url"]).path)
-    except metadata.PackageNotFoundError:
-        pass
-    return Path.cwd()
-
-
-def resolve(path: str) -> str:
-    """Absolute form of a config path (URLs unchanged, ``~`` expanded)."""
-    if is_url(path):
-        return path
-    p = Path(path).expanduser()
-    return str(p if p.is_absolute() else project_root() / p)
+from serve.paths import is_url, project_root, resolve  # noqa: F401  (the pipeline's path API)
 
 
 def join(base: str, *parts: str) -> str:

@@ -69,7 +69,7 @@ def load_frozen_head(target_name: str, top_layers: int = 0):
     """(target config, embedding [V, H], LM head [V, H]) of the target, fp32 on CPU; with
     ``top_layers`` > 0 also (state dicts of the last ``top_layers`` decoder layers, the final
     norm's state dict) for :meth:`drafters.modeling.DSparkDrafter.init_from_target`."""
-    from .target import load_target
+    from serve.target_loading import load_target
 
     model = load_target(target_name, "float32")
     emb = model.get_input_embeddings().weight.detach().clone()

@@ -73,33 +73,19 @@ def load_engine(cfg: ServeConfig):
     """
     import torch
 
-    from drafters.loading import load_drafter
-    from pipeline.storage import resolve
-    from pipeline.target import DTYPES, eos_token_ids, load_target, load_tokenizer
-
-    from .engine import SpecEngine
-    from .profiling import engine_profiles
-    from .target_runner import TargetRunner
+    from .builder import build_engine, load_models
+    from .paths import resolve
 
     if cfg.num_threads:
         torch.set_num_threads(cfg.num_threads)
     target = resolve(cfg.target) if _is_path(cfg.target) else cfg.target
-    tokenizer = load_tokenizer(target)
-    model = load_target(target, cfg.dtype).to("cuda" if torch.cuda.is_available() else "cpu")
-    drafter, drafter_dir = None, None
-    if cfg.drafter:
-        drafter_dir = resolve(cfg.drafter)
-        drafter = load_drafter(drafter_dir, model, cfg.target, dtype=DTYPES[cfg.dtype],
-                               allow_name_mismatch=cfg.allow_target_name_mismatch)
-    layer_ids = list(drafter.config.target_layer_ids) if drafter is not None else []
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    runner = TargetRunner(model, layer_ids, pad)
+    models = load_models(target, cfg.dtype, resolve(cfg.drafter) if cfg.drafter else None,
+                         allow_name_mismatch=cfg.allow_target_name_mismatch)
     start = time.perf_counter()
-    sps, draft_cost = engine_profiles(runner, drafter, cfg.engine, drafter_dir)
-    if sps is not None:
+    engine = build_engine(models, cfg.engine)
+    if engine.sps is not None:
         logger.info("SPS(B) and drafter cost ready in %.1f s", time.perf_counter() - start)
-    return SpecEngine(runner, drafter, eos_token_ids(tokenizer, model), cfg.engine,
-                      tokenizer=tokenizer, sps=sps, draft_cost=draft_cost)
+    return engine
 
 
 # ------------------------------------------------------------------------------------- metrics
@@ -341,7 +327,7 @@ class SpecServer:
         """OpenAI ``POST /v1/chat/completions`` rendered with the chat template (one choice)."""
         arrival_s = time.perf_counter()
         self._check_model(body.model)
-        from pipeline.chat import render_prompt_ids
+        from .chat import render_prompt_ids
 
         try:
             prompt_ids = render_prompt_ids(self.tokenizer, body.template_messages(),

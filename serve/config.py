@@ -11,7 +11,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-SchedulerName = Literal["dspark", "async", "static_threshold", "fixed", "none"]
+from .scheduler import NEEDS_SPS, SCHEDULER_NAMES
+
+SchedulerName = Literal[SCHEDULER_NAMES]  # type: ignore[valid-type]  (names from the registry)
 
 
 class EngineConfig(BaseModel):
@@ -63,15 +65,20 @@ class EngineConfig(BaseModel):
                              f"probe_interval ({self.probe_interval})")
         return self
 
+    def draft_length(self, block_size: int) -> int:
+        """gamma: draft tokens per round, the drafter's block size unless num_draft_tokens is
+        smaller (the one place this is derived)."""
+        return min(block_size, self.num_draft_tokens or block_size)
+
     @property
     def plans_drafts(self) -> bool:
         """Whether the goodput planner (with its SPS table and drafter cost) is in use."""
-        return self.draft_planning == "goodput" and self.scheduler in ("dspark", "async")
+        return self.draft_planning == "goodput" and self.scheduler in NEEDS_SPS
 
 
 class ServeConfig(BaseModel):
     """The ``args`` of the Serve application (``build_app``). Relative paths resolve against the
-    project root (``pipeline.storage.resolve``)."""
+    project root (``serve.paths.resolve``)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 

@@ -9,9 +9,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from .builder import LoadedModels, build_engine
 from .config import EngineConfig
 from .engine import RoundRecord, SpecEngine
 from .requests import EngineRequest, SamplingParams
+from .scheduler import NEEDS_SPS
 from .target_runner import TargetRunner
 
 __all__ = ["SpeculativeDecoder", "GenerationResult", "RoundRecord"]
@@ -52,6 +54,7 @@ class SpeculativeDecoder:
     def __init__(self, target: TargetRunner, drafter, eos_token_ids: list[int],
                  engine: EngineConfig | None = None, sps_dir: str | None = None):
         self.target, self.drafter, self.eos = target, drafter, list(eos_token_ids)
+        self.models = LoadedModels(None, target.model, drafter, target, self.eos)
         self.engine_config = engine
         self._sps_dir = sps_dir
         self._engines: dict = {}
@@ -66,22 +69,17 @@ class SpeculativeDecoder:
         key = num_draft_tokens
         if key not in self._engines:
             speculative = self.drafter is not None and num_draft_tokens != 0
-            sps = cost = None
             if speculative and self.engine_config is not None and num_draft_tokens is None:
                 cfg = self.engine_config.model_copy(update={"max_num_requests": 1})
-                if cfg.scheduler in ("dspark", "async"):
-                    from .profiling import engine_profiles
-
-                    gamma = min(self.drafter.config.block_size, cfg.num_draft_tokens or 10**9)
+                if cfg.scheduler in NEEDS_SPS:  # one request: SPS up to gamma + 1
+                    gamma = cfg.draft_length(self.drafter.config.block_size)
                     cfg = cfg.model_copy(update={"max_batch_tokens": gamma + 1})
-                    sps, cost = engine_profiles(self.target, self.drafter, cfg, self._sps_dir)
             else:
                 cfg = EngineConfig(scheduler="fixed" if speculative else "none",
                                    num_draft_tokens=num_draft_tokens or None, max_num_requests=1,
                                    sps_profile="off")
-            self._engines[key] = SpecEngine(self.target, self.drafter if speculative else None,
-                                            self.eos, cfg, sps=sps,
-                                            draft_cost=cost)
+            self._engines[key] = build_engine(self.models, cfg, profile_dir=self._sps_dir,
+                                              tokenizer=False)
         return self._engines[key]
 
     def generate(self, prompt_ids: list[int], max_new_tokens: int, temperature: float = 0.0,

@@ -42,7 +42,6 @@ from .requests import EngineRequest, RequestOutput
 from .target_runner import TargetKV, TargetRunner
 
 logger = logging.getLogger(__name__)
-NEEDS_CONFIDENCE = ("dspark", "async", "static_threshold")
 
 
 @dataclass
@@ -122,11 +121,9 @@ class SpecEngine:
             raise ValueError(f"drafter reads target layers {drafter.config.target_layer_ids}, "
                              f"runner provides {target.layer_ids}")
         name = self.config.scheduler if drafter is not None else "none"
-        if name in NEEDS_CONFIDENCE and not getattr(drafter.config, "confidence_head", False):
+        if name in sched.NEEDS_CONFIDENCE and not getattr(drafter.config, "confidence_head", False):
             raise ValueError(f"scheduler {name!r} needs a drafter with a confidence head "
                              f"({drafter.config.drafter_type} has none): use 'fixed' or 'none'")
-        if name in ("dspark", "async") and sps is None:
-            raise ValueError(f"scheduler {name!r} needs an SPS(B) table (serve/profiling.py)")
         self.scheduler_name = name
         self.target, self.drafter, self.tokenizer, self.sps = target, drafter, tokenizer, sps
         self.draft_cost = draft_cost
@@ -136,8 +133,10 @@ class SpecEngine:
             param = next(drafter.parameters())
             self._draft_device, self._draft_dtype = param.device, param.dtype
         self.eos = set(eos_token_ids)
-        self.gamma = 0 if drafter is None else min(drafter.config.block_size,
-                                                   self.config.num_draft_tokens or 10**9)
+        self.gamma = 0 if drafter is None else self.config.draft_length(drafter.config.block_size)
+        self._scheduler = sched.scheduler_for(name, sps=sps, gamma=max(self.gamma, 1),
+                                              threshold=self.config.threshold,
+                                              max_batch_tokens=self.config.max_batch_tokens)
         self.max_model_len = (self.config.max_model_len
                               or target.model.config.max_position_embeddings)
         self.waiting: deque[_Request] = deque()
@@ -387,25 +386,19 @@ class SpecEngine:
             r.skipped += 1
 
     def _schedule(self, confidences: list[list[float]], caps: list[int]) -> list[int]:
-        """Per-request verification lengths from the configured policy, clipped to the caps."""
-        name = self.scheduler_name
-        if name == "none":
-            lengths = sched.no_speculation_schedule(len(caps))
-        elif name == "fixed":
-            lengths = sched.fixed_schedule(caps, self.gamma)
-        elif name == "static_threshold":
-            lengths = sched.static_threshold_schedule(confidences, self.config.threshold)
-        elif name == "dspark":
-            lengths = sched.dspark_schedule(confidences, self.sps, self.config.max_batch_tokens)
-        else:  # async: capacity from the confidences of two steps earlier (section 5.2)
+        """Per-request verification lengths from the configured policy, clipped to the drafts.
+
+        Rows without confidences (a drafter without a confidence head, under fixed or none) are
+        given placeholder ones: those policies read only the row lengths."""
+        rows = [c if len(c) == n else [1.0] * n for c, n in zip(confidences, caps)]
+        stale = None
+        if self.scheduler_name == "async":  # capacity from two steps earlier (section 5.2)
             stale = self._stale[0] if len(self._stale) == 2 else None
             if stale is not None and not any(stale):
                 # nothing was drafted then (the planner skipped the drafter): like the warm-up,
                 # Algorithm 1 on the current confidences (the choice depends on the past only)
                 stale = None
-            lengths = sched.async_schedule(confidences, stale, self.sps,
-                                           self.config.max_batch_tokens)
-        return [min(l, c) for l, c in zip(lengths, caps)]
+        return [min(l, c) for l, c in zip(self._scheduler(rows, stale), caps)]
 
     def _verify(self, r: _Request, draft: torch.Tensor, draft_probs, logits: torch.Tensor,
                 one_hot: bool = False):

@@ -26,7 +26,7 @@ import torch
 
 from .config import EngineConfig
 from .draft_planner import DraftCostTable
-from .scheduler import SPSTable
+from .scheduler import NEEDS_SPS, SPSTable
 from .target_runner import TargetKV, TargetRunner
 
 logger = logging.getLogger(__name__)
@@ -241,9 +241,9 @@ def engine_profiles(runner: TargetRunner, drafter, config: EngineConfig,
         (sps, draft_cost); None for what the configuration does not use (no drafter, other
         schedulers, ``sps_profile: off`` gives a flat SPS table).
     """
-    if drafter is None or config.scheduler not in ("dspark", "async"):
+    if drafter is None or config.scheduler not in NEEDS_SPS:
         return None, None
-    gamma = min(drafter.config.block_size, config.num_draft_tokens or 10**9)
+    gamma = config.draft_length(drafter.config.block_size)
     if config.sps_profile == "off":
         sps = SPSTable((1.0,) * config.max_batch_tokens)
     else:
@@ -277,7 +277,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.threads:
         torch.set_num_threads(args.threads)
-    from pipeline.target import load_target
+    from .target_loading import load_target
 
     runner = TargetRunner(load_target(os.path.expanduser(args.target), args.dtype), [])
     table = load_or_profile(runner, args.out, args.max_batch_tokens, args.block_tokens, args.repeats)

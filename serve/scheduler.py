@@ -519,15 +519,25 @@ def _build_none():
     return lambda conf, stale: no_speculation_schedule(len(_as_rows(conf)))
 
 
-# name -> (builder, required params, optional params)
-_REGISTRY: dict[str, tuple[Callable[..., Any], frozenset[str], frozenset[str]]] = {
-    "dspark": (_build_dspark, frozenset({"sps"}), frozenset({"max_batch_tokens"})),
-    "async": (_build_async, frozenset({"sps"}), frozenset({"max_batch_tokens"})),
-    "static_threshold": (_build_static, frozenset({"threshold"}), frozenset()),
-    "fixed": (_build_fixed, frozenset({"gamma"}), frozenset()),
-    "none": (_build_none, frozenset(), frozenset()),
+@dataclass(frozen=True)
+class _Entry:
+    builder: Callable[..., Any]
+    required: frozenset[str]
+    optional: frozenset[str]
+    reads_confidence: bool  # decides from calibrated confidences (needs a confidence head)
+
+
+_REGISTRY: dict[str, _Entry] = {
+    "dspark": _Entry(_build_dspark, frozenset({"sps"}), frozenset({"max_batch_tokens"}), True),
+    "async": _Entry(_build_async, frozenset({"sps"}), frozenset({"max_batch_tokens"}), True),
+    "static_threshold": _Entry(_build_static, frozenset({"threshold"}), frozenset(), True),
+    "fixed": _Entry(_build_fixed, frozenset({"gamma"}), frozenset(), False),
+    "none": _Entry(_build_none, frozenset(), frozenset(), False),
 }
 assert tuple(_REGISTRY) == SCHEDULER_NAMES
+# what the engine and the profiler ask of a scheduler name (derived from the registry, not listed)
+NEEDS_CONFIDENCE = frozenset(n for n, e in _REGISTRY.items() if e.reads_confidence)
+NEEDS_SPS = frozenset(n for n, e in _REGISTRY.items() if "sps" in e.required)
 
 
 def make_scheduler(name: str, **params: Any) -> NamedScheduler:
@@ -547,7 +557,8 @@ def make_scheduler(name: str, **params: Any) -> NamedScheduler:
     """
     if name not in _REGISTRY:
         raise ValueError(f"unknown scheduler {name!r}; valid names: {', '.join(SCHEDULER_NAMES)}")
-    builder, required, optional = _REGISTRY[name]
+    entry = _REGISTRY[name]
+    builder, required, optional = entry.builder, entry.required, entry.optional
     missing = sorted(required - set(params))
     unexpected = sorted(set(params) - required - optional)
     if missing or unexpected:
@@ -555,3 +566,24 @@ def make_scheduler(name: str, **params: Any) -> NamedScheduler:
                          f"{sorted(optional)} (optional); missing {missing}, "
                          f"unexpected {unexpected}")
     return NamedScheduler(name, dict(params), builder(**params))
+
+
+def scheduler_for(name: str, **available: Any) -> NamedScheduler:
+    """:func:`make_scheduler` from everything the caller has (``sps``, ``max_batch_tokens``,
+    ``threshold``, ``gamma``): only the parameters ``name`` takes are passed on, so the engine
+    builds any scheduler with one call.
+
+    Raises:
+        ValueError: unknown name, or a required parameter that is missing or None (e.g. dspark
+            without an SPS(B) table).
+    """
+    if name not in _REGISTRY:
+        raise ValueError(f"unknown scheduler {name!r}; valid names: {', '.join(SCHEDULER_NAMES)}")
+    entry = _REGISTRY[name]
+    missing = sorted(p for p in entry.required if available.get(p) is None)
+    if missing:
+        raise ValueError(f"scheduler {name!r} needs {', '.join(missing)}"
+                         + (" (an SPS(B) table: serve/profiling.py)" if "sps" in missing else ""))
+    params = {k: v for k, v in available.items()
+              if k in entry.required or (k in entry.optional and v is not None)}
+    return make_scheduler(name, **params)

@@ -36,7 +36,7 @@ def tiny_pipeline_config(tmp_path: Path, target_dir: Path, *, cache_output: str 
                   "global_batch_size": 2, "num_epochs": 2, "num_anchors": 8, "lr": 3e-3},
         "calibrate": {"max_prompts": 4, "max_new_tokens": 24, "num_threads": 1,
                       "dtype": "float32"},
-        "eval": {"data_dir": str(ROOT.parent / "shared" / "datasets" / "eval"),
+        "eval": {"data_dir": str(ROOT / "infra" / "datasets" / "eval"),
                  "datasets": {"gsm8k": 2}, "max_new_tokens": 12, "num_threads": 1,
                  "dtype": "float32"},
         "wandb": {"mode": "offline"},

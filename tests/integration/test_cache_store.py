@@ -13,8 +13,8 @@ import torch
 from pipeline import storage
 from pipeline.cache import (CorruptShardError, build_manifest, decode_row, read_manifest,
                             run_cache_split, verify_shard)
-from pipeline.chat import tokenize_conversation
-from pipeline.target import load_target, load_tokenizer
+from serve.chat import tokenize_conversation
+from serve.target_loading import load_target, load_tokenizer
 
 from .conftest import conversations
 

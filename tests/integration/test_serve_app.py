@@ -44,14 +44,14 @@ def _free_port() -> int:
 
 @pytest.fixture(scope="module")
 def tiny_target(tiny_target_dir):
-    from pipeline.target import load_target
+    from serve.target_loading import load_target
 
     return load_target(str(tiny_target_dir), "float32")
 
 
 @pytest.fixture(scope="module")
 def tokenizer(tiny_target_dir):
-    from pipeline.target import load_tokenizer
+    from serve.target_loading import load_tokenizer
 
     return load_tokenizer(str(tiny_target_dir))
 
@@ -238,7 +238,7 @@ def test_openai_client_streams_chat(server):
 
 def test_greedy_http_output_is_target_greedy_and_usage_counts_emitted_tokens(
         http, tiny_target, tokenizer):
-    from pipeline.chat import render_prompt_ids
+    from serve.chat import render_prompt_ids
 
     n = 24
     prompt_ids = render_prompt_ids(tokenizer, MESSAGES, TEMPLATE_KWARGS)

@@ -12,7 +12,7 @@ from drafters.loading import load_drafter
 from pipeline import storage
 from pipeline.cache import build_manifest, run_cache_split
 from pipeline.config import DrafterSection, TrainConfig
-from pipeline.target import load_target
+from serve.target_loading import load_target
 from pipeline.train import run_train
 
 from .conftest import conversations

@@ -2,7 +2,7 @@
 
 import pytest
 
-from pipeline.chat import ChatTemplateError, render_prompt_ids, tokenize_conversation
+from serve.chat import ChatTemplateError, render_prompt_ids, tokenize_conversation
 
 KW = {"enable_thinking": False}
 

