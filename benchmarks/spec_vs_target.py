@@ -165,7 +165,7 @@ def summarize(results: list[dict], gamma: int) -> dict:
         row.update({
             "tau": stats.tau, "verified_per_round": stats.mean_verification_budget(),
             # accept_rate@k: rounds that verified >= k draft tokens and accepted the first k
-            "accept_rate": stats.conditional_acceptance(),
+            "accept_rate": stats.accept_rate_at_k(),
             "draft_ms_per_round": 1e3 * statistics.fmean(rd.draft_s for rd in all_rounds),
             "verify_ms_per_round": 1e3 * statistics.fmean(rd.verify_s for rd in all_rounds),
             "rounds": len(rounds), "steps": len(all_rounds),

@@ -58,23 +58,25 @@ def load_eval_prompts(path: Path, count: int, seed: int) -> list[str]:
     return prompts
 
 
-def summarize(records: list[dict], gamma: int, temperatures: list[float] | None = None) -> dict:
-    """Aggregate per-prompt records of one (dataset, temperature) cell.
+def summarize(records: list[dict], gamma: int, sts_temperatures: list[float] | None = None) -> dict:
+    """Aggregate per-prompt records of one (dataset, sampling temperature) cell.
 
-    A round record is (drafted, accepted, committed, draft_s, verify_s, confidence_logits or
-    None); ``temperatures`` are the drafter's STS temperatures (None = uncalibrated)."""
-    # rounds that drafted nothing (the budget's last token, beyond the drafter's context) are
-    # plain target steps and say nothing about the drafter
-    rounds = [r for rec in records for r in rec["spec_rounds"] if r[0] > 0]
-    full = [r for r in rounds if r[0] == gamma]  # rounds that drafted the full block
-    survival, conditional = [], []
-    for k in range(1, gamma + 1):
-        # prefix survival among the rounds that verified at least k drafts (all of them with a
-        # fixed gamma; the dspark scheduler verifies fewer when it is not confident)
-        verified = [r for r in rounds if r[0] >= k]
-        survival.append(sum(1 for r in verified if r[1] >= k) / len(verified) if verified else 0.0)
-        reached = [r for r in rounds if r[0] >= k and r[1] >= k - 1]
-        conditional.append(sum(1 for r in reached if r[1] >= k) / len(reached) if reached else 0.0)
+    ``records[i]["spec_rounds"]`` are the engine's :class:`serve.engine.RoundRecord` s; tau,
+    accept_rate@k and conditional acceptance come from :class:`serve.metrics.SpecDecodeStats`
+    (one definition). ``sts_temperatures`` are the drafter's calibration temperatures T_1..T_gamma
+    (None = uncalibrated)."""
+    from serve.metrics import SpecDecodeStats
+
+    # rounds that verified nothing (the scheduler or planner declined, the budget's last token,
+    # beyond the drafter's context) are plain target steps and say nothing about the drafter
+    rounds = [r for rec in records for r in rec["spec_rounds"] if r.verified > 0]
+    stats = SpecDecodeStats()
+    for r in rounds:
+        stats.record_round(r.drafted, r.verified, r.accepted, r.committed)
+    pad = [0.0] * max(0, gamma - len(stats.verified_per_position))
+    survival = stats.accept_rate_at_k() + pad
+    conditional = stats.conditional_acceptance() + pad
+    full = [r for r in rounds if r.verified == gamma]  # rounds that verified the full block
     spec_tokens = sum(rec["spec_tokens"] for rec in records)
     base_tokens = sum(rec["base_tokens"] for rec in records)
     spec_s = sum(rec["spec_s"] for rec in records)
@@ -84,14 +86,14 @@ def summarize(records: list[dict], gamma: int, temperatures: list[float] | None 
     out = {
         "prompts": len(records),
         "rounds": len(rounds),
-        "tau": sum(r[2] for r in rounds) / len(rounds) if rounds else 0.0,
+        "tau": stats.tau,
         "accept_rate": survival,
         "conditional_acceptance": conditional,
         "spec_tokens_per_s": spec_tps,
         "target_tokens_per_s": base_tps,
         "speedup": spec_tps / base_tps if base_tps else 0.0,
-        "draft_ms_per_round": 1e3 * sum(r[3] for r in rounds) / len(rounds) if rounds else 0.0,
-        "verify_ms_per_round": 1e3 * sum(r[4] for r in rounds) / len(rounds) if rounds else 0.0,
+        "draft_ms_per_round": 1e3 * sum(r.draft_s for r in rounds) / len(rounds) if rounds else 0.0,
+        "verify_ms_per_round": 1e3 * sum(r.verify_s for r in rounds) / len(rounds) if rounds else 0.0,
         "spec_tokens": spec_tokens,
         "target_tokens": base_tokens,
     }
@@ -99,11 +101,12 @@ def summarize(records: list[dict], gamma: int, temperatures: list[float] | None 
         out["greedy_identical_share"] = sum(rec["identical"] for rec in records) / len(records)
     if not base_s:  # speed not measured (eval.speed_baseline false)
         out["speedup"] = out["target_tokens_per_s"] = None
-    out.update(confidence_summary([r for r in full if r[5] is not None], gamma, temperatures))
+    out.update(confidence_summary([r for r in full if r.confidence_logits is not None], gamma,
+                                  sts_temperatures))
     return out
 
 
-def confidence_summary(full_rounds: list, gamma: int, temperatures: list[float] | None) -> dict:
+def confidence_summary(full_rounds: list, gamma: int, sts_temperatures: list[float] | None) -> dict:
     """Calibration metrics and the static-threshold sweep (paper Fig. 5) over full-gamma rounds
     that recorded confidence logits (DSpark only); empty for drafters without a confidence head."""
     if not full_rounds:
@@ -112,9 +115,9 @@ def confidence_summary(full_rounds: list, gamma: int, temperatures: list[float] 
 
     from drafters.calibration import calibration_report, cumulative_survival, static_threshold_sweep
 
-    z = np.array([r[5] for r in full_rounds], dtype=np.float64)
-    accepted = np.array([r[1] for r in full_rounds])
-    temps = temperatures or [1.0] * gamma
+    z = np.array([r.confidence_logits for r in full_rounds], dtype=np.float64)
+    accepted = np.array([r.accepted for r in full_rounds])
+    temps = sts_temperatures or [1.0] * gamma
     report = calibration_report(z, accepted, temps)
     sweep = static_threshold_sweep(cumulative_survival(z, temps), accepted, THRESHOLDS)
     return {"calibration": report, "threshold_sweep": sweep}
@@ -196,8 +199,7 @@ def evaluate(*, target: str, dtype: str, drafter_dir: str, template_kwargs: dict
                     "spec_tokens": len(spec.tokens), "spec_s": spec.total_s,
                     "base_tokens": len(base.tokens) if base else 0,
                     "base_s": base.seconds if base else 0.0,
-                    "spec_rounds": [(r.verified, r.accepted, r.committed, r.draft_s, r.verify_s,
-                                     r.confidence_logits) for r in spec.rounds],
+                    "spec_rounds": spec.rounds,
                     "identical": (spec.tokens == base.tokens)
                     if temp <= 0 and base and same_dtype else None,
                 })

@@ -102,7 +102,7 @@ class ServeMetrics:
     ``dspark_accepted_tokens``, ``dspark_committed_tokens`` (bonus included), ``dspark_rounds``
     (one request verified once), ``dspark_engine_steps``; per draft position k (tag ``position``,
     1-based): ``dspark_verified_tokens_per_position`` and ``dspark_accepted_tokens_per_position``
-    (their ratio is the conditional acceptance at k, paper Fig. 2; SPEC 5).
+    (their ratio is accept_rate@k over the rounds that verified position k; SPEC 5).
     Histograms: ``dspark_verification_budget_tokens`` (draft tokens verified per request per step,
     l_r of SPEC 6; buckets at k + 0.5), ``dspark_request_decode_tokens_per_s`` (per request, tokens
     after the first / seconds after the first, tag ``user`` = the OpenAI ``user`` field or

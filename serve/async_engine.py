@@ -67,7 +67,8 @@ class EngineSnapshot:
 
 def copy_stats(stats: SpecDecodeStats) -> SpecDecodeStats:
     return dataclasses.replace(stats, verified_per_position=list(stats.verified_per_position),
-                               accepted_per_position=list(stats.accepted_per_position))
+                               accepted_per_position=list(stats.accepted_per_position),
+                               reached_per_position=list(stats.reached_per_position))
 
 
 def stats_delta(prev: SpecDecodeStats, cur: SpecDecodeStats) -> SpecDecodeStats:
@@ -83,7 +84,9 @@ def stats_delta(prev: SpecDecodeStats, cur: SpecDecodeStats) -> SpecDecodeStats:
                            verified_per_position=sub(cur.verified_per_position,
                                                      prev.verified_per_position),
                            accepted_per_position=sub(cur.accepted_per_position,
-                                                     prev.accepted_per_position))
+                                                     prev.accepted_per_position),
+                           reached_per_position=sub(cur.reached_per_position,
+                                                    prev.reached_per_position))
 
 
 def rounds_by_verified_length(delta: SpecDecodeStats) -> dict[int, int]:

@@ -1,9 +1,11 @@
 """Raw speculative-decoding counters (vLLM's SpecDecodingStats style): rates are derived when read,
 each definition written once here. Evaluation, serving and the benchmarks all read these.
 
-Definitions: a *round* is one verification of one request; tau = committed tokens per round
-(bonus token included, SPEC 0); acceptance at position k = accepted_per_position[k] /
-verified_per_position[k] (conditional on reaching position k, paper Fig. 2).
+Definitions (SPEC 0 and 5): a *round* is one verification of one request; tau = committed tokens per
+round (bonus token included); accept_rate@k = share of the rounds that verified at least k drafts
+whose first k drafts were all accepted (prefix survival; with a fixed gamma, P(accepted >= k));
+conditional acceptance at k = share of the rounds that verified position k and accepted positions
+1..k-1 that accepted position k too (P(token k accepted | tokens < k accepted), paper Fig. 2).
 """
 
 from __future__ import annotations
@@ -14,7 +16,9 @@ from dataclasses import dataclass, field
 @dataclass
 class SpecDecodeStats:
     """Counters accumulated by the engine. ``verified_per_position[k]``: rounds that verified a
-    draft token at position k+1; ``accepted_per_position[k]``: rounds that accepted it."""
+    draft token at position k+1; ``accepted_per_position[k]``: rounds that accepted it (and so
+    every earlier one); ``reached_per_position[k]``: rounds that verified position k+1 with
+    positions 1..k all accepted."""
 
     steps: int = 0
     rounds: int = 0
@@ -25,6 +29,7 @@ class SpecDecodeStats:
     batch_tokens: int = 0
     verified_per_position: list = field(default_factory=list)
     accepted_per_position: list = field(default_factory=list)
+    reached_per_position: list = field(default_factory=list)
 
     def record_round(self, drafted: int, verified: int, accepted: int, committed: int) -> None:
         self.rounds += 1
@@ -36,8 +41,11 @@ class SpecDecodeStats:
         if grow > 0:
             self.verified_per_position += [0] * grow
             self.accepted_per_position += [0] * grow
+            self.reached_per_position += [0] * grow
         for k in range(verified):
             self.verified_per_position[k] += 1
+            if k <= accepted:
+                self.reached_per_position[k] += 1
             if k < accepted:
                 self.accepted_per_position[k] += 1
 
@@ -51,9 +59,16 @@ class SpecDecodeStats:
         """Accepted / verified draft tokens."""
         return self.accepted_tokens / self.verified_tokens if self.verified_tokens else 0.0
 
-    def conditional_acceptance(self) -> list[float]:
+    def accept_rate_at_k(self) -> list[float]:
+        """accept_rate@1..K: per k, the share of rounds verifying >= k drafts that accepted the
+        first k (prefix survival)."""
         return [a / v if v else 0.0 for a, v in zip(self.accepted_per_position,
                                                     self.verified_per_position)]
+
+    def conditional_acceptance(self) -> list[float]:
+        """Per k, P(draft k accepted | drafts < k accepted) over the rounds that verified k."""
+        return [a / r if r else 0.0 for a, r in zip(self.accepted_per_position,
+                                                    self.reached_per_position)]
 
     def mean_verification_budget(self) -> float:
         """Draft tokens verified per request per round."""

@@ -6,12 +6,13 @@ from __future__ import annotations
 import pytest
 
 from pipeline.evaluate import domain_summary, render_report_md, summarize
+from serve.engine import RoundRecord
 
-# (verified l, accepted n, committed, draft_s, verify_s, confidence logits)
-ROUNDS = [(3, 1, 2, 0.01, 0.02, [2.0, 0.0, -2.0]),
-          (3, 3, 4, 0.01, 0.02, [3.0, 2.0, 1.0]),
-          (2, 2, 3, 0.01, 0.02, [1.0, 1.0]),     # a shorter block (budget end): not "full"
-          (0, 0, 1, 0.0, 0.02, None)]             # a target-only step: ignored
+# the engine's round records: drafted, verified l, accepted n, committed, draft_s, verify_s, logits
+ROUNDS = [RoundRecord(3, 3, 1, 2, 0.01, 0.02, [2.0, 0.0, -2.0]),
+          RoundRecord(3, 3, 3, 4, 0.01, 0.02, [3.0, 2.0, 1.0]),
+          RoundRecord(2, 2, 2, 3, 0.01, 0.02, [1.0, 1.0]),  # a shorter block (budget end): not full
+          RoundRecord(3, 0, 0, 1, 0.0, 0.02, None)]         # declined by the scheduler: ignored
 
 
 def _records():
@@ -44,3 +45,17 @@ def test_domains_and_report():
     md = render_report_md({"gamma": 3, "target": "t", "dtype": "float32", "max_new_tokens": 8,
                            "results": results, "domains": {"1.0": dom}})
     assert "| 1.0 | 2.00 | 3.00 | 2.50 |" in md and "Static confidence threshold" in md
+
+
+def test_spec_decode_stats_define_accept_rate_and_conditional_acceptance_once():
+    """accept_rate@k is prefix survival among rounds verifying >= k; conditional acceptance divides
+    by the rounds that reached k (k-1 accepted). A round verifying 3 and accepting 1 reaches k=2."""
+    from serve.metrics import SpecDecodeStats
+
+    stats = SpecDecodeStats()
+    for r in ROUNDS:
+        stats.record_round(r.drafted, r.verified, r.accepted, r.committed)
+    assert stats.verified_per_position == [3, 3, 2]
+    assert stats.reached_per_position == [3, 3, 1]
+    assert stats.accept_rate_at_k() == pytest.approx([1.0, 2 / 3, 0.5])
+    assert stats.conditional_acceptance() == pytest.approx([1.0, 2 / 3, 1.0])
