@@ -39,8 +39,8 @@ def landed_batch_losses(model, samples, tc, objective, weights, device, generato
     from drafters.packing import pack_blocks
 
     cfg = model.config
-    pb = pack_blocks(samples, tc["num_anchors"], cfg.block_size, generators).to(device)
-    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=tc["precision"] == "bf16"):
+    pb = pack_blocks(samples, tc.num_anchors, cfg.block_size, generators).to(device)
+    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=tc.precision == "bf16"):
         hidden = model(pb)
         logits, conf = model.draft_logits(hidden, pb.prev_tokens)
         valid = pb.label_valid
@@ -50,7 +50,7 @@ def landed_batch_losses(model, samples, tc, objective, weights, device, generato
             target_logits[valid] = torch.nn.functional.linear(
                 pb.target_hidden[valid].to(head_w.dtype), head_w).float()
     return drafter_losses(logits, target_logits, pb.labels, valid, weights, conf,
-                          tuple(tc["loss_weights"]), objective=objective, draft_vocab=model.d2t)
+                          tuple(tc.loss_weights), objective=objective, draft_vocab=model.d2t)
 
 
 def worker(args) -> dict:
@@ -71,18 +71,18 @@ def worker(args) -> dict:
     ctx = StageContext.create(cfg)
     manifest = read_manifest(ctx.cache_dir, cfg.storage_options)
     vocab_size = 0 if args.arm in ("landed", "chunked_full") else int(args.arm.split("dv")[1])
-    drafter = {**cfg.drafter.model_dump(), "draft_vocab_size": vocab_size}
+    drafter = cfg.drafter.model_copy(update={"draft_vocab_size": vocab_size})
     draft_vocab, report = select_draft_vocab(manifest, vocab_size)
     target_cfg, emb, head = load_frozen_head(ctx.target)
     model = build_drafter(build_drafter_config(target_cfg, ctx.target, manifest["layer_ids"],
                                                drafter), emb, head, draft_vocab).train()
-    tc = cfg.train.model_dump()
+    tc = cfg.train
     objective, weights = training_objective(model.config)
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=tc["lr"],
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=tc.lr,
                             betas=(0.9, 0.95))
     index = CacheRowIndex(ctx.cache_dir, manifest, "train", cfg.storage_options)
     reader = CacheRowReader(index, manifest["target"]["hidden_size"], len(manifest["layer_ids"]))
-    mb = tc["micro_batch_size"]
+    mb = tc.micro_batch_size
     batches = [list(range(i * mb, (i + 1) * mb)) for i in range(args.warmup + args.steps)]
     data = [reader.read([r % index.num_rows for r in rows]) for rows in batches]
     loss_fn = landed_batch_losses if args.arm == "landed" else batch_losses
@@ -92,9 +92,9 @@ def worker(args) -> dict:
     for i, (rows, samples) in enumerate(zip(batches, data)):
         start = time.perf_counter()
         out = loss_fn(model, samples, tc, objective, weights, device,
-                      [row_generator(tc["seed"], 0, r) for r in rows])
+                      [row_generator(tc.seed, 0, r) for r in rows])
         out["loss"].backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), tc["grad_clip"])
+        torch.nn.utils.clip_grad_norm_(model.parameters(), tc.grad_clip)
         opt.step()
         opt.zero_grad(set_to_none=True)
         if i >= args.warmup:

@@ -10,19 +10,29 @@ from __future__ import annotations
 import torch
 
 
-def warped_probs(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """softmax(logits / T) restricted to the top-p nucleus and renormalised, per row.
+def warped_probs(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor,
+                 top_k: torch.Tensor | None = None) -> torch.Tensor:
+    """softmax(logits / T) restricted to the top-k tokens, then to the top-p nucleus of what is
+    left, renormalised, per row: the one definition of sampling warps (the target's sampling,
+    the drafter's and rejection sampling all use it, so draft and target agree exactly).
 
     Args:
         logits: [B, V] (any float dtype; computed in fp32).
         temperature: fp32 [B], > 0.
         top_p: fp32 [B] in (0, 1]; the most likely token is always kept.
+        top_k: int64 [B] or None; 0 = no top-k limit.
     Returns:
         fp32 [B, V], rows summing to 1.
     """
     probs = torch.softmax(logits.float() / temperature[:, None], dim=-1)
-    if bool((top_p < 1).any()):
+    limit_k = top_k is not None and bool(((top_k > 0) & (top_k < probs.shape[-1])).any())
+    if limit_k or bool((top_p < 1).any()):
         sorted_p, order = probs.sort(dim=-1, descending=True)
+        if limit_k:
+            rank = torch.arange(probs.shape[-1], device=probs.device)[None, :]
+            k = top_k.to(probs.device)[:, None]
+            sorted_p = sorted_p.masked_fill((k > 0) & (rank >= k), 0.0)
+            sorted_p = sorted_p / sorted_p.sum(-1, keepdim=True)
         mass_before = sorted_p.cumsum(-1) - sorted_p
         drop = mass_before >= top_p[:, None]
         sorted_p = sorted_p.masked_fill(drop, 0.0)
@@ -38,13 +48,14 @@ def _per_row(value, b: int, device) -> torch.Tensor:
 
 
 def sample_rows(logits: torch.Tensor, temperature, top_p=1.0, generator=None,
-                active: torch.Tensor | None = None):
+                active: torch.Tensor | None = None, top_k=0):
     """Draw one token per row.
 
     Args:
         logits: [B, V].
         temperature: float or fp32 [B]; rows with T <= 0 take the argmax.
         top_p: float or fp32 [B].
+        top_k: int or int64 [B]; 0 = no limit.
         generator: a torch.Generator, one per row (a list: requests in one batch never share
             randomness), or None.
         active: bool [B] or None; inactive rows take the argmax and draw no random number, so a
@@ -62,10 +73,14 @@ def sample_rows(logits: torch.Tensor, temperature, top_p=1.0, generator=None,
     probs = torch.nn.functional.one_hot(tokens, logits.shape[-1]).float()
     if bool((~greedy).any()):
         rows = torch.nonzero(~greedy).flatten()
-        p = warped_probs(logits[rows], temp[rows], nucleus[rows])
+        k = (top_k.to(logits.device).expand(b) if isinstance(top_k, torch.Tensor)
+             else torch.full((b,), int(top_k), device=logits.device))
+        p = warped_probs(logits[rows], temp[rows], nucleus[rows], k[rows])
         probs[rows] = p
-        for j, r in enumerate(rows.tolist()):
-            g = generator[r] if isinstance(generator, (list, tuple)) else generator
-            # per-request generators live on the CPU (seeded, device independent)
-            tokens[r] = torch.multinomial(p[j].cpu(), 1, generator=g).squeeze(-1)
+        if isinstance(generator, (list, tuple)):
+            for j, r in enumerate(rows.tolist()):
+                # per-request generators live on the CPU (seeded, device independent)
+                tokens[r] = torch.multinomial(p[j].cpu(), 1, generator=generator[r]).squeeze(-1)
+        else:  # one shared stream (or torch's global one): one batched draw
+            tokens[rows] = torch.multinomial(p, 1, generator=generator).squeeze(-1)
     return tokens, probs

@@ -50,7 +50,7 @@ class GenerateUDF:
         4x more per step than the forward pass on CPU, so the loop is written out here.)"""
         from transformers import DynamicCache
 
-        from serve.sampling import sample_tokens
+        from drafters.sampling import sample_rows
 
         torch = self.torch
         s = self.sampling
@@ -68,7 +68,9 @@ class GenerateUDF:
             out = self.model(input_ids=ids, attention_mask=attn, position_ids=pos, cache=cache,
                              use_cache=True, logits_to_keep=1)
             for step in range(s["max_new_tokens"]):
-                tok = sample_tokens(out.logits[:, -1], s["temperature"], s["top_k"], s["top_p"])
+                # the engine's sampler (one definition of temperature / top-k / top-p)
+                tok, _ = sample_rows(out.logits[:, -1], s["temperature"], s["top_p"],
+                                     top_k=s["top_k"])
                 generated[rows, step] = tok
                 live = tok != eos
                 if not bool(live.any()):

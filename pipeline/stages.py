@@ -287,8 +287,8 @@ def stage_train(ctx: StageContext) -> dict:
     ensure_ray(ctx.cfg)
     result = run_train(
         cache_dir=ctx.cache_dir, manifest=manifest, out_dir=ctx.stage_dir("train"),
-        target=ctx.target, layer_ids=ctx.layer_ids, drafter=ctx.cfg.drafter.model_dump(),
-        train=ctx.cfg.train.model_dump(), wandb_cfg=ctx.cfg.wandb.model_dump(),
+        target=ctx.target, layer_ids=ctx.layer_ids, drafter=ctx.cfg.drafter,
+        train=ctx.cfg.train, wandb_cfg=ctx.cfg.wandb.model_dump(),
         storage_options=ctx.cfg.storage_options, run_name=ctx.run_dir.name)
     return {"steps": result["steps"], "rows": result["rows"],
             "drafter": str(ctx.run_dir / "train" / "drafter"), "draft_vocab": result["draft_vocab"],

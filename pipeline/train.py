@@ -16,37 +16,43 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from .train_data import steps_per_epoch
+
+if TYPE_CHECKING:
+    from .config import DrafterSection, TrainConfig
 
 logger = logging.getLogger(__name__)
 
 
-def build_drafter_config(target_config, target_name: str, layer_ids: list[int], drafter: dict):
-    """The drafter's config from the target's dimensions and the ``drafter`` config section.
+def build_drafter_config(target_config, target_name: str, layer_ids: list[int],
+                         drafter: DrafterSection):
+    """The drafter's config from the target's dimensions and the typed ``drafter`` config section
+    (``pipeline.config.DrafterSection``): the one path from the YAML to ``DSparkConfig``.
 
     Eagle3 takes ``drafter.eagle3_num_layers`` decoder layers and no heads (SPEC 2).
     """
     from drafters.config import DSparkConfig
 
     tc = target_config
-    kind = drafter["drafter_type"]
+    kind = drafter.drafter_type
     return DSparkConfig(
         drafter_type=kind, target_name_or_path=target_name,
         target_vocab_size=tc.vocab_size, target_hidden_size=tc.hidden_size,
-        target_layer_ids=layer_ids, block_size=drafter["block_size"],
-        num_hidden_layers=drafter["eagle3_num_layers"] if kind == "eagle3" else drafter["num_layers"],
+        target_layer_ids=layer_ids, block_size=drafter.block_size,
+        num_hidden_layers=drafter.eagle3_num_layers if kind == "eagle3" else drafter.num_layers,
         hidden_size=tc.hidden_size, num_attention_heads=tc.num_attention_heads,
         num_key_value_heads=getattr(tc, "num_key_value_heads", None) or tc.num_attention_heads,
         head_dim=getattr(tc, "head_dim", None) or tc.hidden_size // tc.num_attention_heads,
         intermediate_size=tc.intermediate_size, rms_norm_eps=tc.rms_norm_eps,
         rope_theta=_rope_theta(tc), max_position_embeddings=tc.max_position_embeddings,
-        head_type=drafter["head_type"] if kind == "dspark" else "none",
-        markov_rank=drafter["markov_rank"],
-        confidence_head=drafter["confidence_head"] if kind == "dspark" else False,
-        loss_decay=drafter["loss_decay"],
+        head_type=drafter.head_type if kind == "dspark" else "none",
+        markov_rank=drafter.markov_rank,
+        confidence_head=drafter.confidence_head if kind == "dspark" else False,
+        loss_decay=drafter.loss_decay,
         qk_norm=getattr(tc, "model_type", "") in ("qwen3", "qwen3_moe"),
-        draft_vocab_size=drafter.get("draft_vocab_size", 0))
+        draft_vocab_size=drafter.draft_vocab_size)
 
 
 def training_objective(config):
@@ -96,15 +102,15 @@ def lr_lambda(total_steps: int, warmup_ratio: float):
 
 
 def deepspeed_config(tc: dict, world_size: int) -> dict:
-    accum = tc["global_batch_size"] // (tc["micro_batch_size"] * world_size)
+    accum = tc.global_batch_size // (tc.micro_batch_size * world_size)
     cfg = {
-        "train_batch_size": tc["global_batch_size"],
-        "train_micro_batch_size_per_gpu": tc["micro_batch_size"],
+        "train_batch_size": tc.global_batch_size,
+        "train_micro_batch_size_per_gpu": tc.micro_batch_size,
         "gradient_accumulation_steps": accum,
-        "gradient_clipping": tc["grad_clip"],
-        "zero_optimization": {"stage": tc["zero_stage"]},
-        "optimizer": {"type": "AdamW", "params": {"lr": tc["lr"], "betas": [0.9, 0.95],
-                                                  "eps": 1e-8, "weight_decay": tc["weight_decay"],
+        "gradient_clipping": tc.grad_clip,
+        "zero_optimization": {"stage": tc.zero_stage},
+        "optimizer": {"type": "AdamW", "params": {"lr": tc.lr, "betas": [0.9, 0.95],
+                                                  "eps": 1e-8, "weight_decay": tc.weight_decay,
                                                   "torch_adam": True}},
         "steps_per_print": 10**9,
     }
@@ -112,7 +118,7 @@ def deepspeed_config(tc: dict, world_size: int) -> dict:
     # optimizer state stay fp32 (SPEC 3: bf16 with fp32 master weights) on CPU and GPU alike. On
     # CUDA, DeepSpeed's engine.forward re-enters autocast(enabled=False) unless its own
     # torch_autocast section asks for bf16, which would silently run the backbone in fp32.
-    if tc["precision"] == "bf16" and tc["use_gpu"]:
+    if tc.precision == "bf16" and tc.use_gpu:
         cfg["torch_autocast"] = {"enabled": True, "dtype": "bfloat16"}
     return cfg
 
@@ -133,10 +139,10 @@ def batch_losses(model, samples: list[dict], tc: dict, objective: str, weights, 
 
     module = getattr(model, "module", model)  # DeepSpeed engine or the bare drafter
     cfg = module.config
-    pb = pack_blocks(samples, tc["num_anchors"], cfg.block_size, generators,
+    pb = pack_blocks(samples, tc.num_anchors, cfg.block_size, generators,
                      min_anchor=1 if cfg.drafter_type == "eagle3" else 0).to(device)
     valid = pb.label_valid
-    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=tc["precision"] == "bf16"):
+    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=tc.precision == "bf16"):
         hidden = model(pb)
         feat, conf = module.head_features(hidden, pb.prev_tokens)
         hidden_rows = hidden[valid]
@@ -151,8 +157,8 @@ def batch_losses(model, samples: list[dict], tc: dict, objective: str, weights, 
             return torch.nn.functional.linear(target_rows[idx].to(head_w.dtype), head_w).float()
 
         return chunked_drafter_losses(draft_logits, target_logits, pb.labels, valid, weights, conf,
-                                      tuple(tc["loss_weights"]), objective=objective,
-                                      draft_vocab=module.d2t, chunk_rows=tc["loss_chunk_rows"])
+                                      tuple(tc.loss_weights), objective=objective,
+                                      draft_vocab=module.d2t, chunk_rows=tc.loss_chunk_rows)
 
 
 METRIC_KEYS = ("loss", "ce", "tv", "conf", "soft_ce", "tau", "draft_vocab_coverage")
@@ -196,20 +202,24 @@ def train_loop_per_worker(loop_cfg: dict) -> None:
 
     from .train_data import (CacheRowIndex, CacheRowReader, row_generator, worker_micro_batches)
 
-    tc = loop_cfg["train"]
+    from .config import DrafterSection, TrainConfig
+
+    # Ray passes plain data: the typed sections are rebuilt (and re-validated) here
+    tc = TrainConfig.model_validate(loop_cfg["train"])
+    dsec = DrafterSection.model_validate(loop_cfg["drafter"])
     ctx = ray.train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
-    if tc["num_threads"]:
-        torch.set_num_threads(tc["num_threads"])
-    torch.manual_seed(tc["seed"])
-    device = torch.device("cuda", ctx.get_local_rank()) if tc["use_gpu"] else torch.device("cpu")
+    if tc.num_threads:
+        torch.set_num_threads(tc.num_threads)
+    torch.manual_seed(tc.seed)
+    device = torch.device("cuda", ctx.get_local_rank()) if tc.use_gpu else torch.device("cpu")
 
-    from_target = loop_cfg["drafter"].get("init") == "target_layers"
-    dcfg_layers = loop_cfg["drafter"]["num_layers"]
+    from_target = dsec.init == "target_layers"
+    dcfg_layers = dsec.num_layers
     target_cfg, emb, head, *top = load_frozen_head(loop_cfg["target"],
                                                    dcfg_layers if from_target else 0)
     dcfg = build_drafter_config(target_cfg, loop_cfg["target"], loop_cfg["layer_ids"],
-                                loop_cfg["drafter"])
+                                dsec)
     model = build_drafter(dcfg, emb, head, loop_cfg.get("draft_vocab"))
     if from_target and not loop_cfg.get("init_from") and not loop_cfg["resume_from"]:
         model.init_from_target(*top[0])
@@ -221,7 +231,7 @@ def train_loop_per_worker(loop_cfg: dict) -> None:
         model=model, model_parameters=[p for p in model.parameters() if p.requires_grad],
         config=deepspeed_config(tc, world),
         lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(
-            opt, lr_lambda(total_steps, tc["warmup_ratio"])))
+            opt, lr_lambda(total_steps, tc.warmup_ratio)))
     objective, weights = training_objective(dcfg)
     weights = weights.to(device)
     step = 0
@@ -235,10 +245,10 @@ def train_loop_per_worker(loop_cfg: dict) -> None:
     train_index = CacheRowIndex(loop_cfg["cache_dir"], loop_cfg["manifest"], "train", so)
     reader = CacheRowReader(train_index, hidden, m)
     heldout_rows = heldout_reader = None
-    if tc["eval_every"] and loop_cfg["manifest"]["splits"].get("heldout", {}).get("rows"):
+    if tc.eval_every and loop_cfg["manifest"]["splits"].get("heldout", {}).get("rows"):
         h_index = CacheRowIndex(loop_cfg["cache_dir"], loop_cfg["manifest"], "heldout", so)
         heldout_reader = CacheRowReader(h_index, hidden, m)
-        heldout_rows = list(range(min(h_index.num_rows, tc["eval_rows"])))[rank::world]
+        heldout_rows = list(range(min(h_index.num_rows, tc.eval_rows)))[rank::world]
 
     run = bar = None
     if rank == 0 and loop_cfg["wandb"]["mode"] != "disabled":
@@ -257,9 +267,9 @@ def train_loop_per_worker(loop_cfg: dict) -> None:
         engine.eval()
         outs = []
         with torch.no_grad():
-            for i in range(0, len(heldout_rows), tc["micro_batch_size"]):
-                rows = heldout_rows[i:i + tc["micro_batch_size"]]
-                gens = [row_generator(tc["seed"], -1, r) for r in rows]
+            for i in range(0, len(heldout_rows), tc.micro_batch_size):
+                rows = heldout_rows[i:i + tc.micro_batch_size]
+                gens = [row_generator(tc.seed, -1, r) for r in rows]
                 outs.append(batch_losses(engine, heldout_reader.read(rows), tc, objective,
                                          weights, device, gens))
         engine.train()
@@ -269,11 +279,11 @@ def train_loop_per_worker(loop_cfg: dict) -> None:
     history, last = [], {"step": step}
     while step < total_steps:
         epoch, step_in_epoch = divmod(step, per_epoch)
-        order = train_index.epoch_order(tc["seed"], epoch)
+        order = train_index.epoch_order(tc.seed, epoch)
         outs = []
-        for rows in worker_micro_batches(order, step_in_epoch, tc["global_batch_size"],
-                                         tc["micro_batch_size"], rank, world):
-            gens = [row_generator(tc["seed"], epoch, r) for r in rows]
+        for rows in worker_micro_batches(order, step_in_epoch, tc.global_batch_size,
+                                         tc.micro_batch_size, rank, world):
+            gens = [row_generator(tc.seed, epoch, r) for r in rows]
             out = batch_losses(engine, reader.read(rows), tc, objective, weights, device, gens)
             engine.backward(out["loss"])
             engine.step()
@@ -281,15 +291,15 @@ def train_loop_per_worker(loop_cfg: dict) -> None:
         step += 1
         last = {"step": step, "epoch": epoch, "lr": engine.get_lr()[0],
                 **reduce_metrics(outs, dcfg.block_size, device=device)}
-        if heldout_rows is not None and (step % tc["eval_every"] == 0 or step == total_steps):
+        if heldout_rows is not None and (step % tc.eval_every == 0 or step == total_steps):
             last.update(heldout_metrics())
         history.append(last)
         if rank == 0:
-            if run is not None and (step % tc["log_every"] == 0 or step == total_steps):
+            if run is not None and (step % tc.log_every == 0 or step == total_steps):
                 run.log(last, step=step)
             bar.update(1)
             bar.set_postfix(loss=f"{last['loss']:.3f}", tau=f"{last['tau']:.2f}")
-        if step == total_steps or (tc["checkpoint_every"] and step % tc["checkpoint_every"] == 0):
+        if step == total_steps or (tc.checkpoint_every and step % tc.checkpoint_every == 0):
             save_training_state(engine, step, world, history, last)
     if bar is not None:
         bar.close()
@@ -453,8 +463,8 @@ def latest_checkpoint(train_dir: Path) -> str | None:
 
 
 def run_train(*, cache_dir: str, manifest: dict, out_dir: Path, target: str, layer_ids: list[int],
-              drafter: dict, train: dict, wandb_cfg: dict, storage_options: dict,
-              run_name: str) -> dict:
+              drafter: DrafterSection, train: TrainConfig, wandb_cfg: dict,
+              storage_options: dict, run_name: str) -> dict:
     """Launch the trainer; copy the final drafter to ``out_dir/drafter``.
 
     Raises:
@@ -467,21 +477,21 @@ def run_train(*, cache_dir: str, manifest: dict, out_dir: Path, target: str, lay
     from . import storage
 
     rows = manifest["splits"]["train"]["rows"]
-    per_epoch = steps_per_epoch(rows, train["global_batch_size"])
+    per_epoch = steps_per_epoch(rows, train.global_batch_size)
     if per_epoch < 1:
         raise ValueError(f"the cache has {rows} training rows: fewer than one global batch "
                          f"({train['global_batch_size']})")
-    draft_vocab, vocab_report = select_draft_vocab(manifest, drafter.get("draft_vocab_size", 0))
-    total = per_epoch * train["num_epochs"]
-    if train["max_steps"]:
-        total = min(total, train["max_steps"])
+    draft_vocab, vocab_report = select_draft_vocab(manifest, drafter.draft_vocab_size)
+    total = per_epoch * train.num_epochs
+    if train.max_steps:
+        total = min(total, train.max_steps)
     resume = None
-    if train["resume_from"] == "latest":
+    if train.resume_from == "latest":
         resume = latest_checkpoint(out_dir)
         logger.info("resuming from %s", resume) if resume else logger.info(
             "train.resume_from is 'latest' but no checkpoint exists yet: starting at step 0")
-    elif train["resume_from"]:
-        resume = storage.resolve(train["resume_from"])
+    elif train.resume_from:
+        resume = storage.resolve(train.resume_from)
         if not os.path.isfile(os.path.join(resume, "train_state.json")):
             raise FileNotFoundError(f"train.resume_from {resume} is not a training checkpoint "
                                     "(no train_state.json)")
@@ -490,22 +500,23 @@ def run_train(*, cache_dir: str, manifest: dict, out_dir: Path, target: str, lay
     wandb_dir = out_dir / "wandb"
     wandb_dir.mkdir(parents=True, exist_ok=True)
     loop_cfg = {
-        "train": train, "drafter": drafter, "target": target, "layer_ids": layer_ids,
+        "train": train.model_dump(), "drafter": drafter.model_dump(), "target": target,
+        "layer_ids": layer_ids,
         "hidden_size": manifest["target"]["hidden_size"], "total_steps": total,
         "steps_per_epoch": per_epoch, "cache_dir": cache_dir, "manifest": manifest,
         "storage_options": storage_options, "resume_from": resume,
-        "init_from": storage.resolve(train["init_from"]) if train["init_from"] else None,
+        "init_from": storage.resolve(train.init_from) if train.init_from else None,
         "wandb": wandb_cfg, "wandb_dir": str(wandb_dir), "run_name": run_name,
         "draft_vocab": draft_vocab,
         "torch_extensions_dir": os.environ.get(
             "TORCH_EXTENSIONS_DIR", str(Path.home() / ".cache" / "dspark_ray" / "torch_extensions")),
     }
-    resources = {"CPU": train["cpus_per_worker"]}
-    if train["use_gpu"]:
+    resources = {"CPU": train.cpus_per_worker}
+    if train.use_gpu:
         resources["GPU"] = 1
     trainer = TorchTrainer(
         train_loop_per_worker, train_loop_config=loop_cfg,
-        scaling_config=ScalingConfig(num_workers=train["num_workers"], use_gpu=train["use_gpu"],
+        scaling_config=ScalingConfig(num_workers=train.num_workers, use_gpu=train.use_gpu,
                                      resources_per_worker=resources),
         run_config=RunConfig(name=run_name, storage_path=str((out_dir / "ray_train").resolve())),
     )

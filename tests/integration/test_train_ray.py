@@ -42,8 +42,8 @@ def _train(tiny_cache, tiny_target_dir, out_dir, drafter=None, **train):
     cache_dir, manifest = tiny_cache
     base = dict(num_workers=2, num_threads=1, micro_batch_size=2, global_batch_size=4, lr=3e-3,
                 warmup_ratio=0.1, num_anchors=16)
-    tc = TrainConfig(**{**base, **train}).model_dump()
-    dc = DrafterSection(num_layers=1, block_size=4, markov_rank=16, **(drafter or {})).model_dump()
+    tc = TrainConfig(**{**base, **train})
+    dc = DrafterSection(num_layers=1, block_size=4, markov_rank=16, **(drafter or {}))
     result = run_train(cache_dir=cache_dir, manifest=manifest, out_dir=out_dir,
                        target=str(tiny_target_dir), layer_ids=[1, 3], drafter=dc, train=tc,
                        wandb_cfg=WANDB, storage_options={}, run_name="t")

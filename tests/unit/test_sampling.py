@@ -1,0 +1,32 @@
+"""The one sampling warp (drafters/sampling.py): temperature, top-k then top-p, per row."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from drafters.sampling import sample_rows, warped_probs
+
+
+def test_top_k_then_top_p_by_hand():
+    logits = torch.log(torch.tensor([[0.4, 0.3, 0.2, 0.1], [0.4, 0.3, 0.2, 0.1]]))
+    one = torch.ones(2)
+    # row 0: top-2 -> (0.4, 0.3) renormalised; row 1: no top-k, top-p 0.65 keeps 0.4 and 0.3
+    p = warped_probs(logits, one, torch.tensor([1.0, 0.65]), torch.tensor([2, 0]))
+    assert p[0].tolist() == pytest.approx([4 / 7, 3 / 7, 0.0, 0.0])
+    assert p[1].tolist() == pytest.approx([4 / 7, 3 / 7, 0.0, 0.0])
+    # top-k 3 then top-p 0.5 of the renormalised (4/9, 3/9, 2/9): keeps the first two
+    q = warped_probs(logits[:1], one[:1], torch.tensor([0.5]), torch.tensor([3]))
+    assert q[0].tolist() == pytest.approx([4 / 7, 3 / 7, 0.0, 0.0])
+    assert torch.equal(warped_probs(logits, one, one), torch.softmax(logits, -1))
+
+
+def test_sample_rows_top_k_never_draws_outside_and_shared_stream_is_batched():
+    torch.manual_seed(0)
+    logits = torch.randn(64, 50)
+    tokens, probs = sample_rows(logits, 1.0, 1.0, None, top_k=3)
+    top3 = logits.topk(3, dim=-1).indices
+    assert bool((top3 == tokens[:, None]).any(-1).all())
+    assert torch.allclose(probs.sum(-1), torch.ones(64))
+    greedy, _ = sample_rows(logits, 0.0)
+    assert torch.equal(greedy, logits.argmax(-1))
