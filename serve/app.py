@@ -218,7 +218,8 @@ def _request_error(err: RequestError, chat: bool) -> APIError:
     param = err.field
     if param == "prompt" and chat:
         param = "messages"
-    code = {413: "context_length_exceeded", 429: "queue_full"}.get(err.status, "invalid_value")
+    code = {413: "context_length_exceeded", 429: "queue_full",
+            500: "request_failed"}.get(err.status, "invalid_value")
     headers = {"Retry-After": "1"} if err.status == 429 else None
     return APIError(err.status, str(err), param=param, code=code, headers=headers)
 
@@ -375,7 +376,7 @@ class SpecServer:
                 stream, request_id, created, body.include_usage, timer)
             return StreamingResponse(events, media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
-        text, last = await self._collect(stream, timer)
+        text, last = await self._collect(stream, timer, chat)
         usage = Usage.of(stream.num_prompt_tokens, last.num_generated_tokens)
         if chat:
             return ChatCompletionResponse(
@@ -386,7 +387,7 @@ class SpecServer:
             id=request_id, created=created, model=self.model_name, usage=usage,
             choices=[CompletionChoice(text=text, finish_reason=last.finish_reason)]).model_dump()
 
-    async def _collect(self, stream: RequestStream, timer: _RequestTimer):
+    async def _collect(self, stream: RequestStream, timer: _RequestTimer, chat: bool):
         """All of a request's text; a cancelled handler (client gone) aborts it."""
         pieces, last = [], None
         try:
@@ -396,6 +397,8 @@ class SpecServer:
                 last = out
         except EngineDeadError as err:
             raise _dead_error(err) from err
+        except RequestError as err:  # this request failed alone inside the engine
+            raise _request_error(err, chat) from err
         finally:
             stream.abort()  # no-op once finished
             timer.finish(last)
@@ -426,6 +429,9 @@ class SpecServer:
         except EngineDeadError as err:
             yield sse(_dead_error(err).body())
             yield SSE_DONE
+        except RequestError as err:  # this request failed alone: an error event, then done
+            yield sse(_request_error(err, True).body())
+            yield SSE_DONE
         finally:
             stream.abort()  # client gone (cancelled / closed generator): free the engine slot
             timer.finish(last)
@@ -451,6 +457,9 @@ class SpecServer:
             yield SSE_DONE
         except EngineDeadError as err:
             yield sse(_dead_error(err).body())
+            yield SSE_DONE
+        except RequestError as err:
+            yield sse(_request_error(err, False).body())
             yield SSE_DONE
         finally:
             stream.abort()

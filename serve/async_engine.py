@@ -207,7 +207,7 @@ class AsyncSpecEngine:
         self._streams: dict[str, RequestStream] = {}  # engine thread only
         self._dead: EngineDeadError | None = None
         self._stopping = False
-        self._counts = {"finished": 0, "aborted": 0, "rejected": 0}  # engine thread only
+        self._counts = {"finished": 0, "aborted": 0, "rejected": 0, "failed": 0}  # engine thread
         self._snapshot = EngineSnapshot(time_s=time.monotonic())
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
@@ -368,9 +368,11 @@ class AsyncSpecEngine:
             stream = self._streams.get(out.request_id)
             if out.finished:
                 self._streams.pop(out.request_id, None)
-                self._counts["finished"] += 1
+                self._counts["failed" if out.error is not None else "finished"] += 1
             if stream is not None:
-                by_loop.setdefault(stream._loop, []).append((stream, out))
+                # a request that failed alone raises its own error to its caller only
+                by_loop.setdefault(stream._loop, []).append(
+                    (stream, out.error if out.error is not None else out))
         for loop, pairs in by_loop.items():
             _call_soon(loop, _deliver_all, pairs)
 

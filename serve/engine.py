@@ -34,7 +34,7 @@ from . import scheduler as sched
 from .config import EngineConfig
 from .detokenize import IncrementalDetokenizer
 from .draft_planner import AcceptanceEstimate, DraftCostTable, RequestOptions, plan_drafts
-from .errors import RequestError
+from .errors import RequestError, RequestFailedError
 from .lookup import NgramIndex
 from .metrics import SpecDecodeStats
 from .rejection import verify_greedy, verify_sampled
@@ -219,22 +219,39 @@ class SpecEngine:
                                          with_features=speculate, logits="last")
         results = []
         for r, o in zip(reqs, outs):
-            n = len(r.req.prompt_ids)
-            o.keep(n)
-            tok = self._sample_one(r, o.logits[-1])
-            r.anchor, r.pos = tok, n
-            r.first_token_s = time.perf_counter()
-            if speculate:
-                r.draft_state = self.drafter.new_draft_state()
-                r.backoff = self.config.probe_interval
-                self._add_pending(r, 0, o.features, r.req.prompt_ids[1:] + [tok])
-                if self.lookup_n:
-                    r.lookup = NgramIndex(r.req.prompt_ids + [tok], self.lookup_n,
-                                          self.config.prompt_lookup_min_ngram)
-            results.append(self._commit(r, [tok]))
+            try:
+                n = len(r.req.prompt_ids)
+                o.keep(n)
+                tok = self._sample_one(r, o.logits[-1])
+                r.anchor, r.pos = tok, n
+                r.first_token_s = time.perf_counter()
+                if speculate:
+                    r.draft_state = self.drafter.new_draft_state()
+                    r.backoff = self.config.probe_interval
+                    self._add_pending(r, 0, o.features, r.req.prompt_ids[1:] + [tok])
+                    if self.lookup_n:
+                        r.lookup = NgramIndex(r.req.prompt_ids + [tok], self.lookup_n,
+                                              self.config.prompt_lookup_min_ngram)
+                results.append(self._commit(r, [tok]))
+            except Exception as err:  # noqa: BLE001 - this request fails, the engine goes on
+                results.append(self._fail(r, err, "prefill"))
+                continue
             if r.finish_reason is None:
                 self.running.append(r)
         return results
+
+    def _fail(self, r: _Request, err: Exception, where: str) -> RequestOutput:
+        """End one request whose own processing raised; the others are untouched (its caches are
+        dropped with it)."""
+        logger.exception("request %s failed during %s; the engine continues", r.req.request_id,
+                         where)
+        if r in self.running:
+            self.running.remove(r)
+        r.finish_reason = "error"
+        self.stats.failed_requests += 1
+        error = RequestFailedError(f"the request failed during {where}: {type(err).__name__}: {err}")
+        return RequestOutput(r.req.request_id, [], "", True, "error", len(r.req.prompt_ids),
+                             len(r.output), error)
 
     def _caps(self, reqs: list[_Request]) -> list[int]:
         """The most draft tokens each request may verify: gamma, one less than its remaining
@@ -299,67 +316,107 @@ class SpecEngine:
         conf_logits: list = [None] * len(reqs)
         confidences = [list(conf) for _, _, _, conf, _ in plan]
         drafting = [i for i, (src, depth, _, _, _) in enumerate(plan) if src == "model" and depth]
+        failed: dict[int, Exception] = {}
         if drafting:
             depths = [plan[i][1] for i in drafting]
             rows = [reqs[i] for i in drafting]
-            for r in rows:
-                self._flush_pending(r)
             dev = self._draft_device
             anchors = torch.tensor([r.anchor for r in rows], device=dev)
             positions = torch.tensor([r.pos for r in rows], device=dev)
             temps = torch.tensor([r.req.params.temperature for r in rows])
             top_p = torch.tensor([r.req.params.top_p for r in rows])
             gens = [r.gen for r in rows]
-            if len(rows) == 1:
-                prop = self.drafter.propose_block(rows[0].draft_state, anchors, positions,
-                                                  depths[0], temps, gens, top_p)
-            else:
-                # each row draws only its own depth's worth of randomness: a request's output
-                # never depends on who else is in the batch
-                prop = self.drafter.propose_block_batch([r.draft_state for r in rows], anchors,
-                                                        positions, max(depths), temps, gens, top_p,
-                                                        torch.tensor(depths))
-            for j, (i, d) in enumerate(zip(drafting, depths)):
-                tokens[i] = prop.tokens[j, :d].tolist()
-                if prop.probs is not None:
-                    probs[i] = prop.probs[j, :d]
-                if prop.confidence_logits is not None:
-                    z = prop.confidence_logits[j, :d]
-                    conf_logits[i] = z.tolist()
-                    confidences[i] = self.drafter.calibrated_confidence(z.float()).tolist()
+            try:
+                props = [self._propose(rows, anchors, positions, depths, temps, gens, top_p)]
+                owners = [list(range(len(rows)))]
+            except Exception:  # noqa: BLE001 - find the request(s) at fault, row by row
+                logger.exception("batched drafting failed; retrying its %d rows one by one",
+                                 len(rows))
+                props, owners = [], []
+                for j, r in enumerate(rows):
+                    sl = slice(j, j + 1)
+                    try:
+                        props.append(self._propose([r], anchors[sl], positions[sl], depths[sl],
+                                                   temps[sl], gens[sl], top_p[sl]))
+                        owners.append([j])
+                    except Exception as err:  # noqa: BLE001 - only this request fails
+                        failed[drafting[j]] = err
+            for prop, js in zip(props, owners):
+                for jj, j in enumerate(js):
+                    i, d = drafting[j], depths[j]
+                    tokens[i] = prop.tokens[jj, :d].tolist()
+                    if prop.probs is not None:
+                        probs[i] = prop.probs[jj, :d]
+                    if prop.confidence_logits is not None:
+                        z = prop.confidence_logits[jj, :d]
+                        conf_logits[i] = z.tolist()
+                        confidences[i] = self.drafter.calibrated_confidence(z.float()).tolist()
+        results = []
+        if failed:
+            for i in sorted(failed, reverse=True):
+                results.append(self._fail(reqs[i], failed[i], "drafting"))
+                for seq in (reqs, tokens, probs, conf_logits, confidences, plan, caps):
+                    del seq[i]
+            if not reqs:
+                return results
         lengths = self._schedule(confidences, [len(t) for t in tokens])
         t1 = time.perf_counter()
         verify_in = [[r.anchor] + tokens[i][:lengths[i]] for i, r in enumerate(reqs)]
         outs = self.target.forward_batch([r.kv for r in reqs], verify_in,
                                          with_features=self.drafter is not None)
         self.stats.batch_tokens += sum(len(v) for v in verify_in)
-        results = []
         for i, (r, o) in enumerate(zip(reqs, outs)):
-            l, (source, _, _, _, probed) = lengths[i], plan[i]
-            draft = torch.tensor(tokens[i][:l], dtype=torch.long)
-            n, nxt = self._verify(r, draft, None if probs[i] is None else probs[i][:l], o.logits,
-                                  one_hot=source == "lookup")
-            committed = draft[:n].tolist() + [nxt]
-            before = len(r.output)
-            results.append(self._commit(r, committed))
-            kept = len(r.output) - before
-            t2 = time.perf_counter()
-            r.rounds.append(RoundRecord(len(tokens[i]), l, min(n, kept), kept, t1 - t0, t2 - t1,
-                                        conf_logits[i], source if tokens[i] else None))
-            self.stats.record_round(len(tokens[i]), l, min(n, kept), kept)
-            if r.finish_reason is not None:
-                self.running.remove(r)
-                continue
-            self._learn(r, source, caps[i], confidences[i], l, n, probed)
-            # keep the anchor and the accepted drafts; rejected positions never enter a cache
-            o.keep(n + 1)
-            if self.drafter is not None:
-                self._add_pending(r, r.pos, o.features[:n + 1], committed)
-            if r.lookup is not None:
-                r.lookup.extend(committed)
-            r.anchor, r.pos = nxt, r.pos + n + 1
+            try:
+                out = self._finish_round(r, o, lengths[i], plan[i], tokens[i], probs[i],
+                                         conf_logits[i], confidences[i], caps[i], t0, t1)
+            except Exception as err:  # noqa: BLE001 - this request fails, the engine goes on
+                out = self._fail(r, err, "verification")
+            results.append(out)
         self._stale.append(confidences)
         return results
+
+    def _propose(self, rows: list[_Request], anchors, positions, depths: list[int], temps, gens,
+                 top_p):
+        """One drafter call for ``rows`` (their pending context extended first)."""
+        for r in rows:
+            self._flush_pending(r)
+        if len(rows) == 1:
+            return self.drafter.propose_block(rows[0].draft_state, anchors, positions, depths[0],
+                                              temps, gens, top_p)
+        # each row draws only its own depth's worth of randomness: a request's output never
+        # depends on who else is in the batch
+        return self.drafter.propose_block_batch([r.draft_state for r in rows], anchors, positions,
+                                                max(depths), temps, gens, top_p,
+                                                torch.tensor(depths))
+
+    def _finish_round(self, r: _Request, o, l: int, plan_row, row_tokens: list[int], row_probs,
+                      row_conf_logits, row_confidences: list[float], cap: int, t0: float,
+                      t1: float) -> RequestOutput:
+        """Verify, commit and book-keep one request's round (everything that is its own)."""
+        source, probed = plan_row[0], plan_row[4]
+        draft = torch.tensor(row_tokens[:l], dtype=torch.long)
+        n, nxt = self._verify(r, draft, None if row_probs is None else row_probs[:l], o.logits,
+                              one_hot=source == "lookup")
+        committed = draft[:n].tolist() + [nxt]
+        before = len(r.output)
+        out = self._commit(r, committed)
+        kept = len(r.output) - before
+        t2 = time.perf_counter()
+        r.rounds.append(RoundRecord(len(row_tokens), l, min(n, kept), kept, t1 - t0, t2 - t1,
+                                    row_conf_logits, source if row_tokens else None))
+        self.stats.record_round(len(row_tokens), l, min(n, kept), kept)
+        if r.finish_reason is not None:
+            self.running.remove(r)
+            return out
+        self._learn(r, source, cap, row_confidences, l, n, probed)
+        # keep the anchor and the accepted drafts; rejected positions never enter a cache
+        o.keep(n + 1)
+        if self.drafter is not None:
+            self._add_pending(r, r.pos, o.features[:n + 1], committed)
+        if r.lookup is not None:
+            r.lookup.extend(committed)
+        r.anchor, r.pos = nxt, r.pos + n + 1
+        return out
 
     def _learn(self, r: _Request, source, cap: int, confidences: list[float], verified: int,
                accepted: int, probed: bool) -> None:

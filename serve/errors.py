@@ -18,6 +18,14 @@ class RequestError(ValueError):
         self.field = field
 
 
+class RequestFailedError(RequestError):
+    """One request failed inside the engine (its sampling, stopping or detokenising raised); the
+    engine ended that request alone and goes on serving the others. HTTP 500 by default."""
+
+    def __init__(self, message: str, status: int = 500, field: str | None = None):
+        super().__init__(message, status, field)
+
+
 class EngineDeadError(RuntimeError):
     """The engine loop failed; every in-flight request is failed with this error and the
     deployment's health check reports unhealthy."""

@@ -21,6 +21,7 @@ class SpecDecodeStats:
     positions 1..k all accepted."""
 
     steps: int = 0
+    failed_requests: int = 0  # ended by an error in their own processing (the engine went on)
     rounds: int = 0
     committed_tokens: int = 0
     drafted_tokens: int = 0

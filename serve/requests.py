@@ -77,8 +77,8 @@ class RequestOutput:
     new_token_ids: tokens committed this step (after stop truncation); new_text: their text delta
     (never splits a multi-byte character, never repeats earlier text, excludes a matched stop
     string); finished / finish_reason: ``"stop"`` (EOS, stop token or stop string), ``"length"``
-    (max_tokens) or ``"abort"``; num_prompt_tokens / num_generated_tokens: usage so far (emitted
-    tokens only).
+    (max_tokens), ``"abort"`` or ``"error"``; num_prompt_tokens / num_generated_tokens: usage so
+    far (emitted tokens only); error: why the request failed (finish_reason "error"), else None.
     """
 
     request_id: str
@@ -88,3 +88,4 @@ class RequestOutput:
     finish_reason: str | None
     num_prompt_tokens: int
     num_generated_tokens: int
+    error: RequestError | None = None

@@ -330,3 +330,44 @@ def test_tiny_temperature_is_greedy_and_never_nan(varied_target):
     for bad in (math.inf, math.nan):
         with pytest.raises(RequestError, match="temperature"):
             engine.add_request(EngineRequest("x", [1], SamplingParams(4, temperature=bad)))
+
+
+# ----------------------------------------------------------------------------- failure isolation
+@pytest.mark.parametrize("where", ["detokenize", "drafting"])
+def test_one_request_failing_in_its_own_processing_never_harms_the_others(varied_target,
+                                                                          corrupted_table, where):
+    """A bug hit by one request (its detokenizer raises, or its drafter state is broken) ends that
+    request with an error output (finish_reason "error", HTTP 500 RequestFailedError); the other
+    requests of the same batch finish with the target's exact greedy output, and the engine keeps
+    serving new requests."""
+    from serve.errors import RequestFailedError
+
+    d = oracle_drafter(varied_target, corrupted_table, "markov", 4)
+    engine = _engine(varied_target, d, "fixed", max_num_requests=4)
+    prompts = {"a": [3, 1, 4], "bad": [1, 5, 9], "c": [2, 6, 5]}
+    for rid, p in prompts.items():
+        engine.add_request(EngineRequest(rid, p, SamplingParams(12, 0.0)))
+    outs = {rid: [] for rid in prompts}
+    final = {}
+    for out in engine.step():  # prefill: everyone gets a first token
+        outs[out.request_id] += out.new_token_ids
+    bad = next(r for r in engine.running if r.req.request_id == "bad")
+    if where == "detokenize":
+        def broken(tokens):
+            raise UnicodeError("a detokenizer bug")
+        bad.detok = type("Broken", (), {"add": staticmethod(broken)})()
+    else:
+        bad.draft_state = None  # its drafter context is gone: extending it raises
+    while engine.has_unfinished():
+        for out in engine.step():
+            outs[out.request_id] += out.new_token_ids
+            if out.finished:
+                final[out.request_id] = out
+    assert final["bad"].finish_reason == "error"
+    assert isinstance(final["bad"].error, RequestFailedError) and final["bad"].error.status == 500
+    for rid in ("a", "c"):
+        assert outs[rid] == greedy_reference(varied_target, prompts[rid], 12), rid
+        assert final[rid].finish_reason == "length" and final[rid].error is None
+    assert engine.stats.failed_requests == 1
+    later = engine.generate([EngineRequest("later", [7, 7, 2], SamplingParams(6, 0.0))])[0]
+    assert later.tokens == greedy_reference(varied_target, [7, 7, 2], 6)
