@@ -32,7 +32,7 @@ import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 MAX_STOP_STRINGS = 4  # OpenAI: "Up to 4 sequences where the API will stop generating"
@@ -107,13 +107,28 @@ def from_validation_error(err: ValidationError) -> APIError:
 
 
 # ------------------------------------------------------------------------------------ requests
-class StreamOptions(BaseModel):
+class _NullMeansDefault(BaseModel):
+    """The OpenAI API marks optional request fields nullable and clients send ``null`` for "use
+    the default": an explicit null of an optional field is read as the field left out. A required
+    field stays required (``"model": null`` is still a 400 naming it)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_default(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        fields = cls.model_fields
+        return {k: v for k, v in data.items()
+                if not (v is None and k in fields and not fields[k].is_required())}
+
+
+class StreamOptions(_NullMeansDefault):
     model_config = ConfigDict(extra="forbid")
     include_usage: bool = Field(False, description="Send a last chunk with usage (tokens) and "
                                 "no choices before ``data: [DONE]``.")
 
 
-class _SamplingFields(BaseModel):
+class _SamplingFields(_NullMeansDefault):
     """Fields shared by both endpoints (OpenAI semantics, defaults filled by the server)."""
 
     model_config = ConfigDict(extra="forbid")

@@ -101,3 +101,18 @@ def test_responses_parse_with_the_official_client_types():
     assert types.Completion.model_validate(comp.model_dump()).choices[0].finish_reason == "length"
     models = ModelList(data=[ModelCard(id="m", created=1)]).model_dump()
     assert types.Model.model_validate(models["data"][0]).id == "m"
+
+
+@pytest.mark.parametrize("cls, base", [(ChatCompletionRequest, {"messages": MSG}),
+                                       (CompletionRequest, {"prompt": "hi"})])
+def test_null_optional_fields_mean_their_defaults_on_both_endpoints(cls, base):
+    """Clients send null for "default" (the OpenAI API marks these fields nullable)."""
+    nulls = {name: None for name, f in cls.model_fields.items()
+             if not f.is_required() and name not in base}
+    req = cls.model_validate({"model": "m", **base, **nulls})
+    default = cls.model_validate({"model": "m", **base})
+    assert req == default and req.stream is False and req.n == 1
+    opts = cls.model_validate({"model": "m", **base, "stream": True,
+                               "stream_options": {"include_usage": None}})
+    assert opts.stream and not opts.include_usage
+    assert _error(cls, model=None, **base).param == "model"  # required stays required
