@@ -101,22 +101,11 @@ class DSparkConfig(PretrainedConfig):
         self._validate()
 
     def _validate(self) -> None:
-        if self.drafter_type not in ("dspark", "dflash", "eagle3"):
-            raise ValueError(f"drafter_type must be 'dspark', 'dflash' or 'eagle3', got "
-                             f"{self.drafter_type!r}")
-        if self.head_type not in ("markov", "rnn", "none"):
-            raise ValueError(f"head_type must be 'markov', 'rnn' or 'none', got {self.head_type!r}")
-        if self.drafter_type != "dspark" and (self.head_type != "none" or self.confidence_head):
-            raise ValueError(f"a {self.drafter_type} drafter has no sequential or confidence head: "
-                             "set head_type='none' and confidence_head=False")
-        if self.confidence_head and self.head_type == "none":
-            raise ValueError("the confidence head (Eq. 7) reads the sequential head's embedding "
-                             "W1[x_{k-1}]: it needs head_type 'markov' or 'rnn'")
+        check_drafter_kind(self.drafter_type, self.head_type, self.confidence_head,
+                           self.block_size)
         if not 0 <= self.draft_vocab_size <= self.target_vocab_size:
             raise ValueError(f"draft_vocab_size must be in [0, {self.target_vocab_size}] (0 = the "
                              f"full vocabulary), got {self.draft_vocab_size}")
-        if self.block_size < 1:
-            raise ValueError(f"block_size must be >= 1, got {self.block_size}")
         ids = list(self.target_layer_ids)
         if not ids or sorted(set(ids)) != ids or ids[0] < 0:
             raise ValueError(f"target_layer_ids must be non-empty, distinct, ascending and >= 0, "
@@ -148,3 +137,30 @@ class DSparkConfig(PretrainedConfig):
     def num_context_layers(self) -> int:
         """m, the number of target layers concatenated into the context features."""
         return len(self.target_layer_ids)
+
+
+MAX_BLOCK_SIZE = 32  # gamma beyond this is outside what the drafters are built and tested for
+
+
+def check_drafter_kind(drafter_type: str, head_type: str, confidence_head: bool,
+                       block_size: int) -> None:
+    """The rules on which heads a drafter type has, and on gamma; shared by the model config and
+    the pipeline's ``drafter`` section so both reject the same inputs with the same words.
+
+    Raises:
+        ValueError: an unknown type or head, heads on a drafter that has none, a confidence head
+            without a sequential head, or block_size outside [1, MAX_BLOCK_SIZE].
+    """
+    if drafter_type not in ("dspark", "dflash", "eagle3"):
+        raise ValueError(f"drafter_type must be 'dspark', 'dflash' or 'eagle3', got "
+                         f"{drafter_type!r}")
+    if head_type not in ("markov", "rnn", "none"):
+        raise ValueError(f"head_type must be 'markov', 'rnn' or 'none', got {head_type!r}")
+    if drafter_type != "dspark" and (head_type != "none" or confidence_head):
+        raise ValueError(f"a {drafter_type} drafter has no sequential or confidence head: "
+                         "set head_type 'none' and confidence_head false")
+    if confidence_head and head_type == "none":
+        raise ValueError("the confidence head (Eq. 7) reads the sequential head's embedding "
+                         "W1[x_{k-1}]: it needs head_type 'markov' or 'rnn'")
+    if not 1 <= block_size <= MAX_BLOCK_SIZE:
+        raise ValueError(f"block_size must be in [1, {MAX_BLOCK_SIZE}], got {block_size}")

@@ -104,7 +104,7 @@ class DrafterSection(Strict):
     drafter_type: Literal["dspark", "dflash", "eagle3"] = "dspark"
     num_layers: int = Field(5, ge=1, description="Backbone layers of DSpark/DFlash.")
     eagle3_num_layers: int = Field(1, ge=1, description="Decoder layers of an Eagle3 drafter.")
-    block_size: int = Field(7, ge=1, le=32)
+    block_size: int = Field(7, ge=1, description="gamma (at most drafters.config.MAX_BLOCK_SIZE).")
     head_type: Literal["markov", "rnn", "none"] = "markov"
     markov_rank: int = Field(256, ge=1)
     confidence_head: bool = True
@@ -119,11 +119,10 @@ class DrafterSection(Strict):
 
     @model_validator(mode="after")
     def _consistent(self):
-        if self.drafter_type != "dspark" and (self.head_type != "none" or self.confidence_head):
-            raise ValueError(f"drafter_type {self.drafter_type!r} needs head_type 'none' and "
-                             "confidence_head false")
-        if self.confidence_head and self.head_type == "none":
-            raise ValueError("confidence_head needs head_type 'markov' or 'rnn'")
+        from drafters.config import check_drafter_kind
+
+        check_drafter_kind(self.drafter_type, self.head_type, self.confidence_head,
+                           self.block_size)
         if self.init == "target_layers" and self.drafter_type == "eagle3":
             raise ValueError("init 'target_layers' is for the DSpark/DFlash backbone (an Eagle3 "
                              "layer reads a 2H-wide input)")
