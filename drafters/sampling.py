@@ -11,20 +11,27 @@ import torch
 
 
 def warped_probs(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor,
-                 top_k: torch.Tensor | None = None) -> torch.Tensor:
-    """softmax(logits / T) restricted to the top-k tokens, then to the top-p nucleus of what is
-    left, renormalised, per row: the one definition of sampling warps (the target's sampling,
-    the drafter's and rejection sampling all use it, so draft and target agree exactly).
+                 top_k: torch.Tensor | None = None,
+                 min_p: torch.Tensor | None = None) -> torch.Tensor:
+    """softmax(logits / T), then min-p (drop tokens below min_p times the most likely one's
+    probability), then top-k, then the top-p nucleus of what is left, renormalised, per row (vLLM's
+    order): the one definition of sampling warps (the target's sampling, the drafter's and
+    rejection sampling all use it).
 
     Args:
         logits: [B, V] (any float dtype; computed in fp32).
         temperature: fp32 [B], > 0.
         top_p: fp32 [B] in (0, 1]; the most likely token is always kept.
         top_k: int64 [B] or None; 0 = no top-k limit.
+        min_p: fp32 [B] in [0, 1] or None; 0 = no min-p filter.
     Returns:
         fp32 [B, V], rows summing to 1.
     """
     probs = torch.softmax(logits.float() / temperature[:, None], dim=-1)
+    if min_p is not None and bool((min_p > 0).any()):
+        floor = min_p.to(probs.device)[:, None] * probs.max(-1, keepdim=True).values
+        probs = probs.masked_fill(probs < floor, 0.0)
+        probs = probs / probs.sum(-1, keepdim=True)
     limit_k = top_k is not None and bool(((top_k > 0) & (top_k < probs.shape[-1])).any())
     if limit_k or bool((top_p < 1).any()):
         sorted_p, order = probs.sort(dim=-1, descending=True)

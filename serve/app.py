@@ -358,7 +358,10 @@ class SpecServer:
         return SamplingParams(max_tokens=max_tokens,
                               temperature=1.0 if body.temperature is None else body.temperature,
                               top_p=1.0 if body.top_p is None else body.top_p, seed=body.seed,
-                              stop=body.stop_strings())
+                              stop=body.stop_strings(), top_k=body.top_k or 0,
+                              min_p=body.min_p or 0.0, min_tokens=body.min_tokens or 0,
+                              ignore_eos=bool(body.ignore_eos),
+                              stop_token_ids=tuple(body.stop_token_ids or ()))
 
     async def _serve(self, body, prompt_ids: list[int], chat: bool, arrival_s: float):
         params = self._sampling_params(body, len(prompt_ids), chat)

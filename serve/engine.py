@@ -159,6 +159,10 @@ class SpecEngine:
             raise RequestError(f"prompt ({len(request.prompt_ids)} tokens) + max_tokens "
                                f"({p.max_tokens}) exceeds the model length {self.max_model_len}",
                                status=413, field="max_tokens")
+        vocab = self.target.model.config.vocab_size
+        if any(t >= vocab for t in p.stop_token_ids):
+            raise RequestError(f"stop_token_ids must be below the vocabulary size {vocab}",
+                               field="stop_token_ids")
         if p.stop and self.tokenizer is None:
             raise RequestError("stop strings need an engine with a tokenizer", field="stop")
         if len(self.waiting) >= self.config.max_waiting + max(
@@ -462,11 +466,10 @@ class SpecEngine:
         """Rejection-sample the round; ``one_hot``: the draft is deterministic (prompt lookup),
         so its draft distribution puts probability 1 on each drafted token."""
         p = r.req.params
+        logits = self._mask_early_stops(r, logits)
         if p.temperature <= 0:
             return verify_greedy(draft, logits)
-        rows = logits.shape[0]
-        target_probs = warped_probs(logits, torch.full((rows,), p.temperature, device=logits.device),
-                                    torch.full((rows,), p.top_p, device=logits.device))
+        target_probs = self._target_probs(r, logits)
         if one_hot:
             draft_probs = torch.zeros_like(target_probs[:draft.numel()])
             draft_probs[torch.arange(draft.numel()), draft.to(draft_probs.device)] = 1.0
@@ -476,12 +479,37 @@ class SpecEngine:
 
     def _sample_one(self, r: _Request, logits: torch.Tensor) -> int:
         p = r.req.params
+        logits = self._mask_early_stops(r, logits[None])
         if p.temperature <= 0:
-            return int(logits.argmax())
-        dev = logits.device
-        probs = warped_probs(logits[None], torch.tensor([p.temperature], device=dev),
-                             torch.tensor([p.top_p], device=dev))
+            return int(logits[0].argmax())
+        probs = self._target_probs(r, logits)
         return int(torch.multinomial(probs[0].cpu(), 1, generator=r.gen))
+
+    def _target_probs(self, r: _Request, logits: torch.Tensor) -> torch.Tensor:
+        """The request's warped target distribution, fp32 [rows, V] (temperature, min_p, top_k,
+        top_p: ``drafters.sampling.warped_probs``)."""
+        p, rows, dev = r.req.params, logits.shape[0], logits.device
+        return warped_probs(logits, torch.full((rows,), p.temperature, device=dev),
+                            torch.full((rows,), p.top_p, device=dev),
+                            torch.full((rows,), p.top_k, device=dev, dtype=torch.long)
+                            if p.top_k else None,
+                            torch.full((rows,), p.min_p, device=dev) if p.min_p else None)
+
+    def _mask_early_stops(self, r: _Request, logits: torch.Tensor) -> torch.Tensor:
+        """min_tokens: the target may not emit EOS or a stop token id at the rows [rows, V] whose
+        token would be output number < min_tokens (row j emits output number len(output) + j).
+        Masking the target's own distribution keeps verification exact."""
+        p = r.req.params
+        masked = min(logits.shape[0], p.min_tokens - len(r.output))
+        if masked <= 0:
+            return logits
+        banned = torch.tensor(sorted(self.eos | set(p.stop_token_ids)), dtype=torch.long,
+                              device=logits.device)
+        if banned.numel() == 0:
+            return logits
+        logits = logits.clone()
+        logits[:masked, banned] = float("-inf")
+        return logits
 
     def _commit(self, r: _Request, tokens: list[int]) -> RequestOutput:
         """Append committed tokens, ending exactly at EOS / a stop token (included), a stop string
@@ -491,7 +519,7 @@ class SpecEngine:
         keep = tokens[:room]
         reason = "length" if len(tokens) >= room else None
         for i, tok in enumerate(keep):
-            if tok in self.eos or tok in p.stop_token_ids:
+            if (tok in self.eos and not p.ignore_eos) or tok in p.stop_token_ids:
                 keep, reason = keep[:i + 1], "stop"
                 break
         text = ""

@@ -10,7 +10,10 @@ arguments the caller passes, no extra fields by default):
 
 * supported: ``model``, ``prompt`` / ``messages``, ``max_tokens`` (chat also
   ``max_completion_tokens``), ``temperature``, ``top_p``, ``seed``, ``stop``, ``stream``,
-  ``stream_options.include_usage``, ``n`` (only 1), ``user``;
+  ``stream_options.include_usage``, ``n`` (only 1), ``user``, and vLLM's extra sampling fields
+  ``top_k``, ``min_p``, ``min_tokens``, ``ignore_eos``, ``stop_token_ids`` (all lossless under
+  speculative decoding: they shape the target's distribution, which verification samples from);
+* ``null`` in any optional field means its default (the OpenAI API marks them nullable);
 * accepted and ignored (no effect on decoding): ``store``, ``metadata``, ``service_tier``,
   ``prompt_cache_key``, ``safety_identifier``, ``parallel_tool_calls``;
 * accepted only at their neutral value, else 400 naming the field: ``frequency_penalty``,
@@ -146,6 +149,16 @@ class _SamplingFields(_NullMeansDefault):
     stream_options: StreamOptions | None = None
     n: int = Field(1, description="Choices per request; only 1 is supported.")
     user: str | None = Field(None, max_length=256, description="End-user id (metrics tag).")
+    # vLLM's extra sampling fields
+    top_k: int | None = Field(None, ge=-1, description="Keep the k most likely tokens; -1 or 0 = "
+                              "all (default).")
+    min_p: float | None = Field(None, ge=0.0, le=1.0, description="Drop tokens below min_p times "
+                                "the most likely token's probability; default 0.")
+    min_tokens: int | None = Field(None, ge=0, description="EOS and stop_token_ids cannot end the "
+                                   "output before this many tokens; default 0.")
+    ignore_eos: bool | None = Field(None, description="Keep generating after EOS; default false.")
+    stop_token_ids: list[int] | None = Field(None, max_length=64, description="Token ids that end "
+                                             "the output (included).")
     # accepted only at their neutral values
     frequency_penalty: float | None = None
     presence_penalty: float | None = None

@@ -20,9 +20,14 @@ class SamplingParams:
 
     max_tokens: hard cap on generated tokens (>= 1); temperature: 0 (or anything below
     ``GREEDY_TEMPERATURE_EPS`` = 1e-5) = greedy, else the sampling temperature of target and
-    drafter alike (finite); top_p: nucleus mass in (0, 1]; seed: seeds this
-    request's own RNG (None = engine-chosen); stop: strings that end the output (not included);
-    stop_token_ids: extra token ids that end the output (included, like EOS).
+    drafter alike (finite); top_p: nucleus mass in (0, 1]; top_k: keep the k most likely tokens
+    (0 or -1 = all); min_p: drop tokens below min_p times the most likely one's probability
+    (0 = off); seed: seeds this request's own RNG (None = engine-chosen); stop: strings that end the
+    output (not included); stop_token_ids: extra token ids that end the output (included, like
+    EOS); min_tokens: EOS and stop_token_ids cannot be generated before this many tokens (the
+    target's distribution is masked there, so speculative decoding stays lossless); ignore_eos:
+    EOS does not end the output (max_tokens or a stop still does). The sampling warps apply to the
+    target's distribution in the order temperature, min_p, top_k, top_p (vLLM's).
     """
 
     max_tokens: int = 256
@@ -31,6 +36,10 @@ class SamplingParams:
     seed: int | None = None
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
+    top_k: int = 0
+    min_p: float = 0.0
+    min_tokens: int = 0
+    ignore_eos: bool = False
 
     def validate(self) -> None:
         """Raises:
@@ -44,6 +53,16 @@ class SamplingParams:
             raise RequestError(f"top_p must be in (0, 1], got {self.top_p}", field="top_p")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise RequestError("stop strings must be non-empty strings", field="stop")
+        if self.top_k < -1:
+            raise RequestError(f"top_k must be -1 or 0 (all tokens) or >= 1, got {self.top_k}",
+                               field="top_k")
+        if not (0.0 <= self.min_p <= 1.0):  # also refuses NaN
+            raise RequestError(f"min_p must be in [0, 1], got {self.min_p}", field="min_p")
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            raise RequestError(f"min_tokens must be in [0, max_tokens={self.max_tokens}], got "
+                               f"{self.min_tokens}", field="min_tokens")
+        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+            raise RequestError("stop_token_ids must be token ids >= 0", field="stop_token_ids")
 
     def normalized(self) -> "SamplingParams":
         """Validated parameters with a temperature below ``GREEDY_TEMPERATURE_EPS`` made exactly
@@ -53,9 +72,12 @@ class SamplingParams:
             RequestError: see :meth:`validate`.
         """
         self.validate()
+        out = self
         if 0 < self.temperature < GREEDY_TEMPERATURE_EPS:
-            return replace(self, temperature=0.0)
-        return self
+            out = replace(out, temperature=0.0)
+        if self.top_k == -1:
+            out = replace(out, top_k=0)
+        return out
 
 
 @dataclass

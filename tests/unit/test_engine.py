@@ -371,3 +371,97 @@ def test_one_request_failing_in_its_own_processing_never_harms_the_others(varied
     assert engine.stats.failed_requests == 1
     later = engine.generate([EngineRequest("later", [7, 7, 2], SamplingParams(6, 0.0))])[0]
     assert later.tokens == greedy_reference(varied_target, [7, 7, 2], 6)
+
+
+# ----------------------------------------------------------------------------- request fields
+def test_min_tokens_ignore_eos_and_stop_token_ids_inside_accepted_blocks(varied_target,
+                                                                         corrupted_table):
+    """Greedy, with a drafter whose blocks are mostly accepted: EOS and stop token ids are masked
+    out of the target's distribution until min_tokens (reference: a plain masked argmax loop),
+    ignore_eos decodes through EOS, and a stop token id inside a block ends the output there."""
+    d = oracle_drafter(varied_target, corrupted_table, "markov", 4)
+    prompt = [5, 17, 33]
+    ref = greedy_reference(varied_target, prompt, 30)
+    eos = ref[1]  # the target's second greedy token
+
+    def masked_reference(n, min_tokens, banned):
+        ids, out = list(prompt), []
+        for i in range(n):
+            logits = varied_target(input_ids=torch.tensor([ids])).logits[0, -1]
+            if i < min_tokens:
+                logits[list(banned)] = float("-inf")
+            tok = int(logits.argmax())
+            out.append(tok)
+            ids.append(tok)
+            if tok in banned and i >= min_tokens:
+                break
+        return out
+
+    for scheduler in ("fixed", "dspark"):
+        engine = _engine(varied_target, d, scheduler, eos=[eos])
+        plain, _ = _run(engine, {0: [EngineRequest("a", prompt, SamplingParams(30, 0.0))]})
+        assert plain["a"] == ref[:2]  # EOS ends the output
+        done = engine.generate([EngineRequest("m", prompt, SamplingParams(
+            30, 0.0, min_tokens=6))])[0]
+        expect = masked_reference(30, 6, {eos})
+        assert done.tokens == expect and eos not in done.tokens[:6]
+        through = engine.generate([EngineRequest("i", prompt, SamplingParams(
+            30, 0.0, ignore_eos=True))])[0]
+        assert through.tokens == ref and through.finish_reason == "length"
+        stop_tok = ref[9]
+        stopped = engine.generate([EngineRequest("s", prompt, SamplingParams(
+            30, 0.0, ignore_eos=True, stop_token_ids=(stop_tok,)))])[0]
+        assert stopped.tokens == ref[:ref.index(stop_tok) + 1] and stopped.finish_reason == "stop"
+
+
+def test_top_k_min_p_and_min_tokens_keep_sampling_lossless(sampling_pair):
+    """Speculative sampling with top_k, min_p and min_tokens (EOS and a stop token id masked for
+    the first tokens): the joint law of the first three tokens is the warped, masked target's
+    (exact enumeration, chi-square)."""
+    import itertools
+
+    from drafters.sampling import warped_probs
+
+    target, d = sampling_pair
+    v = target.config.vocab_size
+    prompt = [3, 7, 2, 9, 5]
+    eos, stop_id = 0, 1
+    params = dict(temperature=1.0, top_k=6, min_p=0.05, min_tokens=2, stop_token_ids=(stop_id,))
+
+    def probs(seqs, masked):
+        logits = target(input_ids=torch.tensor(seqs)).logits[:, -1].float()
+        if masked:
+            logits[:, [eos, stop_id]] = float("-inf")
+        n = logits.shape[0]
+        return warped_probs(logits, torch.ones(n), torch.ones(n), torch.full((n,), 6),
+                            torch.full((n,), 0.05)).double()
+
+    with torch.no_grad():
+        p1 = probs([prompt], True)[0]
+        p2 = probs([prompt + [a] for a in range(v)], True)
+        p3 = probs([prompt + [a, b] for a, b in itertools.product(range(v), repeat=2)],
+                   False).view(v, v, v)
+    exact = (p1[:, None, None] * p2[:, :, None] * p3).numpy()
+    engine = SpecEngine(TargetRunner(target, d.config.target_layer_ids), d, [eos],
+                        EngineConfig(scheduler="dspark", max_num_requests=6, max_waiting=2000),
+                        sps=SPS)
+    states = []
+    for i in range(1500):
+        engine.add_request(EngineRequest(f"s{i}", prompt, SamplingParams(4, seed=i, **params)))
+        states.append(engine.waiting[-1])
+    while engine.has_unfinished():
+        engine.step()
+    counts = np.zeros((v, v, v))
+    for st in states:
+        toks = st.output + [eos] * 3  # an output ended by EOS / the stop id at token 3
+        counts[tuple(toks[:3])] += 1
+    assert _pooled_chisquare(counts, exact) > 1e-3
+    assert engine.stats.verified_tokens > 0
+
+
+def test_stop_token_ids_outside_the_vocabulary_are_refused(varied_target):
+    engine = _engine(varied_target, None, "none")
+    with pytest.raises(RequestError, match="stop_token_ids"):
+        engine.add_request(EngineRequest("x", [1], SamplingParams(4, stop_token_ids=(10**6,))))
+    with pytest.raises(RequestError, match="min_tokens"):
+        engine.add_request(EngineRequest("y", [1], SamplingParams(4, min_tokens=5)))

@@ -116,3 +116,14 @@ def test_null_optional_fields_mean_their_defaults_on_both_endpoints(cls, base):
                                "stream_options": {"include_usage": None}})
     assert opts.stream and not opts.include_usage
     assert _error(cls, model=None, **base).param == "model"  # required stays required
+
+
+def test_vllm_sampling_fields_parse_and_are_checked():
+    req = ChatCompletionRequest.model_validate({
+        "model": "m", "messages": MSG, "top_k": 20, "min_p": 0.05, "min_tokens": 3,
+        "ignore_eos": True, "stop_token_ids": [7, 9]})
+    assert (req.top_k, req.min_p, req.min_tokens, req.ignore_eos, req.stop_token_ids) == \
+        (20, 0.05, 3, True, [7, 9])
+    assert _error(ChatCompletionRequest, model="m", messages=MSG, top_k=-2).param == "top_k"
+    assert _error(CompletionRequest, model="m", prompt="p", min_p=1.5).param == "min_p"
+    assert _error(CompletionRequest, model="m", prompt="p", min_tokens=-1).param == "min_tokens"
