@@ -50,8 +50,8 @@ from .metrics import SpecDecodeStats
 from .openai_protocol import (SSE_DONE, APIError, AssistantMessage, ChatChoice, ChatChunkChoice,
                               ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse,
                               CompletionChoice, CompletionRequest, CompletionResponse,
-                              DeltaMessage, ModelCard, ModelList, Usage, new_id, now_s, sse,
-                              validation_error)
+                              DeltaMessage, ModelCard, ModelList, Usage, chat_logprobs,
+                              completion_logprobs, new_id, now_s, sse, validation_error)
 from .requests import EngineRequest, RequestOutput, SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -361,7 +361,8 @@ class SpecServer:
                               stop=body.stop_strings(), top_k=body.top_k or 0,
                               min_p=body.min_p or 0.0, min_tokens=body.min_tokens or 0,
                               ignore_eos=bool(body.ignore_eos),
-                              stop_token_ids=tuple(body.stop_token_ids or ()))
+                              stop_token_ids=tuple(body.stop_token_ids or ()),
+                              logprobs=body.requested_logprobs())
 
     async def _serve(self, body, prompt_ids: list[int], chat: bool, arrival_s: float):
         params = self._sampling_params(body, len(prompt_ids), chat)
@@ -379,24 +380,31 @@ class SpecServer:
                 stream, request_id, created, body.include_usage, timer)
             return StreamingResponse(events, media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
-        text, last = await self._collect(stream, timer, chat)
+        text, last, logprobs = await self._collect(stream, timer, chat)
         usage = Usage.of(stream.num_prompt_tokens, last.num_generated_tokens)
+        wants = params.logprobs is not None
         if chat:
             return ChatCompletionResponse(
                 id=request_id, created=created, model=self.model_name, usage=usage,
                 choices=[ChatChoice(message=AssistantMessage(content=text),
+                                    logprobs=chat_logprobs(logprobs, self._token_text)
+                                    if wants else None,
                                     finish_reason=last.finish_reason)]).model_dump()
         return CompletionResponse(
             id=request_id, created=created, model=self.model_name, usage=usage,
-            choices=[CompletionChoice(text=text, finish_reason=last.finish_reason)]).model_dump()
+            choices=[CompletionChoice(text=text, finish_reason=last.finish_reason,
+                                      logprobs=completion_logprobs(logprobs, self._token_text)
+                                      if wants else None)]).model_dump()
 
     async def _collect(self, stream: RequestStream, timer: _RequestTimer, chat: bool):
-        """All of a request's text; a cancelled handler (client gone) aborts it."""
-        pieces, last = [], None
+        """All of a request's text, its last output and its token logprobs (when asked); a
+        cancelled handler (client gone) aborts it."""
+        pieces, last, logprobs = [], None, []
         try:
             async for out in stream:
                 timer.observe(out)
                 pieces.append(out.new_text)
+                logprobs += out.logprobs or []
                 last = out
         except EngineDeadError as err:
             raise _dead_error(err) from err
@@ -405,14 +413,20 @@ class SpecServer:
         finally:
             stream.abort()  # no-op once finished
             timer.finish(last)
-        return "".join(pieces), last
+        return "".join(pieces), last, logprobs
+
+    def _token_text(self, token_id: int) -> str:
+        """One token's text (logprobs entries)."""
+        return self.tokenizer.decode([token_id])
 
     async def _chat_events(self, stream: RequestStream, request_id: str, created: int,
                            include_usage: bool, timer: _RequestTimer):
-        def chunk(delta: DeltaMessage, finish_reason=None, usage=None, choices=True):
+        def chunk(delta: DeltaMessage, finish_reason=None, usage=None, choices=True,
+                  logprobs=None):
             return sse(ChatCompletionChunk(
                 id=request_id, created=created, model=self.model_name, usage=usage,
-                choices=[ChatChunkChoice(delta=delta, finish_reason=finish_reason)]
+                choices=[ChatChunkChoice(delta=delta, finish_reason=finish_reason,
+                                         logprobs=logprobs)]
                 if choices else []))
 
         last = None
@@ -421,8 +435,10 @@ class SpecServer:
             async for out in stream:
                 timer.observe(out)
                 last = out
-                if out.new_text:
-                    yield chunk(DeltaMessage(content=out.new_text))
+                if out.new_text or out.logprobs:
+                    yield chunk(DeltaMessage(content=out.new_text),
+                                logprobs=chat_logprobs(out.logprobs, self._token_text)
+                                if out.logprobs is not None else None)
                 if out.finished:
                     yield chunk(DeltaMessage(), finish_reason=out.finish_reason)
             if include_usage and last is not None:
@@ -441,19 +457,24 @@ class SpecServer:
 
     async def _completion_events(self, stream: RequestStream, request_id: str, created: int,
                                  include_usage: bool, timer: _RequestTimer):
-        def chunk(text: str, finish_reason=None, usage=None, choices=True):
+        def chunk(text: str, finish_reason=None, usage=None, choices=True, logprobs=None):
             return sse(CompletionResponse(
                 id=request_id, created=created, model=self.model_name, usage=usage,
-                choices=[CompletionChoice(text=text, finish_reason=finish_reason)]
+                choices=[CompletionChoice(text=text, finish_reason=finish_reason,
+                                          logprobs=logprobs)]
                 if choices else []))
 
-        last = None
+        last, offset = None, 0
         try:
             async for out in stream:
                 timer.observe(out)
                 last = out
-                if out.new_text or out.finished:
-                    yield chunk(out.new_text, finish_reason=out.finish_reason)
+                if out.new_text or out.finished or out.logprobs:
+                    lp = None
+                    if out.logprobs is not None:
+                        lp = completion_logprobs(out.logprobs, self._token_text, offset)
+                        offset += sum(len(t) for t in lp.tokens)
+                    yield chunk(out.new_text, finish_reason=out.finish_reason, logprobs=lp)
             if include_usage and last is not None:
                 yield chunk("", choices=False,
                             usage=Usage.of(stream.num_prompt_tokens, last.num_generated_tokens))

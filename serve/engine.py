@@ -38,7 +38,7 @@ from .errors import RequestError, RequestFailedError
 from .lookup import NgramIndex
 from .metrics import SpecDecodeStats
 from .rejection import verify_greedy, verify_sampled
-from .requests import EngineRequest, RequestOutput
+from .requests import EngineRequest, RequestOutput, TokenLogprob
 from .target_runner import TargetKV, TargetRunner
 
 logger = logging.getLogger(__name__)
@@ -236,7 +236,7 @@ class SpecEngine:
                     if self.lookup_n:
                         r.lookup = NgramIndex(r.req.prompt_ids + [tok], self.lookup_n,
                                               self.config.prompt_lookup_min_ngram)
-                results.append(self._commit(r, [tok]))
+                results.append(self._commit(r, [tok], self._logprobs(r, o.logits[-1:], [tok])))
             except Exception as err:  # noqa: BLE001 - this request fails, the engine goes on
                 results.append(self._fail(r, err, "prefill"))
                 continue
@@ -403,7 +403,7 @@ class SpecEngine:
                               one_hot=source == "lookup")
         committed = draft[:n].tolist() + [nxt]
         before = len(r.output)
-        out = self._commit(r, committed)
+        out = self._commit(r, committed, self._logprobs(r, o.logits[:n + 1], committed))
         kept = len(r.output) - before
         t2 = time.perf_counter()
         r.rounds.append(RoundRecord(len(row_tokens), l, min(n, kept), kept, t1 - t0, t2 - t1,
@@ -511,9 +511,26 @@ class SpecEngine:
         logits[:masked, banned] = float("-inf")
         return logits
 
-    def _commit(self, r: _Request, tokens: list[int]) -> RequestOutput:
+    def _logprobs(self, r: _Request, logits: torch.Tensor, tokens: list[int]):
+        """TokenLogprob of each token (row j of ``logits`` [len(tokens), V] predicted tokens[j]),
+        from the raw target logits of the verification pass; None unless the request asked."""
+        k = r.req.params.logprobs
+        if k is None:
+            return None
+        lp = torch.log_softmax(logits.float(), dim=-1)
+        chosen = lp[torch.arange(len(tokens), device=lp.device),
+                    torch.tensor(tokens, device=lp.device)].tolist()
+        if k:
+            values, ids = lp.topk(k, dim=-1)
+            tops = [tuple(zip(i, v)) for i, v in zip(ids.tolist(), values.tolist())]
+        else:
+            tops = [()] * len(tokens)
+        return [TokenLogprob(t, c, top) for t, c, top in zip(tokens, chosen, tops)]
+
+    def _commit(self, r: _Request, tokens: list[int], logprobs=None) -> RequestOutput:
         """Append committed tokens, ending exactly at EOS / a stop token (included), a stop string
-        (excluded from the text; tokens after the one completing it are dropped) or max_tokens."""
+        (excluded from the text; tokens after the one completing it are dropped) or max_tokens;
+        ``logprobs`` (one per token, or None) are trimmed alike."""
         p = r.req.params
         room = p.max_tokens - len(r.output)
         keep = tokens[:room]
@@ -534,7 +551,8 @@ class SpecEngine:
         r.text += text
         r.finish_reason = reason
         return RequestOutput(r.req.request_id, keep, text, reason is not None, reason,
-                             len(r.req.prompt_ids), len(r.output))
+                             len(r.req.prompt_ids), len(r.output),
+                             logprobs=None if logprobs is None else logprobs[:len(keep)])
 
     def generate(self, requests: list[EngineRequest]) -> list["Completion"]:
         """Offline use: add ``requests``, step until all finish, return them in order.

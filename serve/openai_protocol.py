@@ -16,10 +16,12 @@ arguments the caller passes, no extra fields by default):
 * ``null`` in any optional field means its default (the OpenAI API marks them nullable);
 * accepted and ignored (no effect on decoding): ``store``, ``metadata``, ``service_tier``,
   ``prompt_cache_key``, ``safety_identifier``, ``parallel_tool_calls``;
+* ``logprobs`` (completions: 0-20 alternatives; chat: ``logprobs`` + ``top_logprobs`` 0-20): the
+  target's log probabilities of the emitted tokens, from the verification pass (raw model
+  distribution, as vLLM's default);
 * accepted only at their neutral value, else 400 naming the field: ``frequency_penalty``,
-  ``presence_penalty`` (0), ``logit_bias`` (empty), ``logprobs`` / ``top_logprobs`` /
-  ``echo`` / ``suffix`` / ``best_of``, ``tools`` (empty) / ``tool_choice`` ("none"),
-  ``response_format`` (``{"type": "text"}``);
+  ``presence_penalty`` (0), ``logit_bias`` (empty), ``echo`` / ``suffix`` / ``best_of``,
+  ``tools`` (empty) / ``tool_choice`` ("none"), ``response_format`` (``{"type": "text"}``);
 * anything else: 400 ``Unrecognized request argument supplied: <field>`` (the message the OpenAI
   API itself answers with), so a typo such as ``max_token`` never silently falls back to a
   default.
@@ -38,6 +40,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+MAX_TOP_LOGPROBS = 20  # alternatives per token (OpenAI's chat limit; serve.requests.MAX_LOGPROBS)
 MAX_STOP_STRINGS = 4  # OpenAI: "Up to 4 sequences where the API will stop generating"
 
 # HTTP status -> OpenAI error "type"
@@ -211,6 +214,10 @@ class _SamplingFields(_NullMeansDefault):
     def requested_max_tokens(self) -> int | None:
         return self.max_tokens
 
+    def requested_logprobs(self) -> int | None:
+        """Alternatives per emitted token to return log probabilities for; None = no logprobs."""
+        return None
+
 
 class CompletionRequest(_SamplingFields):
     """``POST /v1/completions`` body: one prompt (text, or token ids), one choice."""
@@ -240,10 +247,13 @@ class CompletionRequest(_SamplingFields):
 
     @field_validator("logprobs")
     @classmethod
-    def _no_logprobs(cls, v):
-        if v is not None:
-            raise ValueError("logprobs are not supported by this server")
+    def _logprobs_range(cls, v):
+        if v is not None and not 0 <= v <= MAX_TOP_LOGPROBS:
+            raise ValueError(f"logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {v}")
         return v
+
+    def requested_logprobs(self) -> int | None:
+        return self.logprobs
 
     @field_validator("suffix")
     @classmethod
@@ -296,19 +306,21 @@ class ChatCompletionRequest(_SamplingFields):
     parallel_tool_calls: bool | None = None
     response_format: dict[str, Any] | None = None
 
-    @field_validator("logprobs")
-    @classmethod
-    def _no_logprobs(cls, v):
-        if v:
-            raise ValueError("logprobs are not supported by this server")
-        return v
-
     @field_validator("top_logprobs")
     @classmethod
-    def _no_top_logprobs(cls, v):
-        if v:
-            raise ValueError("top_logprobs are not supported by this server")
+    def _top_logprobs_range(cls, v):
+        if v is not None and not 0 <= v <= MAX_TOP_LOGPROBS:
+            raise ValueError(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {v}")
         return v
+
+    @model_validator(mode="after")
+    def _top_needs_logprobs(self):
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs: true")
+        return self
+
+    def requested_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     @field_validator("tools")
     @classmethod
@@ -355,10 +367,61 @@ class Usage(BaseModel):
 FinishReason = Literal["stop", "length"]
 
 
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatTokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
+
+
+class ChatLogprobs(BaseModel):
+    """Chat ``choices[].logprobs``: one entry per emitted token."""
+
+    content: list[ChatTokenLogprob] | None = None
+    refusal: list[ChatTokenLogprob] | None = None
+
+
+class CompletionLogprobs(BaseModel):
+    """Legacy completions ``choices[].logprobs``."""
+
+    tokens: list[str] = Field(default_factory=list)
+    token_logprobs: list[float] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float]] = Field(default_factory=list)
+    text_offset: list[int] = Field(default_factory=list)
+
+
+def chat_logprobs(items, token_text) -> ChatLogprobs:
+    """``items``: ``serve.requests.TokenLogprob`` s; ``token_text``: id -> its text."""
+    def entry(tid: int, lp: float) -> dict:
+        text = token_text(tid)
+        return {"token": text, "logprob": lp, "bytes": list(text.encode("utf-8"))}
+
+    return ChatLogprobs(content=[
+        ChatTokenLogprob(**entry(it.token_id, it.logprob),
+                         top_logprobs=[TopLogprob(**entry(t, lp)) for t, lp in it.top])
+        for it in items])
+
+
+def completion_logprobs(items, token_text, text_offset: int = 0) -> CompletionLogprobs:
+    """Legacy form of the same; ``text_offset`` is where the first token's text starts."""
+    out = CompletionLogprobs()
+    for it in items:
+        text = token_text(it.token_id)
+        out.tokens.append(text)
+        out.token_logprobs.append(it.logprob)
+        out.top_logprobs.append({token_text(t): lp for t, lp in it.top})
+        out.text_offset.append(text_offset)
+        text_offset += len(text)
+    return out
+
+
 class CompletionChoice(BaseModel):
     index: int = 0
     text: str
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
     finish_reason: FinishReason | None = None
 
 
@@ -381,7 +444,7 @@ class AssistantMessage(BaseModel):
 class ChatChoice(BaseModel):
     index: int = 0
     message: AssistantMessage
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: FinishReason
 
 
@@ -402,7 +465,7 @@ class DeltaMessage(BaseModel):
 class ChatChunkChoice(BaseModel):
     index: int = 0
     delta: DeltaMessage
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: FinishReason | None = None
 
 

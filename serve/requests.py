@@ -12,6 +12,17 @@ from .errors import RequestError
 # Temperatures below this are greedy (vLLM's _SAMPLING_EPS): dividing logits by ~1e-38 overflows
 # to inf and the softmax to NaN, which must never reach the sampler.
 GREEDY_TEMPERATURE_EPS = 1e-5
+MAX_LOGPROBS = 20  # alternatives per token (OpenAI's top_logprobs limit)
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """The target's log probability (natural log, raw model distribution) of one emitted token and
+    of its most likely alternatives: ``top`` is [(token id, logprob)] best first."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -24,7 +35,10 @@ class SamplingParams:
     (0 or -1 = all); min_p: drop tokens below min_p times the most likely one's probability
     (0 = off); seed: seeds this request's own RNG (None = engine-chosen); stop: strings that end the
     output (not included); stop_token_ids: extra token ids that end the output (included, like
-    EOS); min_tokens: EOS and stop_token_ids cannot be generated before this many tokens (the
+    EOS); logprobs: None, or k >= 0: return the target's log probability of every emitted token
+    and of its k most likely alternatives (raw model distribution, from the verification pass;
+    at most ``MAX_LOGPROBS``); min_tokens: EOS and stop_token_ids cannot be generated before this
+    many tokens (the
     target's distribution is masked there, so speculative decoding stays lossless); ignore_eos:
     EOS does not end the output (max_tokens or a stop still does). The sampling warps apply to the
     target's distribution in the order temperature, min_p, top_k, top_p (vLLM's).
@@ -40,6 +54,7 @@ class SamplingParams:
     min_p: float = 0.0
     min_tokens: int = 0
     ignore_eos: bool = False
+    logprobs: int | None = None
 
     def validate(self) -> None:
         """Raises:
@@ -61,6 +76,9 @@ class SamplingParams:
         if not 0 <= self.min_tokens <= self.max_tokens:
             raise RequestError(f"min_tokens must be in [0, max_tokens={self.max_tokens}], got "
                                f"{self.min_tokens}", field="min_tokens")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise RequestError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}",
+                               field="logprobs")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             raise RequestError("stop_token_ids must be token ids >= 0", field="stop_token_ids")
 
@@ -111,3 +129,4 @@ class RequestOutput:
     num_prompt_tokens: int
     num_generated_tokens: int
     error: RequestError | None = None
+    logprobs: list[TokenLogprob] | None = None  # one per new token, when the request asked

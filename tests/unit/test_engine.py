@@ -465,3 +465,45 @@ def test_stop_token_ids_outside_the_vocabulary_are_refused(varied_target):
         engine.add_request(EngineRequest("x", [1], SamplingParams(4, stop_token_ids=(10**6,))))
     with pytest.raises(RequestError, match="min_tokens"):
         engine.add_request(EngineRequest("y", [1], SamplingParams(4, min_tokens=5)))
+
+
+def test_logprobs_come_from_the_verification_pass_and_equal_target_only_ones(varied_target,
+                                                                             corrupted_table):
+    """fp32: the log probabilities (and top alternatives) the speculative engine returns for each
+    emitted token equal those of target-only decoding, and equal log_softmax of a plain forward
+    pass (no serve/ code) at that position; min_tokens-trimmed and stop-trimmed outputs carry
+    exactly one entry per emitted token."""
+    d = oracle_drafter(varied_target, corrupted_table, "markov", 4)
+    prompt = [4, 8, 15, 16]
+    params = SamplingParams(14, 0.0, logprobs=3)
+
+    def collect(engine):
+        engine.add_request(EngineRequest("a", prompt, params))
+        tokens, lps = [], []
+        while engine.has_unfinished():
+            for out in engine.step():
+                tokens += out.new_token_ids
+                assert out.logprobs is not None and len(out.logprobs) == len(out.new_token_ids)
+                lps += out.logprobs
+        return tokens, lps
+
+    spec_tokens, spec = collect(_engine(varied_target, d, "fixed"))
+    alone_tokens, alone = collect(_engine(varied_target, None, "none"))
+    assert spec_tokens == alone_tokens
+    assert engine_rounds_verified_blocks(d, varied_target, prompt) > 0
+    ids = list(prompt)
+    for tok, s_lp, a_lp in zip(spec_tokens, spec, alone):
+        with torch.no_grad():
+            ref = torch.log_softmax(varied_target(input_ids=torch.tensor([ids])).logits[0, -1], -1)
+        assert s_lp.token_id == tok and s_lp.logprob == pytest.approx(float(ref[tok]), abs=1e-4)
+        assert s_lp.logprob == pytest.approx(a_lp.logprob, abs=1e-4)
+        assert [t for t, _ in s_lp.top] == ref.topk(3).indices.tolist()
+        ids.append(tok)
+
+
+def engine_rounds_verified_blocks(drafter, target, prompt) -> int:
+    """Draft tokens a fixed-gamma engine verified on ``prompt`` (the test above must exercise
+    multi-token verification, not only one-token steps)."""
+    engine = _engine(target, drafter, "fixed")
+    engine.generate([EngineRequest("v", prompt, SamplingParams(14, 0.0))])
+    return engine.stats.verified_tokens

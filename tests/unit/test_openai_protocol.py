@@ -127,3 +127,38 @@ def test_vllm_sampling_fields_parse_and_are_checked():
     assert _error(ChatCompletionRequest, model="m", messages=MSG, top_k=-2).param == "top_k"
     assert _error(CompletionRequest, model="m", prompt="p", min_p=1.5).param == "min_p"
     assert _error(CompletionRequest, model="m", prompt="p", min_tokens=-1).param == "min_tokens"
+
+
+def test_logprobs_requests_and_responses_parse_with_the_official_client_types():
+    from openai.types import completion as completion_types
+    from openai.types.chat import chat_completion as chat_types
+
+    from serve.openai_protocol import chat_logprobs, completion_logprobs
+    from serve.requests import TokenLogprob
+
+    chat = ChatCompletionRequest.model_validate({"model": "m", "messages": MSG, "logprobs": True,
+                                                 "top_logprobs": 2})
+    assert chat.requested_logprobs() == 2
+    assert ChatCompletionRequest.model_validate(
+        {"model": "m", "messages": MSG}).requested_logprobs() is None
+    assert "logprobs" in _error(ChatCompletionRequest, model="m", messages=MSG,
+                                top_logprobs=2).message
+    assert CompletionRequest.model_validate({"model": "m", "prompt": "p",
+                                             "logprobs": 0}).requested_logprobs() == 0
+    assert _error(CompletionRequest, model="m", prompt="p", logprobs=21).param == "logprobs"
+    items = [TokenLogprob(5, -0.1, ((5, -0.1), (6, -2.5))), TokenLogprob(7, -1.0, ((8, -0.7),))]
+    text = {5: "he", 6: "ha", 7: "llo", 8: "lp"}.__getitem__
+    resp = ChatCompletionResponse(
+        id="x", created=1, model="m", usage=Usage.of(1, 2),
+        choices=[ChatChoice(message=AssistantMessage(content="hello"),
+                            logprobs=chat_logprobs(items, text), finish_reason="stop")])
+    parsed = chat_types.ChatCompletion.model_validate(resp.model_dump())
+    content = parsed.choices[0].logprobs.content
+    assert [c.token for c in content] == ["he", "llo"] and content[1].logprob == -1.0
+    assert content[0].top_logprobs[1].token == "ha" and content[0].bytes == [104, 101]
+    comp = CompletionResponse(id="x", created=1, model="m", usage=Usage.of(1, 2), choices=[
+        CompletionChoice(text="hello", logprobs=completion_logprobs(items, text),
+                         finish_reason="stop")])
+    lp = completion_types.Completion.model_validate(comp.model_dump()).choices[0].logprobs
+    assert lp.tokens == ["he", "llo"] and lp.text_offset == [0, 2]
+    assert lp.top_logprobs[0] == {"he": -0.1, "ha": -2.5}
