@@ -23,6 +23,7 @@ class SpecDecodeStats:
     steps: int = 0
     failed_requests: int = 0  # ended by an error in their own processing (the engine went on)
     rounds: int = 0
+    drafted_rounds: int = 0  # rounds that proposed at least one draft token (vLLM's "drafts")
     committed_tokens: int = 0
     drafted_tokens: int = 0
     verified_tokens: int = 0
@@ -34,6 +35,7 @@ class SpecDecodeStats:
 
     def record_round(self, drafted: int, verified: int, accepted: int, committed: int) -> None:
         self.rounds += 1
+        self.drafted_rounds += drafted > 0
         self.drafted_tokens += drafted
         self.verified_tokens += verified
         self.accepted_tokens += accepted

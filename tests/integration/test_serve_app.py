@@ -297,7 +297,9 @@ def test_greedy_http_output_is_target_greedy_and_usage_counts_emitted_tokens(
     ({"top_p": 0}, 400, "top_p"),
     ({"max_tokens": 0}, 400, "max_tokens"),
     ({"max_tokenz": 5}, 400, "max_tokenz"),  # unknown fields are named, never ignored
-    ({"logprobs": True}, 400, "logprobs"),
+    ({"top_logprobs": 2}, 400, "top_logprobs"),  # without logprobs: true
+    ({"min_tokens": 9}, 400, "min_tokens"),  # above max_tokens
+    ({"presence_penalty": 1.0}, 400, "presence_penalty"),
     ({"model": "gpt-4o"}, 404, "model"),
     ({"max_tokens": 5000}, 413, "max_tokens"),  # tiny target: 1024 positions
 ])
@@ -309,6 +311,28 @@ def test_invalid_requests_get_openai_error_bodies(http, payload, status, param):
     err = r.json()["error"]
     assert set(err) == {"message", "type", "param", "code"} and err["param"] == param
     assert param in err["message"] or status == 404
+
+
+def test_null_fields_logprobs_and_vllm_sampling_fields_over_http(server, http):
+    """Fields sent as null mean their defaults; logprobs come back parsed by the official client,
+    one per emitted token; top_k / min_p / min_tokens / ignore_eos are accepted end to end."""
+    r = http.post("/v1/chat/completions", json={
+        "model": MODEL, "messages": MESSAGES, "max_tokens": 5, "temperature": 0,
+        "stream": None, "top_p": None, "stop": None, "stream_options": None, "user": None})
+    assert r.status_code == 200, r.text
+    openai = pytest.importorskip("openai")
+    client = openai.OpenAI(base_url=f"{server}/v1", api_key="unused", max_retries=0)
+    out = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=5,
+                                         temperature=0, logprobs=True, top_logprobs=2)
+    content = out.choices[0].logprobs.content
+    assert len(content) == out.usage.completion_tokens
+    assert all(c.logprob <= 0 and len(c.top_logprobs) == 2 for c in content)
+    assert content[0].logprob == pytest.approx(content[0].top_logprobs[0].logprob)  # greedy
+    comp = client.completions.create(model=MODEL, prompt="Once upon", max_tokens=4,
+                                     temperature=1.0, logprobs=1, seed=3,
+                                     extra_body={"top_k": 5, "min_p": 0.01, "min_tokens": 4,
+                                                 "ignore_eos": True})
+    assert comp.usage.completion_tokens == 4 and len(comp.choices[0].logprobs.tokens) == 4
 
 
 def test_malformed_json_and_empty_prompt(http):
