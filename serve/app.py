@@ -115,7 +115,8 @@ class ServeMetrics:
     Request level (vLLM's names): ``vllm_e2e_request_latency_seconds``,
     ``vllm_time_to_first_token_seconds``, ``vllm_time_per_output_token_seconds`` (after the first
     token), ``vllm_request_prompt_tokens``, ``vllm_request_generation_tokens``,
-    ``vllm_request_success_total`` (tag ``finished_reason``: stop, length, abort, error).
+    ``vllm_request_success`` (Prometheus: ``ray_vllm_request_success_total``, tag
+    ``finished_reason``: stop, length, abort, error).
     Gauges: ``dspark_num_waiting_requests``, ``dspark_num_running_requests``,
     ``dspark_engine_alive`` (1/0). Every tag takes a bounded set of values (no free-form user
     label).
@@ -156,7 +157,7 @@ class ServeMetrics:
         self.generation_tokens = m.Histogram("vllm_request_generation_tokens",
                                              boundaries=TOKEN_BUCKETS,
                                              description="Generated tokens per request.")
-        self.finished = m.Counter("vllm_request_success_total", tag_keys=("finished_reason",),
+        self.finished = m.Counter("vllm_request_success", tag_keys=("finished_reason",),
                                   description="Finished requests by finish reason.")
         self.waiting = m.Gauge("dspark_num_waiting_requests", description="Engine queue length.")
         self.running = m.Gauge("dspark_num_running_requests", description="Requests decoding.")
