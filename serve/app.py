@@ -33,6 +33,7 @@ counters a ``_total`` suffix): see :class:`ServeMetrics`.
 
 import asyncio
 import logging
+import os
 import time
 
 from fastapi import FastAPI, Request
@@ -70,6 +71,7 @@ def load_engine(cfg: ServeConfig):
         FileNotFoundError: target or drafter missing (path named).
         ValueError: the drafter was trained for another target (each mismatch named), or the
             scheduler needs a confidence head the drafter lacks.
+        RuntimeError: the config asks for a GPU and this process sees none.
     """
     import torch
 
@@ -78,9 +80,14 @@ def load_engine(cfg: ServeConfig):
 
     if cfg.num_threads:
         torch.set_num_threads(cfg.num_threads)
+    device = cfg.torch_device()
+    if device == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError(f"this replica asked for num_gpus={cfg.num_gpus} but sees no CUDA device "
+                           f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r}, "
+                           f"torch {torch.__version__}, CUDA build: {torch.version.cuda})")
     target = resolve(cfg.target) if _is_path(cfg.target) else cfg.target
     models = load_models(target, cfg.dtype, resolve(cfg.drafter) if cfg.drafter else None,
-                         allow_name_mismatch=cfg.allow_target_name_mismatch)
+                         allow_name_mismatch=cfg.allow_target_name_mismatch, device=device)
     start = time.perf_counter()
     engine = build_engine(models, cfg.engine)
     if engine.sps is not None:
@@ -540,5 +547,6 @@ def build_app(args: dict) -> Application:
     max_ongoing = cfg.max_ongoing_requests or (cfg.engine.max_num_requests
                                                + cfg.engine.max_waiting + 16)
     return SpecServer.options(max_ongoing_requests=max_ongoing,
-                              ray_actor_options={"num_cpus": cfg.num_cpus}
+                              ray_actor_options={"num_cpus": cfg.num_cpus,
+                                                 "num_gpus": cfg.num_gpus}
                               ).bind(cfg.model_dump(mode="json"))

@@ -99,6 +99,12 @@ class ServeConfig(BaseModel):
     num_threads: int | None = Field(None, ge=1, description="torch intra-op threads per replica "
                                     "(CPU); None = torch's default.")
     num_cpus: float = Field(1.0, gt=0, description="Logical CPUs Ray reserves per replica.")
+    num_gpus: float = Field(0.0, ge=0, description="GPUs Ray reserves per replica (fractions "
+                            "share one); > 0 puts target and drafter on CUDA, and a replica that "
+                            "asked for a GPU but sees none fails at start-up.")
+    device: Literal["auto", "cpu", "cuda"] = Field(
+        "auto", description="Where target and drafter run: auto = cuda when num_gpus > 0, else "
+        "cpu. cuda with num_gpus 0 is refused (Ray would not schedule the replica on a GPU).")
     default_max_tokens: int = Field(256, ge=1, description="max_tokens when a request omits it "
                                     "(tokens); clipped to the room left in the model length.")
     max_ongoing_requests: int | None = Field(
@@ -108,6 +114,20 @@ class ServeConfig(BaseModel):
     metrics_interval_s: float = Field(1.0, gt=0, description="Seconds between engine-counter "
                                       "exports to Ray's metrics.")
     engine: EngineConfig = Field(default_factory=EngineConfig)
+
+    @model_validator(mode="after")
+    def _device_matches_gpus(self) -> "ServeConfig":
+        if self.device == "cuda" and self.num_gpus == 0:
+            raise ValueError("device 'cuda' needs num_gpus > 0 (Ray places the replica on a GPU "
+                             "only when it reserves one)")
+        if self.device == "cpu" and self.num_gpus > 0:
+            raise ValueError("num_gpus > 0 with device 'cpu' reserves a GPU the replica never uses")
+        return self
+
+    def torch_device(self) -> str:
+        """"cuda" or "cpu" for this replica."""
+        return "cuda" if self.device == "cuda" or (self.device == "auto" and self.num_gpus > 0) \
+            else "cpu"
 
     def model_name(self) -> str:
         if self.served_model_name:

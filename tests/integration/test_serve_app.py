@@ -184,6 +184,27 @@ def test_quickstart_serve_config_is_a_valid_serve_config():
         build_app({**app.args, "engine": {"max_num_request": 4}})
 
 
+def test_gpu_serve_config_reserves_a_gpu_and_a_replica_without_one_fails_loudly(monkeypatch):
+    import torch
+    import yaml
+    from ray.serve.schema import ServeDeploySchema
+
+    from pipeline.storage import project_root
+    from serve.app import ServeConfig, build_app, load_engine
+
+    raw = yaml.safe_load((project_root() / "infra" / "configs" / "serve_gpu.yaml").read_text())
+    (app,) = ServeDeploySchema.model_validate(raw).applications
+    cfg = ServeConfig.model_validate(app.args)
+    assert cfg.num_gpus == 1 and cfg.torch_device() == "cuda"
+    bound = build_app(app.args)
+    assert bound._bound_deployment.ray_actor_options["num_gpus"] == 1
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # this machine's truth anyway
+    with pytest.raises(RuntimeError, match="num_gpus=1.0 but sees no CUDA device"):
+        load_engine(cfg)
+    with pytest.raises(ValueError, match="needs num_gpus > 0"):
+        ServeConfig.model_validate({**app.args, "num_gpus": 0, "device": "cuda"})
+
+
 @pytest.fixture(scope="module")
 def server(ray_local, tiny_target_dir, drafter_dir):
     """The app on 127.0.0.1:<free port>: dspark scheduler, 2 requests decoded together, no
