@@ -311,6 +311,8 @@ def _heldout_prompts(ctx: StageContext, limit: int) -> list[str]:
 def stage_calibrate(ctx: StageContext) -> dict:
     import ray
 
+    from .tracking import log_calibration, log_drafter_artifact, open_run
+
     from .calibrate import collect_rounds, fit_and_report
 
     _require(ctx, "train")
@@ -323,12 +325,22 @@ def stage_calibrate(ctx: StageContext) -> dict:
         template_kwargs=ctx.cfg.target.chat_template_kwargs,
         prompts=_heldout_prompts(ctx, c.max_prompts), temperature=c.temperature,
         max_new_tokens=c.max_new_tokens, seed=ctx.cfg.seed, num_threads=c.num_threads))
-    summary = fit_and_report(collected, ctx.stage_dir("calibrate"), drafter_dir, ctx.cfg.seed)
+    out = ctx.stage_dir("calibrate")
+    summary = fit_and_report(collected, out, drafter_dir, ctx.cfg.seed)
+    run = open_run(ctx.cfg.wandb.model_dump(), ctx.run_dir, ctx.run_dir.name, "calibrate")
+    if run is not None:
+        log_calibration(run, summary.get("report") or {}, out)
+        log_drafter_artifact(run, out / "drafter", f"drafter-calibrated-{ctx.run_dir.name}",
+                             {"sts_temperatures": summary.get("temperatures"),
+                              "calibrated": summary["calibrated"]})
+        run.finish()
     return {k: v for k, v in summary.items() if k != "report"}
 
 
 def stage_eval(ctx: StageContext) -> dict:
     import ray
+
+    from .tracking import log_evaluation, open_run
 
     from .evaluate import evaluate, load_eval_prompts, render_report_md
     from .plots import conditional_acceptance_plot, threshold_sweep_plot
@@ -359,6 +371,10 @@ def stage_eval(ctx: StageContext) -> dict:
         for name, sweep in sweeps:
             threshold_sweep_plot(sweep, out / f"threshold_sweep_{name}_T{temp}.png",
                                  title=f"Static confidence threshold, {name}, T = {temp}")
+    run = open_run(ctx.cfg.wandb.model_dump(), ctx.run_dir, ctx.run_dir.name, "eval")
+    if run is not None:
+        log_evaluation(run, report, out)
+        run.finish()
     return {"domains": report["domains"],
             **{name: {t: {"tau": round(s["tau"], 3),
                           "speedup": None if s["speedup"] is None else round(s["speedup"], 3)}

@@ -254,10 +254,18 @@ def train_loop_per_worker(loop_cfg: dict) -> None:
     if rank == 0 and loop_cfg["wandb"]["mode"] != "disabled":
         import wandb
 
+        # one W&B run per run directory: resumes and later stages log into it (pipeline/tracking.py)
+        manifest = loop_cfg["manifest"]
         run = wandb.init(project=loop_cfg["wandb"]["project"], entity=loop_cfg["wandb"]["entity"],
                          mode=loop_cfg["wandb"]["mode"], dir=loop_cfg["wandb_dir"],
-                         config={"train": tc, "drafter": loop_cfg["drafter"]},
-                         name=loop_cfg["run_name"], resume="allow")
+                         id=loop_cfg["wandb_run_id"], resume="allow", job_type="train",
+                         name=loop_cfg["run_name"],
+                         config={"train": tc.model_dump(), "drafter": dsec.model_dump(),
+                                 "target": loop_cfg["target"], "layer_ids": loop_cfg["layer_ids"],
+                                 "cache_manifest": {k: manifest.get(k) for k in (
+                                     "target", "layer_ids", "splits", "max_length",
+                                     "template_sha256", "draft_vocab_coverage")},
+                                 "draft_vocab_size": len(loop_cfg["draft_vocab"] or [])})
     if rank == 0:
         from tqdm import tqdm
 
@@ -475,6 +483,7 @@ def run_train(*, cache_dir: str, manifest: dict, out_dir: Path, target: str, lay
     from ray.train.torch import TorchTrainer
 
     from . import storage
+    from .tracking import log_drafter_artifact, open_run, run_id
 
     rows = manifest["splits"]["train"]["rows"]
     per_epoch = steps_per_epoch(rows, train.global_batch_size)
@@ -507,7 +516,7 @@ def run_train(*, cache_dir: str, manifest: dict, out_dir: Path, target: str, lay
         "storage_options": storage_options, "resume_from": resume,
         "init_from": storage.resolve(train.init_from) if train.init_from else None,
         "wandb": wandb_cfg, "wandb_dir": str(wandb_dir), "run_name": run_name,
-        "draft_vocab": draft_vocab,
+        "draft_vocab": draft_vocab, "wandb_run_id": run_id(out_dir.parent),
         "torch_extensions_dir": os.environ.get(
             "TORCH_EXTENSIONS_DIR", str(Path.home() / ".cache" / "dspark_ray" / "torch_extensions")),
     }
@@ -529,6 +538,11 @@ def run_train(*, cache_dir: str, manifest: dict, out_dir: Path, target: str, lay
         if dest.exists():
             shutil.rmtree(dest)
         shutil.copytree(Path(ckpt) / "drafter", dest)
+    run = open_run(wandb_cfg, out_dir.parent, run_name, "train")
+    if run is not None:  # the trained drafter as a model artifact of the run directory's W&B run
+        log_drafter_artifact(run, dest, f"drafter-{run_name}", {"steps": total,
+                                                                "target": target})
+        run.finish()
         if vocab_report:
             (dest / "draft_vocab.json").write_text(json.dumps(vocab_report, indent=1))
     return {"steps": total, "rows": rows, "metrics": result.metrics or {}, "resumed_from": resume,

@@ -57,6 +57,13 @@ def test_end_to_end_smoke_and_rerun(tmp_path, tiny_target_dir):
     assert "| gsm8k | 1.0 | 2 |" in (run / "eval" / "report.md").read_text()
     assert report["domains"]["1.0"]["math"] == cell["1.0"]["tau"]
     assert (run / "eval" / "conditional_acceptance_T1.0.png").stat().st_size > 0
+    # W&B (offline): training, its artifact, calibration and eval all log into one run id
+    rid = (run / "wandb_run_id").read_text().strip()
+    runs = sorted((run / "train" / "wandb" / "wandb").glob("offline-run-*"))
+    assert len(runs) >= 4 and all(r.name.endswith(rid) for r in runs), [r.name for r in runs]
+    logged = b"".join(f.read_bytes() for r in runs for f in r.glob("*.wandb"))
+    for needle in (b"drafter-run", b"eval/results", b"cache_manifest"):
+        assert needle in logged, needle
 
     # re-running is cheap and duplicates nothing
     before = (run / "generate" / "train.jsonl").read_text()
