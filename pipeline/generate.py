@@ -30,7 +30,7 @@ class GenerateUDF:
                  num_threads: int | None, max_prompt_tokens: int, seed: int):
         import torch
 
-        from serve.target_loading import load_target, load_tokenizer
+        from serve.target_loading import eos_token_ids, load_target, load_tokenizer
 
         if num_threads:
             torch.set_num_threads(num_threads)
@@ -38,6 +38,9 @@ class GenerateUDF:
         self.tokenizer = load_tokenizer(target)
         self.tokenizer.padding_side = "left"
         self.model = load_target(target, dtype)
+        # the same end tokens serving stops on (tokenizer EOS + the model's generation config:
+        # Qwen3 lists two), so no training answer runs past an end token serving would stop at
+        self.eos_ids = eos_token_ids(self.tokenizer, self.model)
         self.sampling = sampling
         self.template_kwargs = template_kwargs
         self.max_prompt_tokens = max_prompt_tokens
@@ -55,7 +58,8 @@ class GenerateUDF:
         torch = self.torch
         s = self.sampling
         width = max(len(p) for p in prompts)
-        pad, eos = self.tokenizer.pad_token_id, self.tokenizer.eos_token_id
+        pad = self.tokenizer.pad_token_id
+        eos = torch.tensor(self.eos_ids, device=self.device)
         ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=self.device)
         attn = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts],
                             device=self.device)
@@ -72,7 +76,7 @@ class GenerateUDF:
                 tok, _ = sample_rows(out.logits[:, -1], s["temperature"], s["top_p"],
                                      top_k=s["top_k"])
                 generated[rows, step] = tok
-                live = tok != eos
+                live = ~torch.isin(tok, eos)
                 if not bool(live.any()):
                     break
                 if not bool(live.all()):  # drop finished rows so later steps cost less
@@ -84,10 +88,12 @@ class GenerateUDF:
                 out = self.model(input_ids=tok[:, None], attention_mask=attn, position_ids=pos,
                                  cache=cache, use_cache=True)
         texts, reasons = [], []
+        ends = set(self.eos_ids)
         for row in generated[:, :step + 1].tolist():
-            finished = eos in row
+            cut = next((i for i, t in enumerate(row) if t in ends), None)
+            finished = cut is not None
             if finished:
-                row = row[:row.index(eos)]
+                row = row[:cut]
             texts.append(self.tokenizer.decode(row, skip_special_tokens=True).strip())
             reasons.append("stop" if finished else "length")
         return texts, reasons

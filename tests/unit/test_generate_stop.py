@@ -1,0 +1,39 @@
+"""The generate stage stops on the same end-token set as serving (issue: a target whose generation
+config lists two end tokens, as Qwen3's does, must not get training answers that run past the
+second one)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import torch
+
+from pipeline.generate import GenerateUDF
+from serve.target_loading import eos_token_ids, load_target, load_tokenizer
+from tests.unit.helpers import greedy_reference
+
+
+def test_generation_stops_at_every_end_token_of_the_generation_config(tiny_target_dir, tmp_path):
+    target = tmp_path / "two_end_tokens"
+    shutil.copytree(tiny_target_dir, target)
+    tok = load_tokenizer(str(target))
+    model = load_target(str(target), "float32")
+    prompt = tok.apply_chat_template([{"role": "user", "content": "Count to ten."}],
+                                     add_generation_prompt=True, tokenize=True, return_dict=False)
+    with torch.no_grad():
+        ref = greedy_reference(model, list(prompt), 8)
+    second_end = next(t for t in ref[2:] if t != tok.eos_token_id)
+    cfg_path = target / "generation_config.json"
+    gen_cfg = json.loads(cfg_path.read_text()) if cfg_path.exists() else {}
+    gen_cfg["eos_token_id"] = [tok.eos_token_id, second_end]
+    cfg_path.write_text(json.dumps(gen_cfg))
+    assert eos_token_ids(tok, load_target(str(target), "float32")) == [tok.eos_token_id, second_end]
+
+    udf = GenerateUDF(str(target), "float32", {"temperature": 0.0, "top_k": 0, "top_p": 1.0,
+                                               "max_new_tokens": 8},
+                      {}, num_threads=1, max_prompt_tokens=512, seed=0)
+    texts, reasons = udf._generate([list(prompt)])
+    cut = ref.index(second_end)
+    assert reasons == ["stop"]
+    assert texts[0] == tok.decode(ref[:cut], skip_special_tokens=True).strip()
