@@ -104,30 +104,37 @@ class CacheWriterUDF:
         self.rows_per_row_group = rows_per_row_group
         self.storage_options = storage_options
 
-    def _encode(self, conv: dict) -> dict:
-        from serve.chat import tokenize_conversation
+    def _encode(self, conv: dict) -> list[dict]:
+        """Cache rows of one conversation: one, or one per assistant turn when the chat template
+        renders history differently from a generated turn (``serve.chat``); ids ``<id>#<turn>``
+        then."""
+        from serve.chat import tokenize_conversation_samples
 
-        tok = tokenize_conversation(self.tokenizer, conv["messages"], self.template_kwargs,
-                                    self.max_length)
-        if tok.num_supervised < self.min_supervised:
-            raise ValueError(f"only {tok.num_supervised} supervised tokens "
-                             f"(< min_supervised_tokens {self.min_supervised})")
-        mask = tok.loss_mask
-        if not any(a and b for a, b in zip(mask, mask[1:])):
-            raise ValueError("no anchor position (two consecutive supervised tokens)")
-        ids = self.torch.tensor([tok.input_ids], device=self.device)
-        with self.torch.no_grad():
-            out = self.model.model(input_ids=ids, output_hidden_states=True, use_cache=False)
-        hs = out.hidden_states  # L + 1 tensors; hs[l + 1] is decoder layer l's output
-        context = self.torch.cat([hs[l + 1][0] for l in self.layer_ids], dim=-1)
-        last = out.last_hidden_state[0]  # post-norm: exactly the LM head's input
-        return {
-            "sample_id": conv["id"], "domain": conv.get("domain", "unknown"),
-            "num_tokens": len(tok.input_ids),
-            "input_ids": np.asarray(tok.input_ids, dtype="<i4").tobytes(),
-            "loss_mask": np.asarray(tok.loss_mask, dtype=np.uint8).tobytes(),
-            "context_hidden": bf16_bytes(context), "last_hidden": bf16_bytes(last),
-        }
+        samples = tokenize_conversation_samples(self.tokenizer, conv["messages"],
+                                                self.template_kwargs, self.max_length)
+        rows = []
+        for k, tok in enumerate(samples):
+            if tok.num_supervised < self.min_supervised:
+                raise ValueError(f"only {tok.num_supervised} supervised tokens "
+                                 f"(< min_supervised_tokens {self.min_supervised})")
+            mask = tok.loss_mask
+            if not any(a and b for a, b in zip(mask, mask[1:])):
+                raise ValueError("no anchor position (two consecutive supervised tokens)")
+            ids = self.torch.tensor([tok.input_ids], device=self.device)
+            with self.torch.no_grad():
+                out = self.model.model(input_ids=ids, output_hidden_states=True, use_cache=False)
+            hs = out.hidden_states  # L + 1 tensors; hs[l + 1] is decoder layer l's output
+            context = self.torch.cat([hs[l + 1][0] for l in self.layer_ids], dim=-1)
+            last = out.last_hidden_state[0]  # post-norm: exactly the LM head's input
+            rows.append({
+                "sample_id": conv["id"] if len(samples) == 1 else f"{conv['id']}#{k}",
+                "domain": conv.get("domain", "unknown"),
+                "num_tokens": len(tok.input_ids),
+                "input_ids": np.asarray(tok.input_ids, dtype="<i4").tobytes(),
+                "loss_mask": np.asarray(tok.loss_mask, dtype=np.uint8).tobytes(),
+                "context_hidden": bf16_bytes(context), "last_hidden": bf16_bytes(last),
+            })
+        return rows
 
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, list]:
         summaries = {"shard": [], "summary": []}
@@ -136,7 +143,7 @@ class CacheWriterUDF:
             records, errors = [], []
             for conv in json.loads(rows_json):
                 try:
-                    records.append(self._encode(conv))
+                    records += self._encode(conv)
                 except ValueError as err:  # bad data (mask, length, template) never sinks the shard
                     errors.append({"id": conv["id"], "stage": "cache",
                                    "error": f"{type(err).__name__}: {err}"})
