@@ -154,6 +154,11 @@ class TrainConfig(Strict):
     eval_every: int | None = Field(None, ge=1, description="Held-out losses, tau and "
                                    "accept_rate@k every N steps (and at the end); None = never.")
     eval_rows: int = Field(64, ge=1, description="Held-out cache rows used by eval_every.")
+    verify_cache: bool = Field(True, description="Check every cache shard against the manifest's "
+                               "sha256 (and its row count and schema) before training starts, so a "
+                               "damaged shard is named up front instead of failing a worker later; "
+                               "reads the whole cache once (switch off for a multi-TB cache that "
+                               "was verified when written).")
     checkpoint_every: int | None = Field(None, ge=1, description="Resumable checkpoint every N "
                                          "steps; the final step is always checkpointed.")
     resume_from: str | None = Field(None, description="'latest' (this run's newest checkpoint, "

@@ -486,6 +486,12 @@ def run_train(*, cache_dir: str, manifest: dict, out_dir: Path, target: str, lay
     from .tracking import log_drafter_artifact, open_run, run_id
 
     rows = manifest["splits"]["train"]["rows"]
+    if train.verify_cache:  # a damaged shard is named now, before any worker starts
+        from .cache import verify_shard
+
+        for split, info in manifest["splits"].items():
+            for shard in info.get("shards", []):
+                verify_shard(cache_dir, split, shard, storage_options)
     per_epoch = steps_per_epoch(rows, train.global_batch_size)
     if per_epoch < 1:
         raise ValueError(f"the cache has {rows} training rows: fewer than one global batch "

@@ -93,3 +93,27 @@ def test_resume_with_another_worker_count_matches_uninterrupted_run(tmp_path, ti
     _, log_c = _train(tiny_cache, tiny_target_dir, tmp_path / "c", num_epochs=1,
                       init_from=str(tmp_path / "a" / "drafter"))
     assert log_c[0]["step"] == 1 and log_c[0]["loss"] < log_a[0]["loss"]
+
+
+def test_a_damaged_shard_is_named_before_training_starts(tmp_path, tiny_cache, tiny_target_dir):
+    """Bytes flipped in one shard after the cache stage: the manifest's sha256 catches it at
+    training start, naming the file; nothing is trained or written."""
+    import shutil
+
+    from pipeline.cache import CorruptShardError
+
+    cache_dir, manifest = tiny_cache
+    damaged = tmp_path / "cache"
+    shutil.copytree(cache_dir, damaged)
+    shard = manifest["splits"]["train"]["shards"][0]["file"]
+    path = damaged / "train" / shard
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+    tc = TrainConfig(num_workers=1, num_threads=1, micro_batch_size=2, global_batch_size=2)
+    dc = DrafterSection(num_layers=1, block_size=4, markov_rank=16)
+    with pytest.raises(CorruptShardError, match=shard):
+        run_train(cache_dir=str(damaged), manifest=manifest, out_dir=tmp_path / "train",
+                  target=str(tiny_target_dir), layer_ids=[1, 3], drafter=dc, train=tc,
+                  wandb_cfg=WANDB, storage_options={}, run_name="t")
+    assert not (tmp_path / "train" / "drafter").exists()
