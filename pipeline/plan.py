@@ -1,0 +1,204 @@
+"""Size planner: what a pipeline config will produce and read, before anything runs.
+
+    python -m pipeline.plan --config infra/configs/qwen3_4b.yaml --hidden-size 2560 --num-layers 36
+
+Prints bytes per cached token ((m + 1) * H * 2 + 5, SPEC 1.4), the prompts the config selects, the
+cache's total bytes, shard and file counts, the time to write it once and to read it every epoch at
+a given bandwidth, and the training steps. Tokens per sample are taken from an existing cache
+manifest of the run when there is one, else from ``--tokens-per-sample`` (said so in the output).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import math
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+BYTES_PER_FEATURE = 2  # bf16 hidden states
+BYTES_PER_TOKEN_IDS = 5  # int32 input id + uint8 loss mask
+SIDECAR_FILES_PER_SHARD = 2  # <shard>.parquet and its <shard>.json completion marker
+
+
+@dataclass
+class Plan:
+    """Everything the planner derives (bytes, seconds, counts)."""
+
+    hidden_size: int
+    context_layers: int
+    bytes_per_token: int
+    prompts: int
+    train_rows: int
+    heldout_rows: int
+    tokens_per_sample: float
+    tokens_per_sample_source: str
+    total_tokens: float
+    total_bytes: float
+    shards: int
+    files: int
+    shard_bytes: float
+    write_s: float
+    read_s_per_epoch: float
+    steps_per_epoch: int
+    train_steps: int
+    bandwidth_bytes_per_s: float
+
+
+def bytes_per_token(hidden_size: int, context_layers: int) -> int:
+    """Cache bytes per token: m context layers + the last hidden state in bf16, plus ids and mask
+    (SPEC 1.4)."""
+    return (context_layers + 1) * hidden_size * BYTES_PER_FEATURE + BYTES_PER_TOKEN_IDS
+
+
+def count_rows(path: str, storage_options: dict | None = None) -> int:
+    """Rows of one prompt file (JSON Lines, gzip JSON Lines or Parquet), without validating them."""
+    from . import storage
+
+    if path.endswith(".parquet"):
+        import pyarrow.parquet as pq
+
+        with storage.get_fsspec(path, storage_options).open(path, "rb") as fh:
+            return pq.ParquetFile(fh).metadata.num_rows
+    with storage.get_fsspec(path, storage_options).open(path, "rb") as raw:
+        fh = gzip.open(raw) if path.endswith(".gz") else raw
+        return sum(1 for line in fh if line.strip())
+
+
+def plan(cfg, hidden_size: int, num_layers: int, tokens_per_sample: float | None,
+         bandwidth_gb_s: float) -> Plan:
+    """The plan for a validated ``PipelineConfig``.
+
+    Args:
+        hidden_size, num_layers: the target's H and decoder-layer count.
+        tokens_per_sample: mean tokens per cached sample; None = from the run's cache manifest.
+        bandwidth_gb_s: storage bandwidth in GB/s (10^9 bytes), for the time estimates.
+    Raises:
+        ValueError: no tokens_per_sample and no cache manifest to take it from.
+    """
+    from . import storage
+    from .prompts import expand_sources
+    from .train_data import steps_per_epoch
+
+    m = len(cfg.target.layer_ids) if cfg.target.layer_ids else cfg.target.num_context_layers
+    per_token = bytes_per_token(hidden_size, m)
+    prompts = 0
+    for src in cfg.prompts.sources:
+        rows = sum(count_rows(f, cfg.storage_options)
+                   for f in expand_sources(storage.resolve(src.path), cfg.storage_options))
+        prompts += min(rows, src.max_rows) if src.max_rows else rows
+    heldout = int(round(prompts * cfg.prompts.heldout_fraction))
+    train_rows = prompts - heldout
+    source = "--tokens-per-sample"
+    if tokens_per_sample is None:
+        cache = cfg.cache.output or str(Path(storage.resolve(cfg.run_dir)) / "cache")
+        manifest_path = storage.join(storage.resolve(cache), "manifest.json")
+        if not storage.exists(manifest_path, cfg.storage_options):
+            raise ValueError("no cache manifest to take tokens per sample from: pass "
+                             "--tokens-per-sample (e.g. prompt + answer tokens you expect)")
+        splits = json.loads(storage.read_bytes(manifest_path, cfg.storage_options))["splits"]
+        rows = sum(s["rows"] for s in splits.values())
+        tokens_per_sample = sum(s["tokens"] for s in splits.values()) / max(rows, 1)
+        source = f"measured in {manifest_path}"
+    tokens_per_sample = min(tokens_per_sample, cfg.cache.max_length)
+    total_tokens = prompts * tokens_per_sample
+    total_bytes = total_tokens * per_token
+    shards = (math.ceil(train_rows / cfg.cache.rows_per_shard)
+              + math.ceil(heldout / cfg.cache.rows_per_shard))
+    bandwidth = bandwidth_gb_s * 1e9
+    per_epoch = steps_per_epoch(train_rows, cfg.train.global_batch_size)
+    steps = per_epoch * cfg.train.num_epochs
+    if cfg.train.max_steps:
+        steps = min(steps, cfg.train.max_steps)
+    return Plan(hidden_size, m, per_token, prompts, train_rows, heldout, tokens_per_sample, source,
+                total_tokens, total_bytes, shards, shards * SIDECAR_FILES_PER_SHARD + 1,
+                total_bytes / max(shards, 1), total_bytes / bandwidth,
+                total_bytes * train_rows / max(prompts, 1) / bandwidth, per_epoch, steps, bandwidth)
+
+
+def _human(n: float, unit: str = "B") -> str:
+    for prefix in ("", "K", "M", "G", "T", "P"):
+        if abs(n) < 1000 or prefix == "P":
+            return f"{n:,.1f} {prefix}{unit}"
+        n /= 1000
+    return f"{n:.1f} {unit}"
+
+
+def _duration(s: float) -> str:
+    return f"{s / 3600:,.1f} h" if s >= 3600 else f"{s / 60:,.1f} min" if s >= 60 else f"{s:.1f} s"
+
+
+def render(p: Plan) -> str:
+    rows = [
+        ("bytes per cached token", f"{p.bytes_per_token:,} B = ({p.context_layers} + 1) x "
+                                   f"{p.hidden_size} x 2 + 5"),
+        ("prompts selected", f"{p.prompts:,} ({p.train_rows:,} train, {p.heldout_rows:,} held out)"),
+        ("tokens per sample", f"{p.tokens_per_sample:,.0f} ({p.tokens_per_sample_source})"),
+        ("cached tokens", _human(p.total_tokens, "tokens")),
+        ("cache size", _human(p.total_bytes)),
+        ("shards / files", f"{p.shards:,} shards of ~{_human(p.shard_bytes)}, {p.files:,} files "
+                           "(parquet + json marker each, and the manifest)"),
+        (f"write once at {_human(p.bandwidth_bytes_per_s)}/s", _duration(p.write_s)),
+        (f"read per epoch at {_human(p.bandwidth_bytes_per_s)}/s", _duration(p.read_s_per_epoch)),
+        ("optimizer steps", f"{p.train_steps:,} ({p.steps_per_epoch:,} per epoch)"),
+    ]
+    width = max(len(k) for k, _ in rows)
+    return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
+
+
+def _target_dims(cfg) -> tuple[int | None, int | None]:
+    from transformers import AutoConfig
+
+    from . import storage
+
+    name = cfg.target.name_or_path
+    if name.startswith((".", "/", "~")):
+        name = storage.resolve(name)
+    try:
+        tc = AutoConfig.from_pretrained(name)
+    except (OSError, ValueError):
+        return None, None
+    return tc.hidden_size, tc.num_hidden_layers
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="Cache and training size of a pipeline config.")
+    parser.add_argument("--config", required=True)
+    parser.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE")
+    parser.add_argument("--hidden-size", type=int, default=None,
+                        help="the target's H (default: its config, when it can be loaded)")
+    parser.add_argument("--num-layers", type=int, default=None)
+    parser.add_argument("--tokens-per-sample", type=float, default=None,
+                        help="mean prompt + answer tokens per sample (default: the run's manifest)")
+    parser.add_argument("--bandwidth-gb-s", type=float, default=1.0,
+                        help="storage bandwidth in GB/s for the time estimates")
+    parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    args = parser.parse_args(argv)
+    from .config import ConfigError, load_config
+
+    try:
+        cfg = load_config(args.config, args.set)
+    except ConfigError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    hidden, layers = args.hidden_size, args.num_layers
+    if hidden is None or layers is None:
+        found = _target_dims(cfg)
+        hidden, layers = hidden or found[0], layers or found[1]
+    if hidden is None:
+        print(f"error: cannot load the config of target {cfg.target.name_or_path!r} here: pass "
+              "--hidden-size and --num-layers", file=sys.stderr)
+        return 2
+    try:
+        result = plan(cfg, hidden, layers, args.tokens_per_sample, args.bandwidth_gb_s)
+    except (ValueError, FileNotFoundError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    print(json.dumps(asdict(result), indent=1) if args.json else render(result))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

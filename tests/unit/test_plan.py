@@ -1,0 +1,56 @@
+"""The size planner (pipeline/plan.py): counts, bytes and steps for a config as written."""
+
+from __future__ import annotations
+
+import gzip
+import json
+
+import pytest
+import yaml
+
+from pipeline.config import load_config
+from pipeline.plan import bytes_per_token, main, plan
+
+
+def _config(tmp_path, cache_manifest: dict | None = None):
+    row = json.dumps({"id": "x", "messages": [{"role": "user", "content": "hi"}]})
+    (tmp_path / "a.jsonl").write_text("\n".join([row] * 30) + "\n")
+    with gzip.open(tmp_path / "b.jsonl.gz", "wt") as fh:
+        fh.write("\n".join([row] * 50) + "\n\n")
+    cfg = {"run_dir": str(tmp_path / "run"), "target": {"name_or_path": "/nowhere"},
+           "prompts": {"sources": [{"path": str(tmp_path / "a.jsonl")},
+                                   {"path": str(tmp_path / "b.jsonl.gz"), "max_rows": 20}],
+                       "heldout_fraction": 0.1},
+           }
+    cfg["cache"] = {"rows_per_shard": 8}
+    cfg["train"] = {"global_batch_size": 4, "micro_batch_size": 2, "num_workers": 2,
+                    "num_epochs": 3}
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    if cache_manifest is not None:
+        (tmp_path / "run" / "cache").mkdir(parents=True)
+        (tmp_path / "run" / "cache" / "manifest.json").write_text(json.dumps(cache_manifest))
+    return load_config(str(path), [])
+
+
+def test_plan_counts_rows_bytes_shards_and_steps(tmp_path):
+    cfg = _config(tmp_path, {"splits": {"train": {"rows": 9, "tokens": 900},
+                                        "heldout": {"rows": 1, "tokens": 100}}})
+    p = plan(cfg, hidden_size=64, num_layers=6, tokens_per_sample=None, bandwidth_gb_s=0.001)
+    assert p.bytes_per_token == bytes_per_token(64, 5) == 6 * 64 * 2 + 5
+    assert (p.prompts, p.train_rows, p.heldout_rows) == (50, 45, 5)  # 30 + min(50, 20)
+    assert p.tokens_per_sample == 100 and "manifest" in p.tokens_per_sample_source
+    assert p.total_bytes == 50 * 100 * p.bytes_per_token
+    assert p.shards == 6 + 1 and p.files == 15  # ceil(45/8) + ceil(5/8); 2 per shard + manifest
+    assert p.write_s == pytest.approx(p.total_bytes / 1e6)
+    assert (p.steps_per_epoch, p.train_steps) == (11, 33)
+
+
+def test_cli_needs_tokens_per_sample_without_a_manifest(tmp_path, capsys):
+    _config(tmp_path)
+    assert main(["--config", str(tmp_path / "config.yaml"), "--hidden-size", "64",
+                 "--num-layers", "6"]) == 2
+    assert "--tokens-per-sample" in capsys.readouterr().err
+    assert main(["--config", str(tmp_path / "config.yaml"), "--hidden-size", "64",
+                 "--num-layers", "6", "--tokens-per-sample", "200", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["total_tokens"] == 50 * 200
