@@ -426,17 +426,23 @@ class SpecEngine:
                accepted: int, probed: bool) -> None:
         """Update the request's acceptance estimates and probe back-off after a round (planner).
 
-        The drafter's alpha learns from the calibrated confidences of every drafted token
-        (expected successes sum_j a_j over expected trials sum_j a_{j-1}), so a round the
-        scheduler did not verify still informs it; prompt lookup learns from what was verified."""
+        Both sources learn from what verification saw (accepted n of l verified: n successes in
+        n + [n < l] trials). A drafter round the scheduler did not verify (l = 0) still informs
+        the drafter's alpha through its calibrated confidences (expected successes sum_j a_j over
+        expected trials sum_j a_{j-1}). Realized outcomes come first because a confidence head
+        calibrated on other data can be optimistic on this request's domain (measured: chat at
+        T = 1), and an optimistic alpha keeps paying for drafts that are rejected."""
         if not self.plans:
             return
         if source == "model":
-            survival, reach = 1.0, 0.0
-            for c in confidences:
-                reach += survival
-                survival *= c
-            r.model_acc.update(reach - 1.0 + survival if confidences else 0.0, reach)
+            if verified:
+                r.model_acc.update(accepted, accepted + (accepted < verified))
+            elif confidences:
+                survival, reach = 1.0, 0.0
+                for c in confidences:
+                    reach += survival
+                    survival *= c
+                r.model_acc.update(reach - 1.0 + survival, reach)
             r.skipped = 0
             r.backoff = (min(2 * r.backoff, self.config.max_probe_interval) if probed
                          else self.config.probe_interval)
