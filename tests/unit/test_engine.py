@@ -254,18 +254,37 @@ def test_planner_stops_drafting_a_request_whose_drafts_do_not_pay_and_probes_wit
     assert sources == []
 
 
-def test_planner_keeps_drafting_a_drafter_that_pays(varied_target, corrupted_table):
-    """An accurate, confident drafter is drafted for every round (planning changes nothing)."""
-    d = oracle_drafter(varied_target, corrupted_table, "markov", 4)
+def test_planner_keeps_drafting_a_drafter_that_pays(varied_target):
+    """A drafter whose blocks are always accepted is drafted for every round even at half a
+    verification's cost (planning changes nothing when drafting pays)."""
+    prompt = [2, 5, 7]
+    ref = greedy_reference(varied_target, prompt, 30)
+    d = scripted_drafter(tiny_drafter(varied_target, block_size=4), prompt, ref)
     with torch.no_grad():
         d.confidence.proj.bias.fill_(20.0)  # c ~ 1
     calls = _counting(d)
     engine = SpecEngine(TargetRunner(varied_target, d.config.target_layer_ids), d, [],
                         EngineConfig(scheduler="dspark"), sps=SPS, draft_cost=HALF_STEP)
-    done = engine.generate([EngineRequest("a", [2, 5, 7], SamplingParams(30, 0.0))])[0]
-    assert done.tokens == greedy_reference(varied_target, [2, 5, 7], 30)
+    done = engine.generate([EngineRequest("a", prompt, SamplingParams(30, 0.0))])[0]
+    assert done.tokens == ref
     assert all(rec.source == "model" for rec in done.rounds[:-1])
     assert calls["propose"] >= len(done.rounds) - 1
+
+
+def test_planner_trusts_realized_acceptance_over_an_optimistic_confidence_head(varied_target):
+    """Confidence ~1 but drafts that are (almost) always rejected: the rounds are verified, so the
+    planner learns the realized acceptance and stops paying for the drafter (probes aside)."""
+    d = tiny_drafter(varied_target, block_size=4)  # random: its drafts are almost never right
+    with torch.no_grad():
+        d.confidence.proj.bias.fill_(20.0)  # ... but it is sure they are
+    calls = _counting(d)
+    engine = SpecEngine(TargetRunner(varied_target, LAYERS), d, [],
+                        EngineConfig(scheduler="dspark"), sps=SPS, draft_cost=HALF_STEP)
+    prompt = [9, 2, 6]
+    done = engine.generate([EngineRequest("a", prompt, SamplingParams(40, 0.0))])[0]
+    assert done.tokens == greedy_reference(varied_target, prompt, 40)
+    assert engine.stats.accepted_tokens <= engine.stats.verified_tokens // 4
+    assert calls["propose"] <= 10 < len(done.rounds)
 
 
 @pytest.mark.parametrize("scheduler", ["dspark", "async"])
