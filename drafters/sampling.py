@@ -34,9 +34,13 @@ def warped_probs(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.T
         probs = probs / probs.sum(-1, keepdim=True)
     limit_k = top_k is not None and bool(((top_k > 0) & (top_k < probs.shape[-1])).any())
     if limit_k or bool((top_p < 1).any()):
-        sorted_p, order = probs.sort(dim=-1, descending=True)
+        if limit_k and bool((top_k > 0).all()):
+            # every row keeps at most k_max tokens: rank only those (topk), not the vocabulary
+            sorted_p, order = probs.topk(min(int(top_k.max()), probs.shape[-1]), dim=-1)
+        else:
+            sorted_p, order = probs.sort(dim=-1, descending=True)
         if limit_k:
-            rank = torch.arange(probs.shape[-1], device=probs.device)[None, :]
+            rank = torch.arange(sorted_p.shape[-1], device=probs.device)[None, :]
             k = top_k.to(probs.device)[:, None]
             sorted_p = sorted_p.masked_fill((k > 0) & (rank >= k), 0.0)
             sorted_p = sorted_p / sorted_p.sum(-1, keepdim=True)

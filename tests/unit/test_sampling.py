@@ -30,3 +30,17 @@ def test_sample_rows_top_k_never_draws_outside_and_shared_stream_is_batched():
     assert torch.allclose(probs.sum(-1), torch.ones(64))
     greedy, _ = sample_rows(logits, 0.0)
     assert torch.equal(greedy, logits.argmax(-1))
+
+
+def test_topk_fast_path_equals_the_full_sort():
+    """Rows that all limit top-k rank only k_max tokens; the result equals the full-sort path."""
+    torch.manual_seed(1)
+    logits = torch.randn(5, 300)
+    t, p = torch.full((5,), 0.8), torch.tensor([1.0, 0.9, 0.5, 0.99, 0.7])
+    k = torch.tensor([20, 5, 20, 1, 300])
+    fast = warped_probs(logits, t, p, k)
+    full = torch.stack([warped_probs(logits[i:i + 1], t[i:i + 1], p[i:i + 1],
+                                     torch.tensor([int(k[i]) if k[i] < 300 else 0]))[0]
+                        for i in range(5)])
+    assert torch.allclose(fast, full, atol=1e-6)
+    assert (fast > 0).sum(-1).tolist()[3] == 1
