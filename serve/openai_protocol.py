@@ -37,7 +37,8 @@ import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (BaseModel, ConfigDict, Field, ValidationError, ValidationInfo,
+                      field_validator, model_validator)
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 MAX_TOP_LOGPROBS = 20  # alternatives per token (OpenAI's chat limit; serve.requests.MAX_LOGPROBS)
@@ -308,16 +309,12 @@ class ChatCompletionRequest(_SamplingFields):
 
     @field_validator("top_logprobs")
     @classmethod
-    def _top_logprobs_range(cls, v):
+    def _top_logprobs_range(cls, v, info: ValidationInfo):
         if v is not None and not 0 <= v <= MAX_TOP_LOGPROBS:
             raise ValueError(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {v}")
-        return v
-
-    @model_validator(mode="after")
-    def _top_needs_logprobs(self):
-        if self.top_logprobs and not self.logprobs:
+        if v and not info.data.get("logprobs"):
             raise ValueError("top_logprobs needs logprobs: true")
-        return self
+        return v
 
     def requested_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None

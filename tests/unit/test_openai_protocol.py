@@ -71,7 +71,7 @@ def test_missing_fields_and_completion_only_options():
     assert _error(ChatCompletionRequest, messages=MSG).param == "model"
     assert _error(CompletionRequest, model="m").param == "prompt"
     assert _error(CompletionRequest, model="m", prompt=["a", "b"]).param == "prompt"
-    for field, value in (("echo", True), ("logprobs", 2), ("best_of", 2), ("suffix", "x")):
+    for field, value in (("echo", True), ("logprobs", 21), ("best_of", 2), ("suffix", "x")):
         assert _error(CompletionRequest, model="m", prompt="p", **{field: value}).param == field
 
 
@@ -141,8 +141,8 @@ def test_logprobs_requests_and_responses_parse_with_the_official_client_types():
     assert chat.requested_logprobs() == 2
     assert ChatCompletionRequest.model_validate(
         {"model": "m", "messages": MSG}).requested_logprobs() is None
-    assert "logprobs" in _error(ChatCompletionRequest, model="m", messages=MSG,
-                                top_logprobs=2).message
+    err = _error(ChatCompletionRequest, model="m", messages=MSG, top_logprobs=2)
+    assert err.param == "top_logprobs" and "logprobs: true" in err.message
     assert CompletionRequest.model_validate({"model": "m", "prompt": "p",
                                              "logprobs": 0}).requested_logprobs() == 0
     assert _error(CompletionRequest, model="m", prompt="p", logprobs=21).param == "logprobs"
