@@ -107,6 +107,29 @@ def profile_sps(runner: TargetRunner, max_tokens: int, block_tokens: int = 8,
     return result
 
 
+def _reusable(path: Path | None, fingerprint: dict, size_key: str, size: int) -> dict | None:
+    """The stored profile at ``path`` if it was measured on this fingerprint and covers ``size``
+    (its ``size_key``), else None (and the caller re-profiles)."""
+    if path is None or not path.is_file():
+        return None
+    stored = json.loads(path.read_text())
+    if stored.get("fingerprint") == fingerprint and stored.get(size_key, 0) >= size:
+        logger.info("profile reused from %s", path)
+        return stored
+    logger.info("profile at %s is for other hardware, model or sizes: re-profiling", path)
+    return None
+
+
+def _store(path: Path | None, payload: dict) -> None:
+    """Write a profile next to the drafter; a read-only directory only costs a re-profile later."""
+    if path is None:
+        return
+    try:
+        path.write_text(json.dumps(payload, indent=1))
+    except OSError as err:
+        logger.warning("could not store the profile at %s: %s", path, err)
+
+
 def load_or_profile(runner: TargetRunner, directory: str | Path | None, max_tokens: int,
                     block_tokens: int = 8, repeats: int = 3) -> SPSTable:
     """The SPS table for this hardware and model: reuse ``directory/sps_profile.json`` when its
@@ -114,23 +137,15 @@ def load_or_profile(runner: TargetRunner, directory: str | Path | None, max_toke
     writable) store it."""
     fingerprint = hardware_fingerprint(runner)
     path = Path(directory) / PROFILE_NAME if directory else None
-    if path is not None and path.is_file():
-        stored = json.loads(path.read_text())
-        if stored.get("fingerprint") == fingerprint and stored.get("max_tokens", 0) >= max_tokens:
-            logger.info("SPS profile reused from %s", path)
-            return SPSTable.from_dict(stored["table"])
-        logger.info("SPS profile at %s is for other hardware or sizes: re-profiling", path)
+    stored = _reusable(path, fingerprint, "max_tokens", max_tokens)
+    if stored is not None:
+        return SPSTable.from_dict(stored["table"])
     start = time.perf_counter()
     measured = profile_sps(runner, max_tokens, block_tokens, repeats=repeats)
     table = SPSTable.from_measurements(measured)
     logger.info("profiled SPS(B) for B <= %d in %.1f s", max_tokens, time.perf_counter() - start)
-    if path is not None:
-        try:
-            path.write_text(json.dumps({"fingerprint": fingerprint, "max_tokens": max_tokens,
-                                        "measured": {str(k): v for k, v in measured.items()},
-                                        "table": table.to_dict()}, indent=1))
-        except OSError as err:
-            logger.warning("could not store the SPS profile at %s: %s", path, err)
+    _store(path, {"fingerprint": fingerprint, "max_tokens": max_tokens,
+                  "measured": {str(k): v for k, v in measured.items()}, "table": table.to_dict()})
     return table
 
 
@@ -213,21 +228,14 @@ def load_or_profile_draft_cost(drafter, runner: TargetRunner, directory: str | P
     ``max_rows``, else profile and (if ``directory`` is writable) store it."""
     fingerprint = {**hardware_fingerprint(runner), "drafter": _drafter_fingerprint(drafter)}
     path = Path(directory) / DRAFT_COST_NAME if directory else None
-    if path is not None and path.is_file():
-        stored = json.loads(path.read_text())
-        if stored.get("fingerprint") == fingerprint and stored.get("max_rows", 0) >= max_rows:
-            logger.info("drafter cost profile reused from %s", path)
-            return DraftCostTable.from_dict(stored["table"])
+    stored = _reusable(path, fingerprint, "max_rows", max_rows)
+    if stored is not None:
+        return DraftCostTable.from_dict(stored["table"])
     start = time.perf_counter()
     table = profile_draft_cost(drafter, max_rows, repeats=repeats)
     logger.info("profiled the drafter cost for <= %d rows in %.1f s", max_rows,
                 time.perf_counter() - start)
-    if path is not None:
-        try:
-            path.write_text(json.dumps({"fingerprint": fingerprint, "max_rows": max_rows,
-                                        "table": table.to_dict()}, indent=1))
-        except OSError as err:
-            logger.warning("could not store the drafter cost profile at %s: %s", path, err)
+    _store(path, {"fingerprint": fingerprint, "max_rows": max_rows, "table": table.to_dict()})
     return table
 
 
