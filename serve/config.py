@@ -44,6 +44,9 @@ class EngineConfig(BaseModel):
         "distribution).")
     prompt_lookup_min_ngram: int = Field(2, ge=1, le=16, description="Shortest n-gram matched.")
     max_num_requests: int = Field(32, ge=1, description="Requests decoded together (batch).")
+    max_prefill_tokens: int = Field(2048, ge=1, description="Prompt tokens prefilled per step "
+                                    "(chunked prefill): a longer prompt, or several, continue in "
+                                    "the next steps while the running requests keep decoding.")
     max_batch_tokens: int = Field(512, ge=1, description="Cap on tokens verified per step, all "
                                   "requests together (also the SPS profile's range).")
     max_waiting: int = Field(256, ge=0, description="Queued requests beyond the batch before new "

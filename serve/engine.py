@@ -3,7 +3,9 @@
 One engine serves every caller: the Ray Serve app, offline evaluation and the benchmarks all drive
 :meth:`SpecEngine.step`. A step:
 
-1. admits waiting requests (one batched prefill; the first token, the anchor, is sampled);
+1. prefills admitted requests under a token budget (chunked prefill: a long prompt is split over
+   several steps, so the running requests keep decoding meanwhile); when a prompt is complete its
+   first token, the anchor, is sampled;
 2. plans the drafting (``serve/draft_planner.py``, dspark/async): from each request's past rounds,
    which requests the drafter drafts for and how deep, and which verify a free prompt-lookup
    draft instead, so that the drafter's cost is paid only where it raises the step's tokens/s;
@@ -80,6 +82,7 @@ class _Request:
     draft_state: object = None
     anchor: int = -1
     pos: int = 0  # position of the anchor (committed, not yet run through the target)
+    prefilled: int = 0  # prompt tokens already in the target cache (chunked prefill)
     pending: _PendingContext = field(default_factory=_PendingContext)
     model_acc: AcceptanceEstimate = field(default_factory=AcceptanceEstimate)
     lookup_acc: AcceptanceEstimate = field(default_factory=AcceptanceEstimate)
@@ -140,6 +143,7 @@ class SpecEngine:
         self.max_model_len = (self.config.max_model_len
                               or target.model.config.max_position_embeddings)
         self.waiting: deque[_Request] = deque()
+        self.prefilling: list[_Request] = []  # admitted, prompt partly in the cache
         self.running: list[_Request] = []
         self.stats = SpecDecodeStats()
         self._stale: deque[list[list[float]]] = deque(maxlen=2)  # confidences of past steps
@@ -166,9 +170,10 @@ class SpecEngine:
         if p.stop and self.tokenizer is None:
             raise RequestError("stop strings need an engine with a tokenizer", field="stop")
         if len(self.waiting) >= self.config.max_waiting + max(
-                0, self.config.max_num_requests - len(self.running)):
+                0, self.config.max_num_requests - self.num_running):
             raise RequestError("the server is at capacity; retry later", status=429)
-        if any(r.req.request_id == request.request_id for r in (*self.waiting, *self.running)):
+        if any(r.req.request_id == request.request_id
+               for r in (*self.waiting, *self.prefilling, *self.running)):
             raise RequestError(f"duplicate request id {request.request_id!r}", field="request_id")
         seed = p.seed if p.seed is not None else random.getrandbits(63)
         detok = (IncrementalDetokenizer(self.tokenizer, request.prompt_ids, tuple(p.stop))
@@ -179,7 +184,7 @@ class SpecEngine:
     def abort(self, request_id: str) -> bool:
         """Drop a request (e.g. client disconnect); its caches are freed. Returns whether it
         existed."""
-        for queue in (self.waiting, self.running):
+        for queue in (self.waiting, self.prefilling, self.running):
             for r in list(queue):
                 if r.req.request_id == request_id:
                     queue.remove(r)
@@ -187,7 +192,7 @@ class SpecEngine:
         return False
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.prefilling or self.running)
 
     @property
     def num_waiting(self) -> int:
@@ -195,7 +200,8 @@ class SpecEngine:
 
     @property
     def num_running(self) -> int:
-        return len(self.running)
+        """Admitted requests: decoding or still prefilling."""
+        return len(self.running) + len(self.prefilling)
 
     # ------------------------------------------------------------------ the step
     @torch.inference_mode()  # no autograd bookkeeping at all: a few % per step on CPU
@@ -209,30 +215,59 @@ class SpecEngine:
         decoding = list(self.running)
         if decoding:
             outputs += self._decode(decoding)
-        admitted = []
-        while self.waiting and len(self.running) + len(admitted) < self.config.max_num_requests:
-            admitted.append(self.waiting.popleft())
-        if admitted:
-            outputs += self._prefill(admitted)
+        while self.waiting and self.num_running < self.config.max_num_requests:
+            self.prefilling.append(self.waiting.popleft())
+        if self.prefilling:
+            outputs += self._prefill()
         self.stats.steps += 1
         return outputs
 
-    def _prefill(self, reqs: list[_Request]) -> list[RequestOutput]:
+    def _prefill_chunks(self) -> list[tuple[_Request, int]]:
+        """(request, prompt tokens to run now) in admission order, within the step's prefill
+        token budget; a prompt longer than what is left is cut (the rest follows next step)."""
+        budget, chunks = self.config.max_prefill_tokens, []
+        for r in self.prefilling:
+            if budget <= 0:
+                break
+            take = min(len(r.req.prompt_ids) - r.prefilled, budget)
+            chunks.append((r, take))
+            budget -= take
+        return chunks
+
+    def _prefill(self) -> list[RequestOutput]:
         speculate = self.drafter is not None and self.gamma > 0
-        outs = self.target.forward_batch([r.kv for r in reqs], [r.req.prompt_ids for r in reqs],
-                                         with_features=speculate, logits="last")
+        chunks = self._prefill_chunks()
+        for r, _ in chunks:
+            if r.prefilled == 0:  # its whole length now: decoding never grows the KV pool
+                self.target.reserve(r.kv, len(r.req.prompt_ids) + r.req.params.max_tokens
+                                    + self.gamma + 1)
+        reqs = [r for r, _ in chunks]
+        completes = [r.prefilled + take == len(r.req.prompt_ids) for r, take in chunks]
+        outs = self.target.forward_batch(
+            [r.kv for r in reqs], [r.req.prompt_ids[r.prefilled:r.prefilled + take]
+                                   for r, take in chunks],
+            with_features=speculate, logits="last" if any(completes) else "none")
         results = []
-        for r, o in zip(reqs, outs):
+        for (r, take), done, o in zip(chunks, completes, outs):
+            start = r.prefilled
             try:
+                o.keep(take)
+                r.prefilled += take
+                if speculate and r.draft_state is None:
+                    r.draft_state = self.drafter.new_draft_state()
+                    r.backoff = self.config.probe_interval
+                if not done:  # the drafter's context grows chunk by chunk too
+                    if speculate:
+                        self._add_pending(r, start, o.features,
+                                          r.req.prompt_ids[start + 1:r.prefilled + 1])
+                    continue
+                self.prefilling.remove(r)
                 n = len(r.req.prompt_ids)
-                o.keep(n)
                 tok = self._sample_one(r, o.logits[-1])
                 r.anchor, r.pos = tok, n
                 r.first_token_s = time.perf_counter()
                 if speculate:
-                    r.draft_state = self.drafter.new_draft_state()
-                    r.backoff = self.config.probe_interval
-                    self._add_pending(r, 0, o.features, r.req.prompt_ids[1:] + [tok])
+                    self._add_pending(r, start, o.features, r.req.prompt_ids[start + 1:] + [tok])
                     if self.lookup_n:
                         r.lookup = NgramIndex(r.req.prompt_ids + [tok], self.lookup_n,
                                               self.config.prompt_lookup_min_ngram)
@@ -249,8 +284,9 @@ class SpecEngine:
         dropped with it)."""
         logger.exception("request %s failed during %s; the engine continues", r.req.request_id,
                          where)
-        if r in self.running:
-            self.running.remove(r)
+        for queue in (self.prefilling, self.running):
+            if r in queue:
+                queue.remove(r)
         r.finish_reason = "error"
         self.stats.failed_requests += 1
         error = RequestFailedError(f"the request failed during {where}: {type(err).__name__}: {err}")

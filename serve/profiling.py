@@ -87,7 +87,7 @@ def profile_sps(runner: TargetRunner, max_tokens: int, block_tokens: int = 8,
     for _ in range(n_req):
         kv = TargetKV()
         out = runner.forward_batch([kv], [torch.randint(0, vocab, (context_len,), generator=g).tolist()],
-                                   with_features=False)[0]
+                                   with_features=False, logits="none")[0]
         out.keep(context_len)
         caches.append(kv)
     result = {}

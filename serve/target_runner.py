@@ -1,79 +1,75 @@
 """The target model as the speculative engine uses it: forward passes over per-request KV caches
 that return next-token logits and, when a drafter needs them, the selected layers' hidden states.
 
-Continuous batching: every request keeps its own KV cache (``TargetKV``), so requests join and
-leave between steps. A step with one request (batch 1, the latency case) runs directly on that
-request's Hugging Face ``DynamicCache``, as plain ``generate`` does, and afterwards drops the
-positions it does not keep (rejected drafts never stay in it). A batched step left-pads the caches
-into one ``DynamicCache``, right-pads the new tokens, and passes a 2-D attention mask and per-row
-position ids, so one forward pass verifies every request's variable-length block at its own
-positions; only the new tokens a request keeps are appended to its cache.
+Continuous batching without copies: every request's keys and values live in its own slot of a
+preallocated pool (``serve/kv_pool.py``), written in place at the request's positions, so requests
+join and leave between steps and one forward pass verifies every request's variable-length block at
+its own positions. The new tokens are right-padded into one batch; attention runs per request over
+a view of its slot; nothing is padded, gathered or concatenated per step. A pass writes all its new
+positions; only the ones a request commits (:meth:`BatchOutput.keep`) count, and the rest are
+overwritten by its next pass (rejected drafts never stay in a cache).
 
 Logits are computed only where a caller needs them (``logits="last"`` for a prefill that samples
-one token; all new positions for a verification).
+one token, ``"none"`` for a prefill chunk that samples nothing, all new positions for a
+verification), and hidden states are kept only of the layers the drafter reads (forward hooks on
+those layers, not ``output_hidden_states``).
 
 Shapes: R requests, n new tokens, V vocabulary, m selected layers, H hidden size.
 """
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 
 import torch
-from transformers import DynamicCache
+
+from . import kv_pool
+from .kv_pool import PooledStepCache, SlotKVPool
 
 
-@dataclass
 class TargetKV:
-    """One request's target KV cache: a ``DynamicCache`` (batch 1) holding ``length`` committed
-    positions; a forward pass may leave uncommitted positions behind, which the next pass drops."""
+    """One request's target KV cache: a slot of its runner's pool holding ``length`` committed
+    positions. The slot is taken at the request's first pass and returned to the pool when this
+    object is garbage-collected (a finished, aborted or failed request frees its memory)."""
 
-    cache: DynamicCache | None = None
-    length: int = 0
+    def __init__(self):
+        self.length = 0
+        self.slot: int | None = None
+        self._pool: SlotKVPool | None = None
 
-    def settle(self) -> None:
-        """Drop positions beyond the committed length (left by an uncommitted forward)."""
-        if self.cache is not None:
-            extra = self.cache.get_seq_length() - self.length
-            if extra > 0:
-                self.cache.crop(-extra)
+    def bind(self, pool: SlotKVPool) -> int:
+        """The request's slot in ``pool`` (allocated on first use).
 
-    def layer(self, i: int):
-        """(keys, values) of layer i, each [nkv, length, hd]."""
-        layer = self.cache.layers[i]
-        return layer.keys[0, :, :self.length], layer.values[0, :, :self.length]
+        Raises:
+            ValueError: the cache already belongs to another runner's pool.
+        """
+        if self._pool is None:
+            self._pool, self.slot = pool, pool.allocate()
+            weakref.finalize(self, pool.release, self.slot)
+        elif self._pool is not pool:
+            raise ValueError("this TargetKV belongs to another TargetRunner")
+        return self.slot
 
-    def append(self, new: list, keep: int, config) -> None:
-        """Append the first ``keep`` positions of ``new`` (per layer (k, v) [nkv, n, hd])."""
-        if keep <= 0:
-            return
-        self.settle()
-        if self.cache is None:
-            self.cache = DynamicCache(config=config)
-        for i, (k, v) in enumerate(new):
-            self.cache.update(k[None, :, :keep], v[None, :, :keep], i)
-        self.length += keep
+    def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(keys, values) of layer i, each [Hkv, length, d] (views of the slot)."""
+        return (self._pool.keys[i][self.slot, :, :self.length],
+                self._pool.values[i][self.slot, :, :self.length])
 
 
 @dataclass
 class BatchOutput:
-    """Per-request results of a batched forward: logits fp32 [n_r, V] (or [1, V] with
-    ``logits="last"``); features [n_r, m*H] or None. Call :meth:`keep` with the number of new
-    positions the request commits (its cache holds them afterwards)."""
+    """Per-request results of a batched forward: logits fp32 [n_r, V] (``"last"``: [1, V];
+    ``"none"``: None); features [n_r, m*H] or None. Call :meth:`keep` with the number of new
+    positions the request commits."""
 
-    logits: torch.Tensor
+    logits: torch.Tensor | None
     features: torch.Tensor | None
-    kv: TargetKV
-    new_kv: list | None  # per layer (k, v) [nkv, n_r, hd]; None when the cache grew in place
-    config: object = field(repr=False, default=None)
+    kv: TargetKV = field(repr=False)
 
     def keep(self, count: int) -> None:
-        """Commit the first ``count`` new positions to the request's cache."""
-        if self.new_kv is None:
-            self.kv.length += count
-            self.kv.settle()
-        else:
-            self.kv.append(self.new_kv, count, self.config)
+        """Commit the first ``count`` new positions (already written to the request's slot)."""
+        self.kv.length += max(0, count)
 
 
 class TargetRunner:
@@ -82,7 +78,7 @@ class TargetRunner:
     Args:
         model: ``AutoModelForCausalLM`` instance.
         layer_ids: 0-based decoder layers whose outputs form the drafter's context features
-            (``hidden_states[l + 1]``; index 0 is the embedding output).
+            (``hidden_states[l + 1]`` in transformers' numbering, where 0 is the embedding).
         pad_token_id: token used to right-pad new tokens (its outputs are discarded).
     Raises:
         ValueError: layer ids outside the model.
@@ -95,6 +91,15 @@ class TargetRunner:
         self.pad_token_id = pad_token_id
         if self.layer_ids and (min(self.layer_ids) < 0 or max(self.layer_ids) >= self.num_layers):
             raise ValueError(f"layer ids {self.layer_ids} exceed the target's {self.num_layers} layers")
+        decoder = model.get_decoder()
+        # the modules whose outputs are hidden_states[l + 1]: decoder layer l, except that
+        # transformers reports the last layer's output after the final norm
+        self._feature_modules = {l: decoder.norm if l == self.num_layers - 1 else decoder.layers[l]
+                                 for l in self.layer_ids}
+        self._pool: SlotKVPool | None = None
+        self._no_mask = torch.ones(1, 1, 1, 1, dtype=torch.bool)
+        # attention over per-request slot views; any other call (plain generate) stays SDPA
+        model.set_attn_implementation(kv_pool.register())
 
     @property
     def dtype(self) -> torch.dtype:
@@ -114,79 +119,80 @@ class TargetRunner:
                 ones with :meth:`BatchOutput.keep`).
             tokens: R non-empty token lists.
             with_features: also return the selected layers' hidden states.
-            logits: ``"all"`` (every new position) or ``"last"`` (each request's last new token).
+            logits: ``"all"`` (every new position), ``"last"`` (each request's last new token)
+                or ``"none"`` (a prefill chunk: no LM head output is needed).
         Returns:
             R :class:`BatchOutput`.
         Raises:
-            ValueError: an unknown ``logits`` mode.
+            ValueError: an unknown ``logits`` mode, or a cache of another runner.
         """
-        if logits not in ("all", "last"):
-            raise ValueError(f"logits must be 'all' or 'last', got {logits!r}")
-        for c in caches:
-            c.settle()
-        if len(caches) == 1:
-            return [self._forward_one(caches[0], tokens[0], with_features, logits)]
+        if logits not in ("all", "last", "none"):
+            raise ValueError(f"logits must be 'all', 'last' or 'none', got {logits!r}")
+        pool = self._kv_pool()
         r = len(caches)
+        slots = [c.bind(pool) for c in caches]
         lengths = [c.length for c in caches]
         counts = [len(t) for t in tokens]
-        past, new = max(lengths), max(counts)
+        new = max(counts)
         dev = self.device
         ids = torch.full((r, new), self.pad_token_id, dtype=torch.long, device=dev)
-        mask = torch.zeros(r, past + new, dtype=torch.long, device=dev)
-        for j, (t, l, n) in enumerate(zip(tokens, lengths, counts)):
-            ids[j, :n] = torch.as_tensor(t, dtype=torch.long)
-            mask[j, past - l:past + n] = 1  # left-padded past, right-padded new tokens
+        for j, t in enumerate(tokens):
+            ids[j, :len(t)] = torch.as_tensor(t, dtype=torch.long)
         positions = torch.tensor(lengths, device=dev)[:, None] + torch.arange(new, device=dev)
-        cache = DynamicCache(config=self.model.config)
-        if past:
-            for i in range(self.num_layers):
-                k0, v0 = caches[lengths.index(past)].layer(i)
-                keys = k0.new_zeros(r, k0.shape[0], past, k0.shape[-1])
-                values = torch.zeros_like(keys)
-                for j, c in enumerate(caches):
-                    if lengths[j]:
-                        k, v = c.layer(i)
-                        keys[j, :, past - lengths[j]:] = k
-                        values[j, :, past - lengths[j]:] = v
-                cache.update(keys, values, i)
         keep_idx = self._logit_positions(counts, logits, dev)
-        out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions,
-                         cache=cache, use_cache=True, output_hidden_states=with_features,
-                         logits_to_keep=keep_idx)
-        all_logits = out.logits.float()
-        feats = (torch.cat([out.hidden_states[i + 1] for i in self.layer_ids], dim=-1)
+        captured: dict[int, torch.Tensor] = {}
+        hooks = ([self._feature_modules[i].register_forward_hook(self._capture(i, captured))
+                  for i in self.layer_ids] if with_features else [])
+        try:
+            # the 1x1 4-D mask makes transformers skip building a padded [R, 1, n, L] mask: the
+            # per-request causal masks live in the step cache (serve/kv_pool.py)
+            out = self.model(input_ids=ids, attention_mask=self._no_mask, position_ids=positions,
+                             cache=PooledStepCache(pool, slots, lengths, counts), use_cache=True,
+                             logits_to_keep=keep_idx)
+        finally:
+            for h in hooks:
+                h.remove()
+        all_logits = None if logits == "none" else out.logits.float()
+        feats = (torch.cat([captured[i] for i in self.layer_ids], dim=-1)
                  if with_features else None)
-        kv = [(layer.keys[:, :, past:], layer.values[:, :, past:]) for layer in cache.layers]
         results = []
         for j, n in enumerate(counts):
-            row = (all_logits[j, :n] if logits == "all"
-                   else all_logits[j, (keep_idx == n - 1).nonzero()[0]])
-            results.append(BatchOutput(row, None if feats is None else feats[j, :n], caches[j],
-                                       [(k[j, :, :n], v[j, :, :n]) for k, v in kv],
-                                       self.model.config))
+            if logits == "none":
+                row = None
+            elif logits == "all":
+                row = all_logits[j, :n]
+            else:
+                row = all_logits[j, (keep_idx == n - 1).nonzero()[0]]
+            results.append(BatchOutput(row, None if feats is None else feats[j, :n], caches[j]))
         return results
+
+    def reserve(self, cache: TargetKV, length: int) -> None:
+        """Give ``cache`` its slot and room for ``length`` positions now (at admission), so the
+        passes that follow never grow the pool."""
+        pool = self._kv_pool()
+        cache.bind(pool)
+        pool.reserve(length)
+
+    def _kv_pool(self) -> SlotKVPool:
+        if self._pool is None:
+            cfg = self.model.config
+            head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+            kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+            self._pool = SlotKVPool(self.num_layers, kv_heads, head_dim, self.dtype, self.device)
+        return self._pool
+
+    @staticmethod
+    def _capture(layer: int, into: dict):
+        def hook(module, args, output):
+            into[layer] = output[0] if isinstance(output, tuple) else output
+        return hook
 
     @staticmethod
     def _logit_positions(counts: list[int], logits: str, dev) -> torch.Tensor | int:
-        """``logits_to_keep`` for the batch: 0 (all positions) or the sorted distinct last-token
-        positions of the rows."""
+        """``logits_to_keep`` for the batch: 0 (all positions), 1 (``"none"``: the cheapest
+        legal choice) or the sorted distinct last-token positions of the rows."""
         if logits == "all":
             return 0
+        if logits == "none":
+            return 1
         return torch.tensor(sorted({n - 1 for n in counts}), device=dev)
-
-    def _forward_one(self, kv: TargetKV, tokens: list[int], with_features: bool,
-                     logits: str) -> BatchOutput:
-        """Batch 1: no padding, no copy; the request's own cache grows in place (uncommitted
-        positions are dropped by the next :meth:`TargetKV.settle`)."""
-        dev = self.device
-        if kv.cache is None:
-            kv.cache = DynamicCache(config=self.model.config)
-        n = len(tokens)
-        ids = torch.tensor([tokens], dtype=torch.long, device=dev)
-        positions = torch.arange(kv.length, kv.length + n, device=dev)[None]
-        out = self.model(input_ids=ids, position_ids=positions, cache=kv.cache, use_cache=True,
-                         output_hidden_states=with_features,
-                         logits_to_keep=0 if logits == "all" else 1)
-        feats = (torch.cat([out.hidden_states[i + 1][0] for i in self.layer_ids], dim=-1)
-                 if with_features else None)
-        return BatchOutput(out.logits[0].float(), feats, kv, None, self.model.config)

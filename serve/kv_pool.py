@@ -1,0 +1,173 @@
+"""Preallocated target KV storage written in place: one slot per request, no per-step copies.
+
+Every request's keys and values live in a slot of one pool per layer, ``[slots, kv_heads, capacity,
+head_dim]``, written in place at the request's own positions. A forward pass over several requests
+therefore never pads or gathers their caches into a batch (the copy ``DynamicCache`` batching
+needs) and never grows a cache by ``torch.cat``: each layer writes only the new positions of each
+request, and attention runs per request over a view of its slot (:func:`slot_attention`, registered
+with transformers' attention interface as ``"dspark_slots"``). Positions a request does not commit
+(rejected drafts, right padding) are simply overwritten by its next pass.
+
+The pool starts small and doubles (slots or capacity) when a request needs more room: an
+amortised copy, never a per-step one; the engine reserves a request's whole length (prompt +
+max_tokens + a draft block) when it admits it, so decoding never reallocates. A slot is returned to the pool when its request's
+:class:`serve.target_runner.TargetKV` is garbage-collected, so finished, aborted and failed requests
+free their memory without bookkeeping in the engine.
+
+Shapes: R requests in a pass, n_j new tokens of request j (right-padded to n), L_j its committed
+length, Hkv key/value heads, Hq query heads, d head dim.
+"""
+
+from __future__ import annotations
+
+import torch
+
+ATTENTION_NAME = "dspark_slots"
+
+
+class SlotKVPool:
+    """Per-layer key/value storage with one slot per live request.
+
+    Args:
+        num_layers: decoder layers of the target.
+        kv_heads, head_dim: the layers' key/value heads and head dimension.
+        dtype, device: of the stored keys and values (the target's).
+        slots, capacity: initial slot count and positions per slot (both grow by doubling).
+    """
+
+    def __init__(self, num_layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
+                 device: torch.device, slots: int = 4, capacity: int = 256):
+        shape = (slots, kv_heads, capacity, head_dim)
+        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.free_slots = list(range(slots - 1, -1, -1))  # pop() hands out the lowest first
+        self.reallocations = 0  # growths so far (the engine reserves at admission, not later)
+
+    @property
+    def num_slots(self) -> int:
+        return self.keys[0].shape[0]
+
+    @property
+    def capacity(self) -> int:
+        return self.keys[0].shape[2]
+
+    def allocate(self) -> int:
+        """A free slot (the pool doubles its slots when none is left)."""
+        if not self.free_slots:
+            old = self.num_slots
+            self._grow(dim=0, size=2 * old)
+            self.free_slots = list(range(2 * old - 1, old - 1, -1))
+        return self.free_slots.pop()
+
+    def release(self, slot: int) -> None:
+        self.free_slots.append(slot)
+
+    def reserve(self, length: int) -> None:
+        """Make every slot hold at least ``length`` positions (doubling the capacity)."""
+        if length > self.capacity:
+            size = self.capacity
+            while size < length:
+                size *= 2
+            self._grow(dim=2, size=size)
+
+    def _grow(self, dim: int, size: int) -> None:
+        self.reallocations += 1
+        for store in (self.keys, self.values):
+            for i, t in enumerate(store):
+                shape = list(t.shape)
+                shape[dim] = size
+                grown = t.new_zeros(shape)
+                grown.narrow(dim, 0, t.shape[dim]).copy_(t)
+                store[i] = grown
+
+
+class SlotViews:
+    """What :meth:`PooledStepCache.update` hands the attention of one layer: each request's keys
+    or values ``[Hkv, L_j + n_j, d]`` as views of its slot (no copy), its new-token count n_j
+    and its causal mask bool ``[n_j, L_j + n_j]`` (None for a single query)."""
+
+    __slots__ = ("rows", "counts", "masks")
+
+    def __init__(self, rows: list[torch.Tensor], counts: list[int],
+                 masks: list[torch.Tensor | None]):
+        self.rows, self.counts, self.masks = rows, counts, masks
+
+
+class PooledStepCache:
+    """The cache object of one forward pass over requests in ``slots``: transformers' attention
+    layers call :meth:`update` with the new keys and values ``[R, Hkv, n, d]``; the first ``n_j``
+    of row j are written at positions ``[L_j, L_j + n_j)`` of its slot.
+
+    Args:
+        pool: the :class:`SlotKVPool`.
+        slots: R slot ids; lengths: R committed lengths L_j; counts: R new-token counts n_j.
+    """
+
+    def __init__(self, pool: SlotKVPool, slots: list[int], lengths: list[int], counts: list[int]):
+        self.pool, self.slots, self.lengths, self.counts = pool, slots, lengths, counts
+        pool.reserve(max(l + n for l, n in zip(lengths, counts)))
+        device = pool.keys[0].device
+        # query i of row j (position L_j + i) sees keys [0, L_j + i]; a single query sees all
+        self.masks = [None if n == 1 else
+                      torch.arange(l + n, device=device)[None]
+                      <= (l + torch.arange(n, device=device))[:, None]
+                      for l, n in zip(lengths, counts)]
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int,
+               *args, **kwargs) -> tuple[SlotViews, SlotViews]:
+        keys, values = self.pool.keys[layer_idx], self.pool.values[layer_idx]
+        krows, vrows = [], []
+        for j, (slot, l, n) in enumerate(zip(self.slots, self.lengths, self.counts)):
+            keys[slot, :, l:l + n] = key_states[j, :, :n]
+            values[slot, :, l:l + n] = value_states[j, :, :n]
+            krows.append(keys[slot, :, :l + n])
+            vrows.append(values[slot, :, :l + n])
+        return (SlotViews(krows, self.counts, self.masks),
+                SlotViews(vrows, self.counts, self.masks))
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return max(self.lengths)
+
+
+def slot_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
+                   **kwargs):
+    """Attention over slot views: one SDPA call per request, its query heads folded into the
+    query axis per key/value head (so keys and values are never repeated for grouped-query
+    attention). Any other input goes to transformers' SDPA attention unchanged, so the model
+    still works outside the engine (plain ``generate``).
+
+    Args:
+        query: ``[R, Hq, n, d]``; key, value: :class:`SlotViews` (or tensors: the SDPA path).
+    Returns:
+        (``[R, n, Hq, d]``, None), as transformers' attention functions return.
+    """
+    if not isinstance(key, SlotViews):
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
+                                      scaling=scaling, **kwargs)
+    r, hq, n, d = query.shape
+    out = query.new_zeros(r, n, hq, d)
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    for j, (k, v, nj, mask) in enumerate(zip(key.rows, value.rows, key.counts, key.masks)):
+        hkv = k.shape[0]
+        groups = hq // hkv
+        q = query[j, :, :nj].reshape(hkv, groups * nj, d)  # query head h = kv head * groups + g
+        if mask is None:  # one query sees every key
+            o = sdpa(q[None], k[None], v[None], scale=scaling)
+        else:  # the folded rows are g * n_j + i: each group repeats the causal mask
+            o = sdpa(q[None], k[None], v[None], attn_mask=mask.repeat(groups, 1)[None, None],
+                     scale=scaling)
+        out[j, :nj] = o.reshape(hq, nj, d).transpose(0, 1)
+    return out, None
+
+
+def register() -> str:
+    """Register :func:`slot_attention` (and SDPA's mask builder under the same name) with
+    transformers; returns the attention implementation name."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+
+    AttentionInterface.register(ATTENTION_NAME, slot_attention)
+    ALL_MASK_ATTENTION_FUNCTIONS.register(ATTENTION_NAME, sdpa_mask)
+    return ATTENTION_NAME

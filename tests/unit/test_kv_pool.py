@@ -1,0 +1,146 @@
+"""The target's KV pool (serve/kv_pool.py, serve/target_runner.py): in-place slots give the same
+logits and layer features as a plain forward over the whole sequence, for batches of requests at
+different lengths, across uncommitted (rejected) positions and pool growth; slots are freed with
+their requests; chunked prefill decodes exactly as one-shot prefill and lets running requests
+keep decoding meanwhile."""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+
+from serve.config import EngineConfig
+from serve.engine import SpecEngine
+from serve.requests import EngineRequest, SamplingParams
+from serve.target_runner import TargetKV, TargetRunner
+from tests.tiny import tiny_drafter, tiny_target
+
+LAYERS = [1, 3, 5]  # 5 is the last layer of the tiny target
+
+
+def _full(model, seq: list[int]):
+    """Logits fp32 [T, V] and hidden_states of a plain forward over the whole sequence."""
+    out = model(input_ids=torch.tensor([seq]), output_hidden_states=True)
+    return out.logits[0].float(), out.hidden_states
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_target()
+
+
+def test_batched_slots_match_a_plain_forward_over_each_sequence(model):
+    runner = TargetRunner(model, LAYERS)
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(2, 96, (n,), generator=g).tolist() for n in (5, 17, 9, 1)]
+    kvs = [TargetKV() for _ in prompts]
+    runner.forward_batch(kvs, prompts, with_features=False, logits="last")
+    for kv, p in zip(kvs, prompts):
+        kv.length = len(p)  # commit every prompt token
+    seqs = [list(p) for p in prompts]
+    for step in range(4):
+        # verify blocks of different sizes; commit only part of each (the rest was "rejected")
+        blocks = [torch.randint(2, 96, (1 + (j + step) % 4,), generator=g).tolist()
+                  for j in range(len(kvs))]
+        outs = runner.forward_batch(kvs, blocks, with_features=True)
+        for j, (o, block) in enumerate(zip(outs, blocks)):
+            logits, hidden = _full(model, seqs[j] + block)
+            n = len(block)
+            torch.testing.assert_close(o.logits, logits[-n:], atol=1e-4, rtol=1e-4)
+            expected = torch.cat([hidden[i + 1][0, -n:] for i in LAYERS], dim=-1)
+            torch.testing.assert_close(o.features, expected, atol=1e-4, rtol=1e-4)
+            keep = 1 + (j + step) % n if n > 1 else 1
+            o.keep(keep)
+            seqs[j] += block[:keep]
+    assert [kv.length for kv in kvs] == [len(s) for s in seqs]
+
+
+def test_the_pool_grows_and_frees_slots_with_their_requests(model):
+    runner = TargetRunner(model, LAYERS)
+    kvs = [TargetKV() for _ in range(6)]  # more than the 4 initial slots
+    long = list(range(2, 90)) * 4  # 352 positions: more than the 256 initial capacity
+    runner.forward_batch(kvs, [long[:10 + j] for j in range(5)] + [long], with_features=False,
+                         logits="last")
+    pool = runner._kv_pool()
+    assert pool.num_slots >= 6 and pool.capacity >= len(long)
+    assert len({kv.slot for kv in kvs}) == 6
+    kvs[5].length = len(long)
+    o = runner.forward_batch([kvs[5]], [[7]], with_features=False)[0]
+    torch.testing.assert_close(o.logits, _full(model, long + [7])[0][-1:], atol=1e-4, rtol=1e-4)
+    free_before = len(pool.free_slots)
+    freed = kvs[2].slot
+    del kvs[2], o
+    gc.collect()
+    assert len(pool.free_slots) == free_before + 1 and freed in pool.free_slots
+    assert TargetKV().bind(pool) == freed  # the next request reuses it
+
+
+def test_plain_generate_on_the_same_model_is_unchanged():
+    """The runner registers its attention with transformers; any other call keeps SDPA."""
+    model = tiny_target(seed=3)
+    ids = torch.tensor([[5, 9, 11, 4, 3]])
+    before = model.generate(ids, max_new_tokens=8, do_sample=False)
+    TargetRunner(model, LAYERS)
+    padded = torch.tensor([[0, 0, 5, 9, 11, 4, 3]])
+    mask = torch.tensor([[0, 0, 1, 1, 1, 1, 1]])
+    after = model.generate(ids, max_new_tokens=8, do_sample=False)
+    after_padded = model.generate(padded, attention_mask=mask, max_new_tokens=8, do_sample=False)
+    assert torch.equal(before, after)
+    assert torch.equal(after_padded[0, 2:], before[0])
+
+
+def _greedy(engine, prompts, steps_log=None):
+    for i, p in enumerate(prompts):
+        engine.add_request(EngineRequest(f"r{i}", p, SamplingParams(max_tokens=12,
+                                                                    temperature=0.0)))
+    out = {f"r{i}": [] for i in range(len(prompts))}
+    while engine.has_unfinished():
+        emitted = engine.step()
+        if steps_log is not None:
+            steps_log.append(({o.request_id for o in emitted if o.new_token_ids},
+                              [r.req.request_id for r in engine.prefilling]))
+        for o in emitted:
+            out[o.request_id] += o.new_token_ids
+    return out
+
+
+@pytest.mark.parametrize("with_drafter", [False, True])
+def test_chunked_prefill_decodes_as_one_shot_prefill(model, with_drafter):
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(2, 96, (n,), generator=g).tolist() for n in (3, 40, 11)]
+    drafter = tiny_drafter(model, layer_ids=(1, 3)) if with_drafter else None
+
+    def engine(budget):
+        return SpecEngine(TargetRunner(model, [1, 3]), drafter, [], EngineConfig(
+            scheduler="fixed" if with_drafter else "none", sps_profile="off",
+            max_prefill_tokens=budget))
+
+    one_shot = _greedy(engine(4096), prompts)
+    log: list = []
+    chunked = _greedy(engine(8), prompts, log)
+    assert chunked == one_shot
+    # the 40-token prompt took several steps, and r0 (3 tokens) decoded during them
+    prefill_steps = [emitted for emitted, prefilling in log if "r1" in prefilling]
+    assert len(prefill_steps) >= 3
+    assert sum("r0" in emitted for emitted in prefill_steps) >= 2
+
+
+def test_the_kv_store_never_reallocates_during_decoding(model):
+    """Admission reserves each request's whole length (prompt + max_tokens + a block): after the
+    prefill steps, decoding steps never grow the pool."""
+    drafter = tiny_drafter(model, layer_ids=(1, 3))
+    runner = TargetRunner(model, [1, 3])
+    engine = SpecEngine(runner, drafter, [], EngineConfig(scheduler="fixed", sps_profile="off"))
+    g = torch.Generator().manual_seed(2)
+    for i, (n, max_tokens) in enumerate([(5, 300), (30, 200), (3, 40)]):  # > 256 positions
+        engine.add_request(EngineRequest(f"r{i}", torch.randint(2, 96, (n,), generator=g).tolist(),
+                                         SamplingParams(max_tokens=max_tokens, temperature=1.0,
+                                                        seed=i, ignore_eos=True)))
+    engine.step()  # decodes nothing yet; prefills all three
+    assert not engine.prefilling
+    grown = runner._kv_pool().reallocations
+    while engine.has_unfinished():
+        engine.step()
+    assert runner._kv_pool().reallocations == grown
