@@ -74,7 +74,77 @@ def _rope_theta(tc) -> float:
 def load_frozen_head(target_name: str, top_layers: int = 0):
     """(target config, embedding [V, H], LM head [V, H]) of the target, fp32 on CPU; with
     ``top_layers`` > 0 also (state dicts of the last ``top_layers`` decoder layers, the final
-    norm's state dict) for :meth:`drafters.modeling.DSparkDrafter.init_from_target`."""
+    norm's state dict) for :meth:`drafters.modeling.DSparkDrafter.init_from_target`.
+
+    Only those tensors are read, from the checkpoint's safetensors files (a 4B target's worker
+    reads ~1.6 GB, not 16 GB of fp32 weights); a checkpoint in another format or with other
+    tensor names is loaded whole with ``from_pretrained`` instead.
+    """
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(target_name)
+    tensors = _read_target_tensors(target_name, config, top_layers)
+    if tensors is None:
+        return _load_frozen_head_whole(target_name, top_layers)
+    emb = tensors["model.embed_tokens.weight"]
+    head = tensors.get("lm_head.weight", emb)  # tied embeddings: the LM head is the embedding
+    if not top_layers:
+        return config, emb, head
+    first = config.num_hidden_layers - top_layers
+    layers = [{k[len(f"model.layers.{i}."):]: v for k, v in tensors.items()
+               if k.startswith(f"model.layers.{i}.")}
+              for i in range(first, config.num_hidden_layers)]
+    norm = {k[len("model.norm."):]: v for k, v in tensors.items() if k.startswith("model.norm.")}
+    return config, emb, head, (layers, norm)
+
+
+def _read_target_tensors(target_name: str, config, top_layers: int) -> dict | None:
+    """The embedding, LM head (if untied), final norm and last ``top_layers`` decoder layers as
+    fp32 CPU tensors, read by name from the target's safetensors files; None when the checkpoint
+    has no safetensors or names them differently."""
+    import torch
+    from safetensors import safe_open
+
+    files = _safetensors_files(target_name)
+    if not files:
+        return None
+    first = config.num_hidden_layers - top_layers
+    wanted = ["model.embed_tokens.", "model.norm.", "lm_head."] + [
+        f"model.layers.{i}." for i in range(first, config.num_hidden_layers)]
+    out = {}
+    for path in files:
+        with safe_open(path, framework="pt") as fh:
+            for key in fh.keys():
+                if any(key.startswith(w) for w in wanted):
+                    out[key] = fh.get_tensor(key).to(torch.float32)
+    tied = getattr(config, "tie_word_embeddings", False)
+    if "model.embed_tokens.weight" not in out or ("lm_head.weight" not in out and not tied) or (
+            top_layers and not any(k.startswith(f"model.layers.{first}.") for k in out)):
+        return None
+    return out
+
+
+def _safetensors_files(target_name: str) -> list[str]:
+    """Local paths of a target's safetensors shards (a directory or a Hub name already in the
+    local cache / downloadable); [] if there are none."""
+    from transformers.utils import cached_file
+
+    for index in ("model.safetensors.index.json", "model.safetensors"):
+        try:
+            path = cached_file(target_name, index, _raise_exceptions_for_missing_entries=False)
+        except OSError:
+            path = None
+        if not path:
+            continue
+        if index == "model.safetensors":
+            return [path]
+        shards = sorted(set(json.loads(Path(path).read_text())["weight_map"].values()))
+        return [cached_file(target_name, shard) for shard in shards]
+    return []
+
+
+def _load_frozen_head_whole(target_name: str, top_layers: int):
+    """:func:`load_frozen_head` through ``from_pretrained`` (every weight, fp32)."""
     from serve.target_loading import load_target
 
     model = load_target(target_name, "float32")
@@ -235,10 +305,16 @@ def train_loop_per_worker(loop_cfg: dict) -> None:
     objective, weights = training_objective(dcfg)
     weights = weights.to(device)
     step = 0
-    if loop_cfg["resume_from"]:
-        # Ray Train v2 passes the checkpoint to resume through the loop config
-        with ray.train.Checkpoint(loop_cfg["resume_from"]).as_directory() as ckpt_dir:
+    # after a worker failure Ray Train restarts the group with this run's newest checkpoint
+    # (train.max_failures); an explicit resume arrives through the loop config
+    restored = ray.train.get_checkpoint()
+    if restored is None and loop_cfg["resume_from"]:
+        restored = ray.train.Checkpoint(loop_cfg["resume_from"])
+    history = []
+    if restored is not None:
+        with restored.as_directory() as ckpt_dir:
             step = load_training_state(engine, ckpt_dir)
+            history = load_training_log(ckpt_dir, step)
 
     hidden, m = loop_cfg["hidden_size"], len(loop_cfg["layer_ids"])
     so = loop_cfg["storage_options"]
@@ -284,20 +360,41 @@ def train_loop_per_worker(loop_cfg: dict) -> None:
         return reduce_metrics(outs, dcfg.block_size, prefix="heldout_", device=device)
 
     per_epoch = loop_cfg["steps_per_epoch"]
-    history, last = [], {"step": step}
+    last = {"step": step}
+    skipped, bad_in_a_row = (history[-1].get("skipped_steps", 0) if history else 0), 0
     while step < total_steps:
         epoch, step_in_epoch = divmod(step, per_epoch)
         order = train_index.epoch_order(tc.seed, epoch)
-        outs = []
+        outs, bad = [], False
         for rows in worker_micro_batches(order, step_in_epoch, tc.global_batch_size,
                                          tc.micro_batch_size, rank, world):
             gens = [row_generator(tc.seed, epoch, r) for r in rows]
             out = batch_losses(engine, reader.read(rows), tc, objective, weights, device, gens)
-            engine.backward(out["loss"])
+            loss = out["loss"]
+            if not finite_on_all_workers(loss, device):
+                # every worker still runs backward and step, so DeepSpeed's gradient all-reduce
+                # stays in lock-step; the zero loss adds nothing to the accumulated gradients
+                bad, loss = True, zero_loss(engine)
+            else:
+                outs.append(out)
+            engine.backward(loss)
+            if bad and engine.is_gradient_accumulation_boundary():
+                skip_update(engine)
             engine.step()
-            outs.append(out)
         step += 1
-        last = {"step": step, "epoch": epoch, "lr": engine.get_lr()[0],
+        if bad:
+            skipped, bad_in_a_row = skipped + 1, bad_in_a_row + 1
+            logger.warning("step %d: non-finite loss on some worker, update skipped (%d in a "
+                           "row, %d in all)", step, bad_in_a_row, skipped)
+            if bad_in_a_row > tc.max_bad_steps:
+                raise NonFiniteLossError(
+                    f"{bad_in_a_row} consecutive optimizer steps (last: {step}) had a non-finite "
+                    f"loss, more than train.max_bad_steps = {tc.max_bad_steps}: check the cache "
+                    "for NaN/inf features and the learning rate; the checkpoints written before "
+                    "are intact")
+        else:
+            bad_in_a_row = 0
+        last = {"step": step, "epoch": epoch, "lr": engine.get_lr()[0], "skipped_steps": skipped,
                 **reduce_metrics(outs, dcfg.block_size, device=device)}
         if heldout_rows is not None and (step % tc.eval_every == 0 or step == total_steps):
             last.update(heldout_metrics())
@@ -313,6 +410,40 @@ def train_loop_per_worker(loop_cfg: dict) -> None:
         bar.close()
     if run is not None:
         run.finish()
+
+
+class NonFiniteLossError(RuntimeError):
+    """More consecutive optimizer steps had a non-finite loss than ``train.max_bad_steps``."""
+
+
+def finite_on_all_workers(loss, device) -> bool:
+    """True when ``loss`` (scalar tensor) is finite on every worker (all-reduce MIN over the
+    workers; a single process just checks its own), so all workers take the same branch."""
+    import torch
+    import torch.distributed as dist
+
+    ok = torch.isfinite(loss.detach()).to(torch.float32).reshape(1)
+    if dist.is_available() and dist.is_initialized():
+        ok = ok.to(device)
+        dist.all_reduce(ok, op=dist.ReduceOp.MIN)
+    return bool(ok.item() > 0)
+
+
+def zero_loss(engine):
+    """A loss of exactly 0 connected to every trainable parameter: its backward adds zero
+    gradients, which keeps DeepSpeed's micro-step count and gradient all-reduce in step on all
+    workers when one micro-batch's loss is unusable."""
+    params = [p for p in engine.module.parameters() if p.requires_grad]
+    return sum(p.sum() for p in params) * 0.0
+
+
+def skip_update(engine) -> None:
+    """Make the coming optimizer step leave the parameters unchanged: the learning rate is 0 for
+    this one step (the LR scheduler, stepped right after, restores it). The step still counts in
+    the schedule, and AdamW's moments see the step's finite micro-batches: a skipped step differs
+    from no step by that moment update only."""
+    for group in engine.optimizer.param_groups:
+        group["lr"] = 0.0
 
 
 def init_weights(model, path: str) -> None:
@@ -354,6 +485,16 @@ def save_training_state(engine, step: int, world: int, history: list[dict], metr
             with open(os.path.join(tmp, "train_state.json"), "w") as fh:
                 json.dump({"step": step, "world_size": world}, fh)
         ray.train.report(metrics, checkpoint=Checkpoint.from_directory(tmp))
+
+
+def load_training_log(checkpoint_dir: str, step: int) -> list[dict]:
+    """The training log of a checkpoint's run up to ``step`` (a resumed run continues it, so the
+    final drafter's ``training_log.jsonl`` covers every step); [] if the checkpoint has none."""
+    path = os.path.join(checkpoint_dir, "drafter", "training_log.jsonl")
+    if not os.path.isfile(path):
+        return []
+    with open(path) as fh:
+        return [h for h in map(json.loads, fh) if h["step"] <= step]
 
 
 def load_training_state(engine, checkpoint_dir: str) -> int:
@@ -460,13 +601,21 @@ def _universal_checkpoint_dir(checkpoint_dir: str, tag: str) -> tuple[str, str |
     return load_dir, own_tmp
 
 
-def latest_checkpoint(train_dir: Path) -> str | None:
-    """The training checkpoint with the highest step under ``train_dir/ray_train``, or None."""
+def latest_checkpoint(storage_path: str, run_name: str,
+                      storage_options: dict | None = None) -> str | None:
+    """The training checkpoint with the highest step of run ``run_name`` under Ray Train's
+    ``storage_path`` (a local or shared directory, or an s3:// URL), or None."""
+    from . import storage
+
+    fs = storage.get_fsspec(storage_path, storage_options)
     best, best_step = None, -1
-    for state in (train_dir / "ray_train").glob("*/checkpoint_*/train_state.json"):
-        step = json.loads(state.read_text())["step"]
+    for state in fs.glob(storage.join(storage_path, run_name, "checkpoint_*", "train_state.json")):
+        with fs.open(state) as fh:
+            step = json.load(fh)["step"]
         if step > best_step:
-            best, best_step = str(state.parent), step
+            best, best_step = state.rsplit("/", 1)[0], step
+    if best is not None and storage_path.startswith("s3://") and not best.startswith("s3://"):
+        best = "s3://" + best
     return best
 
 
@@ -479,7 +628,7 @@ def run_train(*, cache_dir: str, manifest: dict, out_dir: Path, target: str, lay
         ValueError: the cache holds too few rows for one optimizer step.
         RuntimeError: training failed (Ray Train's error attached).
     """
-    from ray.train import RunConfig, ScalingConfig
+    from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
     from . import storage
@@ -495,23 +644,27 @@ def run_train(*, cache_dir: str, manifest: dict, out_dir: Path, target: str, lay
     per_epoch = steps_per_epoch(rows, train.global_batch_size)
     if per_epoch < 1:
         raise ValueError(f"the cache has {rows} training rows: fewer than one global batch "
-                         f"({train['global_batch_size']})")
+                         f"({train.global_batch_size})")
     draft_vocab, vocab_report = select_draft_vocab(manifest, drafter.draft_vocab_size)
     total = per_epoch * train.num_epochs
     if train.max_steps:
         total = min(total, train.max_steps)
+    storage_path = (storage.resolve(train.storage_path) if train.storage_path
+                    else str((out_dir / "ray_train").resolve()))
     resume = None
     if train.resume_from == "latest":
-        resume = latest_checkpoint(out_dir)
+        resume = latest_checkpoint(storage_path, run_name, storage_options)
         logger.info("resuming from %s", resume) if resume else logger.info(
             "train.resume_from is 'latest' but no checkpoint exists yet: starting at step 0")
     elif train.resume_from:
         resume = storage.resolve(train.resume_from)
-        if not os.path.isfile(os.path.join(resume, "train_state.json")):
+        if not storage.exists(storage.join(resume, "train_state.json"), storage_options):
             raise FileNotFoundError(f"train.resume_from {resume} is not a training checkpoint "
                                     "(no train_state.json)")
     else:  # an explicit fresh start: Ray Train would otherwise restore the run's old state
-        shutil.rmtree(out_dir / "ray_train", ignore_errors=True)
+        fs = storage.get_fsspec(storage_path, storage_options)
+        if fs.exists(storage.join(storage_path, run_name)):
+            fs.rm(storage.join(storage_path, run_name), recursive=True)
     wandb_dir = out_dir / "wandb"
     wandb_dir.mkdir(parents=True, exist_ok=True)
     loop_cfg = {
@@ -533,7 +686,10 @@ def run_train(*, cache_dir: str, manifest: dict, out_dir: Path, target: str, lay
         train_loop_per_worker, train_loop_config=loop_cfg,
         scaling_config=ScalingConfig(num_workers=train.num_workers, use_gpu=train.use_gpu,
                                      resources_per_worker=resources),
-        run_config=RunConfig(name=run_name, storage_path=str((out_dir / "ray_train").resolve())),
+        run_config=RunConfig(
+            name=run_name, storage_path=storage_path,
+            failure_config=FailureConfig(max_failures=train.max_failures),
+            checkpoint_config=CheckpointConfig(num_to_keep=train.num_to_keep)),
     )
     logger.info("training %d optimizer steps (%d per epoch) on %d rows", total, per_epoch, rows)
     result = trainer.fit()
@@ -549,8 +705,8 @@ def run_train(*, cache_dir: str, manifest: dict, out_dir: Path, target: str, lay
         log_drafter_artifact(run, dest, f"drafter-{run_name}", {"steps": total,
                                                                 "target": target})
         run.finish()
-        if vocab_report:
-            (dest / "draft_vocab.json").write_text(json.dumps(vocab_report, indent=1))
+    if vocab_report:
+        (dest / "draft_vocab.json").write_text(json.dumps(vocab_report, indent=1))
     return {"steps": total, "rows": rows, "metrics": result.metrics or {}, "resumed_from": resume,
             "checkpoint": result.checkpoint.path, "draft_vocab": vocab_report}
 
