@@ -166,6 +166,19 @@ class TrainConfig(Strict):
                                     "LR schedule and data position; the worker count may differ.")
     init_from: str | None = Field(None, description="A drafter directory whose weights start a "
                                   "NEW training (fresh optimizer, schedule and data order).")
+    max_bad_steps: int = Field(3, ge=0, description="Consecutive optimizer steps with a "
+                               "non-finite loss (on any worker) that are skipped and counted as "
+                               "skipped_steps; one more aborts the run, leaving the checkpoints "
+                               "written before intact. 0 = abort at the first.")
+    max_failures: int = Field(0, ge=-1, description="Ray Train worker-group restarts after a "
+                              "worker dies (from the newest checkpoint; -1 = unlimited). Pair "
+                              "with checkpoint_every: without one a restart begins at step 0.")
+    num_to_keep: int | None = Field(None, ge=1, description="Newest checkpoints kept on storage; "
+                                    "None keeps all.")
+    storage_path: str | None = Field(None, description="Where Ray Train writes checkpoints, under "
+                                     "<storage_path>/<run_dir name>/: a shared filesystem path or "
+                                     "s3:// URL, which every node of a multi-node run needs; None "
+                                     "= <run_dir>/train/ray_train (the head's disk, single node).")
     seed: int = 0
 
     @model_validator(mode="after")
