@@ -17,6 +17,7 @@ import hashlib
 import io
 import json
 import logging
+from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
@@ -214,6 +215,9 @@ def run_cache_split(conversations: list[dict], split_dir: str, *, target: str, d
     import ray
 
     shards = plan_shards(conversations, rows_per_shard)
+    if not storage.is_url(split_dir):  # temporaries of writers killed mid-shard (never listed)
+        for stale in Path(split_dir).glob(".shard-*.tmp-*"):
+            stale.unlink(missing_ok=True)
     settings = {"target": target, "dtype": dtype, "layer_ids": layer_ids,
                 "template_kwargs": template_kwargs, "max_length": max_length,
                 "min_supervised": min_supervised,

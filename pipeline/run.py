@@ -5,6 +5,7 @@ Usage::
     python pipeline/run.py --config infra/configs/quickstart.yaml
     python pipeline/run.py --config infra/configs/quickstart.yaml --stages train,eval \\
         --set train.max_steps=50
+    python pipeline/run.py --config infra/configs/quickstart.yaml --repair-cache  # damaged shards
     ray job submit --address http://127.0.0.1:8265 --working-dir . -- \\
         python pipeline/run.py --config infra/configs/quickstart.yaml
 
@@ -30,6 +31,7 @@ import time  # noqa: E402
 
 from pipeline import stages, storage  # noqa: E402
 from pipeline.config import STAGES, ConfigError, load_config  # noqa: E402
+from pipeline.train import TrainingFailedError  # noqa: E402
 
 logger = logging.getLogger("dspark")
 
@@ -45,6 +47,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--force", action="append", default=[], metavar="STAGE",
                         help="delete a stage's outputs and redo it (later stages are redone too; "
                              "repeatable)")
+    parser.add_argument("--repair-cache", action="store_true",
+                        help="check every cache shard against the manifest's sha256 first and "
+                             "rewrite only the damaged ones (with the cache stage)")
     return parser.parse_args(argv)
 
 
@@ -68,9 +73,16 @@ def main(argv: list[str] | None = None) -> int:
         if any(s in ordered for s in ("cache", "train", "eval")) and "://" in ctx.cache_dir:
             # an unreachable bucket must fail now, not after hours of generation
             storage.check_writable(ctx.cache_dir, cfg.storage_options)
+        if args.repair_cache:
+            damaged = stages.repair_cache(ctx)
+            logger.info("repair: %d damaged shard(s) removed%s", len(damaged),
+                        f", rewritten by the cache stage: {damaged}" if damaged else "")
+            if damaged and "cache" not in ordered:
+                ordered = [s for s in STAGES if s in ordered or s == "cache"]
         for name in ordered:
             stages.run_stage(ctx, name, force=name in args.force)
-    except (ConfigError, FileNotFoundError, ConnectionError, PermissionError, ValueError) as err:
+    except (ConfigError, FileNotFoundError, ConnectionError, PermissionError, ValueError,
+            TrainingFailedError) as err:
         logger.error("%s", err)
         return 1
     logger.info("pipeline finished in %.1f min; run directory %s", (time.time() - started) / 60,

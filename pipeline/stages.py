@@ -145,6 +145,41 @@ def clear_stage(ctx: StageContext, name: str) -> None:
             fs.rm(ctx.cache_dir, recursive=True)
 
 
+def repair_cache(ctx: StageContext) -> list[str]:
+    """Check every shard of the cache manifest against its sha256, row count and schema; delete
+    each damaged shard with its sidecar and reopen the cache stage and the stages after it (their
+    markers go, their outputs stay), so the next cache stage rewrites only those shards.
+
+    Returns:
+        the damaged shards' paths (empty: nothing changed).
+    Raises:
+        FileNotFoundError: the cache has no manifest (run the cache stage instead).
+    """
+    from .cache import CorruptShardError, read_manifest, verify_shard
+    from .config import STAGES
+
+    so = ctx.cfg.storage_options
+    manifest = read_manifest(ctx.cache_dir, so)
+    damaged = []
+    for split, info in manifest["splits"].items():
+        for shard in info.get("shards", []):
+            try:
+                verify_shard(ctx.cache_dir, split, shard, so)
+            except (CorruptShardError, FileNotFoundError) as err:
+                logger.warning("repair: %s", err)
+                damaged.append(storage.join(ctx.cache_dir, split, shard["file"]))
+    if not damaged:
+        return []
+    fs = storage.get_fsspec(ctx.cache_dir, so)
+    for path in damaged:
+        for name in (path, path[:-len(".parquet")] + ".json"):
+            if fs.exists(name):
+                fs.rm(name)
+    for later in STAGES[STAGES.index("cache"):]:
+        _marker(ctx, later).unlink(missing_ok=True)
+    return damaged
+
+
 def run_stage(ctx: StageContext, name: str, force: bool = False) -> dict:
     """Run one stage unless complete; write its marker with a summary.
 

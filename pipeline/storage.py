@@ -69,11 +69,15 @@ def write_bytes_atomic(path: str, data: bytes, storage_options: dict | None = No
     target = Path(path)
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
-    with open(tmp, "wb") as fh:
-        fh.write(data)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, target)
+    try:
+        with open(tmp, "wb") as fh:
+            fh.write(data)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, target)
+    except BaseException:  # e.g. a full disk: no partial file and no temporary left behind
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def read_bytes(path: str, storage_options: dict | None = None) -> bytes:

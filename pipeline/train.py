@@ -412,6 +412,10 @@ def train_loop_per_worker(loop_cfg: dict) -> None:
         run.finish()
 
 
+class TrainingFailedError(RuntimeError):
+    """The Ray Train run failed (its workers' errors in the message)."""
+
+
 class NonFiniteLossError(RuntimeError):
     """More consecutive optimizer steps had a non-finite loss than ``train.max_bad_steps``."""
 
@@ -626,7 +630,7 @@ def run_train(*, cache_dir: str, manifest: dict, out_dir: Path, target: str, lay
 
     Raises:
         ValueError: the cache holds too few rows for one optimizer step.
-        RuntimeError: training failed (Ray Train's error attached).
+        TrainingFailedError: training failed (the workers' errors in the message).
     """
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
@@ -692,9 +696,12 @@ def run_train(*, cache_dir: str, manifest: dict, out_dir: Path, target: str, lay
             checkpoint_config=CheckpointConfig(num_to_keep=train.num_to_keep)),
     )
     logger.info("training %d optimizer steps (%d per epoch) on %d rows", total, per_epoch, rows)
-    result = trainer.fit()
+    try:
+        result = trainer.fit()
+    except Exception as err:  # Ray Train's WorkerGroupError carries the workers' tracebacks
+        raise TrainingFailedError(f"training failed: {err}") from err
     if result.error is not None:
-        raise RuntimeError(f"training failed: {result.error}") from result.error
+        raise TrainingFailedError(f"training failed: {result.error}") from result.error
     with result.checkpoint.as_directory() as ckpt:
         dest = out_dir / "drafter"
         if dest.exists():

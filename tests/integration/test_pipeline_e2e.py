@@ -72,6 +72,25 @@ def test_end_to_end_smoke_and_rerun(tmp_path, tiny_target_dir):
     assert again.stderr.count("complete, skipped") == 4
     assert (run / "generate" / "train.jsonl").read_text() == before
 
+    # a shard damaged after writing: --repair-cache rewrites that shard alone, training re-runs
+    shards = sorted((run / "cache" / "train").glob("shard-*.parquet"))
+    untouched = {p: p.stat().st_mtime_ns for p in shards[1:]}
+    data = bytearray(shards[0].read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shards[0].write_bytes(bytes(data))
+    repaired = run_pipeline(config, "--stages", "train", "--repair-cache")
+    assert repaired.returncode == 0, repaired.stderr[-3000:]
+    assert "1 damaged shard(s) removed" in repaired.stderr and shards[0].name in repaired.stderr
+    assert {p: p.stat().st_mtime_ns for p in shards[1:]} == untouched
+    import hashlib
+
+    listed = {s["file"]: s["sha256"] for s in json.loads(
+        (run / "cache" / "manifest.json").read_text())["splits"]["train"]["shards"]}
+    assert listed[shards[0].name] == hashlib.sha256(shards[0].read_bytes()).hexdigest()
+    assert (run / "train" / "_SUCCESS.json").exists()
+    clean = run_pipeline(config, "--stages", "cache", "--repair-cache")
+    assert clean.returncode == 0 and "0 damaged shard(s) removed" in clean.stderr
+
     # a changed config is not silently skipped
     changed = run_pipeline(config, "--stages", "train", "--set", "train.lr=1e-4")
     assert changed.returncode == 1 and "--force train" in changed.stderr

@@ -85,8 +85,9 @@ def test_resume_with_another_worker_count_matches_uninterrupted_run(tmp_path, ti
         result, log_b = _train(tiny_cache, tiny_target_dir, tmp_path / f"b{workers}",
                                num_epochs=3, num_workers=workers, resume_from=str(ckpts[3]))
         assert result["resumed_from"] == str(ckpts[3])
-        assert [h["step"] for h in log_b] == [4, 5, 6]
-        for a, b in zip(log_a[3:], log_b):
+        assert [h["step"] for h in log_b] == [1, 2, 3, 4, 5, 6]  # the log continues A's
+        assert log_b[:3] == log_a[:3]
+        for a, b in zip(log_a[3:], log_b[3:]):
             assert b["loss"] == pytest.approx(a["loss"], rel=1e-4), (workers, a, b)
             assert b["lr"] == pytest.approx(a["lr"], rel=1e-6)
     # a fresh start from the same weights (init_from) is a different run: LR schedule restarts
@@ -117,3 +118,127 @@ def test_a_damaged_shard_is_named_before_training_starts(tmp_path, tiny_cache, t
                   target=str(tiny_target_dir), layer_ids=[1, 3], drafter=dc, train=tc,
                   wandb_cfg=WANDB, storage_options={}, run_name="t")
     assert not (tmp_path / "train" / "drafter").exists()
+
+
+def _poison_row(cache_dir, manifest, row: int, dest):
+    """A copy of the cache whose global train row ``row`` has NaN context features, with the
+    manifest's hash updated so only the NaN (not the hash check) can stop training."""
+    import copy
+    import hashlib
+    import shutil
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from pipeline.cache import SCHEMA
+    from pipeline.train_data import CacheRowIndex
+
+    shutil.copytree(cache_dir, dest)
+    index = CacheRowIndex(str(dest), manifest, "train", {})
+    g, i = index.locate(row)
+    ref = index.groups[g]
+    in_shard = sum(r.rows for r in index.groups[:g] if r.path == ref.path) + i
+    table = pq.read_table(ref.path)
+    rows = table.to_pylist()
+    nan_bf16 = b"\xc0\x7f"  # little-endian 0x7FC0
+    rows[in_shard]["context_hidden"] = nan_bf16 * (len(rows[in_shard]["context_hidden"]) // 2)
+    pq.write_table(pa.Table.from_pylist(rows, schema=SCHEMA), ref.path, row_group_size=2)
+    poisoned = copy.deepcopy(manifest)
+    name = ref.path.rsplit("/", 1)[1]
+    for shard in poisoned["splits"]["train"]["shards"]:
+        if shard["file"] == name:
+            shard["sha256"] = hashlib.sha256(open(ref.path, "rb").read()).hexdigest()
+    return str(dest), poisoned
+
+
+def _row_in_step(tiny_cache, step_in_epoch: int) -> int:
+    """A train row that rank 0 reads first in global step ``step_in_epoch`` of epoch 0."""
+    from pipeline.train_data import CacheRowIndex
+
+    cache_dir, manifest = tiny_cache
+    order = CacheRowIndex(cache_dir, manifest, "train", {}).epoch_order(0, 0)
+    return int(order[4 * step_in_epoch])  # global batch 4
+
+
+def test_a_nan_feature_row_skips_the_step_and_training_finishes(tmp_path, tiny_cache,
+                                                                tiny_target_dir):
+    """One NaN row in the cache: the steps that read it are skipped and counted on both workers,
+    the other steps train, and the drafter stays finite."""
+    import torch
+
+    poisoned = _poison_row(*tiny_cache, _row_in_step(tiny_cache, 1), tmp_path / "cache")
+    _, log = _train(poisoned, tiny_target_dir, tmp_path / "train", num_epochs=2,
+                    max_bad_steps=2)
+    assert [h["step"] for h in log] == [1, 2, 3, 4]
+    assert log[-1]["skipped_steps"] == 2  # the NaN row is read once per epoch
+    assert log[1]["skipped_steps"] == 1 and log[0]["skipped_steps"] == 0
+    assert all(torch.isfinite(torch.tensor(h["loss"])) for h in log)
+    target = load_target(str(tiny_target_dir))
+    model = load_drafter(tmp_path / "train" / "drafter", target, str(tiny_target_dir))
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_too_many_bad_steps_abort_and_keep_the_checkpoint_before(tmp_path, tiny_cache,
+                                                                 tiny_target_dir):
+    """max_bad_steps 0: the first non-finite step aborts the run with a message; the checkpoint
+    of the step before is intact and resumable, and no final drafter is written."""
+    poisoned = _poison_row(*tiny_cache, _row_in_step(tiny_cache, 1), tmp_path / "cache")
+    with pytest.raises(RuntimeError, match="non-finite loss"):
+        _train(poisoned, tiny_target_dir, tmp_path / "train", num_epochs=2, max_bad_steps=0,
+               checkpoint_every=1)
+    states = [json.loads(p.read_text()) for p in
+              (tmp_path / "train" / "ray_train").rglob("train_state.json")]
+    assert [s["step"] for s in states] == [1]
+    assert not (tmp_path / "train" / "drafter").exists()
+    result, log = _train(tiny_cache, tiny_target_dir, tmp_path / "train", num_epochs=2,
+                         resume_from="latest")
+    assert result["resumed_from"] and [h["step"] for h in log] == [1, 2, 3, 4]
+
+
+def _kill_a_train_worker_after(checkpoint_root, step: int, killed: list, timeout_s: float = 300):
+    """Background: once the checkpoint of ``step`` exists under ``checkpoint_root``, SIGKILL one
+    Ray Train worker process (a preempted or crashed worker); records its pid in ``killed``."""
+    import os
+    import signal
+    import time
+
+    import psutil
+
+    deadline = time.time() + timeout_s
+    while time.time() < deadline:
+        if any(json.loads(p.read_text())["step"] == step
+               for p in checkpoint_root.rglob("train_state.json")):
+            for proc in psutil.process_iter(["cmdline"]):
+                cmd = " ".join(proc.info["cmdline"] or [])
+                if cmd.startswith("ray::RayTrainWorker"):
+                    os.kill(proc.pid, signal.SIGKILL)
+                    killed.append(proc.pid)
+                    return
+        time.sleep(0.05)
+
+
+def test_a_killed_worker_restarts_from_the_checkpoint_and_ends_as_uninterrupted(
+        tmp_path, tiny_cache, tiny_target_dir):
+    """kill -9 of one training worker mid-run: with max_failures 1 Ray Train restarts the worker
+    group from the newest checkpoint and the final weights equal an uninterrupted run's (same
+    seed; gloo's float reduction order is the only difference)."""
+    import threading
+
+    import torch
+
+    steps = dict(num_epochs=8, checkpoint_every=2, max_failures=1)
+    _, log_ref = _train(tiny_cache, tiny_target_dir, tmp_path / "ref", **steps)
+    killed: list = []
+    watcher = threading.Thread(target=_kill_a_train_worker_after,
+                               args=(tmp_path / "run" / "ray_train", 2, killed), daemon=True)
+    watcher.start()
+    result, log = _train(tiny_cache, tiny_target_dir, tmp_path / "run", **steps)
+    watcher.join()
+    assert killed, "no training worker was found to kill"
+    # max_failures 0 would have failed the run: finishing means the group restarted
+    assert result["steps"] == 16 and [h["step"] for h in log] == list(range(1, 17))
+    target = load_target(str(tiny_target_dir))
+    ref = load_drafter(tmp_path / "ref" / "drafter", target, str(tiny_target_dir))
+    run = load_drafter(tmp_path / "run" / "drafter", target, str(tiny_target_dir))
+    for (name, a), b in zip(ref.state_dict().items(), run.state_dict().values()):
+        assert torch.allclose(a, b, rtol=1e-4, atol=1e-6), name
