@@ -197,7 +197,9 @@ def test_too_many_bad_steps_abort_and_keep_the_checkpoint_before(tmp_path, tiny_
 
 def _kill_a_train_worker_after(checkpoint_root, step: int, killed: list, timeout_s: float = 300):
     """Background: once the checkpoint of ``step`` exists under ``checkpoint_root``, SIGKILL one
-    Ray Train worker process (a preempted or crashed worker); records its pid in ``killed``."""
+    Ray Train worker process (a preempted or crashed worker) of this test session's own Ray (a
+    descendant of this process: other Ray jobs on the machine are left alone); records its pid in
+    ``killed``."""
     import os
     import signal
     import time
@@ -208,8 +210,11 @@ def _kill_a_train_worker_after(checkpoint_root, step: int, killed: list, timeout
     while time.time() < deadline:
         if any(json.loads(p.read_text())["step"] == step
                for p in checkpoint_root.rglob("train_state.json")):
-            for proc in psutil.process_iter(["cmdline"]):
-                cmd = " ".join(proc.info["cmdline"] or [])
+            for proc in psutil.Process().children(recursive=True):
+                try:
+                    cmd = " ".join(proc.cmdline())
+                except psutil.Error:
+                    continue
                 if cmd.startswith("ray::RayTrainWorker"):
                     os.kill(proc.pid, signal.SIGKILL)
                     killed.append(proc.pid)

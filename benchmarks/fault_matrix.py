@@ -1,0 +1,659 @@
+"""Fault matrix of the data and training stages: kill, corrupt, throttle, fill the disk.
+
+Each fault runs against a small quickstart pipeline (the real SmolLM2 target, 12 GSM8K prompts,
+greedy answers generated one prompt per batch so that every answer is a function of its prompt
+alone, 2-row cache shards, 8 optimizer steps on 2 workers with a checkpoint every 2) and is compared
+with a fault-free run of the same inputs by sample ids and content hashes (generated
+conversations, cache rows) and by the final drafter weights. Per fault the table says whether the
+stage finished on its own, after a re-run, or not at all, and what was lost, duplicated or changed.
+
+    .venv/bin/python benchmarks/fault_matrix.py [--faults NAME,...] [--out PREFIX]
+
+Writes ``<out>.md`` and ``<out>.json`` (default ``benchmarks/results/fault_matrix``). The full-disk
+row mounts a small tmpfs and needs root; without it the row says so. Takes ~20 min on 2 cores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import http.client
+import json
+import os
+import platform
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+CONFIG = ROOT / "infra" / "configs" / "quickstart.yaml"
+SMALL = [  # the quickstart, small: see the module docstring
+    "prompts.sources=[{path: infra/datasets/train/prompts_gsm8k.jsonl.gz, max_rows: 12}]",
+    "prompts.heldout_fraction=0.1",
+    "generate.sampling={temperature: 0.0, top_p: 1.0, top_k: 0, max_new_tokens: 24}",
+    "generate.batch_size=1",
+    "cache.rows_per_shard=2", "cache.rows_per_row_group=1",
+    "train.max_steps=8", "train.checkpoint_every=2", "train.resume_from=latest",
+    "train.global_batch_size=4", "train.micro_batch_size=2", "train.eval_every=null",
+    "wandb.mode=disabled",
+]
+DATA_STAGES = ("prompts", "generate")
+
+
+# ------------------------------------------------------------------------------ running the pipeline
+class Run:
+    """One pipeline run directory and the commands run on it."""
+
+    def __init__(self, root: Path, name: str, extra: list[str] | None = None):
+        self.name, self.dir = name, root / name
+        self.extra = list(extra or [])
+        self.log = root / f"{name}.log"
+        self.dir.mkdir(parents=True, exist_ok=True)
+
+    @property
+    def cache_dir(self) -> str:
+        for item in self.extra:
+            if item.startswith("cache.output="):
+                return item.split("=", 1)[1]
+        return str(self.dir / "cache")
+
+    def command(self, stages: str, *flags: str) -> list[str]:
+        sets = [f"run_dir={self.dir}", *SMALL, *self.extra]
+        return [sys.executable, str(ROOT / "pipeline" / "run.py"), "--config", str(CONFIG),
+                "--stages", stages, *flags, *(x for s in sets for x in ("--set", s))]
+
+    def start(self, stages: str, *flags: str) -> subprocess.Popen:
+        fh = open(self.log, "a")
+        fh.write(f"\n$ {' '.join(self.command(stages, *flags))}\n")
+        fh.flush()
+        # a session of its own: a killed driver's local Ray processes can be swept up with it
+        return subprocess.Popen(self.command(stages, *flags), stdout=fh, stderr=subprocess.STDOUT,
+                                cwd=ROOT, start_new_session=True)
+
+    def run(self, stages: str, *flags: str, timeout: float = 900) -> int:
+        proc = self.start(stages, *flags)
+        try:
+            return proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            kill_session(proc)
+            return -9
+
+    def tail(self, lines: int = 200) -> str:
+        return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
+
+    def copy_stages_from(self, other: "Run", stages: tuple[str, ...],
+                         markers: bool = True) -> None:
+        """Start from another run's finished stages; without ``markers`` the stages run again
+        and resume from the copied outputs (needed when their config fingerprint differs)."""
+        for stage in stages:
+            shutil.copytree(other.dir / stage, self.dir / stage)
+            if not markers:
+                (self.dir / stage / "_SUCCESS.json").unlink(missing_ok=True)
+
+
+def session_pids(session: int) -> list[int]:
+    """Processes of a session (the driver's: Ray regroups its processes but keeps the session)."""
+    import psutil
+
+    pids = []
+    for pid in psutil.pids():
+        try:
+            if os.getsid(pid) == session:
+                pids.append(pid)
+        except (ProcessLookupError, PermissionError):
+            continue
+    return pids
+
+
+def kill_session(proc: subprocess.Popen) -> None:
+    """SIGKILL the driver's whole session (the driver and the local Ray it started)."""
+    for pid in session_pids(proc.pid):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    proc.wait()
+
+
+def kill_driver(proc: subprocess.Popen) -> None:
+    """kill -9 of the driver alone; after a moment its orphaned local Ray goes too (as when the
+    head node dies), so that the re-run starts a fresh one."""
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    time.sleep(2)
+    kill_session(proc)
+    time.sleep(1)
+
+
+def kill_process_matching(needle: str, session: int) -> int | None:
+    """SIGKILL the first process of ``session`` whose command line contains ``needle``."""
+    import psutil
+
+    for pid in session_pids(session):
+        try:
+            cmd = " ".join(psutil.Process(pid).cmdline())
+        except psutil.Error:
+            continue
+        if needle in cmd:
+            os.kill(pid, signal.SIGKILL)
+            return pid
+    return None
+
+
+def wait_until(predicate, proc: subprocess.Popen, timeout: float = 600, poll: float = 0.2) -> bool:
+    """Wait for ``predicate()``; False if the process ended or the time ran out first."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if predicate():
+            return True
+        if proc.poll() is not None:
+            return False
+        time.sleep(poll)
+    return False
+
+
+def lines_in(path: Path) -> int:
+    return path.read_text().count("\n") if path.exists() else 0
+
+
+def sidecars(cache_dir: str) -> int:
+    return len(list(Path(cache_dir, "train").glob("shard-*.json"))) if "://" not in cache_dir else 0
+
+
+def checkpoint_steps(run: Run) -> list[int]:
+    return sorted(json.loads(p.read_text())["step"]
+                  for p in (run.dir / "train" / "ray_train").glob("*/checkpoint_*/train_state.json"))
+
+
+# ------------------------------------------------------------------------------ comparing outputs
+def generated(run: Run) -> dict:
+    """{id: [sha256 of its conversation, ...]} over both splits (a list: duplicates show)."""
+    out: dict[str, list[str]] = {}
+    for split in ("train", "heldout"):
+        path = run.dir / "generate" / f"{split}.jsonl"
+        for line in (path.read_text().splitlines() if path.exists() else []):
+            row = json.loads(line)
+            digest = hashlib.sha256(json.dumps(row["messages"], sort_keys=True).encode()).hexdigest()
+            out.setdefault(row["id"], []).append(digest)
+    return out
+
+
+def cache_rows(run: Run, storage_options: dict | None = None) -> dict:
+    """{sample_id: [sha256 of its row bytes, ...]} over the shards the manifest lists."""
+    import pyarrow.parquet as pq
+
+    from pipeline import storage
+
+    so = storage_options or {}
+    manifest = json.loads(storage.read_bytes(storage.join(run.cache_dir, "manifest.json"), so))
+    out: dict[str, list[str]] = {}
+    for split, info in manifest["splits"].items():
+        for shard in info["shards"]:
+            data = storage.read_bytes(storage.join(run.cache_dir, split, shard["file"]), so)
+            assert hashlib.sha256(data).hexdigest() == shard["sha256"], shard["file"]
+            import io
+
+            for row in pq.read_table(io.BytesIO(data)).to_pylist():
+                h = hashlib.sha256()
+                for col in ("input_ids", "loss_mask", "context_hidden", "last_hidden"):
+                    h.update(row[col])
+                out.setdefault(row["sample_id"], []).append(h.hexdigest())
+    return out
+
+
+def weights(run: Run):
+    from safetensors.torch import load_file
+
+    return load_file(str(run.dir / "train" / "drafter" / "model.safetensors"))
+
+
+def compare(reference: dict, got: dict) -> dict:
+    """Lost, duplicated and changed ids of ``got`` against the fault-free ``reference``."""
+    return {"lost": sorted(set(reference) - set(got)),
+            "duplicated": sorted(k for k, v in got.items() if len(v) > 1),
+            "changed": sorted(k for k in set(reference) & set(got) if got[k][0] != reference[k][0]),
+            "extra": sorted(set(got) - set(reference))}
+
+
+def weight_diff(reference, got) -> float:
+    return max(float((reference[k].float() - got[k].float()).abs().max()) for k in reference)
+
+
+# ------------------------------------------------------------------------------ S3 with faults
+class FaultyS3Proxy:
+    """An HTTP proxy in front of a moto S3 server that answers chosen PUT/POST requests with
+    ``503 SlowDown`` (S3's throttling reply) instead of forwarding them.
+
+    ``rule(method, path, nth)`` -> True to inject the fault; ``nth`` counts matching-method
+    requests from 1.
+    """
+
+    def __init__(self, upstream_port: int, rule):
+        self.rule, self.count, self.injected = rule, 0, 0
+        lock = threading.Lock()
+        proxy = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args):
+                pass
+
+            def _body(self) -> bytes:
+                if self.headers.get("Transfer-Encoding", "").lower() == "chunked":
+                    chunks = []
+                    while True:
+                        size = int(self.rfile.readline().split(b";")[0], 16)
+                        if size == 0:
+                            while self.rfile.readline() not in (b"\r\n", b"\n", b""):
+                                pass
+                            return b"".join(chunks)
+                        chunks.append(self.rfile.read(size))
+                        self.rfile.readline()
+                return self.rfile.read(int(self.headers.get("Content-Length") or 0))
+
+            def _forward(self):
+                body = self._body()
+                if self.command in ("PUT", "POST"):
+                    with lock:
+                        proxy.count += 1
+                        fail = proxy.rule(self.command, self.path, proxy.count)
+                        proxy.injected += fail
+                    if fail:
+                        reply = (b"<?xml version='1.0' encoding='UTF-8'?><Error><Code>SlowDown"
+                                 b"</Code><Message>Please reduce your request rate.</Message>"
+                                 b"</Error>")
+                        self.send_response(503)
+                        self.send_header("Content-Type", "application/xml")
+                        self.send_header("Content-Length", str(len(reply)))
+                        self.end_headers()
+                        self.wfile.write(reply)
+                        return
+                headers = {k: v for k, v in self.headers.items()
+                           if k.lower() not in ("transfer-encoding", "content-length", "expect")}
+                headers["Content-Length"] = str(len(body))
+                conn = http.client.HTTPConnection("127.0.0.1", upstream_port, timeout=60)
+                conn.request(self.command, self.path, body=body, headers=headers)
+                resp = conn.getresponse()
+                data = resp.read()
+                self.send_response(resp.status)
+                for k, v in resp.getheaders():
+                    if k.lower() not in ("transfer-encoding", "content-length", "connection"):
+                        self.send_header(k, v)
+                # a HEAD reply carries the object's length, not its (empty) body's
+                length = resp.getheader("Content-Length") if self.command == "HEAD" else None
+                self.send_header("Content-Length", length or str(len(data)))
+                self.end_headers()
+                if self.command != "HEAD":
+                    self.wfile.write(data)
+                conn.close()
+
+            do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = _forward
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.port = self.server.server_address[1]
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self):
+        self.server.shutdown()
+
+
+def moto_server():
+    """(server, port) of a moto S3 server on 127.0.0.1 with bucket ``faults``."""
+    import socket
+
+    import boto3
+    from moto.server import ThreadedMotoServer
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port)
+    server.start()
+    boto3.client("s3", endpoint_url=f"http://127.0.0.1:{port}", aws_access_key_id="testing",
+                 aws_secret_access_key="testing", region_name="us-east-1").create_bucket(
+        Bucket="faults")
+    return server, port
+
+
+def s3_options(port: int) -> dict:
+    """s3fs options of the local endpoint on ``port`` (moto's or the proxy's)."""
+    return {"endpoint_url": f"http://127.0.0.1:{port}", "key": "testing", "secret": "testing",
+            "client_kwargs": {"region_name": "us-east-1"}}
+
+
+def s3_sets(port: int, prefix: str) -> list[str]:
+    """Config overrides: the cache under s3://faults/<prefix>/ through the endpoint on ``port``."""
+    return [f"cache.output=s3://faults/{prefix}/cache",
+            f"storage_options={json.dumps(s3_options(port))}"]
+
+
+# ------------------------------------------------------------------------------ the faults
+def outcome(first_rc: int, rerun_rc: int | None) -> str:
+    if first_rc == 0:
+        return "finished on its own"
+    if rerun_rc == 0:
+        return "finished after a re-run"
+    return "did not finish"
+
+
+def fault_generate_actor_kill(root: Path, ref: dict) -> dict:
+    run = Run(root, "generate_actor_kill")
+    proc = run.start("prompts,generate")
+    path = run.dir / "generate" / "train.jsonl"
+    hit = wait_until(lambda: lines_in(path) >= 3, proc)
+    pid = kill_process_matching("GenerateUDF", proc.pid) if hit else None
+    rc = proc.wait(timeout=900)
+    rerun = None if rc == 0 else run.run("prompts,generate")
+    return {"fault": "kill -9 of the generate actor mid-batch", "injected": pid is not None,
+            "outcome": outcome(rc, rerun), "stage": "generate",
+            **compare(ref["generated"], generated(run))}
+
+
+def fault_generate_driver_kill(root: Path, ref: dict) -> dict:
+    run = Run(root, "generate_driver_kill")
+    proc = run.start("prompts,generate")
+    path = run.dir / "generate" / "train.jsonl"
+    hit = wait_until(lambda: lines_in(path) >= 3, proc)
+    kill_driver(proc) if hit else proc.wait()
+    rerun = run.run("prompts,generate")
+    return {"fault": "kill -9 of the driver during generate, then the same command",
+            "injected": hit, "outcome": outcome(-9 if hit else proc.returncode, rerun),
+            "stage": "generate", **compare(ref["generated"], generated(run))}
+
+
+def _cache_fault(root: Path, ref_run: Run, ref: dict, name: str, what: str, needle: str | None):
+    run = Run(root, name)
+    run.copy_stages_from(ref_run, DATA_STAGES)
+    proc = run.start("prompts,generate,cache")
+    hit = wait_until(lambda: sidecars(run.cache_dir) >= 2, proc)
+    pid = None
+    if hit and needle:
+        pid = kill_process_matching(needle, proc.pid)
+    elif hit:
+        kill_driver(proc)
+    rc = proc.wait(timeout=900)
+    rerun = None if rc == 0 else run.run("prompts,generate,cache")
+    return {"fault": what, "injected": hit and (needle is None or pid is not None),
+            "outcome": outcome(rc, rerun), "stage": "cache",
+            **compare(ref["cache"], cache_rows(run))}
+
+
+def fault_cache_actor_kill(root, ref_run, ref):
+    return _cache_fault(root, ref_run, ref, "cache_actor_kill",
+                        "kill -9 of the cache actor mid-shard", "CacheWriterUDF")
+
+
+def fault_cache_driver_kill(root, ref_run, ref):
+    return _cache_fault(root, ref_run, ref, "cache_driver_kill",
+                        "kill -9 of the driver during cache, then the same command", None)
+
+
+def _train_fault(root: Path, ref_run: Run, ref: dict, name: str, what: str, worker: bool):
+    run = Run(root, name, ["train.max_failures=1"] if worker else [])
+    run.copy_stages_from(ref_run, (*DATA_STAGES, "cache"))
+    proc = run.start("prompts,generate,cache,train")
+    hit = wait_until(lambda: 2 in checkpoint_steps(run), proc, poll=0.05)
+    pid = None
+    if hit and worker:
+        pid = kill_process_matching("RayTrainWorker", proc.pid)
+    elif hit:
+        kill_driver(proc)
+    rc = proc.wait(timeout=900)
+    rerun = None if rc == 0 else run.run("prompts,generate,cache,train")
+    row = {"fault": what, "injected": hit and (not worker or pid is not None),
+           "outcome": outcome(rc, rerun), "stage": "train", "lost": [], "duplicated": [],
+           "changed": [], "extra": []}
+    if (run.dir / "train" / "drafter" / "model.safetensors").exists():
+        row["max_weight_diff"] = weight_diff(ref["weights"], weights(run))
+        log = [json.loads(l) for l in
+               (run.dir / "train" / "drafter" / "training_log.jsonl").read_text().splitlines()]
+        row["logged_steps"] = [h["step"] for h in log]
+    return row
+
+
+def fault_train_worker_kill(root, ref_run, ref):
+    return _train_fault(root, ref_run, ref, "train_worker_kill",
+                        "kill -9 of one training worker mid-run (max_failures 1)", True)
+
+
+def fault_train_driver_kill(root, ref_run, ref):
+    return _train_fault(root, ref_run, ref, "train_driver_kill",
+                        "kill -9 of the whole training job, then the same command", False)
+
+
+def fault_s3_transient(root, ref_run, ref):
+    server, port = moto_server()
+    proxy = FaultyS3Proxy(port, lambda method, path, nth: "shard-" in path and nth % 2 == 0)
+    try:
+        run = Run(root, "s3_transient", s3_sets(proxy.port, "transient"))
+        run.copy_stages_from(ref_run, DATA_STAGES, markers=False)
+        rc = run.run("prompts,generate,cache")
+        got = cache_rows(run, s3_options(port)) if rc == 0 else {}
+        return {"fault": "S3 503 SlowDown on every 2nd shard upload", "injected": proxy.injected > 0,
+                "outcome": outcome(rc, None), "stage": "cache", "faults_injected": proxy.injected,
+                **compare(ref["cache"], got)}
+    finally:
+        proxy.close()
+        server.stop()
+
+
+def fault_s3_permanent(root, ref_run, ref):
+    import s3fs
+
+    server, port = moto_server()
+    state = {"broken": True}
+    proxy = FaultyS3Proxy(port, lambda method, path, nth: state["broken"]
+                          and "shard-00001.parquet" in path)
+    try:
+        run = Run(root, "s3_permanent", s3_sets(proxy.port, "permanent"))
+        run.copy_stages_from(ref_run, DATA_STAGES, markers=False)
+        rc = run.run("prompts,generate,cache")
+        fs = s3fs.S3FileSystem(**s3_options(port))
+        key = "faults/permanent/cache/train/shard-00001.parquet"
+        leftover = fs.exists(key) or fs.exists(key[:-len(".parquet")] + ".json")
+        message = next((l for l in reversed(run.tail().splitlines())
+                        if "SlowDown" in l or "ERROR" in l), "")
+        state["broken"] = False
+        rerun = run.run("prompts,generate,cache")
+        got = cache_rows(run, s3_options(port)) if rerun == 0 else {}
+        return {"fault": "S3 503 on every upload of one shard (the write finally fails), then "
+                         "the fault clears and the same command runs",
+                "injected": proxy.injected > 0, "outcome": outcome(rc, rerun), "stage": "cache",
+                "object_at_final_key_after_failure": leftover, "error": message[-300:],
+                **compare(ref["cache"], got)}
+    finally:
+        proxy.close()
+        server.stop()
+
+
+def fault_disk_full(root, ref_run, ref):
+    mount = root / "small_disk"
+    mount.mkdir(exist_ok=True)
+    shard_bytes = max(s["bytes"] for s in ref["manifest"]["splits"]["train"]["shards"])
+    size_kb = max(64, int(shard_bytes * 2.5 / 1024))  # room for about two shards
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size_kb}k", "tmpfs",
+                              str(mount)], capture_output=True, text=True)
+    if mounted.returncode != 0:
+        return {"fault": "disk full during cache writing", "injected": False,
+                "outcome": f"not run: cannot mount a tmpfs ({mounted.stderr.strip()[:120]})",
+                "stage": "cache", "lost": [], "duplicated": [], "changed": [], "extra": []}
+    try:
+        run = Run(root, "disk_full", [f"cache.output={mount}/cache"])
+        run.copy_stages_from(ref_run, DATA_STAGES)
+        rc = run.run("prompts,generate,cache")
+        temporaries = [p.name for p in mount.rglob(".*tmp*")]
+        unlisted_partial = [p.name for p in mount.rglob("shard-*.parquet")
+                            if not p.with_suffix(".json").exists()]
+        message = next((l for l in reversed(run.tail().splitlines())
+                        if "No space left" in l or "ERROR" in l), "")
+        subprocess.run(["mount", "-o", "remount,size=512m", str(mount)], check=True)
+        rerun = run.run("prompts,generate,cache")
+        got = cache_rows(run) if rerun == 0 else {}
+        return {"fault": f"disk full during cache writing ({size_kb} KiB tmpfs), then space freed",
+                "injected": rc != 0, "outcome": outcome(rc, rerun), "stage": "cache",
+                "temporaries_left": temporaries, "shards_without_sidecar": unlisted_partial,
+                "error": message[-300:], **compare(ref["cache"], got)}
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], capture_output=True)
+
+
+def fault_shard_damaged(root, ref_run, ref):
+    run = Run(root, "shard_damaged")
+    run.copy_stages_from(ref_run, (*DATA_STAGES, "cache"))
+    shards = sorted(Path(run.cache_dir, "train").glob("shard-*.parquet"))
+    victim = shards[len(shards) // 2]
+    data = bytearray(victim.read_bytes())
+    data[len(data) // 3: len(data) // 3 + 8] = b"\xff" * 8
+    victim.write_bytes(bytes(data))
+    others = {p: p.stat().st_mtime_ns for p in shards if p != victim}
+    rc = run.run("prompts,generate,cache,train")
+    named = victim.name in run.tail()
+    rerun = run.run("prompts,generate,cache,train", "--repair-cache")
+    rewritten = sorted(p.name for p, t in others.items() if p.stat().st_mtime_ns != t)
+    return {"fault": "bytes flipped in one cache shard after writing; then --repair-cache",
+            "injected": True, "outcome": outcome(rc, rerun), "stage": "train",
+            "shard_named_at_training_start": named, "other_shards_rewritten": rewritten,
+            **compare(ref["cache"], cache_rows(run))}
+
+
+def fault_nan_row(root, ref_run, ref):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from pipeline.cache import SCHEMA
+
+    run = Run(root, "nan_row")
+    run.copy_stages_from(ref_run, (*DATA_STAGES, "cache"))
+    manifest_path = Path(run.cache_dir, "manifest.json")
+    manifest = json.loads(manifest_path.read_text())
+    shard = manifest["splits"]["train"]["shards"][0]
+    path = Path(run.cache_dir, "train", shard["file"])
+    rows = pq.read_table(path).to_pylist()
+    rows[0]["context_hidden"] = b"\xc0\x7f" * (len(rows[0]["context_hidden"]) // 2)  # bf16 NaN
+    pq.write_table(pa.Table.from_pylist(rows, schema=SCHEMA), path, row_group_size=1)
+    shard["sha256"] = hashlib.sha256(path.read_bytes()).hexdigest()  # only the NaN is wrong
+    manifest_path.write_text(json.dumps(manifest, indent=1))
+    rc = run.run("prompts,generate,cache,train")
+    row = {"fault": "NaN feature row in the cache (hash updated: only the loss sees it)",
+           "injected": True, "outcome": outcome(rc, None), "stage": "train", "lost": [],
+           "duplicated": [], "changed": [], "extra": []}
+    log_path = run.dir / "train" / "drafter" / "training_log.jsonl"
+    if log_path.exists():
+        log = [json.loads(l) for l in log_path.read_text().splitlines()]
+        row["skipped_steps"] = log[-1].get("skipped_steps")
+        row["max_weight_diff"] = weight_diff(ref["weights"], weights(run))
+    return row
+
+
+FAULTS = {
+    "generate_actor_kill": fault_generate_actor_kill,
+    "generate_driver_kill": fault_generate_driver_kill,
+    "cache_actor_kill": fault_cache_actor_kill,
+    "cache_driver_kill": fault_cache_driver_kill,
+    "train_worker_kill": fault_train_worker_kill,
+    "train_driver_kill": fault_train_driver_kill,
+    "s3_transient": fault_s3_transient,
+    "s3_permanent": fault_s3_permanent,
+    "disk_full": fault_disk_full,
+    "shard_damaged": fault_shard_damaged,
+    "nan_row": fault_nan_row,
+}
+NEEDS_REF_RUN = {name for name in FAULTS if not name.startswith("generate_")}
+
+
+# ------------------------------------------------------------------------------ report
+def write_report(rows: list[dict], meta: dict, out: str) -> None:
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    Path(out + ".json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    lines = ["# Fault matrix (measured)", "",
+             f"{meta['pipeline']} Machine: {meta['machine']}. {meta['date']}, "
+             f"{meta['seconds']:.0f} s. Command: `{meta['command']}`.", "",
+             "lost / duplicated / changed = sample ids missing, present twice, or with other "
+             "content (sha256 of the conversation or the cache row) than in the fault-free run; "
+             "weights = max |difference| of the final drafter's parameters against the "
+             "fault-free run (same seed).", "",
+             "| fault | stage | outcome | lost | duplicated | changed | weights | notes |",
+             "|---|---|---|---|---|---|---|---|"]
+    skip = {"fault", "stage", "outcome", "lost", "duplicated", "changed", "extra",
+            "max_weight_diff", "injected"}
+    for r in rows:
+        notes = "; ".join(f"{k}: {v}" for k, v in r.items() if k not in skip and v not in ([], None))
+        if not r.get("injected", True):
+            notes = "FAULT NOT INJECTED; " + notes
+        w = r.get("max_weight_diff")
+        lines.append(f"| {r['fault']} | {r['stage']} | {r['outcome']} | {len(r['lost'])} | "
+                     f"{len(r['duplicated'])} | {len(r['changed'])} | "
+                     f"{'-' if w is None else f'{w:.2e}'} | {notes.replace('|', '/')} |")
+    Path(out + ".md").write_text("\n".join(lines) + "\n")
+
+
+def meta(ref: dict, args, started: float, partial: bool = False) -> dict:
+    return {"pipeline": f"Pipeline: {CONFIG.relative_to(ROOT)} with " + ", ".join(
+                f"`{s}`" for s in SMALL) + f"; reference: {len(ref['generated'])} conversations, "
+                f"{len(ref['cache'])} cache rows." + (" PARTIAL: stopped before the last fault."
+                                                      if partial else ""),
+            "machine": f"{platform.machine()}, {os.cpu_count()} CPU cores, no GPU",
+            "date": time.strftime("%Y-%m-%d"), "seconds": time.time() - started,
+            "command": "python benchmarks/fault_matrix.py" + (
+                f" --faults {args.faults}" if args.faults != ",".join(FAULTS) else "")}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--faults", default=",".join(FAULTS))
+    parser.add_argument("--work", default="/tmp/dspark_fault_matrix",
+                        help="scratch directory (deleted first)")
+    parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "fault_matrix"))
+    args = parser.parse_args()
+    names = [n.strip() for n in args.faults.split(",") if n.strip()]
+    unknown = [n for n in names if n not in FAULTS]
+    if unknown:
+        print(f"error: unknown fault(s) {unknown}; choose from {list(FAULTS)}", file=sys.stderr)
+        return 2
+    started = time.time()
+    root = Path(args.work)
+    shutil.rmtree(root, ignore_errors=True)
+    root.mkdir(parents=True)
+    ref_run = Run(root, "reference")
+    rc = ref_run.run("prompts,generate,cache,train")
+    if rc != 0:
+        print(f"error: the fault-free run failed:\n{ref_run.tail(40)}", file=sys.stderr)
+        return 1
+    ref = {"generated": generated(ref_run), "cache": cache_rows(ref_run),
+           "weights": weights(ref_run),
+           "manifest": json.loads(Path(ref_run.cache_dir, "manifest.json").read_text())}
+    rows = []
+    for name in names:
+        t0 = time.time()
+        print(f"fault {name} ...", flush=True)
+        fn = FAULTS[name]
+        try:
+            row = fn(root, ref_run, ref) if name in NEEDS_REF_RUN else fn(root, ref)
+        except Exception as err:  # noqa: BLE001 - a harness failure is reported, the rest runs
+            import traceback
+
+            traceback.print_exc()
+            row = {"fault": name, "stage": "-", "injected": False,
+                   "outcome": f"harness error: {type(err).__name__}: {err}"[:300], "lost": [],
+                   "duplicated": [], "changed": [], "extra": []}
+        row["name"], row["seconds"] = name, round(time.time() - t0, 1)
+        print(f"  {row['outcome']}; lost {len(row['lost'])}, duplicated "
+              f"{len(row['duplicated'])}, changed {len(row['changed'])}", flush=True)
+        rows.append(row)
+        write_report(rows, meta(ref, args, started, partial=True), args.out)  # kept if stopped
+    write_report(rows, meta(ref, args, started), args.out)
+    print(Path(args.out + ".md").read_text())
+    return 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    sys.exit(main())
