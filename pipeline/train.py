@@ -655,6 +655,7 @@ def run_train(*, cache_dir: str, manifest: dict, out_dir: Path, target: str, lay
         total = min(total, train.max_steps)
     storage_path = (storage.resolve(train.storage_path) if train.storage_path
                     else str((out_dir / "ray_train").resolve()))
+    storage.check_writable(storage_path, storage_options)  # a bad bucket or path fails now
     resume = None
     if train.resume_from == "latest":
         resume = latest_checkpoint(storage_path, run_name, storage_options)

@@ -86,11 +86,19 @@ class SlotViews:
     or values ``[Hkv, L_j + n_j, d]`` as views of its slot (no copy), its new-token count n_j
     and its causal mask bool ``[n_j, L_j + n_j]`` (None for a single query)."""
 
-    __slots__ = ("rows", "counts", "masks")
+    __slots__ = ("rows", "counts", "masks", "_folded")
 
     def __init__(self, rows: list[torch.Tensor], counts: list[int],
-                 masks: list[torch.Tensor | None]):
-        self.rows, self.counts, self.masks = rows, counts, masks
+                 masks: list[torch.Tensor | None], folded: dict):
+        self.rows, self.counts, self.masks, self._folded = rows, counts, masks, folded
+
+    def folded_mask(self, j: int, groups: int) -> torch.Tensor:
+        """Row j's mask repeated for ``groups`` folded query heads ``[groups * n_j, L_j + n_j]``,
+        built once per forward pass and shared by every layer."""
+        key = (j, groups)
+        if key not in self._folded:
+            self._folded[key] = self.masks[j].repeat(groups, 1)[None, None]
+        return self._folded[key]
 
 
 class PooledStepCache:
@@ -112,6 +120,7 @@ class PooledStepCache:
                       torch.arange(l + n, device=device)[None]
                       <= (l + torch.arange(n, device=device))[:, None]
                       for l, n in zip(lengths, counts)]
+        self._folded: dict = {}  # folded masks, shared by all layers of this pass
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int,
                *args, **kwargs) -> tuple[SlotViews, SlotViews]:
@@ -122,8 +131,8 @@ class PooledStepCache:
             values[slot, :, l:l + n] = value_states[j, :, :n]
             krows.append(keys[slot, :, :l + n])
             vrows.append(values[slot, :, :l + n])
-        return (SlotViews(krows, self.counts, self.masks),
-                SlotViews(vrows, self.counts, self.masks))
+        return (SlotViews(krows, self.counts, self.masks, self._folded),
+                SlotViews(vrows, self.counts, self.masks, self._folded))
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return max(self.lengths)
@@ -156,7 +165,7 @@ def slot_attention(module, query, key, value, attention_mask, scaling=None, drop
         if mask is None:  # one query sees every key
             o = sdpa(q[None], k[None], v[None], scale=scaling)
         else:  # the folded rows are g * n_j + i: each group repeats the causal mask
-            o = sdpa(q[None], k[None], v[None], attn_mask=mask.repeat(groups, 1)[None, None],
+            o = sdpa(q[None], k[None], v[None], attn_mask=key.folded_mask(j, groups),
                      scale=scaling)
         out[j, :nj] = o.reshape(hq, nj, d).transpose(0, 1)
     return out, None
