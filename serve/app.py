@@ -328,6 +328,7 @@ class SpecServer:
                 "num_finished": snap.num_finished, "num_aborted": snap.num_aborted,
                 "num_rejected": snap.num_rejected, "dead": snap.dead,
                 "scheduler": self.engine.engine.scheduler_name, "gamma": self.engine.engine.gamma,
+                "kv_pool": self.engine.engine.target.kv_pool_state(),
                 "stats": vars(copy_stats(snap.stats)),
                 "exported_stats": vars(copy_stats(self.metrics.exported))}
 

@@ -142,6 +142,9 @@ class SpecEngine:
                                               max_batch_tokens=self.config.max_batch_tokens)
         self.max_model_len = (self.config.max_model_len
                               or target.model.config.max_position_embeddings)
+        # the whole KV pool now, not grown under load (serve/kv_pool.py)
+        target.preallocate(self.config.max_num_requests, self.max_model_len + self.gamma + 1,
+                           int(self.config.kv_cache_memory_gib * 2**30))
         self.waiting: deque[_Request] = deque()
         self.prefilling: list[_Request] = []  # admitted, prompt partly in the cache
         self.running: list[_Request] = []
@@ -188,6 +191,7 @@ class SpecEngine:
             for r in list(queue):
                 if r.req.request_id == request_id:
                     queue.remove(r)
+                    r.kv.release()
                     return True
         return False
 
@@ -288,6 +292,7 @@ class SpecEngine:
             if r in queue:
                 queue.remove(r)
         r.finish_reason = "error"
+        r.kv.release()
         self.stats.failed_requests += 1
         error = RequestFailedError(f"the request failed during {where}: {type(err).__name__}: {err}")
         return RequestOutput(r.req.request_id, [], "", True, "error", len(r.req.prompt_ids),
@@ -592,6 +597,8 @@ class SpecEngine:
         r.output += keep
         r.text += text
         r.finish_reason = reason
+        if reason is not None:  # its KV slot serves the next request now, not at collection
+            r.kv.release()
         return RequestOutput(r.req.request_id, keep, text, reason is not None, reason,
                              len(r.req.prompt_ids), len(r.output),
                              logprobs=None if logprobs is None else logprobs[:len(keep)])

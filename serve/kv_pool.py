@@ -8,11 +8,16 @@ request, and attention runs per request over a view of its slot (:func:`slot_att
 with transformers' attention interface as ``"dspark_slots"``). Positions a request does not commit
 (rejected drafts, right padding) are simply overwritten by its next pass.
 
-The pool starts small and doubles (slots or capacity) when a request needs more room: an
-amortised copy, never a per-step one; the engine reserves a request's whole length (prompt +
-max_tokens + a draft block) when it admits it, so decoding never reallocates. A slot is returned to the pool when its request's
-:class:`serve.target_runner.TargetKV` is garbage-collected, so finished, aborted and failed requests
-free their memory without bookkeeping in the engine.
+The engine sizes the pool once at start-up (``max_num_requests`` slots of ``max_model_len`` + a
+draft block positions, capped by ``engine.kv_cache_memory_gib``) and reserves a request's whole
+length (prompt + max_tokens + a draft block) when it admits it, so decoding never reallocates.
+Only a request longer than the preallocated capacity, or more live requests than slots, doubles
+the pool (an amortised copy, never a per-step one; counted in :attr:`SlotKVPool.reallocations`).
+The storage is allocated uninitialised (``torch.empty``): a position is always written before any
+attention reads it, and on CPU the pages of an unused slot stay unmapped until first written.
+A slot returns to the pool the moment its request finishes, fails or is aborted
+(:meth:`serve.target_runner.TargetKV.release`), and at the latest when its cache object is
+garbage-collected.
 
 Shapes: R requests in a pass, n_j new tokens of request j (right-padded to n), L_j its committed
 length, Hkv key/value heads, Hq query heads, d head dim.
@@ -38,8 +43,9 @@ class SlotKVPool:
     def __init__(self, num_layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
                  device: torch.device, slots: int = 4, capacity: int = 256):
         shape = (slots, kv_heads, capacity, head_dim)
-        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        # uninitialised: positions are written before they are read (masks never reach past them)
+        self.keys = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.values = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.free_slots = list(range(slots - 1, -1, -1))  # pop() hands out the lowest first
         self.reallocations = 0  # growths so far (the engine reserves at admission, not later)
 
@@ -50,6 +56,23 @@ class SlotKVPool:
     @property
     def capacity(self) -> int:
         return self.keys[0].shape[2]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by all layers' keys and values."""
+        return 2 * sum(t.numel() * t.element_size() for t in self.keys)
+
+    @staticmethod
+    def bytes_per_position(num_layers: int, kv_heads: int, head_dim: int,
+                           dtype: torch.dtype) -> int:
+        """Bytes one slot position takes over all layers (keys and values)."""
+        return 2 * num_layers * kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+
+    def state(self) -> dict:
+        """Size and use for operators: slots, free slots, positions per slot, bytes, growths."""
+        return {"slots": self.num_slots, "free_slots": len(self.free_slots),
+                "capacity": self.capacity, "bytes": self.nbytes,
+                "reallocations": self.reallocations}
 
     def allocate(self) -> int:
         """A free slot (the pool doubles its slots when none is left)."""
@@ -70,13 +93,20 @@ class SlotKVPool:
                 size *= 2
             self._grow(dim=2, size=size)
 
+    def reserve_slots(self, slots: int) -> None:
+        """Make the pool hold at least ``slots`` slots (new ones are free)."""
+        old = self.num_slots
+        if slots > old:
+            self._grow(dim=0, size=slots)
+            self.free_slots = list(range(slots - 1, old - 1, -1)) + self.free_slots
+
     def _grow(self, dim: int, size: int) -> None:
         self.reallocations += 1
         for store in (self.keys, self.values):
             for i, t in enumerate(store):
                 shape = list(t.shape)
                 shape[dim] = size
-                grown = t.new_zeros(shape)
+                grown = t.new_empty(shape)
                 grown.narrow(dim, 0, t.shape[dim]).copy_(t)
                 store[i] = grown
 

@@ -104,6 +104,8 @@ def profile_sps(runner: TargetRunner, max_tokens: int, block_tokens: int = 8,
                 torch.cuda.synchronize(runner.device)
             times.append(time.perf_counter() - start)
         result[b] = 1.0 / statistics.median(times)
+    for kv in caches:
+        kv.release()
     return result
 
 

@@ -30,13 +30,20 @@ from .kv_pool import PooledStepCache, SlotKVPool
 
 class TargetKV:
     """One request's target KV cache: a slot of its runner's pool holding ``length`` committed
-    positions. The slot is taken at the request's first pass and returned to the pool when this
-    object is garbage-collected (a finished, aborted or failed request frees its memory)."""
+    positions. The slot is taken at the request's first pass and returned to the pool by
+    :meth:`release` (the engine calls it when the request finishes, fails or is aborted) or, at
+    the latest, when this object is garbage-collected."""
 
     def __init__(self):
         self.length = 0
         self.slot: int | None = None
         self._pool: SlotKVPool | None = None
+        self._finalizer: weakref.finalize | None = None
+
+    def release(self) -> None:
+        """Return the slot to the pool now (idempotent); the cache must not be used afterwards."""
+        if self._finalizer is not None:
+            self._finalizer()  # runs pool.release(slot) once, and never again at collection
 
     def bind(self, pool: SlotKVPool) -> int:
         """The request's slot in ``pool`` (allocated on first use).
@@ -46,7 +53,7 @@ class TargetKV:
         """
         if self._pool is None:
             self._pool, self.slot = pool, pool.allocate()
-            weakref.finalize(self, pool.release, self.slot)
+            self._finalizer = weakref.finalize(self, pool.release, self.slot)
         elif self._pool is not pool:
             raise ValueError("this TargetKV belongs to another TargetRunner")
         return self.slot
@@ -173,11 +180,44 @@ class TargetRunner:
         cache.bind(pool)
         pool.reserve(length)
 
+    def preallocate(self, slots: int, max_positions: int, memory_bytes: int) -> dict:
+        """Size the KV pool before serving: ``slots`` slots of ``max_positions`` positions, or as
+        many positions as ``memory_bytes`` allows (at least 16). An idle pool (left by profiling or
+        an earlier engine) is replaced; one that holds live requests (a runner shared by several
+        engines) is only grown.
+
+        Args:
+            slots: live requests (the engine's ``max_num_requests``).
+            max_positions: the longest request in tokens (max_model_len + a draft block).
+            memory_bytes: the pool's budget (keys and values of every layer), bytes.
+        Returns:
+            the pool's :meth:`SlotKVPool.state`.
+        """
+        kv_heads, head_dim = self._kv_shape()
+        per_position = SlotKVPool.bytes_per_position(self.num_layers, kv_heads, head_dim,
+                                                     self.dtype)
+        capacity = max(16, min(max_positions, memory_bytes // (per_position * slots)))
+        if self._pool is None or len(self._pool.free_slots) == self._pool.num_slots:
+            self._pool = None  # the idle pool's memory goes before the new one is taken
+            self._pool = SlotKVPool(self.num_layers, kv_heads, head_dim, self.dtype, self.device,
+                                    slots=slots, capacity=capacity)
+        else:
+            self._pool.reserve(capacity)
+            self._pool.reserve_slots(slots)
+        return self._pool.state()
+
+    def kv_pool_state(self) -> dict:
+        """The KV pool's :meth:`SlotKVPool.state` (created with its defaults if needed)."""
+        return self._kv_pool().state()
+
+    def _kv_shape(self) -> tuple[int, int]:
+        cfg = self.model.config
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        return getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads, head_dim
+
     def _kv_pool(self) -> SlotKVPool:
-        if self._pool is None:
-            cfg = self.model.config
-            head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-            kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+        if self._pool is None:  # callers that never preallocated (tests, one-off passes)
+            kv_heads, head_dim = self._kv_shape()
             self._pool = SlotKVPool(self.num_layers, kv_heads, head_dim, self.dtype, self.device)
         return self._pool
 

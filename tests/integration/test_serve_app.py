@@ -414,3 +414,6 @@ def test_client_disconnect_aborts_the_request(server, http):
         time.sleep(0.1)
     assert state["num_aborted"] == aborted_before + 1 and state["num_running"] == 0
     assert http.get("/health").json()["num_running"] == 0
+    # the KV pool was sized at start-up and the aborted request's slot is free again
+    pool = state["kv_pool"]
+    assert pool["free_slots"] == pool["slots"] and pool["reallocations"] == 0

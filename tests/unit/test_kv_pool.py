@@ -144,3 +144,31 @@ def test_the_kv_store_never_reallocates_during_decoding(model):
     while engine.has_unfinished():
         engine.step()
     assert runner._kv_pool().reallocations == grown
+
+
+def test_the_engine_preallocates_the_whole_pool_and_serves_within_it(model):
+    """The pool is sized at construction (max_num_requests slots of max_model_len + a block, under
+    the memory budget) and a full batch of maximal requests never grows it."""
+    drafter = tiny_drafter(model, layer_ids=(1, 3))
+    runner = TargetRunner(model, [1, 3])
+    cfg = EngineConfig(scheduler="fixed", sps_profile="off", max_num_requests=3, max_model_len=120)
+    engine = SpecEngine(runner, drafter, [], cfg)
+    state = runner.kv_pool_state()
+    assert state["slots"] == 3 and state["free_slots"] == 3
+    assert state["capacity"] == 120 + engine.gamma + 1
+    assert state["reallocations"] == 0
+    g = torch.Generator().manual_seed(3)
+    for i in range(5):  # more requests than slots: they wait, slots are reused
+        engine.add_request(EngineRequest(f"r{i}", torch.randint(2, 96, (20,), generator=g).tolist(),
+                                         SamplingParams(max_tokens=100, temperature=1.0, seed=i,
+                                                        ignore_eos=True)))
+    while engine.has_unfinished():
+        engine.step()
+    gc.collect()
+    assert runner.kv_pool_state() == {**state, "free_slots": 3}
+
+    # a budget smaller than the full length caps the positions per slot
+    small = TargetRunner(model, [1, 3])
+    per_position = small.preallocate(2, 10_000, 10**12)["bytes"] // (2 * 10_000)
+    capped = TargetRunner(model, [1, 3]).preallocate(2, 10_000, per_position * 2 * 500)
+    assert capped["capacity"] == 500 and capped["slots"] == 2
