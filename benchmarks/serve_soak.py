@@ -168,23 +168,31 @@ async def load(url: str, health: str, prompts: list[str], concurrency: int, dura
                 tally.count(599)
                 tally.malformed_not_4xx.append(f"transport: {type(err).__name__}")
 
+    rss_mb: list[float] = []  # the replica's resident memory every 2 s (leak or plateau?)
+    pool: dict = {}
+
     async def watch(client):
-        nonlocal unhealthy
+        nonlocal unhealthy, pool
         while time.time() < deadline:
             try:
-                if (await client.get(health)).status_code != 200:
+                resp = await client.get(health)
+                if resp.status_code != 200:
                     unhealthy += 1
+                else:
+                    pool = resp.json().get("kv_pool", {})
             except httpx.HTTPError:
                 unhealthy += 1
             rep = replica()
             if rep:
                 pids.add(rep[0])
+                rss_mb.append(round(rep[1], 1))
             await asyncio.sleep(2)
 
     limits = httpx.Limits(max_connections=concurrency + 8)
     async with httpx.AsyncClient(limits=limits, timeout=900) as client:
         await asyncio.gather(watch(client), *(worker(i, client) for i in range(concurrency)))
-    return tally, {"replica_pids": sorted(pids), "failed_health_checks": unhealthy}
+    return tally, {"replica_pids": sorted(pids), "failed_health_checks": unhealthy,
+                   "rss_mb": rss_mb, "kv_pool": pool}
 
 
 def wait_ready(health: str, proc: subprocess.Popen, timeout: float = 900) -> None:
@@ -234,8 +242,8 @@ def main() -> int:
     started = time.time()
     try:
         wait_ready(f"{base}/health", proc)
-        # warm-up at full concurrency (profiles, and the KV pool grown to its working set of
-        # slots), so that start and end memory compare like with like; then the soak proper
+        # warm-up at full concurrency (profiles, allocator and KV pages touched by a full batch),
+        # so that start and end memory compare like with like; then the soak proper
         asyncio.run(load(f"{base}/v1/chat/completions", f"{base}/health", prompts,
                          args.concurrency, 60, args.max_tokens, args.seed + 1))
         start_rep = replica()
@@ -263,6 +271,8 @@ def main() -> int:
             watch["failed_health_checks"],
         "rss_start_mb": round(start_rep[1], 1) if start_rep else None,
         "rss_end_mb": round(end_rep[1], 1) if end_rep else None,
+        "rss_by_minute_mb": watch["rss_mb"][::30],
+        "kv_pool": watch["kv_pool"],
         "meta": {"config": str(Path(args.config).relative_to(ROOT)), "drafter": args.drafter,
                  "concurrency": args.concurrency, "duration_s": args.duration_s,
                  "max_tokens": args.max_tokens, "max_num_requests": args.max_num_requests,
@@ -296,6 +306,8 @@ def main() -> int:
         f"Status codes: {result['status_counts']}. Completion tokens streamed: "
         f"{result['completion_tokens']}.",
     ]
+    md.append(f"Replica RSS each minute (MB): {result['rss_by_minute_mb']}. Target KV pool at the "
+              f"end: {result['kv_pool']}.")
     if result["malformed_not_4xx"]:
         md.append(f"Requests that should have been a 4xx: {result['malformed_not_4xx']}.")
     if result["invalid_examples"]:

@@ -335,7 +335,9 @@ class SpecServer:
     # ------------------------------------------------------------------------------ routes
     @api.get("/health")
     async def health(self):
-        """200 ``{"status": "ok", num_waiting, num_running, ...}``; 503 once the engine died."""
+        """200 ``{"status": "ok", num_waiting, num_running, ..., kv_pool}``; 503 once the engine
+        died. ``kv_pool``: the target KV pool's slots, free slots, positions per slot, bytes and
+        growths since start-up."""
         self._ensure_pump()
         try:
             self.engine.check_health()
@@ -344,7 +346,8 @@ class SpecServer:
         snap = self.engine.snapshot()
         return {"status": "ok", "model": self.model_name, "num_waiting": snap.num_waiting,
                 "num_running": snap.num_running, "num_finished": snap.num_finished,
-                "num_aborted": snap.num_aborted, "num_rejected": snap.num_rejected}
+                "num_aborted": snap.num_aborted, "num_rejected": snap.num_rejected,
+                "kv_pool": self.engine.engine.target.kv_pool_state()}
 
     @api.get("/v1/models")
     async def models(self):
