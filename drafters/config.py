@@ -164,3 +164,26 @@ def check_drafter_kind(drafter_type: str, head_type: str, confidence_head: bool,
                          "W1[x_{k-1}]: it needs head_type 'markov' or 'rnn'")
     if not 1 <= block_size <= MAX_BLOCK_SIZE:
         raise ValueError(f"block_size must be in [1, {MAX_BLOCK_SIZE}], got {block_size}")
+
+
+class DrafterCheckpointError(ValueError):
+    """A drafter directory that cannot be loaded: unreadable or invalid ``config.json``, or
+    weights that are damaged, incomplete or of other shapes (the file is named)."""
+
+
+def read_drafter_config(path) -> DSparkConfig:
+    """The :class:`DSparkConfig` of drafter directory ``path``.
+
+    Raises:
+        FileNotFoundError: no ``config.json`` in ``path``.
+        DrafterCheckpointError: the file is not valid JSON or a field is invalid (file named).
+    """
+    from pathlib import Path
+
+    file = Path(path) / "config.json"
+    if not file.is_file():
+        raise FileNotFoundError(f"no drafter checkpoint (config.json) at {path}")
+    try:
+        return DSparkConfig.from_pretrained(path)
+    except (OSError, ValueError, TypeError) as err:
+        raise DrafterCheckpointError(f"{file}: {err}") from err

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from .config import DSparkConfig
+from .config import DSparkConfig, read_drafter_config
 from .modeling import DrafterBase, DSparkDrafter, check_target_compatibility
 
 
@@ -47,12 +47,11 @@ def load_drafter(path: str | Path, target_model, target_name: str,
 
     Raises:
         FileNotFoundError: no drafter checkpoint at ``path``.
+        DrafterCheckpointError (a ValueError): invalid config or damaged weights (file named).
         ValueError: the checkpoint was trained for another target (every mismatch named).
     """
     path = Path(path)
-    if not (path / "config.json").is_file():
-        raise FileNotFoundError(f"no drafter checkpoint (config.json) at {path}")
-    config = DSparkConfig.from_pretrained(path)
+    config = read_drafter_config(path)
     tc = target_model.config
     check_target_compatibility(config, target_name, tc.vocab_size, tc.hidden_size,
                                tc.num_hidden_layers, allow_name_mismatch)

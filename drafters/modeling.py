@@ -21,7 +21,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from . import draft_vocab as dv
-from .config import DSparkConfig
+from .config import DrafterCheckpointError, DSparkConfig, read_drafter_config
 from .heads import ConfidenceHead, MarkovHead, RNNHead
 from .layers import DrafterLayer, RMSNorm, RotaryEmbedding
 from .packing import PackedBlocks
@@ -169,14 +169,21 @@ class DrafterBase(nn.Module):
 
         Raises:
             FileNotFoundError: no drafter checkpoint at ``path``.
+            DrafterCheckpointError (a ValueError): an invalid config, or weights that are damaged,
+                missing tensors or of other shapes (the file named).
             ValueError: the bound target tensors do not match the checkpoint's config.
         """
         path = Path(path)
         if not (path / "config.json").is_file() or not (path / WEIGHTS_NAME).is_file():
             raise FileNotFoundError(f"no drafter checkpoint (config.json + {WEIGHTS_NAME}) at {path}")
-        config = DSparkConfig.from_pretrained(path)
+        config = read_drafter_config(path)
         model = cls(config, embed_weight, lm_head_weight)
-        model.load_state_dict(load_file(str(path / WEIGHTS_NAME)), strict=True)
+        try:
+            model.load_state_dict(load_file(str(path / WEIGHTS_NAME)), strict=True)
+        except Exception as err:  # safetensors' own error type, or load_state_dict's RuntimeError
+            raise DrafterCheckpointError(
+                f"{path / WEIGHTS_NAME}: damaged, or not the weights of {path / 'config.json'} "
+                f"({type(err).__name__}: {str(err).strip()})") from err
         if config.draft_vocab_size:
             dv.check_draft_vocab(model.d2t, config.draft_vocab_size, config.target_vocab_size)
             if dv.fingerprint(model.d2t) != config.draft_vocab_sha256:

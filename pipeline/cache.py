@@ -309,6 +309,34 @@ def read_manifest(cache_dir: str, storage_options: dict | None = None) -> dict:
     return manifest
 
 
+class CacheMismatchError(ValueError):
+    """A target cache written for another target, other layers or another chat template."""
+
+
+def check_cache_matches(manifest: dict, cache_dir: str, *, target: str, hidden_size: int,
+                        vocab_size: int, layer_ids: list[int]) -> None:
+    """Check that the cache at ``cache_dir`` (its ``manifest``) was written for this target.
+
+    Args:
+        target: the config's ``target.name_or_path``; hidden_size / vocab_size: its config's.
+        layer_ids: the drafter's target layers.
+    Raises:
+        CacheMismatchError: naming the manifest and every field that differs.
+    """
+    recorded = manifest.get("target", {})
+    want = {"target.name_or_path": (recorded.get("name_or_path"), target),
+            "target.hidden_size": (recorded.get("hidden_size"), hidden_size),
+            "target.vocab_size": (recorded.get("vocab_size"), vocab_size),
+            "layer_ids": (manifest.get("layer_ids"), list(layer_ids))}
+    diff = [f"{k}: cache {have!r}, config {need!r}" for k, (have, need) in want.items()
+            if have != need]
+    if diff:
+        raise CacheMismatchError(
+            f"{storage.join(cache_dir, 'manifest.json')} is a cache of another target or layer "
+            f"choice ({'; '.join(diff)}): point cache.output at a cache of this target, or "
+            "rebuild this one with --force cache (which deletes it)")
+
+
 def verify_shard(cache_dir: str, split: str, shard: dict, storage_options: dict | None = None) -> None:
     """Check a shard's bytes against the manifest's sha256.
 

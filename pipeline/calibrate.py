@@ -66,7 +66,7 @@ def fit_and_report(collected: dict, out_dir: Path, drafter_dir: str, seed: int,
     import numpy as np
 
     from drafters.calibration import calibration_report, sequential_temperature_scaling
-    from drafters.config import DSparkConfig
+    from drafters.config import read_drafter_config
 
     from .plots import reliability_diagram
 
@@ -96,7 +96,7 @@ def fit_and_report(collected: dict, out_dir: Path, drafter_dir: str, seed: int,
         arrays[name] = (np.array([r[0] for r in rows]), np.array([r[1] for r in rows]))
     temps = sequential_temperature_scaling(*arrays["fit"])
     report = calibration_report(*arrays["report"], temps)
-    config = DSparkConfig.from_pretrained(dest)
+    config = read_drafter_config(dest)
     config.calibration_temperatures = [float(t) for t in temps]
     config._validate()
     config.save_pretrained(dest)

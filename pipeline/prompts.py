@@ -71,14 +71,19 @@ def _iter_raw_rows(path: str, storage_options: dict):
     if path.endswith(".parquet"):
         import pyarrow.parquet as pq
 
-        with fs.open(path, "rb") as fh:
-            table = pq.read_table(fh)
+        try:
+            with fs.open(path, "rb") as fh:
+                table = pq.read_table(fh)
+        except (OSError, ValueError) as err:  # pyarrow's ArrowInvalid is a ValueError
+            raise PromptError(f"{path}: not a readable Parquet file ({err})") from err
         for i, row in enumerate(table.to_pylist(), start=1):
             if isinstance(row.get("messages"), str):
                 try:
                     row["messages"] = json.loads(row["messages"])
                 except json.JSONDecodeError as err:
-                    yield i, PromptError(f"'messages' is not valid JSON: {err}")
+                    bad = PromptError(f"'messages' is not valid JSON: {err}")
+                    bad.row_id = row.get("id")  # the error record still names the row
+                    yield i, bad
                     continue
             yield i, row
         return
@@ -97,12 +102,13 @@ def read_prompt_file(path: str, storage_options: dict | None = None) -> tuple[li
 
     Raises:
         FileNotFoundError: the file does not exist (naming it).
+        PromptError: a ``.parquet`` file that pyarrow cannot read (naming it).
     """
     if not storage.exists(path, storage_options):
         raise FileNotFoundError(f"prompt file not found: {path}")
     rows, errors = [], []
     for line, item in _iter_raw_rows(path, storage_options or {}):
-        rid = item.get("id") if isinstance(item, dict) else None
+        rid = item.get("id") if isinstance(item, dict) else getattr(item, "row_id", None)
         try:
             if isinstance(item, Exception):
                 raise item

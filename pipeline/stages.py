@@ -269,12 +269,15 @@ def _template_sha(target: str) -> str:
 def stage_cache(ctx: StageContext) -> dict:
     from transformers import AutoConfig
 
-    from .cache import build_manifest, run_cache_split
+    from .cache import build_manifest, read_manifest, run_cache_split
     from .prompts import read_jsonl
 
     _require(ctx, "generate")
     so = ctx.cfg.storage_options
     storage.check_writable(ctx.cache_dir, so)
+    if storage.exists(storage.join(ctx.cache_dir, "manifest.json"), so):
+        # never overwrite another target's cache shard by shard (cache.output is shared storage)
+        _check_cache_target(ctx, read_manifest(ctx.cache_dir, so))
     ensure_ray(ctx.cfg)
     c = ctx.cfg.cache
     splits = {}
@@ -310,15 +313,25 @@ def stage_cache(ctx: StageContext) -> dict:
             **{f"{s}_tokens": v["tokens"] for s, v in manifest["splits"].items()}}
 
 
+def _check_cache_target(ctx: StageContext, manifest: dict) -> None:
+    """Raise CacheMismatchError when the cache at ``ctx.cache_dir`` belongs to another target."""
+    from transformers import AutoConfig
+
+    from .cache import check_cache_matches
+
+    tcfg = AutoConfig.from_pretrained(ctx.target)
+    check_cache_matches(manifest, ctx.cache_dir, target=ctx.cfg.target.name_or_path,
+                        hidden_size=tcfg.hidden_size, vocab_size=tcfg.vocab_size,
+                        layer_ids=ctx.layer_ids)
+
+
 def stage_train(ctx: StageContext) -> dict:
     from .cache import read_manifest
     from .train import run_train
 
     _require(ctx, "cache")
     manifest = read_manifest(ctx.cache_dir, ctx.cfg.storage_options)
-    if manifest["layer_ids"] != ctx.layer_ids:
-        raise ValueError(f"cache at {ctx.cache_dir} holds layers {manifest['layer_ids']}, config "
-                         f"asks for {ctx.layer_ids}")
+    _check_cache_target(ctx, manifest)
     ensure_ray(ctx.cfg)
     result = run_train(
         cache_dir=ctx.cache_dir, manifest=manifest, out_dir=ctx.stage_dir("train"),

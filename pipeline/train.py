@@ -459,10 +459,10 @@ def init_weights(model, path: str) -> None:
     """
     from safetensors.torch import load_file
 
-    from drafters.config import DSparkConfig
+    from drafters.config import read_drafter_config
     from drafters.modeling import WEIGHTS_NAME
 
-    src = DSparkConfig.from_pretrained(path)
+    src = read_drafter_config(path)
     keys = ("drafter_type", "hidden_size", "num_hidden_layers", "block_size", "head_type",
             "markov_rank", "target_layer_ids", "target_vocab_size")
     diff = [f"{k}: {getattr(src, k)} != {getattr(model.config, k)}" for k in keys

@@ -53,11 +53,12 @@ class EngineConfig(BaseModel):
                              "ones are refused (HTTP 429).")
     max_model_len: int | None = Field(None, ge=16, description="Prompt + max_tokens limit in "
                                       "tokens; None = the target's max_position_embeddings.")
-    kv_cache_memory_gib: float = Field(4.0, gt=0, description="Target KV pool preallocated at "
+    kv_cache_memory_gib: float = Field(2.0, gt=0, description="Target KV pool allocated at "
                                        "start-up (GiB): max_num_requests slots of max_model_len + "
-                                       "a draft block positions, fewer positions if that exceeds "
-                                       "this budget (a longer request then grows the pool once, "
-                                       "reported as kv_pool.reallocations in engine_state).")
+                                       "a draft block positions; when that exceeds this budget, "
+                                       "the slots hold fewer positions and the model length "
+                                       "shrinks to match (a warning says so; /health reports the "
+                                       "pool).")
     sps_profile: Literal["auto", "off"] = Field("auto", description="auto: profile SPS(B) at start-up "
                                                 "(or reuse a stored profile for this hardware and "
                                                 "model); off: assume SPS constant (B-independent).")

@@ -140,11 +140,17 @@ class SpecEngine:
         self._scheduler = sched.scheduler_for(name, sps=sps, gamma=max(self.gamma, 1),
                                               threshold=self.config.threshold,
                                               max_batch_tokens=self.config.max_batch_tokens)
-        self.max_model_len = (self.config.max_model_len
-                              or target.model.config.max_position_embeddings)
-        # the whole KV pool now, not grown under load (serve/kv_pool.py)
-        target.preallocate(self.config.max_num_requests, self.max_model_len + self.gamma + 1,
-                           int(self.config.kv_cache_memory_gib * 2**30))
+        wanted_len = self.config.max_model_len or target.model.config.max_position_embeddings
+        # the whole KV pool now, never grown under load (serve/kv_pool.py); a request may use
+        # what a slot holds, less the draft block its last verification writes past its end
+        pool = target.preallocate(self.config.max_num_requests, wanted_len + self.gamma + 1,
+                                  int(self.config.kv_cache_memory_gib * 2**30))
+        self.max_model_len = min(wanted_len, pool["capacity"] - self.gamma - 1)
+        if self.max_model_len < wanted_len:
+            logger.warning("engine.kv_cache_memory_gib %.2f holds %d slots of %d positions: the "
+                           "model length is %d tokens, not %d (raise the budget or lower "
+                           "max_num_requests)", self.config.kv_cache_memory_gib, pool["slots"],
+                           pool["capacity"], self.max_model_len, wanted_len)
         self.waiting: deque[_Request] = deque()
         self.prefilling: list[_Request] = []  # admitted, prompt partly in the cache
         self.running: list[_Request] = []
@@ -164,7 +170,8 @@ class SpecEngine:
             raise RequestError("the prompt is empty", field="prompt")
         if len(request.prompt_ids) + p.max_tokens > self.max_model_len:
             raise RequestError(f"prompt ({len(request.prompt_ids)} tokens) + max_tokens "
-                               f"({p.max_tokens}) exceeds the model length {self.max_model_len}",
+                               f"({p.max_tokens}) exceeds the model length {self.max_model_len} "
+                               "(engine.max_model_len, or what engine.kv_cache_memory_gib holds)",
                                status=413, field="max_tokens")
         vocab = self.target.model.config.vocab_size
         if any(t >= vocab for t in p.stop_token_ids):

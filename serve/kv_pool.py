@@ -9,12 +9,12 @@ with transformers' attention interface as ``"dspark_slots"``). Positions a reque
 (rejected drafts, right padding) are simply overwritten by its next pass.
 
 The engine sizes the pool once at start-up (``max_num_requests`` slots of ``max_model_len`` + a
-draft block positions, capped by ``engine.kv_cache_memory_gib``) and reserves a request's whole
-length (prompt + max_tokens + a draft block) when it admits it, so decoding never reallocates.
-Only a request longer than the preallocated capacity, or more live requests than slots, doubles
-the pool (an amortised copy, never a per-step one; counted in :attr:`SlotKVPool.reallocations`).
-The storage is allocated uninitialised (``torch.empty``): a position is always written before any
-attention reads it, and on CPU the pages of an unused slot stay unmapped until first written.
+draft block positions, fewer positions if ``engine.kv_cache_memory_gib`` holds fewer; the
+engine's model length is then what a slot holds) and allocates it whole, zero-filled, so its
+memory is committed before the first request, as a serving engine's KV cache is: serving never
+grows it, and a growing resident size means a leak elsewhere. A pool used outside the engine
+(tests, profiling) doubles its slots or capacity when a pass needs more room (an amortised copy,
+never a per-step one; counted in :attr:`SlotKVPool.reallocations`).
 A slot returns to the pool the moment its request finishes, fails or is aborted
 (:meth:`serve.target_runner.TargetKV.release`), and at the latest when its cache object is
 garbage-collected.
@@ -43,9 +43,10 @@ class SlotKVPool:
     def __init__(self, num_layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
                  device: torch.device, slots: int = 4, capacity: int = 256):
         shape = (slots, kv_heads, capacity, head_dim)
-        # uninitialised: positions are written before they are read (masks never reach past them)
-        self.keys = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.values = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        # zero-filled: the memory is committed now (on CPU, untouched pages would only become
+        # resident as slots fill up, which looks like a leak under load)
+        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.free_slots = list(range(slots - 1, -1, -1))  # pop() hands out the lowest first
         self.reallocations = 0  # growths so far (the engine reserves at admission, not later)
 
@@ -106,7 +107,7 @@ class SlotKVPool:
             for i, t in enumerate(store):
                 shape = list(t.shape)
                 shape[dim] = size
-                grown = t.new_empty(shape)
+                grown = t.new_zeros(shape)
                 grown.narrow(dim, 0, t.shape[dim]).copy_(t)
                 store[i] = grown
 

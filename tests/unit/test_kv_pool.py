@@ -172,3 +172,31 @@ def test_the_engine_preallocates_the_whole_pool_and_serves_within_it(model):
     per_position = small.preallocate(2, 10_000, 10**12)["bytes"] // (2 * 10_000)
     capped = TargetRunner(model, [1, 3]).preallocate(2, 10_000, per_position * 2 * 500)
     assert capped["capacity"] == 500 and capped["slots"] == 2
+
+
+def test_a_small_kv_budget_shortens_the_model_length_instead_of_growing(model):
+    """When max_num_requests slots of max_model_len do not fit engine.kv_cache_memory_gib, the
+    slots hold fewer positions and the engine's model length shrinks to match: a longer request
+    is refused (413) rather than growing the pool."""
+    from serve.errors import RequestError
+    from serve.kv_pool import SlotKVPool
+
+    runner = TargetRunner(model, [1, 3])
+    cfg = model.config
+    per_position = SlotKVPool.bytes_per_position(cfg.num_hidden_layers, cfg.num_key_value_heads,
+                                                 cfg.head_dim, runner.dtype)
+    budget = 2 * 100 * per_position  # two slots of 100 positions
+    engine = SpecEngine(runner, tiny_drafter(model, layer_ids=(1, 3)), [],
+                        EngineConfig(scheduler="fixed", sps_profile="off", max_num_requests=2,
+                                     max_model_len=1000, kv_cache_memory_gib=budget / 2**30))
+    assert runner.kv_pool_state()["capacity"] == 100
+    assert engine.max_model_len == 100 - engine.gamma - 1
+    with pytest.raises(RequestError) as err:
+        engine.add_request(EngineRequest("long", [5] * 50, SamplingParams(max_tokens=60)))
+    assert err.value.status == 413 and "kv_cache_memory_gib" in str(err.value)
+    fits = engine.max_model_len - 10
+    engine.add_request(EngineRequest("ok", [5] * 10, SamplingParams(max_tokens=fits,
+                                                                    ignore_eos=True)))
+    while engine.has_unfinished():
+        engine.step()
+    assert runner.kv_pool_state()["reallocations"] == 0
