@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import http.client
 import json
 import os
 import platform
@@ -25,13 +24,13 @@ import shutil
 import signal
 import subprocess
 import sys
-import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+from tests.faulty_s3 import FaultyS3Proxy  # noqa: E402 - after the path insert
 
 CONFIG = ROOT / "infra" / "configs" / "quickstart.yaml"
 SMALL = [  # the quickstart, small: see the module docstring
@@ -227,84 +226,6 @@ def weight_diff(reference, got) -> float:
 
 
 # ------------------------------------------------------------------------------ S3 with faults
-class FaultyS3Proxy:
-    """An HTTP proxy in front of a moto S3 server that answers chosen PUT/POST requests with
-    ``503 SlowDown`` (S3's throttling reply) instead of forwarding them.
-
-    ``rule(method, path, nth)`` -> True to inject the fault; ``nth`` counts matching-method
-    requests from 1.
-    """
-
-    def __init__(self, upstream_port: int, rule):
-        self.rule, self.count, self.injected = rule, 0, 0
-        lock = threading.Lock()
-        proxy = self
-
-        class Handler(BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.1"
-
-            def log_message(self, *args):
-                pass
-
-            def _body(self) -> bytes:
-                if self.headers.get("Transfer-Encoding", "").lower() == "chunked":
-                    chunks = []
-                    while True:
-                        size = int(self.rfile.readline().split(b";")[0], 16)
-                        if size == 0:
-                            while self.rfile.readline() not in (b"\r\n", b"\n", b""):
-                                pass
-                            return b"".join(chunks)
-                        chunks.append(self.rfile.read(size))
-                        self.rfile.readline()
-                return self.rfile.read(int(self.headers.get("Content-Length") or 0))
-
-            def _forward(self):
-                body = self._body()
-                if self.command in ("PUT", "POST"):
-                    with lock:
-                        proxy.count += 1
-                        fail = proxy.rule(self.command, self.path, proxy.count)
-                        proxy.injected += fail
-                    if fail:
-                        reply = (b"<?xml version='1.0' encoding='UTF-8'?><Error><Code>SlowDown"
-                                 b"</Code><Message>Please reduce your request rate.</Message>"
-                                 b"</Error>")
-                        self.send_response(503)
-                        self.send_header("Content-Type", "application/xml")
-                        self.send_header("Content-Length", str(len(reply)))
-                        self.end_headers()
-                        self.wfile.write(reply)
-                        return
-                headers = {k: v for k, v in self.headers.items()
-                           if k.lower() not in ("transfer-encoding", "content-length", "expect")}
-                headers["Content-Length"] = str(len(body))
-                conn = http.client.HTTPConnection("127.0.0.1", upstream_port, timeout=60)
-                conn.request(self.command, self.path, body=body, headers=headers)
-                resp = conn.getresponse()
-                data = resp.read()
-                self.send_response(resp.status)
-                for k, v in resp.getheaders():
-                    if k.lower() not in ("transfer-encoding", "content-length", "connection"):
-                        self.send_header(k, v)
-                # a HEAD reply carries the object's length, not its (empty) body's
-                length = resp.getheader("Content-Length") if self.command == "HEAD" else None
-                self.send_header("Content-Length", length or str(len(data)))
-                self.end_headers()
-                if self.command != "HEAD":
-                    self.wfile.write(data)
-                conn.close()
-
-            do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = _forward
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.port = self.server.server_address[1]
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-
-    def close(self):
-        self.server.shutdown()
-
-
 def moto_server():
     """(server, port) of a moto S3 server on 127.0.0.1 with bucket ``faults``."""
     import socket
@@ -553,6 +474,139 @@ def fault_nan_row(root, ref_run, ref):
     return row
 
 
+# ------------------------------------------------------------------------------ bad user inputs
+def tree_digest(root: Path) -> dict[str, str]:
+    """{relative path: sha256} of every file under ``root``, except ``config.yaml`` (each
+    invocation records its own config there by design) and logs."""
+    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(root.rglob("*"))
+            if p.is_file() and p.name != "config.yaml" and p.suffix != ".log"}
+
+
+def _bad_input(root: Path, ref_run: Run, name: str, what: str, stage: str, sets: list[str],
+               needles: list[str], expect_rc: int = 1, reopen: tuple[str, ...] = ()) -> dict:
+    """Run every stage on a copy of the finished reference run with one bad input: the command
+    must fail with a message holding ``needles`` (the file, line or field) and leave every file
+    already written unchanged (lost = files gone, changed = files with other bytes)."""
+    run = Run(root, name, sets)
+    shutil.rmtree(run.dir)
+    shutil.copytree(ref_run.dir, run.dir)
+    for stage_name in reopen:  # stages to run again (their outputs stay)
+        (run.dir / stage_name / "_SUCCESS.json").unlink()
+    before = tree_digest(run.dir)
+    rc = run.run("prompts,generate,cache,train,calibrate,eval")
+    tail = run.tail(40)
+    after = tree_digest(run.dir)
+    named = [n for n in needles if n not in tail]
+    ok = rc == expect_rc and not named
+    return {"fault": what, "stage": stage, "injected": True,
+            "outcome": "refused with a message naming it" if ok else
+            f"rc {rc}; missing from the message: {named}",
+            "message": next((l for l in reversed(tail.splitlines()) if any(
+                n in l for n in needles)), tail.splitlines()[-1] if tail else "")[-300:],
+            "lost": sorted(set(before) - set(after)),
+            "changed": sorted(k for k in set(before) & set(after) if before[k] != after[k]),
+            "duplicated": [], "extra": sorted(set(after) - set(before))}
+
+
+def fault_bad_prompt_rows(root, ref_run, ref):
+    """A prompt file with bad rows: each is reported by file and line, the rest go on."""
+    bad = root / "bad_prompts.jsonl"
+    bad.write_text("\n".join([
+        '{"id": "broken", "messages": [',
+        json.dumps({"id": "nomsg"}),
+        json.dumps({"id": "asst", "messages": [{"role": "assistant", "content": "hi"}]}),
+        json.dumps({"id": "blank", "messages": [{"role": "user", "content": " "}]})]) + "\n")
+    src = next(s for s in SMALL if s.startswith("prompts.sources="))
+    sources = src.split("=", 1)[1].rstrip("]") + f", {{path: {bad}}}]"
+    run = Run(root, "bad_prompt_rows", [f"prompts.sources={sources}"])
+    rc = run.run("prompts")
+    errors = [json.loads(l) for l in (run.dir / "prompts" / "errors.jsonl").read_text()
+              .splitlines()] if rc == 0 else []
+    named = sorted(e["line"] for e in errors if e["file"] == str(bad))
+    same = all((run.dir / "prompts" / f).read_bytes() == (ref_run.dir / "prompts" / f).read_bytes()
+               for f in ("train.jsonl", "heldout.jsonl"))
+    return {"fault": "prompt JSONL with 4 bad rows (malformed JSON, no messages, assistant "
+                     "first, blank turn) next to the good file", "stage": "prompts",
+            "injected": True, "outcome": outcome(rc, None), "bad_rows_named_by_line": named,
+            "prompts_equal_to_reference": same, "lost": [] if same else ["prompts differ"],
+            "duplicated": [], "changed": [], "extra": []}
+
+
+def fault_bad_prompt_parquet(root, ref_run, ref):
+    """A new run whose prompt sources include a .parquet file that is not Parquet."""
+    bad = root / "not_parquet.parquet"
+    bad.write_text('{"id": "a"}\n')
+    src = next(s for s in SMALL if s.startswith("prompts.sources="))
+    sources = src.split("=", 1)[1].rstrip("]") + f", {{path: {bad}}}]"
+    run = Run(root, "bad_prompt_parquet", [f"prompts.sources={sources}"])
+    rc = run.run("prompts,generate")
+    needles = [str(bad), "not a readable Parquet"]
+    ok = rc == 1 and all(n in run.tail(40) for n in needles)
+    return {"fault": "a .parquet prompt file that is not Parquet (new run)", "stage": "prompts",
+            "injected": True, "outcome": "refused with a message naming it" if ok else f"rc {rc}",
+            "stages_marked_done": sorted(p.parent.name for p in run.dir.glob("*/_SUCCESS.json")),
+            "lost": [], "duplicated": [], "changed": [], "extra": []}
+
+
+def fault_bad_config(root, ref_run, ref):
+    return _bad_input(root, ref_run, "bad_config", "config with a wrong type and an unknown key",
+                      "config", ["train.lr=fast", "cache.colour=red"],
+                      ["train.lr", "cache.colour: unknown key"], expect_rc=2)
+
+
+def fault_bad_benchmark_file(root, ref_run, ref):
+    data = root / "eval_data"
+    shutil.copytree(ROOT / "infra" / "datasets" / "eval", data)
+    import gzip
+
+    path = data / "gsm8k.jsonl.gz"
+    lines = gzip.decompress(path.read_bytes()).decode().splitlines()
+    lines[2] = '{"turns": '  # line 3 cut short
+    path.write_bytes(gzip.compress(("\n".join(lines) + "\n").encode()))
+    return _bad_input(root, ref_run, "bad_benchmark_file",
+                      "a benchmark file with a malformed line", "eval",
+                      [f"eval.data_dir={data}"], [f"{path}:3"])
+
+
+def fault_bad_target_dir(root, ref_run, ref):
+    target = root / "empty_target"
+    target.mkdir(exist_ok=True)
+    return _bad_input(root, ref_run, "bad_target_dir", "a target directory with no model",
+                      "all", [f"target.name_or_path={target}"],
+                      ["unknown target model", str(target)])
+
+
+def fault_bad_drafter_dir(root, ref_run, ref):
+    drafter = root / "damaged_drafter"
+    shutil.copytree(ref_run.dir / "train" / "drafter", drafter)
+    weights = drafter / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])  # truncated
+    row = _bad_input(root, ref_run, "bad_drafter_dir",
+                     "train.init_from a drafter directory with truncated weights", "train",
+                     ["train.resume_from=null", f"train.init_from={drafter}"],
+                     [str(weights), "damaged"], reopen=("train",))
+    return row
+
+
+def fault_cache_other_target(root, ref_run, ref):
+    """cache.output pointing at the reference run's cache from a config with other layers."""
+    cache = Path(ref_run.cache_dir)
+    before = tree_digest(cache)
+    run = Run(root, "cache_other_target", [f"cache.output={cache}", "target.layer_ids=[2, 9, 16]"])
+    run.copy_stages_from(ref_run, DATA_STAGES, markers=False)
+    rc = run.run("prompts,generate,cache,train")
+    after = tree_digest(cache)
+    needles = [str(cache / "manifest.json"), "layer_ids"]
+    named = all(n in run.tail(40) for n in needles)
+    return {"fault": "cache.output pointing at a cache of other target layers", "stage": "cache",
+            "injected": True, "outcome": "refused with a message naming it"
+            if rc == 1 and named else f"rc {rc}, named {named}",
+            "lost": sorted(set(before) - set(after)),
+            "changed": sorted(k for k in set(before) & set(after) if before[k] != after[k]),
+            "duplicated": [], "extra": sorted(set(after) - set(before))}
+
+
 FAULTS = {
     "generate_actor_kill": fault_generate_actor_kill,
     "generate_driver_kill": fault_generate_driver_kill,
@@ -565,6 +619,13 @@ FAULTS = {
     "disk_full": fault_disk_full,
     "shard_damaged": fault_shard_damaged,
     "nan_row": fault_nan_row,
+    "bad_prompt_rows": fault_bad_prompt_rows,
+    "bad_prompt_parquet": fault_bad_prompt_parquet,
+    "bad_config": fault_bad_config,
+    "bad_benchmark_file": fault_bad_benchmark_file,
+    "bad_target_dir": fault_bad_target_dir,
+    "bad_drafter_dir": fault_bad_drafter_dir,
+    "cache_other_target": fault_cache_other_target,
 }
 NEEDS_REF_RUN = {name for name in FAULTS if not name.startswith("generate_")}
 
@@ -595,15 +656,20 @@ def write_report(rows: list[dict], meta: dict, out: str) -> None:
     Path(out + ".md").write_text("\n".join(lines) + "\n")
 
 
-def meta(ref: dict, args, started: float, partial: bool = False) -> dict:
+def meta(ref: dict, args, started: float, partial: bool = False,
+         before: dict | None = None) -> dict:
+    command = "python benchmarks/fault_matrix.py" + (
+        f" --faults {args.faults}" if args.faults != ",".join(FAULTS) else "")
+    seconds = time.time() - started
+    if before is not None:  # --merge: the earlier invocations' commands and time too
+        command = f"{before['command']}`, then `{command} --merge"
+        seconds += before["seconds"]
     return {"pipeline": f"Pipeline: {CONFIG.relative_to(ROOT)} with " + ", ".join(
                 f"`{s}`" for s in SMALL) + f"; reference: {len(ref['generated'])} conversations, "
                 f"{len(ref['cache'])} cache rows." + (" PARTIAL: stopped before the last fault."
                                                       if partial else ""),
             "machine": f"{platform.machine()}, {os.cpu_count()} CPU cores, no GPU",
-            "date": time.strftime("%Y-%m-%d"), "seconds": time.time() - started,
-            "command": "python benchmarks/fault_matrix.py" + (
-                f" --faults {args.faults}" if args.faults != ",".join(FAULTS) else "")}
+            "date": time.strftime("%Y-%m-%d"), "seconds": seconds, "command": command}
 
 
 def main() -> int:
@@ -612,6 +678,8 @@ def main() -> int:
     parser.add_argument("--work", default="/tmp/dspark_fault_matrix",
                         help="scratch directory (deleted first)")
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "fault_matrix"))
+    parser.add_argument("--merge", action="store_true",
+                        help="keep the rows of other faults already in <out>.json")
     args = parser.parse_args()
     names = [n.strip() for n in args.faults.split(",") if n.strip()]
     unknown = [n for n in names if n not in FAULTS]
@@ -630,6 +698,11 @@ def main() -> int:
     ref = {"generated": generated(ref_run), "cache": cache_rows(ref_run),
            "weights": weights(ref_run),
            "manifest": json.loads(Path(ref_run.cache_dir, "manifest.json").read_text())}
+    earlier, before = [], None
+    if args.merge and Path(args.out + ".json").exists():
+        old = json.loads(Path(args.out + ".json").read_text())
+        earlier = [r for r in old["rows"] if r.get("name") not in names]
+        before = old["meta"]
     rows = []
     for name in names:
         t0 = time.time()
@@ -648,8 +721,9 @@ def main() -> int:
         print(f"  {row['outcome']}; lost {len(row['lost'])}, duplicated "
               f"{len(row['duplicated'])}, changed {len(row['changed'])}", flush=True)
         rows.append(row)
-        write_report(rows, meta(ref, args, started, partial=True), args.out)  # kept if stopped
-    write_report(rows, meta(ref, args, started), args.out)
+        write_report(earlier + rows, meta(ref, args, started, partial=True, before=before),
+                     args.out)  # kept if stopped
+    write_report(earlier + rows, meta(ref, args, started, before=before), args.out)
     print(Path(args.out + ".md").read_text())
     return 0
 

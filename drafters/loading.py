@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from .config import DSparkConfig, read_drafter_config
+from .config import DrafterCheckpointError, DSparkConfig, read_drafter_config
 from .modeling import DrafterBase, DSparkDrafter, check_target_compatibility
 
 
@@ -34,6 +34,33 @@ def build_drafter(config: DSparkConfig, embed_weight: torch.Tensor,
         raise ValueError(f"draft_vocab_size {config.draft_vocab_size} needs the draft vocabulary "
                          "(the cache manifest's token frequency ranking)")
     return drafter_class(config.drafter_type)(config, embed_weight, lm_head_weight, draft_vocab)
+
+
+def check_checkpoint(path: str | Path) -> DSparkConfig:
+    """Read a drafter directory's config and its weights' header without loading the model (a
+    cheap check before work that would read it much later, e.g. ``train.init_from``).
+
+    Returns:
+        the checkpoint's config.
+    Raises:
+        FileNotFoundError: no config.json or no weights file at ``path``.
+        DrafterCheckpointError (a ValueError): invalid config or unreadable weights (file named).
+    """
+    from safetensors import safe_open
+
+    from .modeling import WEIGHTS_NAME
+
+    path = Path(path)
+    config = read_drafter_config(path)
+    weights = path / WEIGHTS_NAME
+    if not weights.is_file():
+        raise FileNotFoundError(f"no drafter weights ({WEIGHTS_NAME}) at {path}")
+    try:
+        with safe_open(str(weights), framework="pt") as fh:
+            fh.keys()
+    except Exception as err:  # safetensors' own error type
+        raise DrafterCheckpointError(f"{weights}: damaged ({type(err).__name__}: {err})") from err
+    return config
 
 
 def load_drafter(path: str | Path, target_model, target_name: str,

@@ -70,6 +70,8 @@ def main(argv: list[str] | None = None) -> int:
     started = time.time()
     try:
         ctx = stages.StageContext.create(cfg)
+        if "eval" in ordered:  # benchmark files are checked now, not after the other stages
+            stages.eval_datasets(cfg)
         if any(s in ordered for s in ("cache", "train", "eval")) and "://" in ctx.cache_dir:
             # an unreachable bucket must fail now, not after hours of generation
             storage.check_writable(ctx.cache_dir, cfg.storage_options)

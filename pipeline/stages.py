@@ -385,19 +385,33 @@ def stage_calibrate(ctx: StageContext) -> dict:
     return {k: v for k, v in summary.items() if k != "report"}
 
 
+def eval_datasets(cfg: PipelineConfig) -> dict[str, list[str]]:
+    """The eval stage's prompts per benchmark set (``eval.datasets`` under ``eval.data_dir``).
+    Cheap: ``pipeline/run.py`` calls it before the first stage, so a bad benchmark file fails the
+    run before hours of earlier stages, not after.
+
+    Raises:
+        EvalDataError: a missing file or a malformed row (file and line named).
+    """
+    from .evaluate import load_eval_prompts
+
+    e = cfg.eval
+    data_dir = Path(storage.resolve(e.data_dir))
+    return {name: load_eval_prompts(data_dir / f"{name}.jsonl", n, e.shuffle_seed)
+            for name, n in e.datasets.items()}
+
+
 def stage_eval(ctx: StageContext) -> dict:
     import ray
 
     from .tracking import log_evaluation, open_run
 
-    from .evaluate import evaluate, load_eval_prompts, render_report_md
+    from .evaluate import evaluate, render_report_md
     from .plots import conditional_acceptance_plot, threshold_sweep_plot
 
     _require(ctx, "calibrate")
     e = ctx.cfg.eval
-    data_dir = Path(storage.resolve(e.data_dir))
-    datasets = {name: load_eval_prompts(data_dir / f"{name}.jsonl", n, e.shuffle_seed)
-                for name, n in e.datasets.items()}
+    datasets = eval_datasets(ctx.cfg)
     ensure_ray(ctx.cfg)
     task = ray.remote(num_cpus=e.cpus, num_gpus=e.gpus or None)(evaluate)
     report = ray.get(task.remote(

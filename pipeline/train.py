@@ -459,10 +459,11 @@ def init_weights(model, path: str) -> None:
     """
     from safetensors.torch import load_file
 
-    from drafters.config import read_drafter_config
+    from drafters.config import DrafterCheckpointError
+    from drafters.loading import check_checkpoint
     from drafters.modeling import WEIGHTS_NAME
 
-    src = read_drafter_config(path)
+    src = check_checkpoint(path)
     keys = ("drafter_type", "hidden_size", "num_hidden_layers", "block_size", "head_type",
             "markov_rank", "target_layer_ids", "target_vocab_size")
     diff = [f"{k}: {getattr(src, k)} != {getattr(model.config, k)}" for k in keys
@@ -470,7 +471,11 @@ def init_weights(model, path: str) -> None:
     if diff:
         raise ValueError(f"train.init_from {path} does not match the configured drafter: "
                          + "; ".join(diff))
-    model.load_state_dict(load_file(os.path.join(path, WEIGHTS_NAME)), strict=True)
+    try:
+        model.load_state_dict(load_file(os.path.join(path, WEIGHTS_NAME)), strict=True)
+    except RuntimeError as err:  # missing tensors or other shapes
+        raise DrafterCheckpointError(f"train.init_from {os.path.join(path, WEIGHTS_NAME)}: "
+                                     f"{str(err).strip()}") from err
 
 
 def save_training_state(engine, step: int, world: int, history: list[dict], metrics: dict) -> None:
@@ -639,6 +644,10 @@ def run_train(*, cache_dir: str, manifest: dict, out_dir: Path, target: str, lay
     from .tracking import log_drafter_artifact, open_run, run_id
 
     rows = manifest["splits"]["train"]["rows"]
+    if train.init_from and not storage.is_url(train.init_from):  # named now, not by each worker
+        from drafters.loading import check_checkpoint
+
+        check_checkpoint(storage.resolve(train.init_from))
     if train.verify_cache:  # a damaged shard is named now, before any worker starts
         from .cache import verify_shard
 

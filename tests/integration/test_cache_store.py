@@ -117,3 +117,46 @@ def test_unreachable_bucket_fails_fast_naming_it(s3_endpoint):
                 config_kwargs={"connect_timeout": 1, "retries": {"max_attempts": 1}})
     with pytest.raises(ConnectionError, match="s3://dspark-test/x"):
         storage.check_writable("s3://dspark-test/x", dead)
+
+
+def _through(proxy, s3_endpoint) -> dict:
+    return dict(s3_endpoint, endpoint_url=f"http://127.0.0.1:{proxy.port}")
+
+
+def test_throttled_uploads_are_retried_and_the_cache_is_complete(tiny_target_dir, ray_local,
+                                                                 s3_endpoint):
+    """Every second upload answered with 503 SlowDown (issue 12, item 4): the writes retry and
+    every shard arrives intact."""
+    from tests.faulty_s3 import FaultyS3Proxy
+
+    upstream = int(s3_endpoint["endpoint_url"].rsplit(":", 1)[1])
+    proxy = FaultyS3Proxy(upstream, lambda method, path, nth: nth % 2 == 0)
+    try:
+        so = _through(proxy, s3_endpoint)
+        convs = conversations(5)
+        cache_dir = "s3://dspark-test/throttled/cache"
+        shards = _write(storage.join(cache_dir, "train"), convs, tiny_target_dir, so)
+        assert proxy.injected >= 2
+        _check_round_trip(cache_dir, shards, convs, tiny_target_dir, s3_endpoint)
+    finally:
+        proxy.close()
+
+
+def test_an_upload_that_finally_fails_leaves_no_object_and_a_clear_error(s3_endpoint):
+    """Every upload of one key fails: the write raises S3's error after its retries and nothing
+    is visible at the final key (an S3 object appears only when its upload completes)."""
+    from tests.faulty_s3 import FaultyS3Proxy
+
+    upstream = int(s3_endpoint["endpoint_url"].rsplit(":", 1)[1])
+    proxy = FaultyS3Proxy(upstream, lambda method, path, nth: "doomed" in path)
+    try:
+        so = dict(_through(proxy, s3_endpoint), config_kwargs={"retries": {"max_attempts": 2}})
+        path = "s3://dspark-test/faults/doomed-shard.parquet"
+        with pytest.raises(Exception, match="SlowDown") as err:
+            storage.write_bytes_atomic(path, b"x" * 1000, so)
+        assert proxy.injected >= 2, "the failed upload was retried"
+        assert not storage.exists(path, s3_endpoint), type(err.value)
+        storage.write_bytes_atomic("s3://dspark-test/faults/fine.parquet", b"y", so)  # others go
+        assert storage.read_bytes("s3://dspark-test/faults/fine.parquet", s3_endpoint) == b"y"
+    finally:
+        proxy.close()

@@ -187,3 +187,18 @@ def test_a_cache_of_another_target_is_refused_and_left_intact(tmp_path, tiny_tar
             assert field in text
         assert "layer_ids" not in text  # the same layers: only what differs is named
     assert _tree_digest(cache) == before
+
+
+def test_check_checkpoint_reads_config_and_weights_header(tmp_path, target_and_drafter):
+    from drafters.loading import check_checkpoint
+
+    _, src = target_and_drafter
+    assert check_checkpoint(src).drafter_type == "dspark"
+    path = tmp_path / "drafter"
+    shutil.copytree(src, path)
+    (path / "model.safetensors").write_bytes(b"\x10" + b"\0" * 50)
+    with pytest.raises(DrafterCheckpointError, match="model.safetensors: damaged"):
+        check_checkpoint(path)
+    (path / "model.safetensors").unlink()
+    with pytest.raises(FileNotFoundError, match="no drafter weights"):
+        check_checkpoint(path)
