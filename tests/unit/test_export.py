@@ -126,8 +126,12 @@ def test_what_an_engine_cannot_represent_is_refused(tmp_path, target, tiny_targe
 
 
 def test_layers_without_qk_norm_are_refused_for_dspark(tmp_path, target, tiny_target_dir):
-    drafter = tiny_drafter(target)
-    drafter.config.qk_norm = False
+    from drafters import DSparkDrafter
+
+    cfg = tiny_drafter(target).config
+    cfg.qk_norm = False  # a Llama-style target's drafter
+    drafter = DSparkDrafter(cfg, target.get_input_embeddings().weight,
+                            target.get_output_embeddings().weight)
     src = _save(drafter, tmp_path / "src", tiny_target_dir)
     with pytest.raises(ExportError, match="q/k norms"):
         export(src, tmp_path / "out", "vllm")
