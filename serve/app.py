@@ -546,8 +546,13 @@ def build_app(args: dict) -> Application:
         args: the config file's ``args`` block, a :class:`ServeConfig` as a dict.
     Raises:
         pydantic.ValidationError (a ValueError): an invalid or unknown field (each named).
+        ImportError: ``backend: vllm`` without vLLM installed (``serve/vllm_app.py``).
     """
     cfg = ServeConfig.model_validate(args)
+    if cfg.backend == "vllm":  # the same config, served by vLLM through ray.serve.llm
+        from .vllm_app import build_vllm_app
+
+        return build_vllm_app(cfg)
     max_ongoing = cfg.max_ongoing_requests or (cfg.engine.max_num_requests
                                                + cfg.engine.max_waiting + 16)
     return SpecServer.options(max_ongoing_requests=max_ongoing,

@@ -85,6 +85,36 @@ class EngineConfig(BaseModel):
         return self.draft_planning == "goodput" and self.scheduler in NEEDS_SPS
 
 
+class VllmBackendConfig(BaseModel):
+    """``backend: vllm``: the same model served by vLLM through ``ray.serve.llm`` (the path for
+    GPU fleets; ``serve/vllm_app.py``). The drafter is a ``python -m drafters.export --format
+    vllm`` directory."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    drafter_export: str | None = Field(None, description="Exported drafter directory (relative: "
+                                       "project root); null serves the target alone.")
+    num_speculative_tokens: int | None = Field(None, ge=1, description="Tokens drafted per "
+                                               "round; None = the export's block_size.")
+    adaptive_verification: bool = Field(True, description="vLLM's DSpark adaptive verification: "
+                                        "each request's verification sized by the confidence "
+                                        "head (needs one in the export).")
+    num_gpus_per_replica: int = Field(1, ge=1, description="Tensor-parallel GPUs per replica.")
+    min_replicas: int = Field(1, ge=0, description="Autoscaling lower bound.")
+    max_replicas: int = Field(1, ge=1, description="Autoscaling upper bound.")
+    target_ongoing_requests: int = Field(32, ge=1, description="Autoscaling target per replica.")
+    gpu_memory_utilization: float = Field(0.9, gt=0, le=1, description="vLLM's share of each GPU.")
+    engine_kwargs: dict[str, Any] = Field(default_factory=dict, description="Further vLLM "
+                                          "engine arguments, passed through unchanged.")
+
+    @model_validator(mode="after")
+    def _replicas(self) -> "VllmBackendConfig":
+        if self.min_replicas > self.max_replicas:
+            raise ValueError(f"min_replicas {self.min_replicas} > max_replicas "
+                             f"{self.max_replicas}")
+        return self
+
+
 class ServeConfig(BaseModel):
     """The ``args`` of the Serve application (``build_app``). Relative paths resolve against the
     project root (``serve.paths.resolve``)."""
@@ -123,6 +153,10 @@ class ServeConfig(BaseModel):
     metrics_interval_s: float = Field(1.0, gt=0, description="Seconds between engine-counter "
                                       "exports to Ray's metrics.")
     engine: EngineConfig = Field(default_factory=EngineConfig)
+    backend: Literal["dspark-ray", "vllm"] = Field(
+        "dspark-ray", description="dspark-ray: this project's engine (the reference, and the CPU "
+        "path); vllm: vLLM through ray.serve.llm with the exported drafter (GPU fleets).")
+    vllm: VllmBackendConfig = Field(default_factory=VllmBackendConfig)
 
     @model_validator(mode="after")
     def _device_matches_gpus(self) -> "ServeConfig":

@@ -473,3 +473,25 @@ def test_init_from_target_copies_the_last_layers_and_their_context_kv():
     torch.testing.assert_close(state.values[0], cache.layers[5].values, rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(state.keys[0][:, :, 0], cache.layers[5].keys[:, :, 0],
                                rtol=1e-4, atol=1e-5)
+
+
+def test_init_from_target_layers_without_qk_norm_keeps_the_drafters_norms_at_one():
+    """drafter.qk_norm true on a Llama-style target (no q/k norms to copy): every other tensor is
+    the target layer's, the norms keep their own values (1 in a fresh drafter); a missing
+    non-norm tensor still fails."""
+    from tests.tiny import tiny_drafter, tiny_target
+
+    target = tiny_target(vocab_size=64, num_layers=6, seed=0)
+    d = tiny_drafter(target, layer_ids=(1, 4), num_layers=1)  # qk_norm true
+    llama_like = {k: v.clone() for k, v in target.model.layers[-1].state_dict().items()
+                  if "_norm.weight" not in k or "layernorm" in k}
+    assert not any(k.endswith(("q_norm.weight", "k_norm.weight")) for k in llama_like)
+    with torch.no_grad():
+        d.layers[0].self_attn.q_norm.weight.fill_(3.0)
+    d.init_from_target([llama_like], target.model.norm.state_dict())
+    assert torch.equal(d.layers[0].self_attn.q_norm.weight, torch.full((16,), 3.0))
+    torch.testing.assert_close(d.layers[0].self_attn.q_proj.weight,
+                               llama_like["self_attn.q_proj.weight"])
+    with pytest.raises(RuntimeError, match="Missing"):
+        d.init_from_target([{k: v for k, v in llama_like.items() if "q_proj" not in k}],
+                           target.model.norm.state_dict())

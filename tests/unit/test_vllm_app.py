@@ -1,0 +1,60 @@
+"""backend: vllm (serve/vllm_app.py): the serve config maps onto vLLM's speculative_config from the
+exported drafter; without vLLM installed the app refuses with a clear message. The application
+graph itself is built in tests/interop (vLLM installed)."""
+
+from __future__ import annotations
+
+import pytest
+
+from drafters.export import export
+from serve.config import ServeConfig
+from serve.target_loading import load_target
+from serve.vllm_app import speculative_config
+from tests.tiny import tiny_drafter
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory, tiny_target_dir):
+    root = tmp_path_factory.mktemp("vllm_app")
+    drafter = tiny_drafter(load_target(str(tiny_target_dir)), layer_ids=(1, 3))
+    drafter.config.target_name_or_path = str(tiny_target_dir)
+    drafter.save_pretrained(root / "drafter")
+    export(root / "drafter", root / "vllm", "vllm")
+    return root / "vllm"
+
+
+def _cfg(**vllm):
+    return ServeConfig.model_validate({"target": "Qwen/Qwen3-4B", "backend": "vllm",
+                                       "vllm": vllm})
+
+
+def test_the_export_becomes_vllms_speculative_config(exported):
+    spec = speculative_config(_cfg(drafter_export=str(exported)))
+    assert spec == {"model": str(exported), "method": "dspark", "num_speculative_tokens": 4,
+                    "enable_adaptive_verification": True}
+    assert speculative_config(_cfg(drafter_export=str(exported), num_speculative_tokens=2,
+                                   adaptive_verification=False))["num_speculative_tokens"] == 2
+    assert speculative_config(_cfg()) is None  # the target alone
+
+
+def test_bad_exports_and_settings_are_named(tmp_path):
+    with pytest.raises(FileNotFoundError, match="drafters.export"):
+        speculative_config(_cfg(drafter_export=str(tmp_path)))
+    (tmp_path / "config.json").write_text('{"architectures": ["LlamaForCausalLM"]}')
+    with pytest.raises(ValueError, match="not a drafter vLLM serves"):
+        speculative_config(_cfg(drafter_export=str(tmp_path)))
+    with pytest.raises(ValueError, match="min_replicas"):
+        _cfg(min_replicas=3, max_replicas=2)
+
+
+def test_without_vllm_the_backend_says_what_to_install():
+    pytest.importorskip("ray.serve")
+    try:
+        import vllm  # noqa: F401
+        pytest.skip("vLLM is installed here: tests/interop builds the app")
+    except ImportError:
+        pass
+    from serve.app import build_app
+
+    with pytest.raises(ImportError, match="backend 'vllm' needs vLLM"):
+        build_app({"target": "Qwen/Qwen3-4B", "backend": "vllm"})
