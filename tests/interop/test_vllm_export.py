@@ -90,23 +90,20 @@ class ContextAttention(torch.nn.Module):
         return out.transpose(0, 1).reshape(n, self.heads * hd)
 
 
-def vllm_drafter(draft_dir, target_dir):
-    """vLLM's Qwen3DSparkForCausalLM for the export at ``draft_dir``, weights loaded by its own
-    ``load_weights`` and CPU post-processing."""
+def vllm_config(draft_dir, target_dir, method: str, tokens: int):
+    """(SpeculativeConfig, VllmConfig) for the export at ``draft_dir`` beside the target at
+    ``target_dir``, with vLLM's single-process distributed state set up once."""
     from vllm.config import (ModelConfig, ParallelConfig, SpeculativeConfig, VllmConfig,
                              set_current_vllm_config)
     from vllm.distributed import (init_distributed_environment, initialize_model_parallel,
                                   model_parallel_is_initialized)
-    from vllm.model_executor.model_loader.utils import process_weights_after_loading
-    from vllm.model_executor.models.qwen3_dspark import Qwen3DSparkForCausalLM
 
     target_cfg = ModelConfig(model=str(target_dir), dtype="float32", skip_tokenizer_init=True,
                              max_model_len=256, enforce_eager=True)
     parallel = ParallelConfig()
-    spec = SpeculativeConfig(model=str(draft_dir), method="dspark",
-                             num_speculative_tokens=BLOCK, target_model_config=target_cfg,
-                             target_parallel_config=parallel)
-    # VllmConfig rejects DSpark without its GPU runner; the model class itself is device-agnostic
+    spec = SpeculativeConfig(model=str(draft_dir), method=method, num_speculative_tokens=tokens,
+                             target_model_config=target_cfg, target_parallel_config=parallel)
+    # VllmConfig rejects DSpark without its GPU runner; the model classes are device-agnostic
     cfg = VllmConfig(model_config=target_cfg, parallel_config=parallel)
     cfg.speculative_config = spec
     with set_current_vllm_config(cfg):
@@ -114,6 +111,18 @@ def vllm_drafter(draft_dir, target_dir):
             init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
                                          distributed_init_method="tcp://127.0.0.1:29531")
             initialize_model_parallel(1, 1)
+    return spec, cfg
+
+
+def vllm_drafter(draft_dir, target_dir):
+    """vLLM's Qwen3DSparkForCausalLM for the export at ``draft_dir``, weights loaded by its own
+    ``load_weights`` and CPU post-processing."""
+    from vllm.config import set_current_vllm_config
+    from vllm.model_executor.model_loader.utils import process_weights_after_loading
+    from vllm.model_executor.models.qwen3_dspark import Qwen3DSparkForCausalLM
+
+    spec, cfg = vllm_config(draft_dir, target_dir, "dspark", BLOCK)
+    with set_current_vllm_config(cfg):
         model = Qwen3DSparkForCausalLM(vllm_config=cfg)
         hf = spec.draft_model_config.hf_config
         for layer in model.model.layers:
@@ -180,3 +189,41 @@ def test_the_speculators_config_is_one_the_package_reads(exported):
     assert cfg.speculators_config.verifier.name_or_path == str(root / "target")
     raw = json.loads((root / "speculators" / "config.json").read_text())
     assert "model_type" not in raw  # how vLLM tells a speculators config from a model's
+
+
+def test_vllms_eagle3_loader_takes_every_exported_tensor(tmp_path):
+    """An Eagle3 export (Qwen3 target: ``Eagle3Qwen3ForCausalLM``) goes through vLLM's own
+    ``load_weights`` without an unknown or missing name, and each vLLM parameter holds our
+    numbers (q/k/v and gate/up stacked by vLLM; the draft vocabulary as offsets). This checks the
+    layout; the block-level comparison above is DSpark's only."""
+    from vllm.config import set_current_vllm_config
+    from vllm.model_executor.models.qwen3_eagle3 import Eagle3Qwen3ForCausalLM
+
+    target = tiny_target()
+    target.save_pretrained(tmp_path / "target")
+    vocab = list(range(3, 90))
+    drafter = tiny_drafter(target, layer_ids=(1, 3), drafter_type="eagle3", draft_vocab=vocab)
+    drafter.config.target_name_or_path = str(tmp_path / "target")
+    drafter.save_pretrained(tmp_path / "drafter")
+    export(tmp_path / "drafter", tmp_path / "eagle3", "eagle3")
+    _, cfg = vllm_config(tmp_path / "eagle3", tmp_path / "target", "eagle3", 3)
+    with set_current_vllm_config(cfg):
+        model = Eagle3Qwen3ForCausalLM(vllm_config=cfg)
+        model.load_weights(list(load_file(str(tmp_path / "eagle3" / "model.safetensors")).items()))
+    params = dict(model.named_parameters())
+    ours = drafter.state_dict()
+    layer = next(k for k in params if k.endswith("self_attn.qkv_proj.weight")).rsplit(
+        ".self_attn", 1)[0]
+    qkv = torch.cat([ours[f"layers.0.self_attn.{n}_proj.weight"] for n in "qkv"])
+    torch.testing.assert_close(params[f"{layer}.self_attn.qkv_proj.weight"], qkv)
+    gate_up = torch.cat([ours["layers.0.mlp.gate_proj.weight"], ours["layers.0.mlp.up_proj.weight"]])
+    torch.testing.assert_close(params[f"{layer}.mlp.gate_up_proj.weight"], gate_up)
+    torch.testing.assert_close(params[f"{layer}.hidden_norm.weight"],
+                               ours["layers.0.hidden_norm.weight"])
+    fc = next(v for k, v in params.items() if k.endswith("fc.weight"))
+    torch.testing.assert_close(fc, ours["fc.weight"])
+    head = next(v for k, v in params.items() if k.startswith("lm_head"))
+    torch.testing.assert_close(head[:len(vocab)], target.lm_head.weight[vocab])
+    tensors = {**dict(model.named_buffers()), **params}
+    d2t = next(v for k, v in tensors.items() if k.endswith("draft_id_to_target_id"))
+    assert (torch.arange(len(vocab)) + d2t[:len(vocab)]).tolist() == vocab
