@@ -60,11 +60,21 @@ def check_writable(path: str, storage_options: dict | None = None) -> None:
 
 def write_bytes_atomic(path: str, data: bytes, storage_options: dict | None = None) -> None:
     """Write a whole object so readers never see a partial one: local files go through a temporary
-    name and ``os.replace``; an S3 object becomes visible only when its upload completes."""
+    name and ``os.replace``; an S3 object becomes visible only when its upload completes.
+
+    Raises:
+        OSError: the write failed (a full disk; an upload whose retries are spent, the object
+            named); nothing is left at ``path`` or in a temporary.
+    """
     if is_url(path):
         fs = get_fsspec(path, storage_options)
-        with fs.open(path, "wb") as fh:
-            fh.write(data)
+        try:
+            with fs.open(path, "wb") as fh:
+                fh.write(data)
+        except OSError as err:  # s3fs's message alone ("Please reduce your request rate") names
+            # neither the object nor that the retries are spent
+            raise OSError(err.errno, f"upload of {path} failed after the store's retries: "
+                                     f"{err.strerror or err}") from err
         return
     target = Path(path)
     target.parent.mkdir(parents=True, exist_ok=True)

@@ -152,7 +152,8 @@ def test_an_upload_that_finally_fails_leaves_no_object_and_a_clear_error(s3_endp
     try:
         so = dict(_through(proxy, s3_endpoint), config_kwargs={"retries": {"max_attempts": 2}})
         path = "s3://dspark-test/faults/doomed-shard.parquet"
-        with pytest.raises(Exception, match="SlowDown") as err:
+        with pytest.raises(OSError, match="upload of s3://dspark-test/faults/doomed-shard"
+                                          ".parquet failed.*reduce your request rate") as err:
             storage.write_bytes_atomic(path, b"x" * 1000, so)
         assert proxy.injected >= 2, "the failed upload was retried"
         assert not storage.exists(path, s3_endpoint), type(err.value)
