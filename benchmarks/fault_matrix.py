@@ -484,17 +484,15 @@ def tree_digest(root: Path) -> dict[str, str]:
 
 
 def _bad_input(root: Path, ref_run: Run, name: str, what: str, stage: str, sets: list[str],
-               needles: list[str], expect_rc: int = 1, reopen: tuple[str, ...] = ()) -> dict:
+               needles: list[str], expect_rc: int = 1, flags: tuple[str, ...] = ()) -> dict:
     """Run every stage on a copy of the finished reference run with one bad input: the command
     must fail with a message holding ``needles`` (the file, line or field) and leave every file
     already written unchanged (lost = files gone, changed = files with other bytes)."""
     run = Run(root, name, sets)
     shutil.rmtree(run.dir)
     shutil.copytree(ref_run.dir, run.dir)
-    for stage_name in reopen:  # stages to run again (their outputs stay)
-        (run.dir / stage_name / "_SUCCESS.json").unlink()
     before = tree_digest(run.dir)
-    rc = run.run("prompts,generate,cache,train,calibrate,eval")
+    rc = run.run("prompts,generate,cache,train,calibrate,eval", *flags)
     tail = run.tail(40)
     after = tree_digest(run.dir)
     named = [n for n in needles if n not in tail]
@@ -583,9 +581,10 @@ def fault_bad_drafter_dir(root, ref_run, ref):
     weights = drafter / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[:1000])  # truncated
     row = _bad_input(root, ref_run, "bad_drafter_dir",
-                     "train.init_from a drafter directory with truncated weights", "train",
+                     "--force train with train.init_from a drafter directory with truncated "
+                     "weights", "train",
                      ["train.resume_from=null", f"train.init_from={drafter}"],
-                     [str(weights), "damaged"], reopen=("train",))
+                     [str(weights), "damaged"], flags=("--force", "train"))
     return row
 
 

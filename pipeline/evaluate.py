@@ -41,17 +41,21 @@ def load_eval_prompts(path: Path, count: int, seed: int) -> list[str]:
         raise EvalDataError(f"benchmark file not found: {path} (nor {path.name}.gz)")
     prompts = []
     opener = gzip.open if path.suffix == ".gz" else open
-    with opener(path, "rt", encoding="utf-8") as fh:
-        for line_no, raw in enumerate(fh, start=1):
-            if not raw.strip():
-                continue
-            try:
-                turns = json.loads(raw)["turns"]
-                if not isinstance(turns, list) or not isinstance(turns[0], str) or not turns[0].strip():
-                    raise ValueError("'turns' must be a non-empty list of non-empty strings")
-            except (json.JSONDecodeError, KeyError, IndexError, TypeError, ValueError) as err:
-                raise EvalDataError(f"{path}:{line_no}: {err}") from err
-            prompts.append(turns[0])
+    try:
+        with opener(path, "rt", encoding="utf-8") as fh:
+            lines = fh.readlines()
+    except (OSError, EOFError, UnicodeDecodeError) as err:  # a damaged .gz, a binary file
+        raise EvalDataError(f"{path}: unreadable ({type(err).__name__}: {err})") from err
+    for line_no, raw in enumerate(lines, start=1):
+        if not raw.strip():
+            continue
+        try:
+            turns = json.loads(raw)["turns"]
+            if not isinstance(turns, list) or not isinstance(turns[0], str) or not turns[0].strip():
+                raise ValueError("'turns' must be a non-empty list of non-empty strings")
+        except (json.JSONDecodeError, KeyError, IndexError, TypeError, ValueError) as err:
+            raise EvalDataError(f"{path}:{line_no}: {err}") from err
+        prompts.append(turns[0])
     if len(prompts) > count:
         random.Random(seed).shuffle(prompts)
         prompts = prompts[:count]

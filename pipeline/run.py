@@ -70,8 +70,9 @@ def main(argv: list[str] | None = None) -> int:
     started = time.time()
     try:
         ctx = stages.StageContext.create(cfg)
-        if "eval" in ordered:  # benchmark files are checked now, not after the other stages
-            stages.eval_datasets(cfg)
+        # inputs a later stage reads are checked now: not after hours of the earlier stages, and
+        # not after --force has cleared the outputs they would replace
+        stages.preflight(ctx, ordered, forced=args.force)
         if any(s in ordered for s in ("cache", "train", "eval")) and "://" in ctx.cache_dir:
             # an unreachable bucket must fail now, not after hours of generation
             storage.check_writable(ctx.cache_dir, cfg.storage_options)

@@ -119,11 +119,19 @@ STAGE_INPUTS = {"prompts": ["prompts", "storage_options"],
                 "eval": ["eval", "engine"]}
 
 
+# config fields added after run directories existed: at their defaults they leave a stage's
+# fingerprint as it was, so runs made before them still count as complete
+ADDED_LATER = [("drafter", "qk_norm", None), ("engine", "kv_cache_memory_gib", 2.0)]
+
+
 def stage_fingerprint(cfg: PipelineConfig, name: str) -> str:
     from .config import STAGES
 
     sections = [s for stage in STAGES[:STAGES.index(name) + 1] for s in STAGE_INPUTS[stage]]
     dumped = cfg.model_dump(mode="json")
+    for section, key, default in ADDED_LATER:  # at their defaults, as if absent
+        if dumped.get(section, {}).get(key, object()) == default:
+            del dumped[section][key]
     return hashlib.sha256(json.dumps({s: dumped[s] for s in sections},
                                      sort_keys=True).encode()).hexdigest()
 
@@ -383,6 +391,29 @@ def stage_calibrate(ctx: StageContext) -> dict:
                               "calibrated": summary["calibrated"]})
         run.finish()
     return {k: v for k, v in summary.items() if k != "report"}
+
+
+def preflight(ctx: StageContext, ordered: list[str], forced: list[str]) -> None:
+    """Check what the stages in ``ordered`` will read, before any of them runs (or is cleared by
+    ``--force``): the benchmark files (eval), ``train.init_from`` (train), and that an existing
+    cache at the cache location belongs to this target (train, and cache unless forced).
+
+    Raises:
+        EvalDataError, FileNotFoundError, DrafterCheckpointError, CacheMismatchError.
+    """
+    from .cache import read_manifest
+
+    if "eval" in ordered:
+        eval_datasets(ctx.cfg)
+    init_from = ctx.cfg.train.init_from
+    if "train" in ordered and init_from and not storage.is_url(init_from):
+        from drafters.loading import check_checkpoint
+
+        check_checkpoint(storage.resolve(init_from))
+    so = ctx.cfg.storage_options
+    reads_cache = "train" in ordered or ("cache" in ordered and "cache" not in forced)
+    if reads_cache and storage.exists(storage.join(ctx.cache_dir, "manifest.json"), so):
+        _check_cache_target(ctx, read_manifest(ctx.cache_dir, so))
 
 
 def eval_datasets(cfg: PipelineConfig) -> dict[str, list[str]]:

@@ -328,7 +328,7 @@ class SpecServer:
                 "num_finished": snap.num_finished, "num_aborted": snap.num_aborted,
                 "num_rejected": snap.num_rejected, "dead": snap.dead,
                 "scheduler": self.engine.engine.scheduler_name, "gamma": self.engine.engine.gamma,
-                "kv_pool": self.engine.engine.target.kv_pool_state(),
+                "kv_pool": snap.kv_pool,
                 "stats": vars(copy_stats(snap.stats)),
                 "exported_stats": vars(copy_stats(self.metrics.exported))}
 
@@ -347,7 +347,7 @@ class SpecServer:
         return {"status": "ok", "model": self.model_name, "num_waiting": snap.num_waiting,
                 "num_running": snap.num_running, "num_finished": snap.num_finished,
                 "num_aborted": snap.num_aborted, "num_rejected": snap.num_rejected,
-                "kv_pool": self.engine.engine.target.kv_pool_state()}
+                "kv_pool": snap.kv_pool}
 
     @api.get("/v1/models")
     async def models(self):

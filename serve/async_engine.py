@@ -63,6 +63,7 @@ class EngineSnapshot:
     stats: SpecDecodeStats = dataclasses.field(default_factory=SpecDecodeStats)
     dead: bool = False
     time_s: float = 0.0
+    kv_pool: dict = dataclasses.field(default_factory=dict)  # the target KV pool's state
 
 
 def copy_stats(stats: SpecDecodeStats) -> SpecDecodeStats:
@@ -381,7 +382,7 @@ class AsyncSpecEngine:
         self._snapshot = EngineSnapshot(e.num_waiting, e.num_running, self._counts["finished"],
                                         self._counts["aborted"], self._counts["rejected"],
                                         copy_stats(e.stats), self._dead is not None,
-                                        time.monotonic())
+                                        time.monotonic(), e.target.kv_pool_state())
 
     def _fail_all(self, error: EngineDeadError) -> None:
         with self._cmd_lock:

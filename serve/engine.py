@@ -146,6 +146,12 @@ class SpecEngine:
         pool = target.preallocate(self.config.max_num_requests, wanted_len + self.gamma + 1,
                                   int(self.config.kv_cache_memory_gib * 2**30))
         self.max_model_len = min(wanted_len, pool["capacity"] - self.gamma - 1)
+        if self.max_model_len < 16:
+            raise ValueError(
+                f"engine.kv_cache_memory_gib {self.config.kv_cache_memory_gib} holds "
+                f"{pool['capacity']} positions per slot for {pool['slots']} slots "
+                f"(engine.max_num_requests): a model length of {self.max_model_len} tokens; raise "
+                "the budget or lower max_num_requests")
         if self.max_model_len < wanted_len:
             logger.warning("engine.kv_cache_memory_gib %.2f holds %d slots of %d positions: the "
                            "model length is %d tokens, not %d (raise the budget or lower "

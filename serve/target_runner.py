@@ -39,18 +39,24 @@ class TargetKV:
         self.slot: int | None = None
         self._pool: SlotKVPool | None = None
         self._finalizer: weakref.finalize | None = None
+        self._released = False
 
     def release(self) -> None:
-        """Return the slot to the pool now (idempotent); the cache must not be used afterwards."""
+        """Return the slot to the pool now (idempotent); a later :meth:`bind` raises, so a
+        released cache can never write into the slot's next owner."""
         if self._finalizer is not None:
             self._finalizer()  # runs pool.release(slot) once, and never again at collection
+            self._released = True
+            self._pool = self.slot = None
 
     def bind(self, pool: SlotKVPool) -> int:
         """The request's slot in ``pool`` (allocated on first use).
 
         Raises:
-            ValueError: the cache already belongs to another runner's pool.
+            ValueError: the cache already belongs to another runner's pool, or was released.
         """
+        if self._released:
+            raise ValueError("this TargetKV was released: its slot belongs to another request")
         if self._pool is None:
             self._pool, self.slot = pool, pool.allocate()
             self._finalizer = weakref.finalize(self, pool.release, self.slot)
@@ -189,21 +195,28 @@ class TargetRunner:
         Args:
             slots: live requests (the engine's ``max_num_requests``).
             max_positions: the longest request in tokens (max_model_len + a draft block).
-            memory_bytes: the pool's budget (keys and values of every layer), bytes.
+            memory_bytes: the pool's budget (keys and values of every layer), bytes; the caller
+                checks that the positions it buys are enough (the engine refuses < 16).
         Returns:
             the pool's :meth:`SlotKVPool.state`.
         """
         kv_heads, head_dim = self._kv_shape()
         per_position = SlotKVPool.bytes_per_position(self.num_layers, kv_heads, head_dim,
                                                      self.dtype)
-        capacity = max(16, min(max_positions, memory_bytes // (per_position * slots)))
-        if self._pool is None or len(self._pool.free_slots) == self._pool.num_slots:
+        capacity = max(1, min(max_positions, memory_bytes // (per_position * slots)))
+        old = self._pool
+        if old is None or len(old.free_slots) == old.num_slots:
+            # an idle pool (profiling, or another engine on this runner) is replaced, never
+            # shrunk below what that engine was promised
+            if old is not None:
+                capacity, slots = max(capacity, old.capacity), max(slots, old.num_slots)
             self._pool = None  # the idle pool's memory goes before the new one is taken
             self._pool = SlotKVPool(self.num_layers, kv_heads, head_dim, self.dtype, self.device,
                                     slots=slots, capacity=capacity)
-        else:
-            self._pool.reserve(capacity)
-            self._pool.reserve_slots(slots)
+        else:  # live requests hold slots: grow to exactly what this engine needs as well
+            if capacity > old.capacity:
+                old._grow(dim=2, size=capacity)
+            old.reserve_slots(old.num_slots - len(old.free_slots) + slots)
         return self._pool.state()
 
     def kv_pool_state(self) -> dict:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from .config import ServeConfig
+from .config import ServeConfig, _is_path
 from .paths import resolve
 
 
@@ -44,9 +44,13 @@ def speculative_config(cfg: ServeConfig) -> dict | None:
     else:
         raise ValueError(f"{path / 'config.json'}: architectures {archs} are not a drafter vLLM "
                          "serves (export with python -m drafters.export)")
-    tokens = v.num_speculative_tokens or exported.get("block_size")
+    block = exported.get("block_size")
+    tokens = v.num_speculative_tokens or block
     if not tokens:
         raise ValueError(f"{path}: set vllm.num_speculative_tokens (the export has no block_size)")
+    if method == "dspark" and block and tokens > block:
+        raise ValueError(f"vllm.num_speculative_tokens {tokens} exceeds the drafter's block size "
+                         f"{block}")
     spec = {"model": str(path), "method": method, "num_speculative_tokens": int(tokens)}
     if method == "dspark" and v.adaptive_verification:
         if not exported.get("enable_confidence_head"):
@@ -57,11 +61,23 @@ def speculative_config(cfg: ServeConfig) -> dict | None:
 
 
 def llm_config(cfg: ServeConfig):
-    """The ``ray.serve.llm.LLMConfig`` of ``cfg`` (see the module docstring for the mapping)."""
+    """The ``ray.serve.llm.LLMConfig`` of ``cfg`` (see the module docstring for the mapping).
+
+    Raises:
+        ValueError: fields of the dspark-ray backend that vLLM would silently ignore here
+            (``drafter``: use ``vllm.drafter_export``; non-default ``chat_template_kwargs``: pass
+            them per request as ``chat_template_kwargs``, vLLM's request field).
+    """
     from ray.serve.llm import LLMConfig
 
+    if cfg.drafter:
+        raise ValueError("backend 'vllm' serves vllm.drafter_export (an exported drafter), not "
+                         "drafter: export it with python -m drafters.export --format vllm")
+    if cfg.chat_template_kwargs != ServeConfig.model_fields["chat_template_kwargs"].default_factory():
+        raise ValueError("backend 'vllm' does not apply server-side chat_template_kwargs; clients "
+                         "send them per request (vLLM's chat_template_kwargs field)")
     v = cfg.vllm
-    target = resolve(cfg.target) if cfg.target.startswith((".", "/", "~")) else cfg.target
+    target = resolve(cfg.target) if _is_path(cfg.target) else cfg.target
     engine_kwargs = {"dtype": cfg.dtype, "max_num_seqs": cfg.engine.max_num_requests,
                      "tensor_parallel_size": v.num_gpus_per_replica,
                      "gpu_memory_utilization": v.gpu_memory_utilization}
@@ -71,9 +87,8 @@ def llm_config(cfg: ServeConfig):
     if spec is not None:
         engine_kwargs["speculative_config"] = spec
     engine_kwargs.update(v.engine_kwargs)
-    name = cfg.served_model_name or Path(cfg.target).name
     return LLMConfig(
-        model_loading_config={"model_id": name, "model_source": target},
+        model_loading_config={"model_id": cfg.model_name(), "model_source": target},
         engine_kwargs=engine_kwargs,
         deployment_config={"autoscaling_config": {
             "min_replicas": v.min_replicas, "max_replicas": v.max_replicas,

@@ -46,7 +46,8 @@ def exported(tmp_path_factory):
     target = tiny_target()
     target.save_pretrained(root / "target")
     g = torch.Generator().manual_seed(1)
-    vocab = sorted(torch.randperm(95, generator=g)[:64].tolist())  # MASK (95) outside
+    # in no particular order, as a frequency ranking is; MASK (95) outside
+    vocab = torch.randperm(95, generator=g)[:64].tolist()
     drafter = tiny_drafter(target, layer_ids=(1, 3), block_size=BLOCK, draft_vocab=vocab)
     with torch.no_grad():
         for name, p in drafter.named_parameters():
@@ -159,8 +160,9 @@ def test_vllm_drafts_the_same_block(exported, fmt):
         theirs = model(input_ids=torch.tensor([anchor] + [MASK] * (BLOCK - 1)),
                        positions=torch.arange(ctx_len, ctx_len + BLOCK))
         theirs_base = model.compute_draft_logits(theirs)[:, :64]
+        order = torch.argsort(drafter.d2t)  # the export lists the draft vocabulary ascending
         torch.testing.assert_close(theirs, ours, atol=TOL, rtol=0)
-        torch.testing.assert_close(theirs_base, ours_base, atol=TOL, rtol=0)
+        torch.testing.assert_close(theirs_base, ours_base[:, order], atol=TOL, rtol=0)
         # the Markov head left to right from the anchor, both sides fed the same tokens
         prev, embeds = torch.tensor([anchor]), []
         for k in range(BLOCK):
@@ -168,10 +170,9 @@ def test_vllm_drafts_the_same_block(exported, fmt):
             theirs_k = theirs_base[k:k + 1] + model.markov_bias(e_v)[:, :64]
             e_o = drafter.head.embed(drafter.to_draft_ids(prev))
             ours_k = ours_base[k:k + 1] + drafter.head.w2(e_o).float()
-            torch.testing.assert_close(theirs_k, ours_k, atol=TOL, rtol=0)
-            draft = ours_k.argmax(-1)
-            assert int(model.map_draft_to_target(draft)) == int(drafter.to_target_ids(draft))
-            prev = drafter.to_target_ids(draft)
+            torch.testing.assert_close(theirs_k, ours_k[:, order], atol=TOL, rtol=0)
+            prev = drafter.to_target_ids(ours_k.argmax(-1))
+            assert int(model.map_draft_to_target(theirs_k.argmax(-1))) == int(prev)
             embeds.append((e_v, e_o))
         theirs_conf = model.compute_confidence(theirs, torch.cat([e for e, _ in embeds]))
         ours_conf = torch.sigmoid(drafter.confidence(ours, torch.cat([e for _, e in embeds])))
@@ -201,7 +202,7 @@ def test_vllms_eagle3_loader_takes_every_exported_tensor(tmp_path):
 
     target = tiny_target()
     target.save_pretrained(tmp_path / "target")
-    vocab = list(range(3, 90))
+    vocab = list(range(89, 2, -1))  # descending: the export lists it ascending
     drafter = tiny_drafter(target, layer_ids=(1, 3), drafter_type="eagle3", draft_vocab=vocab)
     drafter.config.target_name_or_path = str(tmp_path / "target")
     drafter.save_pretrained(tmp_path / "drafter")
@@ -209,8 +210,13 @@ def test_vllms_eagle3_loader_takes_every_exported_tensor(tmp_path):
     _, cfg = vllm_config(tmp_path / "eagle3", tmp_path / "target", "eagle3", 3)
     with set_current_vllm_config(cfg):
         model = Eagle3Qwen3ForCausalLM(vllm_config=cfg)
-        model.load_weights(list(load_file(str(tmp_path / "eagle3" / "model.safetensors")).items()))
+        loaded = model.load_weights(
+            list(load_file(str(tmp_path / "eagle3" / "model.safetensors")).items()))
     params = dict(model.named_parameters())
+    # every parameter but the ones shared with the target at serving time came from the export
+    shared = {k for k in params if "embed_tokens" in k}
+    if loaded is not None:
+        assert set(params) - shared <= set(loaded), set(params) - shared - set(loaded)
     ours = drafter.state_dict()
     layer = next(k for k in params if k.endswith("self_attn.qkv_proj.weight")).rsplit(
         ".self_attn", 1)[0]
@@ -223,7 +229,14 @@ def test_vllms_eagle3_loader_takes_every_exported_tensor(tmp_path):
     fc = next(v for k, v in params.items() if k.endswith("fc.weight"))
     torch.testing.assert_close(fc, ours["fc.weight"])
     head = next(v for k, v in params.items() if k.startswith("lm_head"))
-    torch.testing.assert_close(head[:len(vocab)], target.lm_head.weight[vocab])
+    ascending = sorted(vocab)
+    torch.testing.assert_close(head[:len(vocab)], target.lm_head.weight[ascending])
+    for name in ("input_layernorm.weight", "post_attention_layernorm.weight",
+                 "self_attn.o_proj.weight", "mlp.down_proj.weight", "self_attn.q_norm.weight",
+                 "self_attn.k_norm.weight"):
+        torch.testing.assert_close(params[f"{layer}.{name}"], ours[f"layers.0.{name}"])
+    norm = next(v for k, v in params.items() if k.endswith("model.norm.weight"))
+    torch.testing.assert_close(norm, ours["norm.weight"])
     tensors = {**dict(model.named_buffers()), **params}
     d2t = next(v for k, v in tensors.items() if k.endswith("draft_id_to_target_id"))
-    assert (torch.arange(len(vocab)) + d2t[:len(vocab)]).tolist() == vocab
+    assert (torch.arange(len(vocab)) + d2t[:len(vocab)]).tolist() == ascending

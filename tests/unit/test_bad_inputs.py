@@ -202,3 +202,30 @@ def test_check_checkpoint_reads_config_and_weights_header(tmp_path, target_and_d
     (path / "model.safetensors").unlink()
     with pytest.raises(FileNotFoundError, match="no drafter weights"):
         check_checkpoint(path)
+
+
+def test_a_damaged_gzip_benchmark_file_is_named(tmp_path):
+    path = tmp_path / "bench.jsonl.gz"
+    path.write_bytes(b"\x1f\x8b\x08\x00garbage")
+    with pytest.raises(EvalDataError, match=f"{path}: unreadable"):
+        load_eval_prompts(path, 10, 0)
+
+
+def test_preflight_refuses_before_force_clears_anything(tmp_path, tiny_target_dir):
+    """--force train with a damaged train.init_from: the check runs before the stage (and its
+    outputs) are cleared."""
+    from pipeline.stages import preflight
+
+    bad = tmp_path / "bad_drafter"
+    bad.mkdir()
+    (bad / "config.json").write_text("{broken")
+    ctx = StageContext.create(load_config(tiny_pipeline_config(tmp_path, tiny_target_dir)))
+    drafter = ctx.run_dir / "train" / "drafter"
+    drafter.mkdir(parents=True)
+    (drafter / "model.safetensors").write_bytes(b"weights of an earlier run")
+    cfg = ctx.cfg.model_copy(update={"train": ctx.cfg.train.model_copy(
+        update={"init_from": str(bad)})})
+    ctx = StageContext(cfg, ctx.run_dir, ctx.target, ctx.layer_ids, ctx.cache_dir)
+    with pytest.raises(DrafterCheckpointError, match="config.json"):
+        preflight(ctx, ["train"], forced=["train"])
+    assert (drafter / "model.safetensors").read_bytes() == b"weights of an earlier run"

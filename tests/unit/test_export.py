@@ -35,7 +35,10 @@ def _randomized(drafter):
     return drafter
 
 
-VOCAB = list(range(5, 2000, 7))  # a 285-token draft vocabulary of target ids
+# a 285-token draft vocabulary of target ids, in a frequency-like (not ascending) order
+VOCAB = list(range(5, 2000, 7))[::-1]
+VOCAB = VOCAB[1::2] + VOCAB[::2]
+ASCENDING = sorted(VOCAB)
 
 
 def test_dspark_vllm_export_holds_the_drafter_in_vllm_conventions(tmp_path, target,
@@ -53,27 +56,28 @@ def test_dspark_vllm_export_holds_the_drafter_in_vllm_conventions(tmp_path, targ
     assert cfg["draft_vocab_size"] == len(VOCAB) and cfg["vocab_size"] == target.config.vocab_size
     assert cfg["mask_token_id"] == mask == cfg["dflash_config"]["mask_token_id"]
     assert cfg["sample_from_anchor"] and cfg["enable_confidence_head"]
-    # d2t: offsets, target = draft + d2t[draft]
-    assert (torch.arange(len(VOCAB)) + t["d2t"]).tolist() == VOCAB
+    # d2t: offsets (target = draft + d2t[draft]) over the vocabulary in ascending target ids
+    assert (torch.arange(len(VOCAB)) + t["d2t"]).tolist() == ASCENDING
     # Markov W1 by target id: a draft token's row is its draft row, any other id the outside row
     w1 = sd["head.w1.weight"]
     assert torch.equal(t["markov_head.markov_w1.weight"][VOCAB[10]], w1[10])
     assert torch.equal(t["markov_head.markov_w1.weight"][6], w1[len(VOCAB)])
     assert t["markov_head.markov_w1.weight"].shape == (target.config.vocab_size, 16)
-    assert torch.equal(t["markov_head.markov_w2.weight"], sd["head.w2.weight"])
+    # W2 and the LM head rows follow the exported order: exported row j is target id ASCENDING[j]
+    j = ASCENDING.index(VOCAB[7])
+    assert torch.equal(t["markov_head.markov_w2.weight"][j], sd["head.w2.weight"][7])
     # the mask is one embedding row; every other row is the target's
     emb = target.get_input_embeddings().weight
     assert torch.equal(t["embed_tokens.weight"][mask], sd["mask_embedding"])
     others = torch.arange(emb.shape[0]) != mask
     assert torch.equal(t["embed_tokens.weight"][others], emb[others])
-    assert torch.equal(t["lm_head.weight"], target.get_output_embeddings().weight[VOCAB])
+    assert torch.equal(t["lm_head.weight"], target.get_output_embeddings().weight[ASCENDING])
     assert torch.equal(t["fc.weight"], sd["context_proj.weight"])
     assert torch.equal(t["hidden_norm.weight"], sd["context_norm.weight"])
     assert torch.equal(t["confidence_head.proj.weight"], sd["confidence.proj.weight"])
     assert torch.equal(t["layers.0.self_attn.q_norm.weight"], sd["layers.0.self_attn.q_norm.weight"])
     assert "mask_embedding" not in t and not any(k.startswith("head.") for k in t)
-    assert "STS temperatures" in (tmp_path / "out" / "README.md").read_text() or \
-        "raw confidence" in (tmp_path / "out" / "README.md").read_text()
+    assert "calibration does not carry over" in (tmp_path / "out" / "README.md").read_text()
 
 
 def test_speculators_config(tmp_path, target, tiny_target_dir):
@@ -105,7 +109,8 @@ def test_eagle3_export_is_the_specforge_layout(tmp_path, target, tiny_target_dir
     assert torch.equal(t["midlayer.hidden_norm.weight"], sd["layers.0.hidden_norm.weight"])
     assert t["midlayer.self_attn.q_proj.weight"].shape[1] == 2 * 64  # [embeds; hidden]
     assert t["t2d"].sum() == len(VOCAB) and t["t2d"][VOCAB].all()
-    assert (torch.arange(len(VOCAB)) + t["d2t"]).tolist() == VOCAB
+    assert (torch.arange(len(VOCAB)) + t["d2t"]).tolist() == ASCENDING
+    assert torch.equal(t["lm_head.weight"], target.get_output_embeddings().weight[ASCENDING])
     assert not any(k.startswith("layers.") for k in t)
 
 
@@ -147,3 +152,22 @@ def test_mask_token_choice():
 def test_cli_names_the_problem(tmp_path, capsys):
     assert main(["--format", "vllm", str(tmp_path / "missing"), str(tmp_path / "out")]) == 1
     assert "config.json" in capsys.readouterr().err
+
+
+def test_a_full_vocabulary_export_ships_the_lm_head_and_never_overwrites_a_drafter(
+        tmp_path, target, tiny_target_dir):
+    src = _save(tiny_drafter(target, layer_ids=(1, 3)), tmp_path / "src", tiny_target_dir)
+    export(src, tmp_path / "out", "vllm")
+    t = load_file(tmp_path / "out" / "model.safetensors")
+    assert torch.equal(t["lm_head.weight"], target.get_output_embeddings().weight)
+    assert "d2t" not in t
+    before = (src / "model.safetensors").read_bytes()
+    for dst in (src, tmp_path / "other_drafter"):
+        if dst != src:
+            _save(tiny_drafter(target, layer_ids=(1, 3)), dst, tiny_target_dir)
+        with pytest.raises(ExportError, match="holds a dspark-ray drafter"):
+            export(src, dst, "vllm")
+    assert (src / "model.safetensors").read_bytes() == before
+    export(src, tmp_path / "out", "speculators")  # a previous export is replaced whole
+    assert "speculators_model_type" in (tmp_path / "out" / "config.json").read_text()
+    assert not list(tmp_path.glob(".out.tmp-*"))

@@ -200,3 +200,41 @@ def test_a_small_kv_budget_shortens_the_model_length_instead_of_growing(model):
     while engine.has_unfinished():
         engine.step()
     assert runner.kv_pool_state()["reallocations"] == 0
+
+
+def test_offline_generate_reuses_slots_of_finished_requests(model):
+    """SpecEngine.generate keeps every finished request alive until it returns: the explicit
+    release (not garbage collection) is what lets 5 requests run through 2 slots."""
+    runner = TargetRunner(model, [1, 3])
+    engine = SpecEngine(runner, tiny_drafter(model, layer_ids=(1, 3)), [],
+                        EngineConfig(scheduler="fixed", sps_profile="off", max_num_requests=2,
+                                     max_model_len=100))
+    g = torch.Generator().manual_seed(4)
+    done = engine.generate([EngineRequest(f"r{i}", torch.randint(2, 96, (8,), generator=g).tolist(),
+                                          SamplingParams(max_tokens=20, ignore_eos=True))
+                            for i in range(5)])
+    assert len(done) == 5
+    state = runner.kv_pool_state()
+    assert state["slots"] == 2 and state["free_slots"] == 2 and state["reallocations"] == 0
+
+
+def test_a_released_cache_cannot_write_into_its_old_slot(model):
+    runner = TargetRunner(model, [1, 3])
+    kv = TargetKV()
+    runner.forward_batch([kv], [[3, 4, 5]], with_features=False, logits="none")
+    kv.release()
+    kv.release()  # idempotent
+    with pytest.raises(ValueError, match="released"):
+        runner.forward_batch([kv], [[6]], with_features=False, logits="none")
+
+
+def test_a_budget_too_small_for_a_useful_model_length_is_refused(model):
+    from serve.kv_pool import SlotKVPool
+
+    cfg = model.config
+    per_position = SlotKVPool.bytes_per_position(cfg.num_hidden_layers, cfg.num_key_value_heads,
+                                                 cfg.head_dim, torch.float32)
+    with pytest.raises(ValueError, match="kv_cache_memory_gib"):
+        SpecEngine(TargetRunner(model, [1, 3]), tiny_drafter(model, layer_ids=(1, 3)), [],
+                   EngineConfig(scheduler="fixed", sps_profile="off", max_num_requests=4,
+                                kv_cache_memory_gib=4 * 10 * per_position / 2**30))
