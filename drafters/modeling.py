@@ -275,7 +275,9 @@ class DSparkDrafter(DrafterBase):
         target's (the frozen LM head expects its output), and W_c starts as the identity on the
         deepest selected target layer with the first copied layer's input norm as the context
         norm, so that the first drafter layer's context keys/values equal that target layer's
-        keys/values when the deepest feature layer feeds it. The mask embedding is unchanged.
+        keys/values when the deepest feature layer feeds it (not when the drafter has q/k norms
+        the target's layers lack, ``drafter.qk_norm`` on a Llama target: those keep their own
+        values and normalise the copied keys). The mask embedding is unchanged.
 
         Args:
             layer_states: ``num_hidden_layers`` state dicts of target decoder layers (first = the
