@@ -210,13 +210,17 @@ def test_vllms_eagle3_loader_takes_every_exported_tensor(tmp_path):
     _, cfg = vllm_config(tmp_path / "eagle3", tmp_path / "target", "eagle3", 3)
     with set_current_vllm_config(cfg):
         model = Eagle3Qwen3ForCausalLM(vllm_config=cfg)
-        loaded = model.load_weights(
-            list(load_file(str(tmp_path / "eagle3" / "model.safetensors")).items()))
+        with torch.no_grad():  # NaN everywhere first: whatever the export does not fill shows
+            for p in model.parameters():
+                if p.is_floating_point():
+                    p.fill_(float("nan"))
+        model.load_weights(list(load_file(str(tmp_path / "eagle3" / "model.safetensors")).items()))
     params = dict(model.named_parameters())
     # every parameter but the ones shared with the target at serving time came from the export
-    shared = {k for k in params if "embed_tokens" in k}
-    if loaded is not None:
-        assert set(params) - shared <= set(loaded), set(params) - shared - set(loaded)
+    # (vLLM's Eagle3 load_weights returns nothing to check against)
+    unfilled = [k for k, p in params.items() if "embed_tokens" not in k
+                and p.is_floating_point() and torch.isnan(p).any()]
+    assert not unfilled, unfilled
     ours = drafter.state_dict()
     layer = next(k for k in params if k.endswith("self_attn.qkv_proj.weight")).rsplit(
         ".self_attn", 1)[0]
