@@ -348,7 +348,10 @@ def export(src: str | Path, dst: str | Path, fmt: str, target: str | None = None
     if dst.resolve() == src.resolve() or _is_drafter_dir(dst):
         raise ExportError(f"{dst} holds a dspark-ray drafter: export into another directory")
     target = target or config.target_name_or_path
-    num_layers = AutoConfig.from_pretrained(target).num_hidden_layers
+    try:
+        num_layers = AutoConfig.from_pretrained(target).num_hidden_layers
+    except (OSError, ValueError) as err:
+        raise FileNotFoundError(f"cannot load the target {target!r} (--target): {err}") from err
     eagle = fmt == "eagle3" or config.drafter_type == "eagle3"
     # refusals first: they need the configs only, not the target's weights
     (_check_eagle3 if eagle else _check_dspark)(config, num_layers)

@@ -149,9 +149,17 @@ def test_mask_token_choice():
         choose_mask_token(96, None, [], [1])
 
 
-def test_cli_names_the_problem(tmp_path, capsys):
+def test_cli_names_the_problem(tmp_path, capsys, target, tiny_target_dir):
     assert main(["--format", "vllm", str(tmp_path / "missing"), str(tmp_path / "out")]) == 1
     assert "config.json" in capsys.readouterr().err
+    src = _save(tiny_drafter(target, layer_ids=(1, 3)), tmp_path / "src", tiny_target_dir)
+    assert main(["--format", "vllm", str(src), str(tmp_path / "out"), "--target",
+                 str(tmp_path / "no_target")]) == 1
+    assert "cannot load the target" in capsys.readouterr().err
+    assert main(["--format", "vllm", str(src), str(tmp_path / "out"),
+                 "--mask-token-id", "10000000"]) == 1
+    assert "outside the vocabulary" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
 
 
 def test_a_full_vocabulary_export_ships_the_lm_head_and_never_overwrites_a_drafter(
