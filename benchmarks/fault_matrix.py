@@ -483,6 +483,20 @@ def tree_digest(root: Path) -> dict[str, str]:
             if p.is_file() and p.name != "config.yaml" and p.suffix != ".log"}
 
 
+def file_changes(before: dict[str, str], after: dict[str, str]) -> dict:
+    """Matrix-row fields from two :func:`tree_digest` results: files gone (lost), with other
+    bytes (changed) or new (extra)."""
+    return {"lost": sorted(set(before) - set(after)),
+            "changed": sorted(k for k in set(before) & set(after) if before[k] != after[k]),
+            "duplicated": [], "extra": sorted(set(after) - set(before))}
+
+
+def sources_with(path: Path) -> str:
+    """The small pipeline's ``prompts.sources`` with the file ``path`` added."""
+    src = next(s for s in SMALL if s.startswith("prompts.sources="))
+    return src.split("=", 1)[1].rstrip("]") + f", {{path: {path}}}]"
+
+
 def _bad_input(root: Path, ref_run: Run, name: str, what: str, stage: str, sets: list[str],
                needles: list[str], expect_rc: int = 1, flags: tuple[str, ...] = ()) -> dict:
     """Run every stage on a copy of the finished reference run with one bad input: the command
@@ -502,9 +516,7 @@ def _bad_input(root: Path, ref_run: Run, name: str, what: str, stage: str, sets:
             f"rc {rc}; missing from the message: {named}",
             "message": next((l for l in reversed(tail.splitlines()) if any(
                 n in l for n in needles)), tail.splitlines()[-1] if tail else "")[-300:],
-            "lost": sorted(set(before) - set(after)),
-            "changed": sorted(k for k in set(before) & set(after) if before[k] != after[k]),
-            "duplicated": [], "extra": sorted(set(after) - set(before))}
+            **file_changes(before, after)}
 
 
 def fault_bad_prompt_rows(root, ref_run, ref):
@@ -515,8 +527,7 @@ def fault_bad_prompt_rows(root, ref_run, ref):
         json.dumps({"id": "nomsg"}),
         json.dumps({"id": "asst", "messages": [{"role": "assistant", "content": "hi"}]}),
         json.dumps({"id": "blank", "messages": [{"role": "user", "content": " "}]})]) + "\n")
-    src = next(s for s in SMALL if s.startswith("prompts.sources="))
-    sources = src.split("=", 1)[1].rstrip("]") + f", {{path: {bad}}}]"
+    sources = sources_with(bad)
     run = Run(root, "bad_prompt_rows", [f"prompts.sources={sources}"])
     rc = run.run("prompts")
     errors = [json.loads(l) for l in (run.dir / "prompts" / "errors.jsonl").read_text()
@@ -535,8 +546,7 @@ def fault_bad_prompt_parquet(root, ref_run, ref):
     """A new run whose prompt sources include a .parquet file that is not Parquet."""
     bad = root / "not_parquet.parquet"
     bad.write_text('{"id": "a"}\n')
-    src = next(s for s in SMALL if s.startswith("prompts.sources="))
-    sources = src.split("=", 1)[1].rstrip("]") + f", {{path: {bad}}}]"
+    sources = sources_with(bad)
     run = Run(root, "bad_prompt_parquet", [f"prompts.sources={sources}"])
     rc = run.run("prompts,generate")
     needles = [str(bad), "not a readable Parquet"]
@@ -601,9 +611,7 @@ def fault_cache_other_target(root, ref_run, ref):
     return {"fault": "cache.output pointing at a cache of other target layers", "stage": "cache",
             "injected": True, "outcome": "refused with a message naming it"
             if rc == 1 and named else f"rc {rc}, named {named}",
-            "lost": sorted(set(before) - set(after)),
-            "changed": sorted(k for k in set(before) & set(after) if before[k] != after[k]),
-            "duplicated": [], "extra": sorted(set(after) - set(before))}
+            **file_changes(before, after)}
 
 
 FAULTS = {

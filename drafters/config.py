@@ -8,6 +8,7 @@ engine can rebuild and validate the drafter from the checkpoint directory alone.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Literal
 
 from transformers import PretrainedConfig
@@ -178,8 +179,6 @@ def read_drafter_config(path) -> DSparkConfig:
         FileNotFoundError: no ``config.json`` in ``path``.
         DrafterCheckpointError: the file is not valid JSON or a field is invalid (file named).
     """
-    from pathlib import Path
-
     file = Path(path) / "config.json"
     if not file.is_file():
         raise FileNotFoundError(f"no drafter checkpoint (config.json) at {path}")
