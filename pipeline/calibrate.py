@@ -23,8 +23,11 @@ logger = logging.getLogger(__name__)
 
 def collect_rounds(*, target: str, dtype: str, drafter_dir: str, template_kwargs: dict,
                    prompts: list[str], temperature: float, max_new_tokens: int, seed: int,
-                   num_threads: int | None) -> dict:
+                   num_threads: int | None, storage_options: dict | None = None) -> dict:
     """Decode ``prompts`` speculatively; return the full-gamma rounds per prompt.
+
+    ``drafter_dir`` may be a URL (``s3://``, read with ``storage_options``): the task fetches it
+    on whichever node it runs.
 
     Returns:
         ``{"gamma", "has_confidence", "rounds": [[(z_1..z_gamma), accepted], ...] per prompt}``.
@@ -39,7 +42,7 @@ def collect_rounds(*, target: str, dtype: str, drafter_dir: str, template_kwargs
     if num_threads:
         torch.set_num_threads(num_threads)
     # inside a Ray task with eval/calibrate gpus > 0 CUDA is visible: decode there
-    models = load_models(target, dtype, drafter_dir)
+    models = load_models(target, dtype, drafter_dir, storage_options=storage_options)
     tokenizer, drafter = models.tokenizer, models.drafter
     gamma = drafter.config.block_size
     out = {"gamma": gamma, "has_confidence": drafter.config.confidence_head, "rounds": []}

@@ -137,6 +137,9 @@ class TrainConfig(Strict):
     num_workers: int = Field(2, ge=1)
     use_gpu: bool = False
     cpus_per_worker: float = Field(1.0, gt=0)
+    placement_strategy: Literal["PACK", "SPREAD", "STRICT_SPREAD"] = Field(
+        "PACK", description="Ray placement of the training workers: PACK fills a node first "
+        "(fastest all-reduce); STRICT_SPREAD puts each worker on its own node.")
     num_threads: int | None = Field(None, ge=1, description="torch threads per worker on CPU.")
     micro_batch_size: int = Field(4, ge=1, description="Sequences per worker per micro-step.")
     global_batch_size: int = Field(512, ge=1, description="Sequences per optimizer step.")

@@ -143,7 +143,7 @@ def evaluate(*, target: str, dtype: str, drafter_dir: str, template_kwargs: dict
              datasets: dict[str, list[str]], temperatures: list[float], max_new_tokens: int,
              num_threads: int | None, seed: int, progress: bool = True,
              speed_baseline: bool = True, baseline_dtype: str = "bfloat16",
-             engine=None) -> dict:
+             engine=None, storage_options: dict | None = None) -> dict:
     """Run the evaluation in this process (the pipeline runs it inside a Ray task).
 
     Args:
@@ -152,6 +152,8 @@ def evaluate(*, target: str, dtype: str, drafter_dir: str, template_kwargs: dict
             speed-up (doubles the time).
         engine: ``serve.config.EngineConfig`` of the speculative engine (its scheduler); None =
             fixed gamma-token verification.
+        drafter_dir: local directory or URL (``s3://``, read with ``storage_options``; fetched
+            on the node this runs on).
     Returns:
         ``{"gamma", "drafter", "results": {dataset: {str(temperature): summary}},
         "domains": {str(temperature): {domain: tau, "macro": tau}}, ...}``.
@@ -171,9 +173,9 @@ def evaluate(*, target: str, dtype: str, drafter_dir: str, template_kwargs: dict
     if num_threads:
         torch.set_num_threads(num_threads)
     # inside a Ray task with eval/calibrate gpus > 0 CUDA is visible: decode there
-    models = load_models(target, dtype, drafter_dir)
+    models = load_models(target, dtype, drafter_dir, storage_options=storage_options)
     tokenizer, model, drafter, eos = models.tokenizer, models.model, models.drafter, models.eos
-    decoder = SpeculativeDecoder(models.runner, drafter, eos, engine, sps_dir=drafter_dir)
+    decoder = SpeculativeDecoder(models.runner, drafter, eos, engine, sps_dir=models.drafter_dir)
     plain = (model if baseline_dtype == dtype
              else load_target(target, baseline_dtype).to(model.device)) if speed_baseline else None
     pad = tokenizer.pad_token_id

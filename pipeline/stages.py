@@ -64,6 +64,26 @@ class StageContext:
         cache_dir = storage.resolve(cfg.cache.output) if cfg.cache.output else str(run_dir / "cache")
         return cls(cfg, run_dir, target, layer_ids, cache_dir)
 
+    def drafter_location(self, stage: str) -> str:
+        """Where the later stages read ``stage``'s drafter ("train" or "calibrate"): with
+        ``train.storage_path`` set (shared storage, e.g. s3:// on a multi-node cluster) the copy
+        published there (``<storage_path>/<run name>/published/<stage>``), since Ray may run
+        calibration and evaluation on a node that cannot see the driver's disk; else the run
+        directory's ``<stage>/drafter``."""
+        if self.cfg.train.storage_path:
+            return storage.join(storage.resolve(self.cfg.train.storage_path), self.run_dir.name,
+                                "published", stage)
+        return str(self.run_dir / stage / "drafter")
+
+    def publish_drafter(self, stage: str) -> str:
+        """Copy ``<run_dir>/<stage>/drafter`` to :meth:`drafter_location` when that is shared
+        storage; returns the location."""
+        where = self.drafter_location(stage)
+        if self.cfg.train.storage_path:
+            storage.upload_dir(self.run_dir / stage / "drafter", where, self.cfg.storage_options)
+            logger.info("%s drafter published to %s", stage, where)
+        return where
+
     def stage_dir(self, name: str) -> Path:
         path = self.run_dir / name
         path.mkdir(parents=True, exist_ok=True)
@@ -347,7 +367,8 @@ def stage_train(ctx: StageContext) -> dict:
         train=ctx.cfg.train, wandb_cfg=ctx.cfg.wandb.model_dump(),
         storage_options=ctx.cfg.storage_options, run_name=ctx.run_dir.name)
     return {"steps": result["steps"], "rows": result["rows"],
-            "drafter": str(ctx.run_dir / "train" / "drafter"), "draft_vocab": result["draft_vocab"],
+            "drafter": str(ctx.run_dir / "train" / "drafter"),
+            "published": ctx.publish_drafter("train"), "draft_vocab": result["draft_vocab"],
             "final_metrics": {k: v for k, v in result["metrics"].items()
                               if isinstance(v, (int, float))}}
 
@@ -375,14 +396,17 @@ def stage_calibrate(ctx: StageContext) -> dict:
     c = ctx.cfg.calibrate
     ensure_ray(ctx.cfg)
     task = ray.remote(num_cpus=c.cpus, num_gpus=c.gpus or None)(collect_rounds)
-    drafter_dir = str(ctx.run_dir / "train" / "drafter")
+    drafter_dir = ctx.drafter_location("train")
+    so = ctx.cfg.storage_options
     collected = ray.get(task.remote(
         target=ctx.target, dtype=c.dtype, drafter_dir=drafter_dir,
         template_kwargs=ctx.cfg.target.chat_template_kwargs,
         prompts=_heldout_prompts(ctx, c.max_prompts), temperature=c.temperature,
-        max_new_tokens=c.max_new_tokens, seed=ctx.cfg.seed, num_threads=c.num_threads))
+        max_new_tokens=c.max_new_tokens, seed=ctx.cfg.seed, num_threads=c.num_threads,
+        storage_options=so))
     out = ctx.stage_dir("calibrate")
-    summary = fit_and_report(collected, out, drafter_dir, ctx.cfg.seed)
+    summary = fit_and_report(collected, out, storage.local_copy(drafter_dir, so), ctx.cfg.seed)
+    summary["published"] = ctx.publish_drafter("calibrate")
     run = open_run(ctx.cfg.wandb.model_dump(), ctx.run_dir, ctx.run_dir.name, "calibrate")
     if run is not None:
         log_calibration(run, summary.get("report") or {}, out)
@@ -446,7 +470,8 @@ def stage_eval(ctx: StageContext) -> dict:
     ensure_ray(ctx.cfg)
     task = ray.remote(num_cpus=e.cpus, num_gpus=e.gpus or None)(evaluate)
     report = ray.get(task.remote(
-        target=ctx.target, dtype=e.dtype, drafter_dir=str(ctx.run_dir / "calibrate" / "drafter"),
+        target=ctx.target, dtype=e.dtype, drafter_dir=ctx.drafter_location("calibrate"),
+        storage_options=ctx.cfg.storage_options,
         template_kwargs=ctx.cfg.target.chat_template_kwargs, datasets=datasets,
         temperatures=e.temperatures, max_new_tokens=e.max_new_tokens,
         num_threads=e.num_threads, seed=ctx.cfg.seed, speed_baseline=e.speed_baseline,

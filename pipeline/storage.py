@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pyarrow.fs as pafs
 
-from serve.paths import is_url, project_root, resolve  # noqa: F401  (the pipeline's path API)
+from serve.paths import is_url, local_copy, project_root, resolve  # noqa: F401  (the pipeline's path API)
 
 
 def join(base: str, *parts: str) -> str:
@@ -109,3 +109,20 @@ def list_files(directory: str, suffix: str, storage_options: dict | None = None)
     if directory.startswith("s3://"):
         names = ["s3://" + n if not n.startswith("s3://") else n for n in names]
     return sorted(names)
+
+
+def upload_dir(local: str | Path, dest: str, storage_options: dict | None = None) -> None:
+    """Replace directory ``dest`` (local path or s3:// URL) with a copy of ``local``.
+
+    What was at ``dest`` is removed first, so no file of an older copy survives beside the new
+    one; readers fetch ``dest`` only after the stage that publishes it has finished.
+    """
+    fs = get_fsspec(dest, storage_options)
+    if fs.exists(dest):
+        fs.rm(dest, recursive=True)
+    for file in sorted(Path(local).rglob("*")):
+        if file.is_file():
+            target = join(dest, *file.relative_to(local).parts)
+            if not is_url(dest):
+                Path(target).parent.mkdir(parents=True, exist_ok=True)
+            fs.put_file(str(file), target)

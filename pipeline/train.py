@@ -271,6 +271,7 @@ def train_loop_per_worker(loop_cfg: dict) -> None:
 
     from drafters.loading import build_drafter
 
+    from . import storage
     from .train_data import (CacheRowIndex, CacheRowReader, row_generator, worker_micro_batches)
 
     from .config import DrafterSection, TrainConfig
@@ -310,7 +311,8 @@ def train_loop_per_worker(loop_cfg: dict) -> None:
     # (train.max_failures); an explicit resume arrives through the loop config
     restored = ray.train.get_checkpoint()
     if restored is None and loop_cfg["resume_from"]:
-        restored = ray.train.Checkpoint(loop_cfg["resume_from"])
+        fs, path = storage.get_arrow_fs(loop_cfg["resume_from"], loop_cfg["storage_options"])
+        restored = ray.train.Checkpoint(path, filesystem=fs)
     history = []
     if restored is not None:
         with restored.as_directory() as ckpt_dir:
@@ -363,6 +365,8 @@ def train_loop_per_worker(loop_cfg: dict) -> None:
     per_epoch = loop_cfg["steps_per_epoch"]
     last = {"step": step}
     skipped, bad_in_a_row = (history[-1].get("skipped_steps", 0) if history else 0), 0
+    # times this run continued from a checkpoint (a worker-group restart or a re-run's resume)
+    resumes = history[-1].get("resumes", 0) + 1 if restored is not None and history else 0
     while step < total_steps:
         epoch, step_in_epoch = divmod(step, per_epoch)
         order = train_index.epoch_order(tc.seed, epoch)
@@ -396,6 +400,7 @@ def train_loop_per_worker(loop_cfg: dict) -> None:
         else:
             bad_in_a_row = 0
         last = {"step": step, "epoch": epoch, "lr": engine.get_lr()[0], "skipped_steps": skipped,
+                "resumes": resumes,
                 **reduce_metrics(outs, dcfg.block_size, device=device)}
         if heldout_rows is not None and (step % tc.eval_every == 0 or step == total_steps):
             last.update(heldout_metrics())
@@ -694,15 +699,19 @@ def run_train(*, cache_dir: str, manifest: dict, out_dir: Path, target: str, lay
         "torch_extensions_dir": os.environ.get(
             "TORCH_EXTENSIONS_DIR", str(Path.home() / ".cache" / "dspark_ray" / "torch_extensions")),
     }
+    train_fs, train_fs_path = storage.get_arrow_fs(storage_path, storage_options)
     resources = {"CPU": train.cpus_per_worker}
     if train.use_gpu:
         resources["GPU"] = 1
     trainer = TorchTrainer(
         train_loop_per_worker, train_loop_config=loop_cfg,
         scaling_config=ScalingConfig(num_workers=train.num_workers, use_gpu=train.use_gpu,
-                                     resources_per_worker=resources),
+                                     resources_per_worker=resources,
+                                     placement_strategy=train.placement_strategy),
         run_config=RunConfig(
-            name=run_name, storage_path=storage_path,
+            # our filesystem object, so s3fs options (a custom endpoint, keys) reach Ray Train,
+            # whose own s3:// parsing would ignore them
+            name=run_name, storage_path=train_fs_path, storage_filesystem=train_fs,
             failure_config=FailureConfig(max_failures=train.max_failures),
             checkpoint_config=CheckpointConfig(num_to_keep=train.num_to_keep)),
     )

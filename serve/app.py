@@ -87,7 +87,8 @@ def load_engine(cfg: ServeConfig):
                            f"torch {torch.__version__}, CUDA build: {torch.version.cuda})")
     target = resolve(cfg.target) if _is_path(cfg.target) else cfg.target
     models = load_models(target, cfg.dtype, resolve(cfg.drafter) if cfg.drafter else None,
-                         allow_name_mismatch=cfg.allow_target_name_mismatch, device=device)
+                         allow_name_mismatch=cfg.allow_target_name_mismatch, device=device,
+                         storage_options=cfg.storage_options)
     start = time.perf_counter()
     engine = build_engine(models, cfg.engine)
     if engine.sps is not None:

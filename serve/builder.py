@@ -12,6 +12,7 @@ from pathlib import Path
 
 from .config import EngineConfig
 from .engine import SpecEngine
+from .paths import local_copy
 from .target_runner import TargetRunner
 
 
@@ -30,16 +31,19 @@ class LoadedModels:
 
 
 def load_models(target: str, dtype: str, drafter_dir: str | None = None, *,
-                allow_name_mismatch: bool = False, device: str | None = None) -> LoadedModels:
+                allow_name_mismatch: bool = False, device: str | None = None,
+                storage_options: dict | None = None) -> LoadedModels:
     """Load the target (``from_pretrained`` name or directory) and, optionally, a drafter trained
     for it.
 
     Args:
         target: model name or local directory.
         dtype: "float32", "bfloat16" or "float16" (target and drafter).
-        drafter_dir: drafter checkpoint directory, or None.
+        drafter_dir: drafter checkpoint directory (local, or a URL such as ``s3://...`` that is
+            downloaded to this node first: ``serve.paths.local_copy``), or None.
         allow_name_mismatch: accept a drafter whose recorded target has another name.
         device: "cpu", "cuda", ...; None = CUDA when visible, else CPU.
+        storage_options: s3fs options for a URL ``drafter_dir``.
     Raises:
         FileNotFoundError: target or drafter missing; ValueError: drafter trained for another
         target (``drafters.loading.load_drafter``).
@@ -55,6 +59,7 @@ def load_models(target: str, dtype: str, drafter_dir: str | None = None, *,
     model = load_target(target, dtype).to(device)
     drafter = None
     if drafter_dir:
+        drafter_dir = local_copy(drafter_dir, storage_options)
         drafter = load_drafter(drafter_dir, model, target, dtype=DTYPES[dtype],
                                allow_name_mismatch=allow_name_mismatch)
     layers = list(drafter.config.target_layer_ids) if drafter is not None else []

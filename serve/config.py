@@ -124,7 +124,10 @@ class ServeConfig(BaseModel):
     target: str = Field(description="`from_pretrained` name or directory of the target; a value "
                         "starting with '.', '/' or '~' is a path (relative: project root).")
     drafter: str | None = Field(None, description="Drafter checkpoint directory (relative: project "
-                                "root); null serves the target alone.")
+                                "root) or URL (s3://..., fetched by each replica); null serves "
+                                "the target alone.")
+    storage_options: dict[str, Any] = Field(default_factory=dict, description="s3fs options for "
+                                            "an s3:// drafter (endpoint_url, key, secret, ...).")
     allow_target_name_mismatch: bool = Field(
         False, description="Serve a drafter whose recorded target has another name (a renamed "
         "copy of the same model); shapes are always checked.")
