@@ -78,14 +78,71 @@ class SamplingConfig(Strict):
     max_new_tokens: int = Field(4096, ge=1)
 
 
+# engine arguments the vllm section (or the pipeline) sets itself; engine_kwargs may not repeat them
+VLLM_DERIVED_ENGINE_KWARGS = {
+    "model": "target.name_or_path", "tokenizer": "target.name_or_path", "dtype": "target.dtype",
+    "seed": "seed", "max_model_len": "generate.max_prompt_tokens + sampling.max_new_tokens",
+    "task_type": "(always generate)",
+    "tensor_parallel_size": "generate.vllm.tensor_parallel_size",
+    "max_num_seqs": "generate.vllm.max_num_seqs",
+    "max_num_batched_tokens": "generate.vllm.max_num_batched_tokens",
+    "gpu_memory_utilization": "generate.vllm.gpu_memory_utilization",
+}
+
+
+class VllmGenerateConfig(Strict):
+    """``generate.backend: vllm``: the engines of the ``ray.data.llm`` processor
+    (``pipeline/generate_vllm.py``). Sampling, chat template and prompt limit are the shared
+    ``generate`` / ``target`` fields, mapped to the same meaning as the hf backend's."""
+
+    num_replicas: int = Field(1, ge=1, description="vLLM engines (a fixed Ray Data actor pool), "
+                              "each on tensor_parallel_size GPUs.")
+    tensor_parallel_size: int = Field(1, ge=1, description="GPUs per engine (tensor parallel).")
+    batch_size: int = Field(64, ge=1, description="Conversations per batch sent to an engine.")
+    max_concurrent_batches: int = Field(8, ge=1, description="Batches in flight per engine; "
+                                        "batch_size x this should reach max_num_seqs.")
+    max_num_seqs: int | None = Field(None, ge=1, description="Sequences an engine decodes "
+                                     "together; None = vLLM's default for the GPU.")
+    max_num_batched_tokens: int | None = Field(None, ge=1, description="Tokens per engine step "
+                                               "(chunked prefill budget); None = vLLM's default.")
+    gpu_memory_utilization: float = Field(0.9, gt=0, le=1, description="vLLM's share of each "
+                                          "GPU (weights + KV cache).")
+    accelerator_type: str | None = Field(None, description="Ray accelerator type the engines "
+                                         "need (e.g. H100); None = any GPU.")
+    placement_group_config: dict[str, Any] | None = Field(
+        None, description="Ray Data LLM's placement group per engine ({bundles: [...], strategy: "
+        "...}); None = tensor_parallel_size x {GPU: 1, CPU: 1}. {bundles: [{CPU: 1}]} runs a "
+        "CPU build of vLLM (tests).")
+    engine_kwargs: dict[str, Any] = Field(default_factory=dict, description="Further vLLM "
+                                          "engine arguments, passed through unchanged.")
+
+    @field_validator("engine_kwargs")
+    @classmethod
+    def _not_derived(cls, v):
+        clash = sorted(set(v) & set(VLLM_DERIVED_ENGINE_KWARGS))
+        if clash:
+            raise ValueError("engine_kwargs may not set " + ", ".join(
+                f"{k} (comes from {VLLM_DERIVED_ENGINE_KWARGS[k]})" for k in clash))
+        return v
+
+
 class GenerateConfig(Strict):
+    backend: Literal["hf", "vllm"] = Field(
+        "hf", description="hf: the target in transformers inside a Ray Data actor pool "
+        "(embedded, CPU or GPU; batch_size, num_actors, cpus/gpus_per_actor, num_threads); "
+        "vllm: a ray.data.llm vLLM processor for GPU clusters (the vllm section; needs vLLM "
+        "installed). Both write the same rows.")
     sampling: SamplingConfig = Field(default_factory=SamplingConfig)
-    batch_size: int = Field(8, ge=1)
-    num_actors: int = Field(1, ge=1)
-    cpus_per_actor: float = Field(1.0, gt=0)
-    gpus_per_actor: float = Field(0.0, ge=0)
-    num_threads: int | None = Field(None, ge=1, description="torch threads per actor on CPU.")
-    max_prompt_tokens: int = Field(2048, ge=8)
+    batch_size: int = Field(8, ge=1, description="backend hf: prompts per batched generation.")
+    num_actors: int = Field(1, ge=1, description="backend hf: generation actors.")
+    cpus_per_actor: float = Field(1.0, gt=0, description="backend hf.")
+    gpus_per_actor: float = Field(0.0, ge=0, description="backend hf.")
+    num_threads: int | None = Field(None, ge=1, description="backend hf: torch threads per actor "
+                                    "on CPU.")
+    max_prompt_tokens: int = Field(2048, ge=8, description="Longer prompts go to the error file "
+                                   "(both backends).")
+    vllm: VllmGenerateConfig = Field(default_factory=VllmGenerateConfig,
+                                     description="Engines of backend vllm (read only there).")
 
 
 class CacheConfig(Strict):

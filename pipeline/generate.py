@@ -18,6 +18,33 @@ import numpy as np
 logger = logging.getLogger(__name__)
 
 
+def next_user_turn(conv: list[dict], history: list[dict], cursor: int) -> tuple[int, bool]:
+    """Move the turns before the next user turn (a system turn) and that user turn from
+    ``conv[cursor:]`` into ``history``.
+
+    Returns:
+        (the new cursor, whether a user turn was moved: False = the conversation is done).
+    """
+    while cursor < len(conv) and conv[cursor]["role"] != "user":
+        history.append(conv[cursor])
+        cursor += 1
+    if cursor >= len(conv):
+        return cursor, False
+    history.append(conv[cursor])
+    return cursor + 1, True
+
+
+def finish_answer(tokenizer, tokens: list[int], end_ids: set[int]) -> tuple[str, str]:
+    """An answer's text and finish reason from its sampled tokens: cut at the first end token
+    ("stop"; none within the token budget: "length"), special tokens dropped, whitespace
+    stripped. Both backends end answers here."""
+    cut = next((i for i, t in enumerate(tokens) if t in end_ids), None)
+    if cut is not None:
+        tokens = tokens[:cut]
+    return (tokenizer.decode(tokens, skip_special_tokens=True).strip(),
+            "stop" if cut is not None else "length")
+
+
 class GenerateUDF:
     """Ray Data callable class: holds the target and tokenizer once per actor.
 
@@ -90,12 +117,9 @@ class GenerateUDF:
         texts, reasons = [], []
         ends = set(self.eos_ids)
         for row in generated[:, :step + 1].tolist():
-            cut = next((i for i, t in enumerate(row) if t in ends), None)
-            finished = cut is not None
-            if finished:
-                row = row[:cut]
-            texts.append(self.tokenizer.decode(row, skip_special_tokens=True).strip())
-            reasons.append("stop" if finished else "length")
+            text, reason = finish_answer(self.tokenizer, row, ends)
+            texts.append(text)
+            reasons.append(reason)
         return texts, reasons
 
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, list]:
@@ -113,14 +137,9 @@ class GenerateUDF:
             for i, conv in enumerate(turns):
                 if errors[i]:
                     continue
-                # move the leading system turn and the next user turn into the history
-                while cursors[i] < len(conv) and conv[cursors[i]]["role"] != "user":
-                    histories[i].append(conv[cursors[i]])
-                    cursors[i] += 1
-                if cursors[i] >= len(conv):
+                cursors[i], has_turn = next_user_turn(conv, histories[i], cursors[i])
+                if not has_turn:
                     continue
-                histories[i].append(conv[cursors[i]])
-                cursors[i] += 1
                 try:
                     prompt = render_prompt_ids(self.tokenizer, histories[i], self.template_kwargs)
                 except Exception as err:  # a template that cannot render this conversation

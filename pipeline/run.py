@@ -31,6 +31,7 @@ import time  # noqa: E402
 
 from pipeline import stages, storage  # noqa: E402
 from pipeline.config import STAGES, ConfigError, load_config  # noqa: E402
+from pipeline.generate_vllm import VllmNotInstalledError  # noqa: E402
 from pipeline.train import TrainingFailedError  # noqa: E402
 
 logger = logging.getLogger("dspark")
@@ -85,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
         for name in ordered:
             stages.run_stage(ctx, name, force=name in args.force)
     except (ConfigError, FileNotFoundError, ConnectionError, PermissionError, ValueError,
-            TrainingFailedError) as err:
+            TrainingFailedError, VllmNotInstalledError) as err:
         logger.error("%s", err)
         return 1
     logger.info("pipeline finished in %.1f min; run directory %s", (time.time() - started) / 60,

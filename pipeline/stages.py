@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from . import storage
-from .config import PipelineConfig, dump_config
+from .config import PipelineConfig, VllmGenerateConfig, dump_config
 
 logger = logging.getLogger(__name__)
 SPLITS = ("train", "heldout")
@@ -141,7 +141,9 @@ STAGE_INPUTS = {"prompts": ["prompts", "storage_options"],
 
 # config fields added after run directories existed: at their defaults they leave a stage's
 # fingerprint as it was, so runs made before them still count as complete
-ADDED_LATER = [("drafter", "qk_norm", None), ("engine", "kv_cache_memory_gib", 2.0)]
+ADDED_LATER = [("drafter", "qk_norm", None), ("engine", "kv_cache_memory_gib", 2.0),
+               ("generate", "backend", "hf"),
+               ("generate", "vllm", VllmGenerateConfig().model_dump(mode="json"))]
 
 
 def stage_fingerprint(cfg: PipelineConfig, name: str) -> str:
@@ -272,6 +274,19 @@ def stage_generate(ctx: StageContext) -> dict:
     ensure_ray(ctx.cfg)
     g = ctx.cfg.generate
     out = ctx.stage_dir("generate")
+    if g.backend == "vllm":
+        from .generate_vllm import run_generate_vllm
+
+        splits = {split: (read_jsonl(str(ctx.run_dir / "prompts" / f"{split}.jsonl")),
+                          out / f"{split}.jsonl") for split in SPLITS}
+        with tqdm(total=sum(len(rows) for rows, _ in splits.values()), desc="generate (vllm)",
+                  unit="prompt", mininterval=5) as bar:
+            return run_generate_vllm(
+                splits, out / "errors.jsonl", target=ctx.target, dtype=ctx.cfg.target.dtype,
+                sampling=g.sampling.model_dump(),
+                template_kwargs=ctx.cfg.target.chat_template_kwargs,
+                max_prompt_tokens=g.max_prompt_tokens, seed=ctx.cfg.seed, vllm=g.vllm,
+                progress=bar)
     summary = {}
     for split in SPLITS:
         rows = read_jsonl(str(ctx.run_dir / "prompts" / f"{split}.jsonl"))
@@ -419,14 +434,21 @@ def stage_calibrate(ctx: StageContext) -> dict:
 
 def preflight(ctx: StageContext, ordered: list[str], forced: list[str]) -> None:
     """Check what the stages in ``ordered`` will read, before any of them runs (or is cleared by
-    ``--force``): the benchmark files (eval), ``train.init_from`` (train), and that an existing
-    cache at the cache location belongs to this target (train, and cache unless forced).
+    ``--force``): vLLM for ``generate.backend: vllm`` (generate), the benchmark files (eval),
+    ``train.init_from`` (train), and that an existing cache at the cache location belongs to this
+    target (train, and cache unless forced).
 
     Raises:
-        EvalDataError, FileNotFoundError, DrafterCheckpointError, CacheMismatchError.
+        VllmNotInstalledError, EvalDataError, FileNotFoundError, DrafterCheckpointError,
+        CacheMismatchError.
     """
     from .cache import read_manifest
 
+    if ("generate" in ordered and ctx.cfg.generate.backend == "vllm"
+            and (not _marker(ctx, "generate").exists() or "generate" in forced)):
+        from .generate_vllm import require_vllm
+
+        require_vllm()
     if "eval" in ordered:
         eval_datasets(ctx.cfg)
     init_from = ctx.cfg.train.init_from
