@@ -57,7 +57,8 @@ def ray_local():
     """One local Ray for the whole session (4 logical CPUs on this 2-core machine)."""
     import ray
 
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    # address="local": always a new instance, never a cluster another test (or agent) started
+    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
     ray.data.DataContext.get_current().enable_progress_bars = False
     yield ray
     ray.shutdown()
