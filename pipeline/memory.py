@@ -6,7 +6,10 @@ as a function of the shapes only. :func:`measure_step_peak` measures the same st
 ``torch.distributed._tools.mem_tracker.MemTracker`` (a ``TorchDispatchMode`` that counts every
 tensor storage once while it lives), so the model can be checked against real runs at reduced
 shapes (``tests/unit/test_train_memory.py``) and then evaluated at full shapes, where nothing has to
-be allocated (``python -m pipeline.plan`` prints it for a config).
+be allocated (``python -m pipeline.plan`` prints it for a config). :func:`fake_floats` runs the
+real step at full shapes on fake tensors, so the measurement works there too
+(:func:`measure_config_peak_fake`; ``tests/integration/test_train_memory_qwen3_4b.py``, a minute
+of CPU).
 
 Where the memory goes (bf16 = autocast around the forward, fp32 weights, gradients and Adam state):
 
@@ -42,9 +45,13 @@ autocast region).
 
 from __future__ import annotations
 
-import math
+from contextlib import ExitStack
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten, tree_map_only
 
 if TYPE_CHECKING:
     from drafters.config import DSparkConfig
@@ -376,7 +383,6 @@ def measure_step_peak(model, samples: list[dict], tc, objective: str, weights, g
     Returns:
         a :class:`MeasuredPeak`.
     """
-    import torch
     from torch.distributed._tools.mem_tracker import MemTracker
 
     from drafters.packing import pack_blocks
@@ -452,3 +458,132 @@ def estimate_for_config(cfg, target_config) -> MemoryEstimate:
         world_size=tc.num_workers, zero_stage=tc.zero_stage,
         tied_embeddings=bool(getattr(target_config, "tie_word_embeddings", False)),
         frozen_bytes=FP32_BYTES, deepspeed=True)
+
+
+def fake_floats() -> ExitStack:
+    """A context in which floating-point tensors are ``FakeTensor``s (shape, dtype and a CPU
+    device, no storage) while integer and bool tensors (token ids, masks, offsets, indices) stay
+    real: the real training step runs at full shapes without allocating, data-dependent control
+    flow (``.tolist()``, boolean-mask indexing) still works, autocast applies as on CPU, and
+    ``MemTracker`` counts the fake tensors' bytes.
+
+    Rules (:class:`FakeFloatsMode`): an op with only real tensor inputs runs for real; a factory
+    (no tensor input) makes a fake tensor when its result is floating, a real one otherwise; an
+    op with a fake input runs fake, its real inputs converted (boolean masks first turned into
+    their real indices, so the result's shape is known). ``.item()`` of a fake tensor reads 1
+    (only initialisation statistics such as the embedding's std ask for one). A ``MemTracker``
+    entered inside the context counts real and fake tensors alike, so a measurement equals the
+    one with real tensors (``tests/unit/test_train_memory.py``).
+
+    Returns:
+        the entered context (an ``ExitStack``); use as ``with fake_floats(): ...``.
+    """
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    stack = ExitStack()
+    fake = stack.enter_context(FakeTensorMode(allow_non_fake_inputs=True))
+    stack.enter_context(FakeFloatsMode(fake))
+    return stack
+
+
+class FakeFloatsMode(TorchDispatchMode):
+    """The dispatch rules of :func:`fake_floats` (on top of its ``FakeTensorMode``)."""
+
+    _INDEX_OPS = (torch.ops.aten.index.Tensor, torch.ops.aten.index_put.default,
+                  torch.ops.aten.index_put_.default, torch.ops.aten._index_put_impl_.default)
+
+    def __init__(self, fake_mode):
+        super().__init__()
+        self.fake = fake_mode
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
+
+        kwargs = kwargs or {}
+        tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+        if not any(isinstance(t, FakeTensor) for t in tensors):
+            if tensors:  # real inputs only: a real result
+                with unset_fake_temporarily():
+                    return func(*args, **kwargs)
+            out = func(*args, **kwargs)  # a factory: fake if floating, else real
+            if all(o.is_floating_point() for o in tree_flatten(out)[0]
+                   if isinstance(o, torch.Tensor)):
+                return out
+            with unset_fake_temporarily():
+                return func(*args, **kwargs)
+        if func is torch.ops.aten._local_scalar_dense.default:
+            return 1.0 if args[0].is_floating_point() else 1
+        if func in self._INDEX_OPS:  # boolean masks -> their real indices
+            indices = []
+            for i in args[1]:
+                if (isinstance(i, torch.Tensor) and i.dtype == torch.bool
+                        and not isinstance(i, FakeTensor)):
+                    with unset_fake_temporarily():
+                        indices.extend(i.nonzero().unbind(1))
+                else:
+                    indices.append(i)
+            args = (args[0], indices, *args[2:])
+        args, kwargs = tree_map_only(
+            torch.Tensor, lambda t: t if isinstance(t, FakeTensor) else self.fake.from_tensor(t),
+            (args, kwargs))
+        return func(*args, **kwargs)
+
+
+def measure_config_peak_fake(cfg, target_config, *, micro_batch_size: int | None = None,
+                             max_length: int | None = None,
+                             num_anchors: int | None = None) -> tuple[MeasuredPeak, MemoryEstimate]:
+    """Measure one near-worst-case training micro-batch of a config at its real shapes on fake
+    tensors (:func:`fake_floats`, :func:`measure_step_peak`), and the analytic model at the
+    measured shape.
+
+    The micro-batch: ``micro_batch_size`` sequences of ``max_length`` tokens, every token after
+    the first supervised, ``num_anchors`` anchors each (defaults: the config's
+    ``train.micro_batch_size``, ``cache.max_length``, ``train.num_anchors``); the drafter from
+    the config with fp32 frozen tensors and gradients allocated (no optimizer state: its
+    sharded size is the model's, :attr:`MemoryEstimate.optimizer`).
+
+    Returns:
+        (the measurement; :func:`estimate_step_memory` at the measured shape with the config's
+        ZeRO stage and world size).
+    Raises:
+        NotImplementedError: an Eagle3 drafter, an RNN head or a draft vocabulary.
+    """
+    from drafters.loading import build_drafter
+    from serve.target_loading import default_layer_ids
+
+    from .train import build_drafter_config, training_objective
+
+    layer_ids = cfg.target.layer_ids or default_layer_ids(target_config.num_hidden_layers,
+                                                          cfg.target.num_context_layers)
+    dcfg = build_drafter_config(target_config, cfg.target.name_or_path, layer_ids, cfg.drafter)
+    _check_modelled(dcfg)
+    if dcfg.draft_vocab_size:
+        raise NotImplementedError("the fake-tensor measurement uses the full vocabulary")
+    batch = micro_batch_size or cfg.train.micro_batch_size
+    length = max_length or cfg.cache.max_length
+    tc = cfg.train.model_copy(update={"num_anchors": num_anchors or cfg.train.num_anchors})
+    tied = bool(getattr(target_config, "tie_word_embeddings", False))
+    m_h = dcfg.num_context_layers * dcfg.target_hidden_size
+    with fake_floats():
+        emb = torch.empty(dcfg.target_vocab_size, dcfg.hidden_size)
+        head = emb if tied else torch.empty_like(emb)
+        model = build_drafter(dcfg, emb, head).train()
+        for p in model.parameters():
+            p.grad = torch.zeros_like(p)
+        samples = []
+        for _ in range(batch):
+            mask = torch.ones(length, dtype=torch.uint8)
+            mask[0] = 0
+            samples.append({
+                "input_ids": torch.randint(0, dcfg.target_vocab_size, (length,)),
+                "loss_mask": mask,
+                "context_hidden": torch.empty(length, m_h, dtype=torch.bfloat16),
+                "last_hidden": torch.empty(length, dcfg.hidden_size, dtype=torch.bfloat16)})
+        objective, weights = training_objective(dcfg)
+        gens = [torch.Generator().manual_seed(i) for i in range(batch)]
+        measured = measure_step_peak(model, samples, tc, objective, weights, gens)
+    estimate = estimate_step_memory(
+        dcfg, measured.shape, precision=tc.precision, loss_chunk_rows=tc.loss_chunk_rows,
+        world_size=tc.num_workers, zero_stage=tc.zero_stage, tied_embeddings=tied,
+        deepspeed=True)
+    return measured, estimate

@@ -170,3 +170,18 @@ def test_worst_case_shape_bounds_a_packed_batch():
     for name in ("blocks", "context_rows", "supervised_rows", "chunk_blocks",
                  "chunk_context_pairs"):
         assert getattr(real, name) <= getattr(bound, name), name
+
+
+def test_fake_tensor_measurement_equals_the_real_one():
+    """pipeline.memory.fake_floats, which lets the slow test run the step at the qwen3_4b shapes
+    without allocating (tests/integration/test_train_memory_qwen3_4b.py), measures what real
+    tensors measure."""
+    from pipeline.memory import fake_floats
+
+    p = SHAPES["dspark_fp32"]
+    real, _ = _measure_and_predict(p)
+    with fake_floats():
+        fake, _ = _measure_and_predict(p)
+    assert fake.shape == real.shape
+    assert (fake.peak, fake.by_kind, fake.in_backward) == (real.peak, real.by_kind,
+                                                           real.in_backward)
