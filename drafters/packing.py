@@ -144,7 +144,11 @@ def packed_attention(q: torch.Tensor, block_k: torch.Tensor, block_v: torch.Tens
     block part costs N * S * S (never N^2). Queries are processed in chunks of ``anchor_chunk``
     blocks (blocks of a sequence ascending in p, as :func:`pack_blocks` orders them); a chunk
     scores only the context rows its furthest anchor can see, which bounds the score memory at
-    chunk * S * p_max per head. A fused kernel (FlexAttention with the same index rule) is the
+    chunk * S * p_max per head. With autograd on, each chunk runs under activation checkpointing
+    (:func:`_attend_chunk`): its [nh, chunk * S, p_max] scores and probabilities are recomputed in
+    backward instead of being kept, so no score-sized tensor outlives its chunk (kept, they would
+    be ~6 bytes per score entry per layer: ~57 GB for a Qwen3-4B-sized micro-batch of 4 x 4096
+    tokens and 512 anchors each). A fused kernel (FlexAttention with the same index rule) is the
     faster GPU path; this one is plain PyTorch so that it runs everywhere.
 
     Args:
@@ -161,9 +165,9 @@ def packed_attention(q: torch.Tensor, block_k: torch.Tensor, block_v: torch.Tens
     Raises:
         ValueError: a query would see no key at all (e.g. an Eagle3 slot 0 at anchor 0).
     """
-    n, nh, s, hd = q.shape
-    groups = nh // block_k.shape[1]
-    scale = hd ** -0.5
+    from torch.utils.checkpoint import checkpoint
+
+    s = q.shape[2]
     out = torch.empty_like(q)
     b_off = packed.block_offsets.tolist()
     c_off = packed.context_offsets.tolist()
@@ -172,41 +176,68 @@ def packed_attention(q: torch.Tensor, block_k: torch.Tensor, block_v: torch.Tens
     if blk_vis is not None and not bool(blk_vis.any(-1).all()) and 0 in anchors:
         raise ValueError("a block query has no visible key: a slot without block keys at an "
                          "anchor at position 0 (pack with min_anchor=1)")
+    recompute = torch.is_grad_enabled() and any(
+        t.requires_grad for t in (q, block_k, block_v, context_k, context_v))
     for seq in range(len(b_off) - 1):
         kc = context_k[c_off[seq]:c_off[seq + 1]].transpose(0, 1)  # [nkv, L, hd]
         vc = context_v[c_off[seq]:c_off[seq + 1]].transpose(0, 1)
-        kc = kc.repeat_interleave(groups, dim=0)  # [nh, L, hd]
-        vc = vc.repeat_interleave(groups, dim=0)
         pos = packed.context_positions[c_off[seq]:c_off[seq + 1]]
         for start in range(b_off[seq], b_off[seq + 1], anchor_chunk):
             end = min(start + anchor_chunk, b_off[seq + 1])
-            a = end - start
             # context rows are positions 0..L-1 in order: a chunk scores only the rows its
             # furthest anchor can see (with ascending anchors, later chunks see more)
             ctx_len = max(anchors[start:end])
-            qs = q[start:end]  # [a, nh, S, hd]
-            kb = block_k[start:end].repeat_interleave(groups, dim=1)
-            vb = block_v[start:end].repeat_interleave(groups, dim=1)
-            # context part: [nh, a*S, ctx_len], visible iff position < the block's anchor
-            q_flat = qs.permute(1, 0, 2, 3).reshape(nh, a * s, hd)
-            s_ctx = torch.matmul(q_flat, kc[:, :ctx_len].transpose(-1, -2)).float() * scale
-            anchor = packed.anchor_positions[start:end].repeat_interleave(s)
-            visible = pos[None, :ctx_len] < anchor[:, None]
-            s_ctx = s_ctx.masked_fill(~visible[None], float("-inf"))
-            # block part: [a, nh, S, S], only inside the block
-            s_blk = torch.matmul(qs, kb.transpose(-1, -2)).float() * scale
-            if blk_vis is not None:
-                s_blk = s_blk.masked_fill(~blk_vis, float("-inf"))
-            s_blk = s_blk.permute(1, 0, 2, 3).reshape(nh, a * s, s)
-            if stats is not None:
-                stats["score_entries"] = (stats.get("score_entries", 0) + s_ctx[0].numel()
-                                          + s_blk[0].numel())
-            probs = torch.softmax(torch.cat((s_ctx, s_blk), dim=-1), dim=-1).to(q.dtype)
-            o_ctx = torch.matmul(probs[..., :ctx_len], vc[:, :ctx_len])  # [nh, a*S, hd]
-            p_blk = probs[..., ctx_len:].reshape(nh, a, s, s).permute(1, 0, 2, 3)
-            o_blk = torch.matmul(p_blk, vb)  # [a, nh, S, hd]
-            out[start:end] = o_ctx.reshape(nh, a, s, hd).permute(1, 0, 2, 3) + o_blk
+            if stats is not None:  # per head: [a*S, ctx_len] context + [a, S, S] block scores
+                stats["score_entries"] = (stats.get("score_entries", 0)
+                                          + (end - start) * s * (ctx_len + s))
+            args = (q[start:end], block_k[start:end], block_v[start:end], kc[:, :ctx_len],
+                    vc[:, :ctx_len], pos[:ctx_len], packed.anchor_positions[start:end], blk_vis)
+            if recompute:  # the checkpoint keeps only its inputs, all views of existing tensors
+                out[start:end] = checkpoint(_attend_chunk, *args, use_reentrant=False,
+                                            preserve_rng_state=False)
+            else:
+                out[start:end] = _attend_chunk(*args)
     return out
+
+
+def _attend_chunk(qs: torch.Tensor, kb: torch.Tensor, vb: torch.Tensor, kc: torch.Tensor,
+                  vc: torch.Tensor, pos: torch.Tensor, anchor: torch.Tensor,
+                  blk_vis: torch.Tensor | None) -> torch.Tensor:
+    """One chunk of :func:`packed_attention`: a blocks of one sequence against its first
+    ``ctx_len`` context rows and their own block slots, in one softmax.
+
+    Args:
+        qs: [a, nh, S, hd] queries; kb, vb: [a, nkv, S, hd] block keys/values.
+        kc, vc: [nkv, ctx_len, hd] context keys/values (positions 0..ctx_len-1).
+        pos: int64 [ctx_len] context positions; anchor: int64 [a] anchor position of each block.
+        blk_vis: bool [S, S] or None (see :func:`packed_attention`).
+    Returns:
+        [a, nh, S, hd].
+    """
+    a, nh, s, hd = qs.shape
+    nkv, ctx_len = kc.shape[0], kc.shape[1]
+    groups = nh // nkv
+    scale = hd ** -0.5
+    # context part, grouped-query: query head h uses kv head h // groups, so the queries of one
+    # kv head are stacked: [a, nh, S, hd] -> [nkv, groups*a*S, hd] (no repeated context keys)
+    q_grp = qs.view(a, nkv, groups, s, hd).permute(1, 2, 0, 3, 4).reshape(nkv, groups * a * s, hd)
+    s_ctx = torch.matmul(q_grp, kc.transpose(-1, -2)).float() * scale  # [nkv, groups*a*S, ctx_len]
+    s_ctx = s_ctx.view(nkv, groups, a * s, ctx_len)
+    visible = pos[None, :] < anchor.repeat_interleave(s)[:, None]  # [a*S, ctx_len]
+    s_ctx = s_ctx.masked_fill(~visible, float("-inf")).view(nh, a * s, ctx_len)
+    # block part: [a, nh, S, S], only inside the block
+    kb = kb.repeat_interleave(groups, dim=1)
+    vb = vb.repeat_interleave(groups, dim=1)
+    s_blk = torch.matmul(qs, kb.transpose(-1, -2)).float() * scale
+    if blk_vis is not None:
+        s_blk = s_blk.masked_fill(~blk_vis, float("-inf"))
+    s_blk = s_blk.permute(1, 0, 2, 3).reshape(nh, a * s, s)
+    probs = torch.softmax(torch.cat((s_ctx, s_blk), dim=-1), dim=-1).to(qs.dtype)
+    p_ctx = probs[..., :ctx_len].reshape(nkv, groups * a * s, ctx_len)
+    o_ctx = torch.matmul(p_ctx, vc)  # [nkv, groups*a*S, hd]
+    o_ctx = o_ctx.view(nkv, groups, a, s, hd).permute(2, 0, 1, 3, 4).reshape(a, nh, s, hd)
+    p_blk = probs[..., ctx_len:].reshape(nh, a, s, s).permute(1, 0, 2, 3)
+    return o_ctx + torch.matmul(p_blk, vb)  # [a, nh, S, hd]
 
 
 def pack_dense(context_features: torch.Tensor, anchor_positions: torch.Tensor,

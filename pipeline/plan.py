@@ -4,8 +4,12 @@
 
 Prints bytes per cached token ((m + 1) * H * 2 + 5, SPEC 1.4), the prompts the config selects, the
 cache's total bytes, shard and file counts, the time to write it once and to read it every epoch at
-a given bandwidth, and the training steps. Tokens per sample are taken from an existing cache
-manifest of the run when there is one, else from ``--tokens-per-sample`` (said so in the output).
+a given bandwidth, the training steps, and the peak device memory of one worst-case training
+micro-batch per worker (``pipeline/memory.py``) against ``--device-memory-gb``. Tokens per sample
+are taken from an existing cache manifest of the run when there is one, else from
+``--tokens-per-sample`` (said so in the output). The memory line needs the target's full config:
+loaded with ``AutoConfig`` from ``target.name_or_path``, or given as ``--target-config``
+(a ``config.json``).
 """
 
 from __future__ import annotations
@@ -45,6 +49,9 @@ class Plan:
     steps_per_epoch: int
     train_steps: int
     bandwidth_bytes_per_s: float
+    memory: dict | None = None  # pipeline.memory.MemoryEstimate.as_dict(), bytes
+    memory_note: str = ""  # why there is no memory estimate
+    device_memory_bytes: float = 80e9
 
 
 def bytes_per_token(hidden_size: int, context_layers: int) -> int:
@@ -68,13 +75,15 @@ def count_rows(path: str, storage_options: dict | None = None) -> int:
 
 
 def plan(cfg, hidden_size: int, num_layers: int, tokens_per_sample: float | None,
-         bandwidth_gb_s: float) -> Plan:
+         bandwidth_gb_s: float, target_config=None, device_memory_gb: float = 80.0) -> Plan:
     """The plan for a validated ``PipelineConfig``.
 
     Args:
         hidden_size, num_layers: the target's H and decoder-layer count.
         tokens_per_sample: mean tokens per cached sample; None = from the run's cache manifest.
         bandwidth_gb_s: storage bandwidth in GB/s (10^9 bytes), for the time estimates.
+        target_config: the target's Hugging Face config, for the memory estimate (None: none).
+        device_memory_gb: one worker's device memory in GB (10^9 bytes).
     Raises:
         ValueError: no tokens_per_sample and no cache manifest to take it from.
     """
@@ -112,10 +121,19 @@ def plan(cfg, hidden_size: int, num_layers: int, tokens_per_sample: float | None
     steps = per_epoch * cfg.train.num_epochs
     if cfg.train.max_steps:
         steps = min(steps, cfg.train.max_steps)
+    memory, note = None, "needs the target's config (--target-config)"
+    if target_config is not None:
+        from .memory import estimate_for_config
+
+        try:
+            memory, note = estimate_for_config(cfg, target_config).as_dict(), ""
+        except NotImplementedError as err:
+            note = f"not modelled: {err}"
     return Plan(hidden_size, m, per_token, prompts, train_rows, heldout, tokens_per_sample, source,
                 total_tokens, total_bytes, shards, shards * SIDECAR_FILES_PER_SHARD + 1,
                 total_bytes / max(shards, 1), total_bytes / bandwidth,
-                total_bytes * train_rows / max(prompts, 1) / bandwidth, per_epoch, steps, bandwidth)
+                total_bytes * train_rows / max(prompts, 1) / bandwidth, per_epoch, steps, bandwidth,
+                memory, note, device_memory_gb * 1e9)
 
 
 def _human(n: float, unit: str = "B") -> str:
@@ -143,24 +161,39 @@ def render(p: Plan) -> str:
         (f"write once at {_human(p.bandwidth_bytes_per_s)}/s", _duration(p.write_s)),
         (f"read per epoch at {_human(p.bandwidth_bytes_per_s)}/s", _duration(p.read_s_per_epoch)),
         ("optimizer steps", f"{p.train_steps:,} ({p.steps_per_epoch:,} per epoch)"),
+        ("peak memory per worker", _memory_line(p)),
     ]
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
 
 
-def _target_dims(cfg) -> tuple[int | None, int | None]:
+def _memory_line(p: Plan) -> str:
+    if p.memory is None:
+        return p.memory_note
+    mem = p.memory
+    share = mem["total"] / p.device_memory_bytes
+    return (f"{_human(mem['total'])} = model states {_human(mem['model_states'])} + frozen "
+            f"embedding/head {_human(mem['frozen'])} + activations {_human(mem['activations'])} "
+            f"(peak: {mem['peak_moment']}); worst-case micro-batch, {share:.0%} of "
+            f"{_human(p.device_memory_bytes)}")
+
+
+def _target_config(cfg, config_json: str | None = None):
+    """The target's Hugging Face config: from ``config_json`` when given, else ``AutoConfig``
+    of ``target.name_or_path``; None when it cannot be loaded here."""
     from transformers import AutoConfig
 
     from . import storage
 
+    if config_json:  # a file path: AutoConfig picks the class from its model_type
+        return AutoConfig.from_pretrained(config_json)
     name = cfg.target.name_or_path
     if name.startswith((".", "/", "~")):
         name = storage.resolve(name)
     try:
-        tc = AutoConfig.from_pretrained(name)
+        return AutoConfig.from_pretrained(name)
     except (OSError, ValueError):
-        return None, None
-    return tc.hidden_size, tc.num_hidden_layers
+        return None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -174,6 +207,11 @@ def main(argv: list[str] | None = None) -> int:
                         help="mean prompt + answer tokens per sample (default: the run's manifest)")
     parser.add_argument("--bandwidth-gb-s", type=float, default=1.0,
                         help="storage bandwidth in GB/s for the time estimates")
+    parser.add_argument("--target-config", default=None, metavar="CONFIG_JSON",
+                        help="the target's Hugging Face config.json (default: loaded from "
+                             "target.name_or_path when possible); needed for the memory line")
+    parser.add_argument("--device-memory-gb", type=float, default=80.0,
+                        help="one worker's device memory in GB, for the memory line")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     args = parser.parse_args(argv)
     from .config import ConfigError, load_config
@@ -184,15 +222,21 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 2
     hidden, layers = args.hidden_size, args.num_layers
-    if hidden is None or layers is None:
-        found = _target_dims(cfg)
-        hidden, layers = hidden or found[0], layers or found[1]
+    try:
+        target_config = _target_config(cfg, args.target_config)
+    except (OSError, ValueError) as err:
+        print(f"error: --target-config {args.target_config}: {err}", file=sys.stderr)
+        return 2
+    if target_config is not None:
+        hidden = hidden or target_config.hidden_size
+        layers = layers or target_config.num_hidden_layers
     if hidden is None:
         print(f"error: cannot load the config of target {cfg.target.name_or_path!r} here: pass "
               "--hidden-size and --num-layers", file=sys.stderr)
         return 2
     try:
-        result = plan(cfg, hidden, layers, args.tokens_per_sample, args.bandwidth_gb_s)
+        result = plan(cfg, hidden, layers, args.tokens_per_sample, args.bandwidth_gb_s,
+                      target_config, args.device_memory_gb)
     except (ValueError, FileNotFoundError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

@@ -54,3 +54,25 @@ def test_cli_needs_tokens_per_sample_without_a_manifest(tmp_path, capsys):
     assert main(["--config", str(tmp_path / "config.yaml"), "--hidden-size", "64",
                  "--num-layers", "6", "--tokens-per-sample", "200", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["total_tokens"] == 50 * 200
+
+
+def test_memory_line_needs_the_target_config_and_uses_it(tmp_path, capsys):
+    from transformers import AutoConfig
+
+    from pipeline.memory import estimate_for_config
+
+    cfg = _config(tmp_path)
+    args = ["--config", str(tmp_path / "config.yaml"), "--hidden-size", "64", "--num-layers", "6",
+            "--tokens-per-sample", "200"]
+    assert main(args) == 0
+    assert "needs the target's config (--target-config)" in capsys.readouterr().out
+    target = {"model_type": "qwen3", "hidden_size": 64, "vocab_size": 512,
+              "num_hidden_layers": 12, "num_attention_heads": 4, "num_key_value_heads": 2,
+              "head_dim": 16, "intermediate_size": 128, "tie_word_embeddings": True}
+    (tmp_path / "target.json").write_text(json.dumps(target))
+    assert main(args + ["--target-config", str(tmp_path / "target.json")]) == 0
+    assert "% of 80.0 GB" in capsys.readouterr().out
+    assert main(args + ["--target-config", str(tmp_path / "target.json"), "--json"]) == 0
+    memory = json.loads(capsys.readouterr().out)["memory"]
+    expected = estimate_for_config(cfg, AutoConfig.from_pretrained(tmp_path / "target.json"))
+    assert memory["total"] == expected.total > 0

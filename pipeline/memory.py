@@ -1,0 +1,589 @@
+"""Peak device memory of one training micro-batch: an analytic model and a measurement.
+
+The analytic model (:func:`estimate_step_memory`) adds up, tensor by tensor, what one DSpark /
+DFlash training micro-step (:func:`pipeline.train.batch_losses`, then backward) keeps on the device,
+as a function of the shapes only. :func:`measure_step_peak` measures the same step with PyTorch's
+``torch.distributed._tools.mem_tracker.MemTracker`` (a ``TorchDispatchMode`` that counts every
+tensor storage once while it lives), so the model can be checked against real runs at reduced
+shapes (``tests/unit/test_train_memory.py``) and then evaluated at full shapes, where nothing has to
+be allocated (``python -m pipeline.plan`` prints it for a config). :func:`fake_floats` runs the
+real step at full shapes on fake tensors, so the measurement works there too
+(:func:`measure_config_peak_fake`; ``tests/integration/test_train_memory_qwen3_4b.py``, a minute
+of CPU).
+
+Where the memory goes (bf16 = autocast around the forward, fp32 weights, gradients and Adam state):
+
+- **model states**: trainable parameters P (fp32, 4P bytes), their gradients (4P, kept across
+  the micro-batches of one optimizer step), AdamW's two moments and DeepSpeed's fp32 master copy
+  (12P, divided by the data-parallel world size from ZeRO stage 1 on) and DeepSpeed's gradient
+  reduction buffers;
+- **frozen target tensors**: the embedding and LM head [V, H] (one tensor when tied), in the dtype
+  they were loaded in (``pipeline.train.load_frozen_head``: fp32);
+- **activations** kept for backward: per block token (N blocks x S slots) and layer the norm
+  inputs, the bf16 inputs of every projection, q/k/v and the MLP's [I]-wide tensors; per context
+  row the projected context and each layer's context keys/values; per supervised row the final
+  states and the cached target states; the bf16 copies of the layer weights that autocast made.
+  The attention scores are not kept (``drafters.packing.packed_attention`` recomputes them);
+- **the loss chunk**: ``drafters.losses.chunked_drafter_losses`` holds at most six fp32
+  [chunk_rows, V] tensors at a time, when backward recomputes a chunk (target probabilities,
+  draft logits, log-probabilities, probabilities, their difference and its absolute value).
+
+The peak is the largest of four moments: the last decoder layer's attention in forward and in
+backward (one chunk of recomputed scores on top of the kept activations), the last loss chunk of
+the forward pass, and the recomputed loss chunk in backward (the usual peak at real shapes: every
+activation is still kept, plus the row gradients and the bf16 LM-head copy). Not modelled: the
+CUDA caching allocator's rounding and fragmentation, the CUDA context, NCCL buffers and kernels'
+workspaces; the 20 % headroom the memory test demands is meant for those.
+
+Units: bytes throughout (GB = 10^9 bytes where printed).
+Sources: the code paths named above; DeepSpeed 0.19 ``deepspeed/runtime/zero/stage_1_and_2.py``
+(fp32 partition copy ``single_partition_of_fp32_groups``, the ``reduce_bucket_size`` gradient
+bucket, default 5e8 elements, and the partition's gradient buffer); PyTorch autocast's op lists
+(``aten/src/ATen/autocast_mode.cpp``: linear and matmul run in bf16, weights are cast once per
+autocast region).
+"""
+
+from __future__ import annotations
+
+from contextlib import ExitStack
+from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten, tree_map_only
+
+if TYPE_CHECKING:
+    from drafters.config import DSparkConfig
+    from drafters.packing import PackedBlocks
+
+FP32_BYTES = 4
+BF16_BYTES = 2
+INT64_BYTES = 8
+DEEPSPEED_REDUCE_BUCKET_ELEMENTS = 500_000_000  # DeepSpeedZeroConfig.reduce_bucket_size default
+ANCHOR_CHUNK = 64  # drafters.packing.packed_attention's default anchor_chunk
+GB = 1e9
+
+
+@dataclass(frozen=True)
+class StepShape:
+    """The sizes one packed micro-batch produces (``drafters.packing.pack_blocks``).
+
+    Attributes:
+        sequences: B, sequences in the micro-batch.
+        blocks: N, packed blocks (anchors) over all sequences.
+        context_rows: Nc, packed context rows (each sequence up to its last anchor).
+        supervised_rows: R, supervised (block, slot) pairs, <= N * K.
+        chunk_blocks: the most blocks one attention chunk holds (<= ``ANCHOR_CHUNK``).
+        chunk_context_pairs: the most (block, context row) pairs one attention chunk scores:
+            max over chunks of blocks x the rows its furthest anchor sees
+            (``drafters.packing.packed_attention``).
+    """
+
+    sequences: int
+    blocks: int
+    context_rows: int
+    supervised_rows: int
+    chunk_blocks: int
+    chunk_context_pairs: int
+
+    @classmethod
+    def worst_case(cls, micro_batch_size: int, max_length: int, num_anchors: int,
+                   block_size: int) -> StepShape:
+        """Every sequence at ``max_length`` tokens with ``num_anchors`` anchors, every slot
+        supervised and every attention chunk seeing the whole sequence: an upper bound for any
+        micro-batch of the config.
+
+        Raises:
+            ValueError: a non-positive size.
+        """
+        if min(micro_batch_size, max_length, num_anchors, block_size) < 1:
+            raise ValueError("micro_batch_size, max_length, num_anchors and block_size must be "
+                             ">= 1")
+        anchors = min(num_anchors, max(1, max_length - 1))
+        blocks = micro_batch_size * anchors
+        chunk = min(ANCHOR_CHUNK, anchors)
+        return cls(sequences=micro_batch_size, blocks=blocks,
+                   context_rows=micro_batch_size * max_length,
+                   supervised_rows=blocks * block_size, chunk_blocks=chunk,
+                   chunk_context_pairs=chunk * max_length)
+
+    @classmethod
+    def of_packed(cls, packed: PackedBlocks) -> StepShape:
+        """The exact sizes of a packed batch."""
+        b_off = packed.block_offsets.tolist()
+        anchors = packed.anchor_positions.tolist()
+        chunk_blocks = pairs = 0
+        for seq in range(len(b_off) - 1):  # packed_attention's chunks
+            for start in range(b_off[seq], b_off[seq + 1], ANCHOR_CHUNK):
+                end = min(start + ANCHOR_CHUNK, b_off[seq + 1])
+                chunk_blocks = max(chunk_blocks, end - start)
+                pairs = max(pairs, (end - start) * max(anchors[start:end]))
+        return cls(sequences=packed.num_sequences, blocks=packed.num_blocks,
+                   context_rows=int(packed.context_positions.numel()),
+                   supervised_rows=int(packed.label_valid.sum()), chunk_blocks=chunk_blocks,
+                   chunk_context_pairs=pairs)
+
+
+@dataclass
+class MemoryEstimate:
+    """Peak device bytes of one micro-batch, by part (see the module docstring).
+
+    Attributes:
+        parameters, gradients, optimizer, deepspeed_buffers, frozen: model-state bytes, constant
+            over the step.
+        activations: the activation bytes at the peak moment (kept tensors plus that moment's
+            transients).
+        peak_moment: which moment peaks: ``"layer_forward"`` / ``"layer_backward"`` (the last
+            decoder layer's attention) or ``"loss_forward"`` / ``"loss_backward"`` (a loss
+            chunk).
+        moments: activation bytes of every moment.
+        parts: the kept-activation terms (bytes) summed into every moment.
+        trainable_parameters: P.
+    """
+
+    parameters: int
+    gradients: int
+    optimizer: int
+    deepspeed_buffers: int
+    frozen: int
+    activations: int
+    peak_moment: str
+    moments: dict[str, int] = field(default_factory=dict)
+    parts: dict[str, int] = field(default_factory=dict)
+    trainable_parameters: int = 0
+
+    @property
+    def model_states(self) -> int:
+        """Parameters, gradients, optimizer state and DeepSpeed buffers (bytes)."""
+        return self.parameters + self.gradients + self.optimizer + self.deepspeed_buffers
+
+    @property
+    def total(self) -> int:
+        """The predicted peak (bytes)."""
+        return self.model_states + self.frozen + self.activations
+
+    def as_dict(self) -> dict:
+        return {**asdict(self), "model_states": self.model_states, "total": self.total}
+
+
+def _check_modelled(cfg: DSparkConfig) -> None:
+    if cfg.drafter_type == "eagle3":
+        raise NotImplementedError("the memory model covers the DSpark/DFlash backbone, not Eagle3")
+    if cfg.head_type == "rnn":
+        raise NotImplementedError("the memory model covers the Markov head (and no head), not "
+                                  "the RNN head")
+
+
+def drafter_parameter_count(cfg: DSparkConfig) -> int:
+    """Trainable parameters P of a DSpark/DFlash drafter (``drafters.modeling.DSparkDrafter``).
+
+    Raises:
+        NotImplementedError: an Eagle3 drafter or an RNN head.
+    """
+    _check_modelled(cfg)
+    h, hd, nh, nkv = cfg.hidden_size, cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
+    layer = (2 * h * nh * hd + 2 * h * nkv * hd + 3 * h * cfg.intermediate_size  # projections
+             + 2 * h + (2 * hd if cfg.qk_norm else 0))  # norms
+    m_h = cfg.num_context_layers * cfg.target_hidden_size
+    total = cfg.num_hidden_layers * layer + h * m_h + 3 * h  # W_c, context norm, mask, final norm
+    n = cfg.draft_vocab_len
+    if cfg.head_type == "markov":
+        n_in = n + 1 if cfg.draft_vocab_size else n
+        total += n_in * cfg.markov_rank + cfg.markov_rank * n
+    if cfg.confidence_head:
+        total += h + cfg.markov_rank + 1
+    return total
+
+
+def estimate_step_memory(cfg: DSparkConfig, shape: StepShape, *, precision: str = "bf16",
+                         loss_chunk_rows: int = 1024, world_size: int = 1, zero_stage: int = 0,
+                         tied_embeddings: bool = True, frozen_bytes: int = FP32_BYTES,
+                         feature_bytes: int = BF16_BYTES,
+                         deepspeed: bool = False) -> MemoryEstimate:
+    """Predicted peak device memory of one training micro-batch (forward + backward).
+
+    Args:
+        cfg: the drafter's config (``pipeline.train.build_drafter_config``).
+        shape: the micro-batch's sizes (:class:`StepShape`).
+        precision: ``"bf16"`` (autocast forward, fp32 weights) or ``"fp32"``.
+        loss_chunk_rows: ``train.loss_chunk_rows``.
+        world_size: data-parallel workers the optimizer state is sharded over (ZeRO >= 1).
+        zero_stage: 0 (every worker holds all optimizer state), 1 (optimizer state sharded) or
+            2 (gradients sharded too).
+        tied_embeddings: the target's embedding and LM head are one tensor.
+        frozen_bytes: bytes per element of the frozen embedding / LM head on the device.
+        feature_bytes: bytes per element of the cached hidden states (bf16 cache: 2).
+        deepspeed: add DeepSpeed's fp32 master copy and gradient-reduction buffers (a plain
+            ``torch.optim.AdamW`` has neither).
+    Returns:
+        a :class:`MemoryEstimate` (bytes).
+    Raises:
+        ValueError: unknown precision or ZeRO stage, or a non-positive size.
+        NotImplementedError: an Eagle3 drafter or an RNN head.
+    """
+    _check_modelled(cfg)
+    if precision not in ("bf16", "fp32"):
+        raise ValueError(f"precision must be 'bf16' or 'fp32', got {precision!r}")
+    if zero_stage not in (0, 1, 2):
+        raise ValueError(f"zero_stage must be 0, 1 or 2, got {zero_stage}")
+    if min(world_size, loss_chunk_rows, shape.blocks, shape.supervised_rows) < 1:
+        raise ValueError("world_size, loss_chunk_rows, blocks and supervised_rows must be >= 1")
+    cast = precision == "bf16"
+    a = BF16_BYTES if cast else FP32_BYTES  # activation bytes of projection outputs
+    f4 = FP32_BYTES
+    h, hd, nh, nkv = cfg.hidden_size, cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
+    inter, layers = cfg.intermediate_size, cfg.num_hidden_layers
+    m_h = cfg.num_context_layers * cfg.target_hidden_size
+    k, s = cfg.block_size, cfg.num_slots
+    r = cfg.markov_rank if cfg.head_type == "markov" else 0
+    conf = cfg.confidence_head
+    v, vd = cfg.target_vocab_size, cfg.draft_vocab_len
+    subset = bool(cfg.draft_vocab_size)
+    n, nc, rows = shape.blocks, shape.context_rows, shape.supervised_rows
+    tokens, slots = n * s, n * k
+    chunk = min(loss_chunk_rows, rows)
+    qk = 8 * (nh + nkv) * hd if cfg.qk_norm else 0  # q/k RMSNorm: fp32 input copy + normalised
+
+    # ---- model states
+    p = drafter_parameter_count(cfg)
+    params, grads = f4 * p, f4 * p
+    shard = world_size if zero_stage >= 1 else 1
+    adam = 2 * f4 * p  # exp_avg, exp_avg_sq
+    master = f4 * p if deepspeed and zero_stage >= 1 else 0  # fp32 partition copy
+    optimizer = (adam + master) // shard
+    ds_buffers = 0
+    if deepspeed and zero_stage >= 1:
+        ds_buffers = f4 * min(p, DEEPSPEED_REDUCE_BUCKET_ELEMENTS) + f4 * p // world_size
+    if zero_stage == 2:
+        grads = f4 * p // world_size
+    frozen = frozen_bytes * v * h * (1 if tied_embeddings else 2)
+    if subset:
+        frozen += frozen_bytes * vd * h + INT64_BYTES * (vd + v)  # lm_head[d2t] copy, d2t, t2d
+
+    # ---- activations kept for backward
+    # per block token and layer, first half: the input RMSNorm (fp32 input + normalised, 8H),
+    # the inputs of q/k/v (bf16: three autocast copies, 2H each; fp32: the norm output, 4H), the
+    # q/k norms, q, k, v after RoPE; second half: the attention output, the post-attention norm,
+    # the inputs of gate/up, and gate, silu, up and their product ([I] each)
+    first_half = (8 * h + (3 * BF16_BYTES * h if cast else f4 * h) + qk
+                  + a * (nh * hd + 2 * nkv * hd))
+    second_half = (a * nh * hd + 8 * h + (2 * BF16_BYTES * h if cast else f4 * h)
+                   + 4 * a * inter)
+    per_token_layer = first_half + second_half
+    rope = 2 * a * hd  # block RoPE cos/sin, shared by the layers
+    # per context row: the projection's input (bf16 copy of the features, or their fp32 copy),
+    # the context norm (8H) and its output, RoPE tables, and every layer's k norm, k and v
+    per_context_row = ((BF16_BYTES if cast else f4) * m_h + 8 * h + a * h + 2 * a * hd
+                       + layers * ((8 * nkv * hd if cfg.qk_norm else 0) + 2 * a * nkv * hd))
+    # per block slot: the confidence head's input ([H + r], bf16 copy or the fp32 concatenation)
+    per_slot = ((BF16_BYTES if cast else f4) * (h + r) if conf else 0)
+    # per supervised row: final states (fp32), cached target states, head features, small
+    # per-row tensors (labels, weights, l1, masks), and with a draft vocabulary the target's
+    # subset probabilities kept between forward and backward
+    per_row = f4 * h + feature_bytes * h + f4 * r + 32 + (f4 * (vd + 1) if subset else 0)
+    # autocast's bf16 copies of the layer weights, kept by the matmuls for backward
+    weight_copies = (BF16_BYTES * layers * (2 * h * nh * hd + 2 * h * nkv * hd + 3 * h * inter)
+                     if cast else 0)
+    parts = {"block_tokens": tokens * (layers * per_token_layer + rope + 8 * h),  # + final norm
+             "context_rows": nc * per_context_row, "block_slots": slots * per_slot,
+             "supervised_rows": rows * per_row, "weight_copies": weight_copies}
+    kept = sum(parts.values())
+    # the packed batch on the device, alive during the forward pass
+    packed = (nc * (feature_bytes * m_h + 2 * INT64_BYTES)
+              + slots * (feature_bytes * h + 2 * INT64_BYTES + 1) + n * 2 * INT64_BYTES)
+    autocast_cache = BF16_BYTES * (h * m_h + vd * r + (h + r + 1 if conf else 0)) if cast else 0
+
+    # ---- moments 1 and 2: the last decoder layer's attention, forward and backward. Kept: the
+    # layers below, the last layer's first half, the context rows and weight copies; in forward
+    # also the packed batch and the output buffer being filled, in backward the gradients of the
+    # residual (fp32) and of the attention output. The largest chunk of a anchors scores
+    # E = nh * S * a * (ctx + S) entries; computing it peaks at ~12.6 B per entry in forward and,
+    # recomputed for backward with its gradients, at ~12.8 B (bf16) / ~17.2 B (fp32): measured
+    # with drafters.packing._attend_chunk under torch.utils.checkpoint on CPU (the one
+    # calibrated number of this model; the tests' long-context shape checks it).
+    chunk_entries = nh * s * (shape.chunk_context_pairs + shape.chunk_blocks * s)
+    below = (tokens * ((layers - 1) * per_token_layer + first_half + rope)
+             + parts["context_rows"] + weight_copies)
+    layer_fwd = below + packed + autocast_cache + a * nh * hd * tokens + 12.6 * chunk_entries
+    layer_bwd = (below + (f4 * h + a * nh * hd) * tokens
+                 + (12.8 if cast else 17.2) * chunk_entries)
+    # ---- moment 3: the last loss chunk of the forward pass. Also alive: the packed batch, the
+    # final norm's output [N, S, H] fp32, head features, autocast's other weight copies, and the
+    # chunk: target probabilities + draft logits, log-probs, |p_d - p_t| and its input (20 B per
+    # [c, V_d] entry), or the target side alone (fp32 logits and log-probs [c, V], then the
+    # probabilities: [c, V], or the subset's [c, V_d] gathered and exponentiated)
+    draft_chunk = (4 if subset else 5) * chunk * vd  # subset: p_t is counted per row
+    target_chunk = 2 * chunk * v + (2 * chunk * vd if subset else chunk * v)
+    fwd_loss = f4 * max(draft_chunk, target_chunk)
+    loss_fwd = (kept + packed + autocast_cache + f4 * h * tokens + f4 * (r + 1) * slots
+                + fwd_loss)
+    # ---- moment 4: backward recomputes a loss chunk. Also alive: the gradients of the final
+    # states and head features (once a first chunk is done), autocast's bf16 copies of the draft
+    # LM head [V_d, H] and of W2 [V_d, r], and the chunk: target probabilities, draft logits,
+    # log-probs, probs, their difference and its absolute value (24 B per [c, V_d] entry)
+    row_grads = f4 * (h + r) * rows if rows > chunk else 0
+    loss_bwd = (kept + row_grads + (BF16_BYTES * vd * (h + r) if cast else 0)
+                + f4 * (5 if subset else 6) * chunk * vd)
+    moments = {"layer_forward": int(layer_fwd), "layer_backward": int(layer_bwd),
+               "loss_forward": loss_fwd, "loss_backward": loss_bwd}
+    peak_moment = max(moments, key=moments.get)
+    return MemoryEstimate(parameters=params, gradients=grads, optimizer=optimizer,
+                          deepspeed_buffers=ds_buffers, frozen=frozen,
+                          activations=moments[peak_moment], peak_moment=peak_moment,
+                          moments=moments, parts=parts, trainable_parameters=p)
+
+
+@dataclass
+class MeasuredPeak:
+    """Peak bytes of the device tensors alive during one measured micro-batch.
+
+    Attributes:
+        peak: bytes at the peak (the input samples excluded: they are host memory in training).
+        by_kind: MemTracker's categories at the peak (``Parameter``, ``Buffer``, ``Gradient``,
+            ``Optstate``, ``Activation``, ``Temp``), bytes.
+        in_backward: the peak was reached during backward.
+        shape: the micro-batch's sizes.
+    """
+
+    peak: int
+    by_kind: dict[str, int]
+    in_backward: bool
+    shape: StepShape
+
+    @property
+    def model_states(self) -> int:
+        """Parameters, gradients and optimizer state at the peak (bytes)."""
+        return sum(self.by_kind.get(k, 0) for k in ("Parameter", "Gradient", "Optstate"))
+
+    @property
+    def activations(self) -> int:
+        """Everything else except the frozen buffers (bytes)."""
+        return self.peak - self.model_states - self.by_kind.get("Buffer", 0)
+
+
+def measure_step_peak(model, samples: list[dict], tc, objective: str, weights, generators,
+                      optimizer=None) -> MeasuredPeak:
+    """Run one training micro-batch (:func:`pipeline.train.batch_losses`, then backward) under
+    PyTorch's ``MemTracker`` and return the peak bytes of live tensors.
+
+    Every tensor storage is counted once from its allocation to its release (views share it).
+    The model's parameters, buffers and existing gradients and the optimizer's state are counted
+    from the start, so a model that already took a step (gradients kept, as between the
+    micro-batches of one optimizer step) measures the steady state. The samples are host memory
+    in training and are left out. Works on any device the model is on (CPU in the unit tests).
+
+    Args:
+        model: the bare drafter (``drafters.loading.build_drafter``), in train mode.
+        samples: cache rows as :func:`pipeline.train.batch_losses` takes them.
+        tc: the ``TrainConfig`` (micro-batch, anchors, precision, loss_chunk_rows).
+        objective, weights: :func:`pipeline.train.training_objective`.
+        generators: one anchor-sampling ``torch.Generator`` per sample (copied, not consumed).
+        optimizer: counted with its state when given (it is not stepped).
+    Returns:
+        a :class:`MeasuredPeak`.
+    """
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    from drafters.packing import pack_blocks
+
+    from .train import batch_losses
+
+    device = next(model.parameters()).device
+    copies = lambda: [torch.Generator().set_state(g.get_state()) for g in generators]
+    cfg = model.config
+    shape = StepShape.of_packed(pack_blocks(samples, tc.num_anchors, cfg.block_size, copies(),
+                                            min_anchor=1 if cfg.drafter_type == "eagle3" else 0))
+
+    class _Step(torch.nn.Module):
+        # MemTracker attributes memory to modules and refuses a second top-level call of one
+        # module (batch_losses calls the drafter's heads once per loss chunk): one root module
+        # around the whole step keeps every call inside it
+        def __init__(self):
+            super().__init__()
+            self.drafter = model
+
+        def forward(self):
+            return batch_losses(self.drafter, samples, tc, objective, weights, device, copies())
+
+    step = _Step()
+    tracker = MemTracker()
+    tracker.track_external(model, *([optimizer] if optimizer is not None else []))
+    sample_tensors = [t for s in samples for t in s.values() if isinstance(t, torch.Tensor)]
+    tracker.track_external(*sample_tensors)
+    with tracker:
+        out = step()
+        forward_peak = _total(tracker.get_tracker_snapshot("peak"), device)
+        out["loss"].backward()
+        del out
+    snap = tracker.get_tracker_snapshot("peak")
+    by_kind = {str(getattr(kind, "value", kind)): int(b)
+               for kind, b in snap.get(device, {}).items()}
+    other = by_kind.pop("Other", 0)
+    total = by_kind.pop("Total", 0)
+    return MeasuredPeak(peak=total - other, by_kind=by_kind,
+                        in_backward=total > forward_peak, shape=shape)
+
+
+def _total(snapshot: dict, device) -> int:
+    return int(snapshot.get(device, {}).get("Total", 0))
+
+
+def estimate_for_config(cfg, target_config) -> MemoryEstimate:
+    """The worst-case micro-batch memory of a pipeline config's training stage, per worker.
+
+    Args:
+        cfg: a validated ``pipeline.config.PipelineConfig``.
+        target_config: the target's Hugging Face config (``AutoConfig``), or any object with its
+            attributes (hidden_size, vocab_size, num_hidden_layers, num_attention_heads, ...).
+    Returns:
+        :func:`estimate_step_memory` of :meth:`StepShape.worst_case` with DeepSpeed's ZeRO
+        stage and world size from ``cfg.train`` and the frozen tensors in fp32, as
+        ``pipeline.train.load_frozen_head`` loads them.
+    Raises:
+        NotImplementedError: an Eagle3 drafter or an RNN head.
+    """
+    from serve.target_loading import default_layer_ids
+
+    from .train import build_drafter_config
+
+    layer_ids = cfg.target.layer_ids or default_layer_ids(target_config.num_hidden_layers,
+                                                          cfg.target.num_context_layers)
+    dcfg = build_drafter_config(target_config, cfg.target.name_or_path, layer_ids, cfg.drafter)
+    tc = cfg.train
+    shape = StepShape.worst_case(tc.micro_batch_size, cfg.cache.max_length, tc.num_anchors,
+                                 dcfg.block_size)
+    return estimate_step_memory(
+        dcfg, shape, precision=tc.precision, loss_chunk_rows=tc.loss_chunk_rows,
+        world_size=tc.num_workers, zero_stage=tc.zero_stage,
+        tied_embeddings=bool(getattr(target_config, "tie_word_embeddings", False)),
+        frozen_bytes=FP32_BYTES, deepspeed=True)
+
+
+def fake_floats() -> ExitStack:
+    """A context in which floating-point tensors are ``FakeTensor``s (shape, dtype and a CPU
+    device, no storage) while integer and bool tensors (token ids, masks, offsets, indices) stay
+    real: the real training step runs at full shapes without allocating, data-dependent control
+    flow (``.tolist()``, boolean-mask indexing) still works, autocast applies as on CPU, and
+    ``MemTracker`` counts the fake tensors' bytes.
+
+    Rules (:class:`FakeFloatsMode`): an op with only real tensor inputs runs for real; a factory
+    (no tensor input) makes a fake tensor when its result is floating, a real one otherwise; an
+    op with a fake input runs fake, its real inputs converted (boolean masks first turned into
+    their real indices, so the result's shape is known). ``.item()`` of a fake tensor reads 1
+    (only initialisation statistics such as the embedding's std ask for one). A ``MemTracker``
+    entered inside the context counts real and fake tensors alike, so a measurement equals the
+    one with real tensors (``tests/unit/test_train_memory.py``).
+
+    Returns:
+        the entered context (an ``ExitStack``); use as ``with fake_floats(): ...``.
+    """
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    stack = ExitStack()
+    fake = stack.enter_context(FakeTensorMode(allow_non_fake_inputs=True))
+    stack.enter_context(FakeFloatsMode(fake))
+    return stack
+
+
+class FakeFloatsMode(TorchDispatchMode):
+    """The dispatch rules of :func:`fake_floats` (on top of its ``FakeTensorMode``)."""
+
+    _INDEX_OPS = (torch.ops.aten.index.Tensor, torch.ops.aten.index_put.default,
+                  torch.ops.aten.index_put_.default, torch.ops.aten._index_put_impl_.default)
+
+    def __init__(self, fake_mode):
+        super().__init__()
+        self.fake = fake_mode
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
+
+        kwargs = kwargs or {}
+        tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+        if not any(isinstance(t, FakeTensor) for t in tensors):
+            if tensors:  # real inputs only: a real result
+                with unset_fake_temporarily():
+                    return func(*args, **kwargs)
+            out = func(*args, **kwargs)  # a factory: fake if floating, else real
+            if all(o.is_floating_point() for o in tree_flatten(out)[0]
+                   if isinstance(o, torch.Tensor)):
+                return out
+            with unset_fake_temporarily():
+                return func(*args, **kwargs)
+        if func is torch.ops.aten._local_scalar_dense.default:
+            return 1.0 if args[0].is_floating_point() else 1
+        if func in self._INDEX_OPS:  # boolean masks -> their real indices
+            indices = []
+            for i in args[1]:
+                if (isinstance(i, torch.Tensor) and i.dtype == torch.bool
+                        and not isinstance(i, FakeTensor)):
+                    with unset_fake_temporarily():
+                        indices.extend(i.nonzero().unbind(1))
+                else:
+                    indices.append(i)
+            args = (args[0], indices, *args[2:])
+        args, kwargs = tree_map_only(
+            torch.Tensor, lambda t: t if isinstance(t, FakeTensor) else self.fake.from_tensor(t),
+            (args, kwargs))
+        return func(*args, **kwargs)
+
+
+def measure_config_peak_fake(cfg, target_config, *, micro_batch_size: int | None = None,
+                             max_length: int | None = None,
+                             num_anchors: int | None = None) -> tuple[MeasuredPeak, MemoryEstimate]:
+    """Measure one near-worst-case training micro-batch of a config at its real shapes on fake
+    tensors (:func:`fake_floats`, :func:`measure_step_peak`), and the analytic model at the
+    measured shape.
+
+    The micro-batch: ``micro_batch_size`` sequences of ``max_length`` tokens, every token after
+    the first supervised, ``num_anchors`` anchors each (defaults: the config's
+    ``train.micro_batch_size``, ``cache.max_length``, ``train.num_anchors``); the drafter from
+    the config with fp32 frozen tensors and gradients allocated (no optimizer state: its
+    sharded size is the model's, :attr:`MemoryEstimate.optimizer`).
+
+    Returns:
+        (the measurement; :func:`estimate_step_memory` at the measured shape with the config's
+        ZeRO stage and world size).
+    Raises:
+        NotImplementedError: an Eagle3 drafter, an RNN head or a draft vocabulary.
+    """
+    from drafters.loading import build_drafter
+    from serve.target_loading import default_layer_ids
+
+    from .train import build_drafter_config, training_objective
+
+    layer_ids = cfg.target.layer_ids or default_layer_ids(target_config.num_hidden_layers,
+                                                          cfg.target.num_context_layers)
+    dcfg = build_drafter_config(target_config, cfg.target.name_or_path, layer_ids, cfg.drafter)
+    _check_modelled(dcfg)
+    if dcfg.draft_vocab_size:
+        raise NotImplementedError("the fake-tensor measurement uses the full vocabulary")
+    batch = micro_batch_size or cfg.train.micro_batch_size
+    length = max_length or cfg.cache.max_length
+    tc = cfg.train.model_copy(update={"num_anchors": num_anchors or cfg.train.num_anchors})
+    tied = bool(getattr(target_config, "tie_word_embeddings", False))
+    m_h = dcfg.num_context_layers * dcfg.target_hidden_size
+    with fake_floats():
+        emb = torch.empty(dcfg.target_vocab_size, dcfg.hidden_size)
+        head = emb if tied else torch.empty_like(emb)
+        model = build_drafter(dcfg, emb, head).train()
+        for p in model.parameters():
+            p.grad = torch.zeros_like(p)
+        samples = []
+        for _ in range(batch):
+            mask = torch.ones(length, dtype=torch.uint8)
+            mask[0] = 0
+            samples.append({
+                "input_ids": torch.randint(0, dcfg.target_vocab_size, (length,)),
+                "loss_mask": mask,
+                "context_hidden": torch.empty(length, m_h, dtype=torch.bfloat16),
+                "last_hidden": torch.empty(length, dcfg.hidden_size, dtype=torch.bfloat16)})
+        objective, weights = training_objective(dcfg)
+        gens = [torch.Generator().manual_seed(i) for i in range(batch)]
+        measured = measure_step_peak(model, samples, tc, objective, weights, gens)
+    estimate = estimate_step_memory(
+        dcfg, measured.shape, precision=tc.precision, loss_chunk_rows=tc.loss_chunk_rows,
+        world_size=tc.num_workers, zero_stage=tc.zero_stage, tied_embeddings=tied,
+        deepspeed=True)
+    return measured, estimate
