@@ -3,32 +3,43 @@
     python -m drafters.export --format vllm|speculators|eagle3 SRC DST [--target T]
                               [--mask-token-id ID] [--dtype bfloat16]
 
-- ``vllm``: vLLM's native DSpark drafter (``Qwen3DSparkModel``, vLLM 0.32+): a Qwen3-style
-  config with the DSpark fields, weights named as ``qwen3_dspark.py``'s loader expects.
+- ``vllm``: vLLM's native DSpark drafter (``Qwen3DSparkModel``, vLLM 0.32+) or DFlash drafter
+  (``DFlashDraftModel`` -> ``DFlashQwen3ForCausalLM``): a Qwen3-style config with the DSpark /
+  ``dflash_config`` fields, weights named as ``qwen3_dspark.py`` / ``qwen3_dflash.py`` load them.
 - ``speculators``: the same weights with the ``speculators`` package's config (``DSparkSpeculator``
-  / ``Eagle3Speculator``), which vLLM detects and converts itself.
+  / ``DFlashSpeculator`` / ``Eagle3Speculator``), which vLLM detects and converts itself.
 - ``eagle3``: an Eagle3 drafter in the SpecForge / vLLM layout (``midlayer.*``, ``d2t``, ``t2d``,
   ``lm_head``) for vLLM's ``Eagle3Qwen3ForCausalLM`` / ``LlamaForCausalLMEagle3`` and SGLang.
 
 The names, shapes and conventions were read from vLLM 0.32's loaders (``qwen3_dspark.py``,
-``qwen3_dflash.py``, ``qwen3_eagle3.py``, ``llama_eagle3.py``, ``eagle3_utils.py``) and
-speculators 0.9's configs; ``tests/interop`` loads an export with vLLM's own model class and
-compares block logits. What does not carry over is written to ``DST/README.md`` and refused when
-the engine cannot represent it (:class:`ExportError`):
+``qwen3_dflash.py``, ``qwen3_eagle3.py``, ``llama_eagle3.py``, ``eagle3_utils.py``,
+``configs/speculators/algos.py``) and speculators 0.9's configs; ``tests/interop`` loads the DSpark
+and DFlash exports with vLLM's own model classes and compares block hidden states and logits. What
+does not carry over is written to ``DST/README.md`` and refused when the engine cannot represent
+it (:class:`ExportError`):
 
-- the mask: ours is a learned vector; vLLM reads the embedding row ``mask_token_id``, so the
-  export ships the target's embedding with that row replaced (a row no tokenizer id maps to when
-  the target has one, else a special token the target never emits in answers);
+- the mask: ours is a learned vector; vLLM feeds the id ``mask_token_id`` to every mask slot.
+  DSpark reads its embedding row, so the export ships the target's embedding with that row
+  replaced; DFlash reads the vector itself from ``mask_embedding.pt`` (``_read_mask_embedding``)
+  and shares the target's embedding. The id is one no tokenizer id maps to when the target has
+  one, else a special token the target never emits in answers (an anchor equal to it would be
+  embedded as the mask); the speculators package's own DFlash model ignores the file;
 - ``d2t``: ours maps draft ids to target ids; vLLM's holds offsets (target = draft + d2t[draft]);
+  the draft vocabulary is listed in ascending target ids;
 - the Markov head's W1 is indexed by draft ids (+1 row for "outside the draft vocabulary") here
   and by target ids in vLLM: row t gets our row of t's draft id (or the outside row);
 - layer ids: ours are 0-based decoder layers (transformers' ``hidden_states[l + 1]``), as vLLM's
-  ``target_layer_ids``; its aux/Eagle3 ids are ``l + 1``. vLLM records the last layer before the
-  final norm and transformers after it, so a drafter reading the last layer is refused;
+  ``target_layer_ids`` / ``dflash_config.target_layer_ids``; its aux/Eagle3 ids (and speculators'
+  ``aux_hidden_state_layer_ids``) are ``l + 1``. Checkpoint layers are numbered from 0 (vLLM
+  offsets only their KV-cache names by the target's layer count). vLLM records the last layer
+  before the final norm and transformers after it, so a drafter reading the last layer is refused;
+- DFlash's block: anchor + gamma masks attending both ways; vLLM's ``dflash_config.causal`` false
+  (speculators: ``sliding_window_non_causal`` true), ``block_size`` gamma + 1 as z-lab's and
+  speculators' DFlash count it, served with ``num_speculative_tokens`` gamma;
 - STS temperatures (per-position confidence calibration) have no field in vLLM: its adaptive
   verification uses the raw confidence;
-- the RNN head, DFlash (not yet checked against vLLM's loader) and layers without q/k norms for
-  the DSpark formats are refused.
+- the RNN head and layers without q/k norms (vLLM's DSpark and DFlash attention always normalise
+  q and k) are refused.
 """
 
 from __future__ import annotations
@@ -51,7 +62,8 @@ class ExportError(ValueError):
 # ------------------------------------------------------------------------------ pieces
 def choose_mask_token(vocab_size: int, tokenizer_len: int | None, special_ids: list[int],
                       end_ids: list[int]) -> int:
-    """The embedding row vLLM's DSpark reads as the mask input.
+    """The token id vLLM feeds to the mask slots (DSpark reads its embedding row, DFlash
+    replaces it by ``mask_embedding.pt``).
 
     An id no token maps to (the target's embedding has more rows than its tokenizer) is never an
     anchor; otherwise a special token that ends nothing (an end token is an anchor whenever a
@@ -114,18 +126,25 @@ def _qwen3_layer_config(cfg, dtype: str) -> dict:
             "use_sliding_window": False, "sliding_window": None}
 
 
-# ------------------------------------------------------------------------------ DSpark
-def _check_dspark(cfg, target_layers: int) -> None:
-    if cfg.drafter_type != "dspark":
-        hint = (" (use --format eagle3)" if cfg.drafter_type == "eagle3" else
-                ": DFlash export is not yet checked against vLLM's loader")
-        raise ExportError(f"--format vllm/speculators exports DSpark drafters; this one is "
-                          f"{cfg.drafter_type}{hint}")
-    if cfg.head_type != "markov":
+# ------------------------------------------------------------------------------ DSpark / DFlash
+def _check_block_drafter(cfg, target_layers: int) -> None:
+    """Refuse what vLLM's ``Qwen3DSparkModel`` / ``DFlashDraftModel`` cannot hold.
+
+    Raises:
+        ExportError: an Eagle3 drafter (``--format eagle3``), a DSpark head other than the
+            Markov head, layers without q/k norms (vLLM's ``DFlashQwen3Attention`` always
+            normalises q and k; an RMSNorm with unit weight is no identity), or a drafter reading
+            the target's last layer.
+    """
+    kind = "DSpark" if cfg.drafter_type == "dspark" else "DFlash"
+    if cfg.drafter_type not in ("dspark", "dflash"):
+        raise ExportError(f"--format vllm/speculators exports DSpark and DFlash drafters; this "
+                          f"one is {cfg.drafter_type} (use --format eagle3)")
+    if cfg.drafter_type == "dspark" and cfg.head_type != "markov":
         raise ExportError(f"vLLM's Qwen3DSparkModel has the Markov head only; this drafter has "
                           f"head_type {cfg.head_type!r}")
     if not cfg.qk_norm:
-        raise ExportError("vLLM's DSpark layers are Qwen3 layers with q/k norms; this drafter "
+        raise ExportError(f"vLLM's {kind} layers are Qwen3 layers with q/k norms; this drafter "
                           "has none (qk_norm false, a Llama-style target)")
     _check_layers(cfg, target_layers)
 
@@ -146,16 +165,27 @@ def dspark_tensors(drafter, embed_weight: torch.Tensor, lm_head_weight: torch.Te
     if drafter.confidence is not None:
         out["confidence_head.proj.weight"] = sd["confidence.proj.weight"]
         out["confidence_head.proj.bias"] = sd["confidence.proj.bias"]
-    if drafter.d2t is not None:
-        order = ascending_vocab(drafter.d2t)
-        d2t = drafter.d2t[order]
-        out["lm_head.weight"] = lm_head_weight.detach()[d2t].to(embed.dtype)
-        out["d2t"] = vllm_offsets(d2t)
-        w2 = w2[order.to(w2.device)]
-    else:  # written although vLLM could share it: the head is part of what was trained against
-        out["lm_head.weight"] = lm_head_weight.detach().to(embed.dtype)
-    out["markov_head.markov_w2.weight"] = w2
+    head, order = _draft_lm_head(drafter, lm_head_weight, embed.dtype)
+    out.update(head)
+    out["markov_head.markov_w2.weight"] = w2 if order is None else w2[order.to(w2.device)]
     return out
+
+
+def _draft_lm_head(drafter, lm_head_weight: torch.Tensor, dtype: torch.dtype):
+    """The draft LM head as vLLM's DSpark / DFlash loaders read it.
+
+    Returns:
+        ({"lm_head.weight": [N, H], "d2t": int64 [N] offsets (only with a draft vocabulary)},
+        the ascending order int64 [N] that rows indexed by draft id must follow, or None).
+        The full-vocabulary head is written although vLLM could share the target's: it is part
+        of what the drafter was trained against (vLLM shares it again when it is equal).
+    """
+    if drafter.d2t is None:
+        return {"lm_head.weight": lm_head_weight.detach().to(dtype)}, None
+    order = ascending_vocab(drafter.d2t)
+    d2t = drafter.d2t[order]
+    return {"lm_head.weight": lm_head_weight.detach()[d2t].to(dtype),
+            "d2t": vllm_offsets(d2t)}, order
 
 
 def dspark_vllm_config(drafter, mask_token_id: int, dtype: str) -> dict:
@@ -193,6 +223,65 @@ def _proposals(algorithm: str, tokens: int, verifier: dict) -> dict:
             "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": tokens,
                                   "accept_tolerance": 0.0, "verifier_accept_k": 1}],
             "verifier": verifier}
+
+
+def dflash_tensors(drafter, lm_head_weight: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Our DFlash state -> the tensors vLLM's ``DFlashQwen3ForCausalLM.load_weights`` reads.
+
+    Unprefixed names (vLLM prefixes ``model.``; q/k/v and gate/up are stacked by
+    ``DFlashQwen3Model.hf_to_vllm_mapper``), layers numbered from 0 (vLLM offsets only the KV-cache
+    names by the target's layer count). No ``embed_tokens``: vLLM then shares the target's
+    embedding, and the mask vector travels in ``mask_embedding.pt`` (:func:`dflash_mask_file`).
+
+    Returns:
+        {"fc.weight": [H, m*H_t], "hidden_norm.weight": [H], "norm.weight": [H], "layers.*",
+        "lm_head.weight": [N, H], "d2t": int64 [N] (draft vocabulary only)}.
+    """
+    sd = {k: v.detach() for k, v in drafter.state_dict().items()}
+    out = {"fc.weight": sd["context_proj.weight"], "hidden_norm.weight": sd["context_norm.weight"],
+           "norm.weight": sd["norm.weight"]}
+    out.update({k: v for k, v in sd.items() if k.startswith("layers.")})
+    out.update(_draft_lm_head(drafter, lm_head_weight, sd["context_proj.weight"].dtype)[0])
+    return out
+
+
+def dflash_mask_file(drafter, mask_token_id: int, dtype: torch.dtype) -> dict:
+    """The ``mask_embedding.pt`` content vLLM's DFlash loader (``_read_mask_embedding``) reads:
+    {"mask_token_id": int, "embedding": [H] in ``dtype``}. vLLM embeds every query slot whose
+    input id is ``mask_token_id`` with this vector (``DFlashQwen3Model.embed_input_ids``), and
+    refuses a file whose id differs from ``dflash_config.mask_token_id``."""
+    vec = drafter.mask_embedding.detach().to(dtype).contiguous().cpu().clone()
+    return {"mask_token_id": int(mask_token_id), "embedding": vec}
+
+
+def dflash_vllm_config(drafter, mask_token_id: int, dtype: str) -> dict:
+    """vLLM's native DFlash config (``DFlashDraftModel``, a Qwen3 config with ``dflash_config``).
+
+    ``block_size`` counts the query slots (anchor + gamma masks) as z-lab's DFlash checkpoints
+    and speculators do; vLLM reads ``num_speculative_tokens`` (= gamma) from the serving config.
+    ``dflash_config.causal`` false: the block attends to itself both ways, as trained."""
+    cfg = drafter.config
+    return {"architectures": ["DFlashDraftModel"], **_qwen3_layer_config(cfg, dtype),
+            "draft_vocab_size": cfg.draft_vocab_len, "target_hidden_size": cfg.target_hidden_size,
+            "block_size": cfg.num_slots,
+            "dflash_config": {"mask_token_id": mask_token_id,
+                              "target_layer_ids": list(cfg.target_layer_ids), "causal": False}}
+
+
+def dflash_speculators_config(drafter, mask_token_id: int, dtype: str, verifier: dict) -> dict:
+    """speculators 0.9's ``DFlashSpeculatorConfig``; vLLM's ``update_dflash`` turns it into the
+    config of :func:`dflash_vllm_config` (aux ids ``l + 1``; ``sliding_window_non_causal`` true
+    is what makes vLLM's ``dflash_config.causal`` false)."""
+    cfg = drafter.config
+    return {"architectures": ["DFlashSpeculator"], "speculators_model_type": "dflash",
+            "speculators_version": SPECULATORS_VERSION,
+            "transformer_layer_config": {"architectures": ["Qwen3ForCausalLM"],
+                                         **_qwen3_layer_config(cfg, dtype)},
+            "draft_vocab_size": cfg.draft_vocab_len, "block_size": cfg.num_slots,
+            "aux_hidden_state_layer_ids": [l + 1 for l in cfg.target_layer_ids],
+            "mask_token_id": mask_token_id, "sample_from_anchor": False,
+            "sliding_window_non_causal": True, "target_hidden_size": cfg.target_hidden_size,
+            "speculators_config": _proposals("dflash", cfg.block_size, verifier)}
 
 
 # ------------------------------------------------------------------------------ Eagle3
@@ -282,9 +371,20 @@ def _readme(fmt: str, drafter, mask_token_id: int | None, src: Path, target: str
                   "uncalibrated", "raw confidence (vLLM's adaptive verification has no "
                   "per-position temperatures): calibration does not carry over"
                   if cfg.confidence_head else "none")]
+    if cfg.drafter_type == "dflash":
+        rows += [("mask input", "a learned vector", f"the same vector in `mask_embedding.pt` for "
+                  f"id {mask_token_id} (`mask_token_id`); the target's embedding is shared; a "
+                  "round whose anchor is that token drafts with the mask's embedding (lossless, "
+                  "shorter drafts)"
+                  + ("; the speculators package's own DFlash model ignores the file and "
+                     "embeds the mask as that id's verifier row" if fmt == "speculators" else "")),
+                 ("block", f"anchor + {cfg.block_size} masks, bidirectional",
+                  f"`block_size` {cfg.num_slots} (anchor included), non-causal "
+                  "(`dflash_config.causal` false); serve with `num_speculative_tokens` "
+                  f"{cfg.block_size}")]
     lines += [f"| {a} | {b} | {c} |" for a, b, c in rows]
     lines += ["", "vLLM (0.32+): `speculative_config={\"model\": \"<this directory>\", "
-              f"\"method\": \"{'dspark' if cfg.drafter_type == 'dspark' else 'eagle3'}\", "
+              f"\"method\": \"{cfg.drafter_type}\", "
               f"\"num_speculative_tokens\": {cfg.block_size}}}`"
               + (", plus `\"enable_adaptive_verification\": true` to size each request's "
                  "verification by the confidence head" if cfg.confidence_head else "") + "."]
@@ -321,12 +421,13 @@ def export(src: str | Path, dst: str | Path, fmt: str, target: str | None = None
             directory).
         fmt: "vllm", "speculators" or "eagle3".
         target: the target model (name or directory); default: the one the drafter records.
-        mask_token_id: the embedding row used as the DSpark mask input; default: see
+        mask_token_id: the token id of the DSpark / DFlash mask slots; default: see
             :func:`choose_mask_token`.
         dtype: "float32", "bfloat16" or "float16" for the written weights; default: the source
             checkpoint's.
     Returns:
-        {"format", "dst", "tensors", "mask_token_id"}.
+        {"format", "dst", "tensors", "mask_token_id"} (the id is None for Eagle3). A DFlash
+        export also holds ``mask_embedding.pt`` beside ``model.safetensors``.
     Raises:
         ExportError: the format cannot represent this drafter (reason named), or an unknown
             format; FileNotFoundError / DrafterCheckpointError: a bad source directory.
@@ -354,7 +455,7 @@ def export(src: str | Path, dst: str | Path, fmt: str, target: str | None = None
         raise FileNotFoundError(f"cannot load the target {target!r} (--target): {err}") from err
     eagle = fmt == "eagle3" or config.drafter_type == "eagle3"
     # refusals first: they need the configs only, not the target's weights
-    (_check_eagle3 if eagle else _check_dspark)(config, num_layers)
+    (_check_eagle3 if eagle else _check_block_drafter)(config, num_layers)
     embed, lm_head, archs, _, tok_len, special, ends = _target_facts(target)
     drafter = drafter_class(config.drafter_type).from_pretrained(src, embed, lm_head)
     if dtype:
@@ -366,7 +467,7 @@ def export(src: str | Path, dst: str | Path, fmt: str, target: str | None = None
                              if fh.get_slice(k).get_dtype() in floats)
     dtype_name = str(out_dtype).removeprefix("torch.")
     verifier = {"name_or_path": str(target), "architectures": archs}
-    mask = None
+    mask = mask_file = None
     if eagle:
         tensors = eagle3_tensors(drafter, lm_head)
         cfg = (eagle3_config(drafter, dtype_name) if fmt != "speculators"
@@ -379,9 +480,15 @@ def export(src: str | Path, dst: str | Path, fmt: str, target: str | None = None
         if not 0 <= mask < config.target_vocab_size:
             raise ExportError(f"--mask-token-id {mask} is outside the vocabulary "
                               f"[0, {config.target_vocab_size})")
-        tensors = dspark_tensors(drafter, embed, lm_head, mask)
-        cfg = (dspark_vllm_config(drafter, mask, dtype_name) if fmt == "vllm"
-               else dspark_speculators_config(drafter, mask, dtype_name, verifier))
+        if config.drafter_type == "dspark":
+            tensors = dspark_tensors(drafter, embed, lm_head, mask)
+            cfg = (dspark_vllm_config(drafter, mask, dtype_name) if fmt == "vllm"
+                   else dspark_speculators_config(drafter, mask, dtype_name, verifier))
+        else:
+            tensors = dflash_tensors(drafter, lm_head)
+            mask_file = dflash_mask_file(drafter, mask, out_dtype)
+            cfg = (dflash_vllm_config(drafter, mask, dtype_name) if fmt == "vllm"
+                   else dflash_speculators_config(drafter, mask, dtype_name, verifier))
     tensors = {k: (v.to(out_dtype) if v.is_floating_point() and "confidence_head" not in k
                    else v).contiguous().cpu() for k, v in tensors.items()}
     # written beside the destination and moved into place whole: a failed export leaves no mix
@@ -391,6 +498,8 @@ def export(src: str | Path, dst: str | Path, fmt: str, target: str | None = None
     tmp.mkdir(parents=True)
     try:
         save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        if mask_file is not None:  # vLLM's DFlash loader reads this name (torch.load, weights)
+            torch.save(mask_file, tmp / "mask_embedding.pt")
         (tmp / "config.json").write_text(json.dumps(cfg, indent=1) + "\n")
         (tmp / "README.md").write_text(_readme(fmt, drafter, mask, src, str(target)))
         if dst.exists():
@@ -417,7 +526,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("src", help="dspark-ray drafter directory")
     parser.add_argument("dst", help="output directory")
     parser.add_argument("--target", help="target model (default: the drafter's recorded one)")
-    parser.add_argument("--mask-token-id", type=int, help="DSpark mask row (default: auto)")
+    parser.add_argument("--mask-token-id", type=int,
+                        help="DSpark/DFlash mask token id (default: auto)")
     parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"))
     args = parser.parse_args(argv)
     try:

@@ -166,8 +166,9 @@ class DrafterSection(Strict):
     markov_rank: int = Field(256, ge=1)
     qk_norm: bool | None = Field(None, description="RMSNorm on each head's queries and keys in "
                                  "the drafter's layers; None = as the target (Qwen3 yes, Llama "
-                                 "no). vLLM's DSpark drafter is Qwen3-based: set true to export a "
-                                 "Llama-target drafter with drafters.export --format vllm.")
+                                 "no). vLLM's DSpark and DFlash drafters are Qwen3-based: set true "
+                                 "to export a Llama-target drafter with drafters.export --format "
+                                 "vllm.")
     confidence_head: bool = True
     loss_decay: float | None = Field(None, gt=0, description="w_k = exp(-(k-1)/decay); None = "
                                      "block_size (paper); the reference repository uses 4.")

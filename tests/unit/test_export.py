@@ -1,7 +1,8 @@
 """drafters.export (issue 13): the renamed tensors hold exactly the drafter's numbers in the
-engines' conventions (offset d2t, target-indexed Markov W1, the mask as an embedding row, layer
-ids), the configs carry the fields vLLM and speculators read, and what an engine cannot represent
-is refused with the reason. Loading by vLLM itself: tests/interop."""
+engines' conventions (offset d2t, target-indexed Markov W1, the DSpark mask as an embedding row,
+the DFlash mask in ``mask_embedding.pt``, layer ids), the configs carry the fields vLLM and
+speculators read, and what an engine cannot represent is refused with the reason. Loading by vLLM
+itself: tests/interop."""
 
 from __future__ import annotations
 
@@ -96,6 +97,57 @@ def test_speculators_config(tmp_path, target, tiny_target_dir):
     assert t["confidence_head.proj.weight"].dtype == torch.float32  # vLLM keeps it in fp32
 
 
+def test_dflash_vllm_export_holds_the_drafter_in_vllm_conventions(tmp_path, target,
+                                                                  tiny_target_dir):
+    drafter = _randomized(tiny_drafter(target, layer_ids=(1, 3), block_size=4,
+                                       drafter_type="dflash", draft_vocab=VOCAB))
+    src = _save(drafter, tmp_path / "src", tiny_target_dir)
+    mask = export(src, tmp_path / "out", "vllm")["mask_token_id"]
+    t = load_file(tmp_path / "out" / "model.safetensors")
+    cfg = json.loads((tmp_path / "out" / "config.json").read_text())
+    sd = drafter.state_dict()
+    assert cfg["architectures"] == ["DFlashDraftModel"] and cfg["model_type"] == "qwen3"
+    assert cfg["dflash_config"] == {"mask_token_id": mask, "target_layer_ids": [1, 3],
+                                    "causal": False}
+    assert cfg["block_size"] == 5  # anchor + 4 masks, as z-lab's and speculators' DFlash count
+    assert cfg["draft_vocab_size"] == len(VOCAB) and cfg["vocab_size"] == target.config.vocab_size
+    # the learned mask vector travels in vLLM's mask_embedding.pt; the embedding is the target's
+    file = torch.load(tmp_path / "out" / "mask_embedding.pt", weights_only=True)
+    assert file["mask_token_id"] == mask and torch.equal(file["embedding"], sd["mask_embedding"])
+    assert "embed_tokens.weight" not in t and "mask_embedding" not in t
+    assert (torch.arange(len(VOCAB)) + t["d2t"]).tolist() == ASCENDING
+    assert torch.equal(t["lm_head.weight"], target.get_output_embeddings().weight[ASCENDING])
+    assert torch.equal(t["fc.weight"], sd["context_proj.weight"])
+    assert torch.equal(t["hidden_norm.weight"], sd["context_norm.weight"])
+    assert torch.equal(t["norm.weight"], sd["norm.weight"])
+    k_norm = "layers.0.self_attn.k_norm.weight"
+    assert torch.equal(t[k_norm], sd[k_norm])
+    assert set(t) == {"fc.weight", "hidden_norm.weight", "norm.weight", "lm_head.weight", "d2t"} | {
+        k for k in sd if k.startswith("layers.")}
+    readme = (tmp_path / "out" / "README.md").read_text()
+    assert "mask_embedding.pt" in readme and '"method": "dflash"' in readme
+
+
+def test_dflash_speculators_config(tmp_path, target, tiny_target_dir):
+    src = _save(tiny_drafter(target, layer_ids=(1, 3), block_size=4, drafter_type="dflash"),
+                tmp_path / "src", tiny_target_dir)
+    mask = export(src, tmp_path / "out", "speculators", dtype="bfloat16")["mask_token_id"]
+    cfg = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert "model_type" not in cfg and cfg["speculators_model_type"] == "dflash"
+    assert cfg["aux_hidden_state_layer_ids"] == [2, 4] and cfg["mask_token_id"] == mask
+    # vLLM's update_dflash: causal = not sliding_window_non_causal; no anchor sampling
+    assert cfg["sliding_window_non_causal"] and not cfg["sample_from_anchor"]
+    assert cfg["block_size"] == 5 and cfg["draft_vocab_size"] == target.config.vocab_size
+    spec = cfg["speculators_config"]
+    assert spec["algorithm"] == "dflash" and spec["proposal_methods"][0]["speculative_tokens"] == 4
+    t = load_file(tmp_path / "out" / "model.safetensors")
+    assert t["fc.weight"].dtype == torch.bfloat16 and "d2t" not in t
+    assert torch.equal(t["lm_head.weight"].float(),
+                       target.get_output_embeddings().weight.bfloat16().float())
+    file = torch.load(tmp_path / "out" / "mask_embedding.pt", weights_only=True)
+    assert file["embedding"].dtype == torch.bfloat16
+
+
 def test_eagle3_export_is_the_specforge_layout(tmp_path, target, tiny_target_dir):
     drafter = _randomized(tiny_drafter(target, layer_ids=(1, 3), drafter_type="eagle3",
                                        draft_vocab=VOCAB))
@@ -116,9 +168,10 @@ def test_eagle3_export_is_the_specforge_layout(tmp_path, target, tiny_target_dir
 
 @pytest.mark.parametrize("kwargs, fmt, needle", [
     ({"head_type": "rnn"}, "vllm", "Markov head only"),
-    ({"drafter_type": "dflash"}, "vllm", "DFlash"),
     ({}, "eagle3", "exports Eagle3 drafters"),
+    ({"drafter_type": "dflash"}, "eagle3", "this one is dflash"),
     ({"layer_ids": (1, 5)}, "vllm", "last layer"),
+    ({"layer_ids": (1, 5), "drafter_type": "dflash"}, "speculators", "last layer"),
     ({"drafter_type": "eagle3", "num_layers": 2}, "eagle3", "one decoder layer"),
 ])
 def test_what_an_engine_cannot_represent_is_refused(tmp_path, target, tiny_target_dir, kwargs,
@@ -130,16 +183,22 @@ def test_what_an_engine_cannot_represent_is_refused(tmp_path, target, tiny_targe
     assert not (tmp_path / "out").exists()
 
 
-def test_layers_without_qk_norm_are_refused_for_dspark(tmp_path, target, tiny_target_dir):
+@pytest.mark.parametrize("drafter_type, fmt", [("dspark", "vllm"), ("dflash", "vllm"),
+                                               ("dflash", "speculators")])
+def test_layers_without_qk_norm_are_refused(tmp_path, target, tiny_target_dir, drafter_type,
+                                            fmt):
+    """vLLM's DSpark and DFlash layers always normalise q and k (DFlashQwen3Attention)."""
     from drafters import DSparkDrafter
 
-    cfg = tiny_drafter(target).config
+    cfg = tiny_drafter(target, drafter_type=drafter_type).config
     cfg.qk_norm = False  # a Llama-style target's drafter
     drafter = DSparkDrafter(cfg, target.get_input_embeddings().weight,
                             target.get_output_embeddings().weight)
     src = _save(drafter, tmp_path / "src", tiny_target_dir)
-    with pytest.raises(ExportError, match="q/k norms"):
-        export(src, tmp_path / "out", "vllm")
+    kind = "DFlash" if drafter_type == "dflash" else "DSpark"
+    with pytest.raises(ExportError, match=f"vLLM's {kind} layers are Qwen3 layers with q/k norms"):
+        export(src, tmp_path / "out", fmt)
+    assert not (tmp_path / "out").exists()
 
 
 def test_mask_token_choice():
