@@ -51,8 +51,32 @@ def bf16_bytes(t) -> bytes:
 
 
 def decode_row(row: dict, hidden_size: int, num_context_layers: int) -> dict:
-    """Decode one cache row into torch tensors.
+    """Decode one cache row (a dict of Python values, e.g. from ``Table.to_pylist()``).
 
+    Returns:
+        ``input_ids`` int64 [T], ``loss_mask`` uint8 [T], ``context_hidden`` bf16 [T, m*H],
+        ``last_hidden`` bf16 [T, H], ``sample_id`` str.
+    Raises:
+        CorruptShardError: byte sizes disagree with ``num_tokens`` (naming the sample).
+    """
+    cols = {c: np.frombuffer(row[c], dtype=np.uint8) for c in BYTE_COLUMNS}
+    return decode_columns(row.get("sample_id"), int(row["num_tokens"]), cols, hidden_size,
+                          num_context_layers)
+
+
+BYTE_COLUMNS = ("input_ids", "loss_mask", "context_hidden", "last_hidden")
+
+
+def decode_columns(sample_id: str | None, num_tokens: int, cols: dict[str, np.ndarray],
+                   hidden_size: int, num_context_layers: int) -> dict:
+    """Decode one cache row from its byte columns, given as uint8 numpy views (e.g. straight into
+    an Arrow buffer; each is copied once into a fresh, writable tensor).
+
+    Args:
+        sample_id: the row's ``sample_id`` (named in errors).
+        num_tokens: T.
+        cols: ``input_ids`` [4T], ``loss_mask`` [T], ``context_hidden`` [2*T*m*H],
+            ``last_hidden`` [2*T*H], all uint8, little-endian payloads of SPEC 1.4.
     Returns:
         ``input_ids`` int64 [T], ``loss_mask`` uint8 [T], ``context_hidden`` bf16 [T, m*H],
         ``last_hidden`` bf16 [T, H], ``sample_id`` str.
@@ -61,21 +85,20 @@ def decode_row(row: dict, hidden_size: int, num_context_layers: int) -> dict:
     """
     import torch
 
-    t = int(row["num_tokens"])
-    sid = row.get("sample_id")
-    sizes = {"input_ids": 4 * t, "loss_mask": t, "context_hidden": 2 * t * num_context_layers * hidden_size,
+    t, w = num_tokens, num_context_layers * hidden_size
+    sizes = {"input_ids": 4 * t, "loss_mask": t, "context_hidden": 2 * t * w,
              "last_hidden": 2 * t * hidden_size}
     for col, size in sizes.items():
-        if len(row[col]) != size:
-            raise CorruptShardError(f"cache row {sid!r}: column {col} has {len(row[col])} bytes, "
-                                    f"expected {size} for {t} tokens")
-    as_bf16 = lambda b, w: torch.frombuffer(bytearray(b), dtype=torch.int16).view(torch.bfloat16).view(t, w)
+        if cols[col].size != size:
+            raise CorruptShardError(f"cache row {sample_id!r}: column {col} has {cols[col].size} "
+                                    f"bytes, expected {size} for {t} tokens")
+    as_bf16 = lambda b, width: torch.from_numpy(b.view("<i2").copy()).view(torch.bfloat16).view(t, width)
     return {
-        "sample_id": sid,
-        "input_ids": torch.from_numpy(np.frombuffer(row["input_ids"], dtype="<i4").astype(np.int64)),
-        "loss_mask": torch.from_numpy(np.frombuffer(row["loss_mask"], dtype=np.uint8).copy()),
-        "context_hidden": as_bf16(row["context_hidden"], num_context_layers * hidden_size),
-        "last_hidden": as_bf16(row["last_hidden"], hidden_size),
+        "sample_id": sample_id,
+        "input_ids": torch.from_numpy(cols["input_ids"].view("<i4").astype(np.int64)),
+        "loss_mask": torch.from_numpy(cols["loss_mask"].copy()),
+        "context_hidden": as_bf16(cols["context_hidden"], w),
+        "last_hidden": as_bf16(cols["last_hidden"], hidden_size),
     }
 
 
@@ -148,23 +171,43 @@ class CacheWriterUDF:
                 except ValueError as err:  # bad data (mask, length, template) never sinks the shard
                     errors.append({"id": conv["id"], "stage": "cache",
                                    "error": f"{type(err).__name__}: {err}"})
-            table = pa.Table.from_pylist(records, schema=SCHEMA)
-            buf = io.BytesIO()
-            pq.write_table(table, buf, row_group_size=self.rows_per_row_group, compression="zstd")
-            data = buf.getvalue()
-            storage.write_bytes_atomic(path + ".parquet", data, self.storage_options)
-            summary = {"file": path.rsplit("/", 1)[-1] + ".parquet", "rows": len(records),
-                       "tokens": int(sum(r["num_tokens"] for r in records)),
-                       "supervised_tokens": int(sum(sum(r["loss_mask"]) for r in records)),
-                       "supervised_token_counts": supervised_token_counts(records),
-                       "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest(),
-                       "fingerprint": str(fingerprint), "errors": errors}
-            # the sidecar is written last: its presence marks the shard complete
-            storage.write_bytes_atomic(path + ".json", json.dumps(summary).encode(),
-                                       self.storage_options)
+            summary = write_shard(path, records, rows_per_row_group=self.rows_per_row_group,
+                                  storage_options=self.storage_options,
+                                  extra={"fingerprint": str(fingerprint), "errors": errors})
             summaries["shard"].append(int(shard))
             summaries["summary"].append(json.dumps(summary))
         return summaries
+
+
+def write_shard(path: str, records: list[dict], *, rows_per_row_group: int,
+                storage_options: dict, extra: dict | None = None) -> dict:
+    """Write one shard: ``<path>.parquet`` (atomically), then its ``<path>.json`` sidecar, whose
+    presence marks the shard complete.
+
+    Args:
+        path: shard base path (local or s3://) without suffix.
+        records: cache rows (columns of :data:`SCHEMA`, byte columns as ``bytes``).
+        rows_per_row_group: Parquet row group size (rows).
+        extra: more sidecar fields (``fingerprint``, ``errors``).
+    Returns:
+        The sidecar: ``file``, ``rows``, ``tokens``, ``supervised_tokens``,
+        ``supervised_token_counts``, ``bytes``, ``sha256`` and ``extra``.
+    Raises:
+        OSError: the store failed (nothing is left at the shard's path).
+    """
+    table = pa.Table.from_pylist(records, schema=SCHEMA)
+    buf = io.BytesIO()
+    pq.write_table(table, buf, row_group_size=rows_per_row_group, compression="zstd")
+    data = buf.getvalue()
+    storage.write_bytes_atomic(path + ".parquet", data, storage_options)
+    summary = {"file": path.rsplit("/", 1)[-1] + ".parquet", "rows": len(records),
+               "tokens": int(sum(r["num_tokens"] for r in records)),
+               "supervised_tokens": int(sum(sum(r["loss_mask"]) for r in records)),
+               "supervised_token_counts": supervised_token_counts(records),
+               "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest(), **(extra or {})}
+    # the sidecar is written last: its presence marks the shard complete
+    storage.write_bytes_atomic(path + ".json", json.dumps(summary).encode(), storage_options)
+    return summary
 
 
 def supervised_token_counts(records: list[dict]) -> dict[str, int]:

@@ -30,9 +30,15 @@ def get_fsspec(path: str, storage_options: dict | None = None):
 
 
 def get_arrow_fs(path: str, storage_options: dict | None = None):
-    """(pyarrow filesystem, path inside it) for reading/writing Parquet at ``path``."""
+    """(pyarrow filesystem, path inside it) for reading/writing Parquet at ``path``.
+
+    For s3:// the s3fs files are opened without s3fs's read-ahead cache (unless the storage
+    options choose one): pyarrow asks for exactly the byte ranges it needs and coalesces them
+    itself, and a read-ahead would fetch up to a block (50 MB) more per request.
+    """
     if path.startswith("s3://"):
-        fs = pafs.PyFileSystem(pafs.FSSpecHandler(get_fsspec(path, storage_options)))
+        options = {"default_cache_type": "none", **(storage_options or {})}
+        fs = pafs.PyFileSystem(pafs.FSSpecHandler(get_fsspec(path, options)))
         return fs, path[len("s3://"):]
     return pafs.LocalFileSystem(), path
 
