@@ -1,21 +1,26 @@
-"""Target-cache I/O throughput: the training reader against a raw pyarrow read of the same shards,
-on a local directory and on a moto S3 server (127.0.0.1, started here).
+"""Target-cache I/O throughput: the training reader and the cache writer against raw pyarrow on
+the same shards and store, on a local directory and on a moto S3 server (127.0.0.1, started here
+in a child process), with the hidden-state columns zstd-compressed or not.
 
-Data: a synthetic cache written by the project's own writer (``pipeline.cache.write_shard``) at
-SmolLM2-135M shapes: H = 576, 5 context layers, 256-384 tokens per row (6,917 B/token, ~2 MB per
-row), bf16 features drawn from a Gaussian with log-normal per-channel scales (zstd shrinks them to
-~0.80 of their size, as it does real SmolLM2 activations).
+Data: a synthetic cache at SmolLM2-135M shapes: H = 576, 5 context layers, 256-384 tokens per row
+(6,917 B/token, ~2 MB per row), bf16 features drawn from a Gaussian with log-normal per-channel
+scales (zstd shrinks them to ~0.80 of their size, as it does real SmolLM2 activations).
 
 Arms, alternating (ours, raw, ours, raw, ...) for ``--repeats`` rounds; the ratio is of the medians:
 
 - read, ours: ``CacheRowIndex`` + ``CacheRowReader.prefetch`` over one epoch's plan (one worker,
   micro-batches of 4, prefetch depth as in training), every row decoded to torch tensors;
-- read, raw: ``pq.read_table`` of each shard through the same filesystem, nothing decoded.
+- read, raw: ``pq.read_table`` of each shard through the same filesystem, nothing decoded;
+- write, ours: ``pipeline.cache.write_shard`` per shard from the rows as the writer holds them
+  (dicts of bytes): streamed row groups, sha256, atomic commit, sidecar;
+- write, raw: ``pq.write_table`` of the same rows, already an Arrow table, with the same Parquet
+  options, to the same store.
 
-Bytes/s count the cache payload (tokens x bytes_per_token of SPEC 1.4), the same for every arm.
-Writes ``benchmarks/results/cache_io.{md,json}``.
+Bytes/s count the cache payload (tokens x bytes_per_token of SPEC 1.4), the same for every arm;
+CPU s/GB is this process's CPU time (all threads) per GB of payload. Writes
+``benchmarks/results/cache_io.{md,json}``.
 
-    .venv/bin/python benchmarks/cache_io.py [--rows 128] [--repeats 3]
+    .venv/bin/python benchmarks/cache_io.py [--rows 96] [--repeats 4]
 """
 
 from __future__ import annotations
@@ -65,16 +70,59 @@ def synthetic_records(n: int, seed: int = 0) -> list[dict]:
     return rows
 
 
-def write_cache(cache_dir: str, records: list[dict], so: dict) -> dict:
-    """The project's writer, shard by shard; returns the manifest (also written)."""
-    from pipeline import storage
-    from pipeline.cache import build_manifest, shard_name, write_shard
+def parquet_options(codec: str) -> dict:
+    """The writer's Parquet options with the hidden-state columns compressed by ``codec``."""
+    from pipeline.cache import PARQUET_OPTIONS, SCHEMA
 
-    split_dir = storage.join(cache_dir, "train")
-    shards = [write_shard(storage.join(split_dir, shard_name(k)),
-                          records[i:i + ROWS_PER_SHARD], rows_per_row_group=ROWS_PER_GROUP,
-                          storage_options=so, extra={"errors": []})
-              for k, i in enumerate(range(0, len(records), ROWS_PER_SHARD))]
+    compression = {c: ("zstd" if c not in ("context_hidden", "last_hidden") else codec)
+                   for c in SCHEMA.names}
+    return {**PARQUET_OPTIONS, "compression": compression}
+
+
+def shards_of(records: list[dict]) -> list[list[dict]]:
+    return [records[i:i + ROWS_PER_SHARD] for i in range(0, len(records), ROWS_PER_SHARD)]
+
+
+def write_ours(split_dir: str, records: list[dict], so: dict, options: dict) -> list[dict]:
+    """The project's writer, shard by shard; returns the sidecars."""
+    from pipeline import storage
+    from pipeline.cache import shard_name, write_shard
+
+    return [write_shard(storage.join(split_dir, shard_name(k)), rows,
+                        rows_per_row_group=ROWS_PER_GROUP, storage_options=so,
+                        extra={"errors": []}, parquet_options=options)
+            for k, rows in enumerate(shards_of(records))]
+
+
+def write_raw(split_dir: str, tables: list, so: dict, options: dict) -> None:
+    """``pq.write_table`` of each shard's Arrow table through the same filesystem."""
+    import pyarrow.parquet as pq
+
+    from pipeline import storage
+    from pipeline.cache import shard_name
+
+    fs, base = storage.get_arrow_fs(split_dir, so)
+    if not storage.is_url(split_dir):
+        Path(base).mkdir(parents=True, exist_ok=True)
+    for k, table in enumerate(tables):
+        pq.write_table(table, f"{base}/{shard_name(k)}.parquet", filesystem=fs,
+                       row_group_size=ROWS_PER_GROUP, **options)
+
+
+def remove(path: str, so: dict) -> None:
+    from pipeline import storage
+
+    fs = storage.get_fsspec(path, so)
+    if fs.exists(path):
+        fs.rm(path, recursive=True)
+
+
+def write_cache(cache_dir: str, records: list[dict], so: dict, options: dict) -> dict:
+    """A cache written by the project's writer; returns the manifest (also written)."""
+    from pipeline import storage
+    from pipeline.cache import build_manifest
+
+    shards = write_ours(storage.join(cache_dir, "train"), records, so, options)
     manifest = build_manifest(target="synthetic", revision=None, layer_ids=LAYERS, hidden_size=H,
                               vocab_size=VOCAB, template_sha256="-", template_kwargs={},
                               max_length=4096, splits={"train": shards})
@@ -114,11 +162,19 @@ def read_raw(cache_dir: str, manifest: dict, so: dict) -> int:
 
 
 def alternate(arms: dict, repeats: int) -> dict[str, list[tuple[float, float, int]]]:
-    """Run the arms in turn ``repeats`` times: {arm: [(wall s, CPU s of this process, tokens)]}.
-    CPU seconds (all threads) are less sensitive to other load on the machine than wall time."""
+    """Run the arms in turn ``repeats`` times; ``arms``: {name: (untimed setup or None, timed fn
+    returning tokens)}, after one untimed warm-up run of each. Returns {arm: [(wall s, CPU s of
+    this process, tokens)]}. CPU seconds
+    (all threads) are less sensitive to other load on the machine than wall time."""
     out = {name: [] for name in arms}
+    for setup, fn in arms.values():  # warm-up (imports, allocator, page cache), not timed
+        if setup:
+            setup()
+        fn()
     for _ in range(repeats):
-        for name, fn in arms.items():
+        for name, (setup, fn) in arms.items():
+            if setup:
+                setup()
             start, cpu = time.perf_counter(), time.process_time()
             tokens = fn()
             out[name].append((time.perf_counter() - start, time.process_time() - cpu, tokens))
@@ -143,7 +199,11 @@ def summarize(store: str, direction: str, timings: dict, extra: dict) -> dict:
 
 
 def _serve_moto(port: int, ready, stop) -> None:
+    import logging
+
     from moto.server import ThreadedMotoServer
+
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)  # no line per request
 
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
     server.start()
@@ -181,14 +241,62 @@ def moto_server():
                       "client_kwargs": {"region_name": "us-east-1"}}
 
 
-def run_store(store: str, cache_dir: str, so: dict, records: list[dict], args) -> list[dict]:
-    manifest = write_cache(cache_dir, records, so)
-    tokens = manifest["splits"]["train"]["tokens"]
-    payload = {"rows": len(records), "tokens": tokens, "payload_bytes": tokens * BYTES_PER_TOKEN,
-               "stored_bytes": sum(s["bytes"] for s in manifest["splits"]["train"]["shards"])}
-    timings = alternate({"ours": lambda: read_ours(cache_dir, manifest, so),
-                         "raw": lambda: read_raw(cache_dir, manifest, so)}, args.repeats)
-    return [summarize(store, "read", timings, payload)]
+def run_store(store: str, root: str, so: dict, records: list[dict], args) -> list[dict]:
+    """Read and write arms on one store, for each hidden-state codec."""
+    import pyarrow as pa
+
+    from pipeline import storage
+    from pipeline.cache import SCHEMA
+
+    tokens = sum(r["num_tokens"] for r in records)
+    tables = [pa.Table.from_pylist(rows, schema=SCHEMA) for rows in shards_of(records)]
+    rows = []
+    for codec in args.codecs.split(","):
+        options = parquet_options(codec)
+        cache_dir = storage.join(root, f"cache-{codec}")
+        manifest = write_cache(cache_dir, records, so, options)
+        extra = {"codec": codec, "rows": len(records), "tokens": tokens,
+                 "payload_bytes": tokens * BYTES_PER_TOKEN,
+                 "stored_bytes": sum(s["bytes"] for s in manifest["splits"]["train"]["shards"])}
+        reads = alternate({"ours": (None, lambda: read_ours(cache_dir, manifest, so)),
+                           "raw": (None, lambda: read_raw(cache_dir, manifest, so))}, args.repeats)
+        rows.append(summarize(store, "read", reads, extra))
+        print(json.dumps({k: v for k, v in rows[-1].items() if k != "seconds"}), flush=True)
+        ours_dir, raw_dir = storage.join(root, "w-ours"), storage.join(root, "w-raw")
+        writes = alternate({
+            "ours": (lambda: remove(ours_dir, so),
+                     lambda: sum(s["tokens"] for s in write_ours(ours_dir, records, so, options))),
+            "raw": (lambda: remove(raw_dir, so),
+                    lambda: (write_raw(raw_dir, tables, so, options), tokens)[1])}, args.repeats)
+        remove(ours_dir, so), remove(raw_dir, so), remove(cache_dir, so)
+        rows.append(summarize(store, "write", writes, extra))
+        print(json.dumps({k: v for k, v in rows[-1].items() if k != "seconds"}), flush=True)
+    return rows
+
+
+def reading(rows: list[dict], meta: dict) -> str:
+    """A short reading derived from the numbers (goal: ours >= 80 % of raw)."""
+    below = [f"{r['store']} {r['direction']} ({r['codec']}) {r['ratio']:.2f}"
+             for r in rows if r["ratio"] < 0.8]
+    text = [("Every arm meets the goal (ours >= 0.80 of raw)." if not below else
+             "Below the goal of 0.80: " + "; ".join(below) + ".")]
+    by = {(r["store"], r["direction"], r["codec"]): r for r in rows}
+    for store in ("local", "s3"):
+        z, n = by.get((store, "read", "zstd")), by.get((store, "read", "none"))
+        zw, nw = by.get((store, "write", "zstd")), by.get((store, "write", "none"))
+        if z and n and zw and nw:
+            text.append(
+                f"{store}: zstd stores the hidden states in {z['stored_bytes'] / n['stored_bytes']:.2f}"
+                f" of the uncompressed size; our reader runs at {z['bytes_per_s'] / 1e6:,.0f} MB/s "
+                f"(zstd) vs {n['bytes_per_s'] / 1e6:,.0f} MB/s (none) using "
+                f"{z['cpu_s_per_gb']:.2f} vs {n['cpu_s_per_gb']:.2f} CPU s/GB, our writer at "
+                f"{zw['bytes_per_s'] / 1e6:,.0f} vs {nw['bytes_per_s'] / 1e6:,.0f} MB/s using "
+                f"{zw['cpu_s_per_gb']:.2f} vs {nw['cpu_s_per_gb']:.2f} CPU s/GB.")
+    if max(meta["load_before"], meta["load_after"]) > meta["cores"]:
+        text.append(f"The machine was shared (load average {meta['load_before']} / "
+                    f"{meta['load_after']} on {meta['cores']} cores): wall-clock numbers are noisy; "
+                    "CPU s/GB is the steadier comparison.")
+    return " ".join(text)
 
 
 def report(rows: list[dict], meta: dict, out: Path) -> None:
@@ -196,52 +304,63 @@ def report(rows: list[dict], meta: dict, out: Path) -> None:
     (out.with_suffix(".json")).write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     mb = lambda x: f"{x / 1e6:,.0f}"
     lines = ["# Target-cache I/O throughput (measured)", "",
-             f"{meta['date']}, git {meta['git']}, {meta['machine']}; {meta['rows']} rows, "
-             f"{meta['repeats']} alternating repeats per arm (median), load average "
-             f"{meta['load_before']} before / {meta['load_after']} after.", "",
-             "| store | direction | ours MB/s | raw MB/s | ratio | ours tokens/s | raw tokens/s | "
-             "payload MB | stored MB |", "|---|---|---|---|---|---|---|---|---|"]
+             f"{meta['date']}, git {meta['git']}, {meta['machine']}; {meta['rows']} rows of "
+             f"H = {meta['hidden_size']} x {len(meta['layers'])} + 1 layers, "
+             f"{meta['rows_per_shard']} rows per shard, {meta['rows_per_row_group']} per row group; "
+             f"{meta['repeats']} alternating repeats per arm (median).", "",
+             "| store | direction | hidden codec | ours MB/s | raw MB/s | ratio | ours tokens/s | "
+             "raw tokens/s | ours CPU s/GB | raw CPU s/GB | payload MB | stored MB |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         tps = (f"{r['tokens_per_s']:,.0f} | {r['raw_tokens_per_s']:,.0f}" if "tokens_per_s" in r
                else "- | -")
-        lines.append(f"| {r['store']} | {r['direction']} | {mb(r['bytes_per_s'])} | "
+        lines.append(f"| {r['store']} | {r['direction']} | {r['codec']} | {mb(r['bytes_per_s'])} | "
                      f"{mb(r['raw_bytes_per_s'])} | {r['ratio']:.2f} | {tps} | "
+                     f"{r['cpu_s_per_gb']:.2f} | {r['raw_cpu_s_per_gb']:.2f} | "
                      f"{mb(r['payload_bytes'])} | {mb(r['stored_bytes'])} |")
-    lines += ["", f"Command: `{meta['command']}`.", "", "## Reading", "", meta.get("reading", "")]
+    lines += ["", f"Command: `{meta['command']}` ({meta['seconds']:.0f} s).", "", "## Reading",
+              "", reading(rows, meta)]
+    if meta.get("note"):
+        lines += ["", meta["note"]]
     out.with_suffix(".md").write_text("\n".join(lines) + "\n")
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--rows", type=int, default=128, help="cache rows (~2 MB each)")
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--rows", type=int, default=96, help="cache rows (~2 MB each)")
+    ap.add_argument("--repeats", type=int, default=4)
+    ap.add_argument("--codecs", default="zstd,none", help="hidden-state column codecs to run")
     ap.add_argument("--stores", default="local,s3")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "cache_io"))
+    ap.add_argument("--note", default="", help="a paragraph appended to the reading")
     args = ap.parse_args()
     os.environ.setdefault("AWS_EC2_METADATA_DISABLED", "true")
 
+    start = time.perf_counter()
     records = synthetic_records(args.rows)
     meta = {"date": time.strftime("%Y-%m-%d"), "rows": args.rows, "repeats": args.repeats,
             "git": subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"],
                                   capture_output=True, text=True).stdout.strip(),
             "machine": f"{platform.machine()}, {os.cpu_count()} CPU cores",
+            "cores": os.cpu_count(),
             "load_before": round(os.getloadavg()[0], 2), "hidden_size": H, "layers": LAYERS,
             "rows_per_shard": ROWS_PER_SHARD, "rows_per_row_group": ROWS_PER_GROUP,
-            "command": "python benchmarks/cache_io.py " + " ".join(sys.argv[1:])}
+            "command": f"python benchmarks/cache_io.py --rows {args.rows} --repeats "
+                       f"{args.repeats} --codecs {args.codecs} --stores {args.stores}",
+            "note": args.note}
     rows = []
     stores = args.stores.split(",")
     if "local" in stores:
         with tempfile.TemporaryDirectory(prefix="cache_io_") as tmp:
-            rows += run_store("local", str(Path(tmp, "cache")), {}, records, args)
+            rows += run_store("local", tmp, {}, records, args)
     if "s3" in stores:
         stop, so = moto_server()
         try:
-            rows += run_store("s3", "s3://bench/cache", so, records, args)
+            rows += run_store("s3", "s3://bench", so, records, args)
         finally:
             stop()
     meta["load_after"] = round(os.getloadavg()[0], 2)
-    for r in rows:
-        print(json.dumps({k: v for k, v in r.items() if k != "seconds"}))
+    meta["seconds"] = time.perf_counter() - start
     report(rows, meta, Path(args.out))
 
 
