@@ -11,10 +11,12 @@ Arms, alternating (ours, raw, ours, raw, ...) for ``--repeats`` rounds; the rati
 - read, ours: ``CacheRowIndex`` + ``CacheRowReader.prefetch`` over one epoch's plan (one worker,
   micro-batches of 4, prefetch depth as in training), every row decoded to torch tensors;
 - read, raw: ``pq.read_table`` of each shard through the same filesystem, nothing decoded;
-- write, ours: ``pipeline.cache.write_shard`` per shard from the rows as the writer holds them
-  (dicts of bytes): streamed row groups, sha256, atomic commit, sidecar;
-- write, raw: ``pq.write_table`` of the same rows, already an Arrow table, with the same Parquet
-  options, to the same store.
+- write, ours: ``pipeline.cache.ShardWriter`` per shard, as the cache actors use it (rows as an
+  Arrow table): streamed row groups, sha256, atomic commit (fsync + rename locally, multipart
+  completion on S3), then the sidecar;
+- write, raw: ``pq.write_table`` of the same Arrow tables with the same Parquet options to the
+  same store, a local file fsync'ed after it (both arms leave the bytes on disk); locally a
+  ``raw_no_fsync`` arm (page cache only) is reported for reference.
 
 Bytes/s count the cache payload (tokens x bytes_per_token of SPEC 1.4), the same for every arm;
 CPU s/GB is this process's CPU time (all threads) per GB of payload. Writes
@@ -83,30 +85,44 @@ def shards_of(records: list[dict]) -> list[list[dict]]:
     return [records[i:i + ROWS_PER_SHARD] for i in range(0, len(records), ROWS_PER_SHARD)]
 
 
-def write_ours(split_dir: str, records: list[dict], so: dict, options: dict) -> list[dict]:
-    """The project's writer, shard by shard; returns the sidecars."""
+def write_ours(split_dir: str, tables: list, so: dict, options: dict) -> int:
+    """The project's writer (``ShardWriter``, as the cache actors use it): each shard's rows
+    streamed as row groups, sha256, atomic commit, then the sidecar; returns tokens written."""
     from pipeline import storage
-    from pipeline.cache import shard_name, write_shard
+    from pipeline.cache import ShardWriter, shard_name, write_sidecar
 
-    return [write_shard(storage.join(split_dir, shard_name(k)), rows,
-                        rows_per_row_group=ROWS_PER_GROUP, storage_options=so,
-                        extra={"errors": []}, parquet_options=options)
-            for k, rows in enumerate(shards_of(records))]
+    tokens = 0
+    for k, table in enumerate(tables):
+        base = storage.join(split_dir, shard_name(k))
+        with ShardWriter(base, so, ROWS_PER_GROUP, options) as writer:
+            writer.write_table(table)
+            summary = writer.close()
+        write_sidecar(base, summary, so)
+        tokens += summary["tokens"]
+    return tokens
 
 
-def write_raw(split_dir: str, tables: list, so: dict, options: dict) -> None:
-    """``pq.write_table`` of each shard's Arrow table through the same filesystem."""
+def write_raw(split_dir: str, tables: list, so: dict, options: dict, sync: bool = True) -> None:
+    """``pq.write_table`` of each shard's Arrow table through the same filesystem; a local file
+    is then fsync'ed (``sync``), as ours are, so that both leave the bytes in the store."""
     import pyarrow.parquet as pq
 
     from pipeline import storage
     from pipeline.cache import shard_name
 
     fs, base = storage.get_arrow_fs(split_dir, so)
-    if not storage.is_url(split_dir):
+    local = not storage.is_url(split_dir)
+    if local:
         Path(base).mkdir(parents=True, exist_ok=True)
     for k, table in enumerate(tables):
-        pq.write_table(table, f"{base}/{shard_name(k)}.parquet", filesystem=fs,
-                       row_group_size=ROWS_PER_GROUP, **options)
+        path = f"{base}/{shard_name(k)}.parquet"
+        pq.write_table(table, path, filesystem=fs, row_group_size=ROWS_PER_GROUP, **options)
+        if local and sync:
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
 
 
 def remove(path: str, so: dict) -> None:
@@ -120,9 +136,12 @@ def remove(path: str, so: dict) -> None:
 def write_cache(cache_dir: str, records: list[dict], so: dict, options: dict) -> dict:
     """A cache written by the project's writer; returns the manifest (also written)."""
     from pipeline import storage
-    from pipeline.cache import build_manifest
+    from pipeline.cache import build_manifest, shard_name, write_shard
 
-    shards = write_ours(storage.join(cache_dir, "train"), records, so, options)
+    shards = [write_shard(storage.join(cache_dir, "train", shard_name(k)), rows,
+                          rows_per_row_group=ROWS_PER_GROUP, storage_options=so,
+                          extra={"errors": []}, parquet_options=options)
+              for k, rows in enumerate(shards_of(records))]
     manifest = build_manifest(target="synthetic", revision=None, layer_ids=LAYERS, hidden_size=H,
                               vocab_size=VOCAB, template_sha256="-", template_kwargs={},
                               max_length=4096, splits={"train": shards})
@@ -195,6 +214,9 @@ def summarize(store: str, direction: str, timings: dict, extra: dict) -> dict:
            **extra}
     if direction == "read":
         row.update(tokens_per_s=ours_tps, raw_tokens_per_s=raw_tps)
+    if "raw_no_fsync" in timings:
+        row["raw_no_fsync_bytes_per_s"] = BYTES_PER_TOKEN * statistics.median(
+            t / s for s, _, t in timings["raw_no_fsync"])
     return row
 
 
@@ -263,12 +285,16 @@ def run_store(store: str, root: str, so: dict, records: list[dict], args) -> lis
         rows.append(summarize(store, "read", reads, extra))
         print(json.dumps({k: v for k, v in rows[-1].items() if k != "seconds"}), flush=True)
         ours_dir, raw_dir = storage.join(root, "w-ours"), storage.join(root, "w-raw")
-        writes = alternate({
-            "ours": (lambda: remove(ours_dir, so),
-                     lambda: sum(s["tokens"] for s in write_ours(ours_dir, records, so, options))),
-            "raw": (lambda: remove(raw_dir, so),
-                    lambda: (write_raw(raw_dir, tables, so, options), tokens)[1])}, args.repeats)
-        remove(ours_dir, so), remove(raw_dir, so), remove(cache_dir, so)
+        arms = {"ours": (lambda: remove(ours_dir, so),
+                         lambda: write_ours(ours_dir, tables, so, options)),
+                "raw": (lambda: remove(raw_dir, so),
+                        lambda: (write_raw(raw_dir, tables, so, options), tokens)[1])}
+        if store == "local":  # for reference: the page cache only, nothing on disk yet
+            arms["raw_no_fsync"] = (lambda: remove(raw_dir, so), lambda: (
+                write_raw(raw_dir, tables, so, options, sync=False), tokens)[1])
+        writes = alternate(arms, args.repeats)
+        for d in (ours_dir, raw_dir, cache_dir):
+            remove(d, so)
         rows.append(summarize(store, "write", writes, extra))
         print(json.dumps({k: v for k, v in rows[-1].items() if k != "seconds"}), flush=True)
     return rows
@@ -292,6 +318,11 @@ def reading(rows: list[dict], meta: dict) -> str:
                 f"{z['cpu_s_per_gb']:.2f} vs {n['cpu_s_per_gb']:.2f} CPU s/GB, our writer at "
                 f"{zw['bytes_per_s'] / 1e6:,.0f} vs {nw['bytes_per_s'] / 1e6:,.0f} MB/s using "
                 f"{zw['cpu_s_per_gb']:.2f} vs {nw['cpu_s_per_gb']:.2f} CPU s/GB.")
+    nosync = [f"{r['codec']} {r['bytes_per_s'] / r['raw_no_fsync_bytes_per_s']:.2f}"
+              for r in rows if "raw_no_fsync_bytes_per_s" in r]
+    if nosync:
+        text.append("Local writes against a raw write left in the page cache (no fsync, not "
+                    "durable): " + ", ".join(nosync) + ".")
     if max(meta["load_before"], meta["load_after"]) > meta["cores"]:
         text.append(f"The machine was shared (load average {meta['load_before']} / "
                     f"{meta['load_after']} on {meta['cores']} cores): wall-clock numbers are noisy; "

@@ -24,6 +24,7 @@ from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute  # noqa: F401  (pa.compute)
 import pyarrow.parquet as pq
 
 from . import storage
@@ -46,11 +47,11 @@ def shard_name(index: int) -> str:
     return f"shard-{index:05d}"
 
 
-def bf16_bytes(t) -> bytes:
-    """A bf16 torch tensor's raw bytes (numpy has no bf16, so go through int16)."""
+def bf16_array(t) -> np.ndarray:
+    """A torch tensor's bf16 bits as a CPU numpy int16 array (numpy has no bf16), same shape."""
     import torch
 
-    return t.to(torch.bfloat16).contiguous().view(torch.int16).cpu().numpy().tobytes()
+    return t.to(torch.bfloat16).contiguous().view(torch.int16).cpu().numpy()
 
 
 def decode_row(row: dict, hidden_size: int, num_context_layers: int) -> dict:
@@ -145,16 +146,31 @@ class ShardWriter:
         self.rows = self.tokens = 0
         self._counts = np.zeros(0, dtype=np.int64)
 
-    def write_rows(self, records: list[dict]) -> None:
-        """Append cache rows (columns of :data:`SCHEMA`, byte columns as ``bytes``) as row
-        groups of at most ``rows_per_row_group`` rows."""
-        if not records:
+    def write_table(self, table: pa.Table) -> None:
+        """Append cache rows as row groups of at most ``rows_per_row_group`` rows.
+
+        Args:
+            table: columns of :data:`SCHEMA` (e.g. from :func:`rows_table`).
+        Raises:
+            ValueError: another schema.
+            OSError: the store failed (raised here or by :meth:`close`).
+        """
+        if not table.schema.equals(SCHEMA, check_metadata=False):
+            raise ValueError(f"cache rows with schema {table.schema}, expected {SCHEMA}")
+        if not table.num_rows:
             return
-        self._writer.write_table(pa.Table.from_pylist(records, schema=SCHEMA),
-                                 row_group_size=self.rows_per_row_group)
-        self._counts = add_supervised_counts(self._counts, records)
-        self.tokens += sum(int(r["num_tokens"]) for r in records)
-        self.rows += len(records)
+        self._writer.write_table(table, row_group_size=self.rows_per_row_group)
+        ids = np.concatenate([_column_values(c, "<i4") for c in table.column("input_ids").chunks])
+        mask = np.concatenate([_column_values(c, np.uint8)
+                               for c in table.column("loss_mask").chunks]).astype(bool)
+        c = np.bincount(ids[mask], minlength=self._counts.size)
+        self._counts = np.pad(self._counts, (0, c.size - self._counts.size)) + c
+        self.tokens += int(pa.compute.sum(table.column("num_tokens")).as_py())
+        self.rows += table.num_rows
+
+    def write_rows(self, records: list[dict]) -> None:
+        """Append cache rows given as dicts (byte columns as ``bytes``); see :meth:`write_table`."""
+        self.write_table(pa.Table.from_pylist(records, schema=SCHEMA))
 
     def flush(self) -> None:
         """Wait until the rows written so far are in the file / the S3 upload buffer."""
@@ -191,6 +207,48 @@ class ShardWriter:
     def __exit__(self, exc_type, exc, tb) -> None:
         if exc_type is not None:
             self.discard()
+
+
+def _column_values(chunk: pa.BinaryArray, dtype) -> np.ndarray:
+    """All values of a binary column chunk, concatenated in row order, as ``dtype`` (a view
+    into the Arrow buffer)."""
+    _, offsets, data = chunk.buffers()
+    off = np.frombuffer(offsets, dtype=np.int32, count=len(chunk) + 1, offset=4 * chunk.offset)
+    if data is None or off[-1] == off[0]:
+        return np.zeros(0, dtype=dtype)
+    return np.frombuffer(data, dtype=np.uint8)[off[0]:off[-1]].view(dtype)
+
+
+def binary_column(values: list[np.ndarray]) -> pa.BinaryArray:
+    """A binary Arrow column from per-row byte arrays (any dtype, C-contiguous), copied once into
+    one buffer (``pa.array`` of ``bytes`` would copy twice)."""
+    flat = [np.ascontiguousarray(v).reshape(-1).view(np.uint8) for v in values]
+    offsets = np.zeros(len(flat) + 1, dtype=np.int32)
+    np.cumsum([f.size for f in flat], out=offsets[1:])
+    data = np.concatenate(flat) if flat else np.zeros(0, dtype=np.uint8)
+    return pa.BinaryArray.from_buffers(pa.binary(), len(flat),
+                                       [None, pa.py_buffer(offsets), pa.py_buffer(data)])
+
+
+def rows_table(samples: list[dict], context: list, last: list) -> pa.Table:
+    """Cache rows as an Arrow table of :data:`SCHEMA`.
+
+    Args:
+        samples: ``sample_id``, ``domain``, ``input_ids`` and ``loss_mask`` (lists, [T]) each.
+        context: per sample, [T, m*H] torch (any float dtype and device; stored as bf16) or
+            numpy int16 bf16 bits.
+        last: per sample, [T, H] likewise.
+    """
+    as_np = lambda t: t if isinstance(t, np.ndarray) else bf16_array(t)  # noqa: E731
+    return pa.table({
+        "sample_id": pa.array([s["sample_id"] for s in samples], pa.string()),
+        "domain": pa.array([s["domain"] for s in samples], pa.string()),
+        "num_tokens": pa.array([len(s["input_ids"]) for s in samples], pa.int32()),
+        "input_ids": binary_column([np.asarray(s["input_ids"], dtype="<i4") for s in samples]),
+        "loss_mask": binary_column([np.asarray(s["loss_mask"], dtype=np.uint8) for s in samples]),
+        "context_hidden": binary_column([as_np(t) for t in context]),
+        "last_hidden": binary_column([as_np(t) for t in last]),
+    }, schema=SCHEMA)
 
 
 def write_sidecar(path: str, summary: dict, storage_options: dict) -> None:
@@ -287,13 +345,14 @@ class CacheWriterUDF:
                         "input_ids": list(tok.input_ids), "loss_mask": list(tok.loss_mask)})
         return out
 
-    def _forward(self, samples: list[dict]) -> list[dict]:
-        """Cache rows of ``samples`` (same order) from right-padded batched target forwards
-        (:func:`length_batches`): ``context_hidden`` bf16 [T, m*H] and ``last_hidden`` bf16
-        [T, H] of each sample's own T positions (attention is causal, so the padding after a
-        sample cannot change them)."""
+    def _forward(self, samples: list[dict]) -> pa.Table:
+        """Cache rows of ``samples`` (same order, :func:`rows_table`) from right-padded batched
+        target forwards (:func:`length_batches`): ``context_hidden`` bf16 [T, m*H] and
+        ``last_hidden`` bf16 [T, H] of each sample's own T positions (attention is causal, so the
+        padding after a sample cannot change them)."""
         torch = self.torch
-        rows: list[dict | None] = [None] * len(samples)
+        context: list = [None] * len(samples)
+        last: list = [None] * len(samples)
         lengths = [len(s["input_ids"]) for s in samples]
         for batch in length_batches(lengths, self.forward_batch_tokens):
             width = lengths[batch[0]]
@@ -307,16 +366,12 @@ class CacheWriterUDF:
                                        attention_mask=attn.to(self.device),
                                        output_hidden_states=True, use_cache=False)
             hs = out.hidden_states  # L + 1 tensors [B, T_max, H]; hs[l + 1]: decoder layer l
-            context = torch.cat([hs[l + 1] for l in self.layer_ids], dim=-1)  # [B, T_max, m*H]
-            last = out.last_hidden_state  # [B, T_max, H], post-norm: exactly the LM head's input
+            # [B, T_max, m*H] and [B, T_max, H] (post-norm: exactly the LM head's input), bf16
+            ctx = torch.cat([hs[l + 1] for l in self.layer_ids], dim=-1).to(torch.bfloat16).cpu()
+            fin = out.last_hidden_state.to(torch.bfloat16).cpu()
             for b, i in enumerate(batch):
-                s, t = samples[i], lengths[i]
-                rows[i] = {"sample_id": s["sample_id"], "domain": s["domain"], "num_tokens": t,
-                           "input_ids": np.asarray(s["input_ids"], dtype="<i4").tobytes(),
-                           "loss_mask": np.asarray(s["loss_mask"], dtype=np.uint8).tobytes(),
-                           "context_hidden": bf16_bytes(context[b, :t]),
-                           "last_hidden": bf16_bytes(last[b, :t])}
-        return rows
+                context[i], last[i] = ctx[b, :lengths[i]], fin[b, :lengths[i]]
+        return rows_table(samples, context, last)
 
     def write_shard(self, path: str, convs: list[dict], fingerprint: str) -> dict:
         """Tokenize, forward and stream one shard (a row group at a time), then write its
@@ -337,7 +392,7 @@ class CacheWriterUDF:
         n = self.rows_per_row_group
         with ShardWriter(path, self.storage_options, n) as writer:
             for i in range(0, len(samples), n):
-                writer.write_rows(self._forward(samples[i:i + n]))
+                writer.write_table(self._forward(samples[i:i + n]))
             summary = {**writer.close(), "fingerprint": fingerprint, "errors": errors}
         write_sidecar(path, summary, self.storage_options)
         return summary

@@ -82,8 +82,9 @@ class AtomicWriter:
     Use as a context manager (commit on success, discard on an exception) or call
     :meth:`commit` / :meth:`discard`. Keeps the sha256 and the length of what was written.
     With ``background``, hashing and the writes/uploads run in a thread behind a bounded queue,
-    overlapping with the producer (e.g. Parquet encoding the next row group); an error there is
-    raised by the next ``write`` or by ``commit``. Transient S3 errors are retried per request by
+    overlapping with the producer (e.g. Parquet encoding the next row group), and a local file is
+    fdatasync'ed every ``SYNC_EVERY_BYTES`` so that little is left for the commit's fsync; an
+    error there is raised by the next ``write`` or by ``commit``. Transient S3 errors are retried per request by
     s3fs/botocore with backoff; see :func:`retry_transient` for retrying a whole write.
 
     Args:
@@ -97,6 +98,7 @@ class AtomicWriter:
     """
 
     QUEUE_ITEMS = 16  # pending writes (Parquet hands over pages of about 1 MB or one value)
+    SYNC_EVERY_BYTES = 64 << 20  # local file, background: fdatasync as it goes, not all at commit
 
     def __init__(self, path: str, storage_options: dict | None = None,
                  block_size_bytes: int | None = None, background: bool = False):
@@ -113,7 +115,7 @@ class AtomicWriter:
             self._tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
             self._fh = open(self._tmp, "wb")
         self._error: BaseException | None = None
-        self._dropping = False
+        self._dropping, self._unsynced = False, 0
         self._queue = self._thread = None
         if background:
             self._queue = queue.Queue(self.QUEUE_ITEMS)
@@ -135,6 +137,12 @@ class AtomicWriter:
     def _write_now(self, data) -> None:
         self._guard(lambda: self._fh.write(data))
         self.sha256.update(data)
+        if self._tmp is not None and self._thread is not None:
+            self._unsynced += len(data)
+            if self._unsynced >= self.SYNC_EVERY_BYTES:  # disk writeback overlaps the producer
+                self._fh.flush()
+                os.fdatasync(self._fh.fileno())
+                self._unsynced = 0
 
     def _drain(self) -> None:
         while (data := self._queue.get()) is not None:

@@ -160,9 +160,9 @@ def test_batched_forwards_give_the_rows_of_per_sample_forwards(tiny_target_dir, 
         for i in range(4)]
     samples = [s for c in convs for s in udf._tokenize(c)]
     assert len({len(s["input_ids"]) for s in samples}) == 4
-    batched = udf._forward(samples)
+    batched = udf._forward(samples).to_pylist()
     udf.forward_batch_tokens = 1
-    single = udf._forward(samples)
+    single = udf._forward(samples).to_pylist()
     assert [r["sample_id"] for r in batched] == [r["sample_id"] for r in single] == \
         ["c0", "c1", "c2", "c3"]
     as_f32 = lambda b: torch.frombuffer(bytearray(b), dtype=torch.bfloat16).float()
@@ -208,3 +208,28 @@ def test_shards_are_cut_from_id_sorted_lines_and_fingerprinted_as_before():
         assert packed["path"][0] == f"/cache/train/shard-{shard:05d}"
     with pytest.raises(ValueError, match="'c03' occurs more than once"):
         shard_bounds(["c01", "c03", "c03"], 2)
+
+
+def test_rows_table_matches_the_dict_rows_and_sliced_tables_count_right(tmp_path):
+    import pyarrow as pa
+
+    from pipeline.cache import bf16_array, rows_table
+
+    torch.manual_seed(0)
+    samples = [{"sample_id": f"s{i}", "domain": "d", "input_ids": list(range(5 + i)),
+                "loss_mask": [0, 0] + [1] * (3 + i)} for i in range(3)]
+    ctx = [torch.randn(5 + i, 8) for i in range(3)]
+    last = [torch.randn(5 + i, 4) for i in range(3)]
+    table = rows_table(samples, ctx, last)
+    as_dicts = [{"sample_id": s["sample_id"], "domain": "d", "num_tokens": len(s["input_ids"]),
+                 "input_ids": np.asarray(s["input_ids"], dtype="<i4").tobytes(),
+                 "loss_mask": np.asarray(s["loss_mask"], dtype=np.uint8).tobytes(),
+                 "context_hidden": bf16_array(c).tobytes(), "last_hidden": bf16_array(h).tobytes()}
+                for s, c, h in zip(samples, ctx, last)]
+    assert table.to_pylist() == as_dicts
+    assert table.equals(pa.Table.from_pylist(as_dicts, schema=SCHEMA))
+    with ShardWriter(str(tmp_path / "s"), {}, rows_per_row_group=2) as writer:
+        writer.write_table(table.slice(1))  # a slice: offsets start inside the buffers
+        summary = writer.close()
+    assert summary["rows"] == 2 and summary["tokens"] == 6 + 7
+    assert summary["supervised_token_counts"] == supervised_token_counts(as_dicts[1:])
