@@ -253,7 +253,8 @@ def moto_server():
         raise RuntimeError("the moto server did not start within 60 s")
     url = f"http://127.0.0.1:{port}"
     boto3.client("s3", endpoint_url=url, aws_access_key_id="testing",
-                 aws_secret_access_key="testing", region_name="us-east-1").create_bucket(Bucket="bench")
+                 aws_secret_access_key="testing",
+                 region_name="us-east-1").create_bucket(Bucket="bench")
 
     def shutdown():
         stop.set()
@@ -311,13 +312,14 @@ def reading(rows: list[dict], meta: dict) -> str:
         z, n = by.get((store, "read", "zstd")), by.get((store, "read", "none"))
         zw, nw = by.get((store, "write", "zstd")), by.get((store, "write", "none"))
         if z and n and zw and nw:
+            mb = lambda r: f"{r['bytes_per_s'] / 1e6:,.0f}"  # noqa: E731
             text.append(
-                f"{store}: zstd stores the hidden states in {z['stored_bytes'] / n['stored_bytes']:.2f}"
-                f" of the uncompressed size; our reader runs at {z['bytes_per_s'] / 1e6:,.0f} MB/s "
-                f"(zstd) vs {n['bytes_per_s'] / 1e6:,.0f} MB/s (none) using "
+                f"{store}: zstd stores the hidden states in "
+                f"{z['stored_bytes'] / n['stored_bytes']:.2f} of the uncompressed size; our "
+                f"reader runs at {mb(z)} MB/s (zstd) vs {mb(n)} MB/s (none) using "
                 f"{z['cpu_s_per_gb']:.2f} vs {n['cpu_s_per_gb']:.2f} CPU s/GB, our writer at "
-                f"{zw['bytes_per_s'] / 1e6:,.0f} vs {nw['bytes_per_s'] / 1e6:,.0f} MB/s using "
-                f"{zw['cpu_s_per_gb']:.2f} vs {nw['cpu_s_per_gb']:.2f} CPU s/GB.")
+                f"{mb(zw)} vs {mb(nw)} MB/s using {zw['cpu_s_per_gb']:.2f} vs "
+                f"{nw['cpu_s_per_gb']:.2f} CPU s/GB.")
     nosync = [f"{r['codec']} {r['bytes_per_s'] / r['raw_no_fsync_bytes_per_s']:.2f}"
               for r in rows if "raw_no_fsync_bytes_per_s" in r]
     if nosync:
@@ -325,7 +327,8 @@ def reading(rows: list[dict], meta: dict) -> str:
                     "durable): " + ", ".join(nosync) + ".")
     if max(meta["load_before"], meta["load_after"]) > meta["cores"]:
         text.append(f"The machine was shared (load average {meta['load_before']} / "
-                    f"{meta['load_after']} on {meta['cores']} cores): wall-clock numbers are noisy; "
+                    f"{meta['load_after']} on {meta['cores']} cores): wall-clock numbers are "
+                    "noisy; "
                     "CPU s/GB is the steadier comparison.")
     return " ".join(text)
 
@@ -337,7 +340,8 @@ def report(rows: list[dict], meta: dict, out: Path) -> None:
     lines = ["# Target-cache I/O throughput (measured)", "",
              f"{meta['date']}, git {meta['git']}, {meta['machine']}; {meta['rows']} rows of "
              f"H = {meta['hidden_size']} x {len(meta['layers'])} + 1 layers, "
-             f"{meta['rows_per_shard']} rows per shard, {meta['rows_per_row_group']} per row group; "
+             f"{meta['rows_per_shard']} rows per shard, {meta['rows_per_row_group']} per row "
+             "group; "
              f"{meta['repeats']} alternating repeats per arm (median).", "",
              "| store | direction | hidden codec | ours MB/s | raw MB/s | ratio | ours tokens/s | "
              "raw tokens/s | ours CPU s/GB | raw CPU s/GB | payload MB | stored MB |",

@@ -96,7 +96,9 @@ def decode_columns(sample_id: str | None, num_tokens: int, cols: dict[str, np.nd
         if cols[col].size != size:
             raise CorruptShardError(f"cache row {sample_id!r}: column {col} has {cols[col].size} "
                                     f"bytes, expected {size} for {t} tokens")
-    as_bf16 = lambda b, width: torch.from_numpy(b.view("<i2").copy()).view(torch.bfloat16).view(t, width)
+    def as_bf16(b: np.ndarray, width: int):  # [T, width] bf16, a fresh writable tensor
+        return torch.from_numpy(b.view("<i2").copy()).view(torch.bfloat16).view(t, width)
+
     return {
         "sample_id": sample_id,
         "input_ids": torch.from_numpy(cols["input_ids"].view("<i4").astype(np.int64)),

@@ -84,8 +84,9 @@ class AtomicWriter:
     With ``background``, hashing and the writes/uploads run in a thread behind a bounded queue,
     overlapping with the producer (e.g. Parquet encoding the next row group), and a local file is
     fdatasync'ed every ``SYNC_EVERY_BYTES`` so that little is left for the commit's fsync; an
-    error there is raised by the next ``write`` or by ``commit``. Transient S3 errors are retried per request by
-    s3fs/botocore with backoff; see :func:`retry_transient` for retrying a whole write.
+    error there is raised by the next ``write`` or by ``commit``. Transient S3 errors are
+    retried per request by s3fs/botocore with backoff; see :func:`retry_transient` for retrying
+    a whole write.
 
     Args:
         path: local path or s3:// URL.

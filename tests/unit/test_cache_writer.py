@@ -185,7 +185,8 @@ def test_shards_are_cut_from_id_sorted_lines_and_fingerprinted_as_before():
     valid; blank and truncated lines of the generate output are skipped; repeated ids refused."""
     import json
 
-    from pipeline.cache import _assign_shard, _key_lines, _pack_shard, shard_bounds, shard_fingerprint
+    from pipeline.cache import (_assign_shard, _key_lines, _pack_shard, shard_bounds,
+                                shard_fingerprint)
 
     convs = [{"id": f"c{i:02d}", "domain": "math", "messages": [
         {"role": "user", "content": f"q{i} é"}, {"role": "assistant", "content": f"a{i}"}]}
