@@ -122,8 +122,7 @@ class ShardWriter:
     row groups right away, going out through a :class:`pipeline.storage.AtomicWriter` (a local
     temporary renamed on commit, or an S3 multipart upload completed on commit, in parts of the
     s3fs option ``default_block_size``, 50 MiB unless set), so a shard never sits whole in memory
-    and a partial one is never visible. Hashing and writing/uploading run in a background thread,
-    overlapping with the encoding of the next row group. :meth:`close` commits and returns
+    and a partial one is never visible. :meth:`close` commits and returns
     the shard's statistics; leaving a ``with`` block on an exception discards the shard.
 
     Args:
@@ -138,7 +137,7 @@ class ShardWriter:
                  parquet_options: dict | None = None):
         self.file_name = path.rsplit("/", 1)[-1] + ".parquet"
         self.rows_per_row_group = rows_per_row_group
-        self._out = storage.AtomicWriter(path + ".parquet", storage_options, background=True)
+        self._out = storage.AtomicWriter(path + ".parquet", storage_options)
         try:
             self._writer = pq.ParquetWriter(self._out, SCHEMA,
                                             **(parquet_options or PARQUET_OPTIONS))
@@ -173,10 +172,6 @@ class ShardWriter:
     def write_rows(self, records: list[dict]) -> None:
         """Append cache rows given as dicts (byte columns as ``bytes``); see :meth:`write_table`."""
         self.write_table(pa.Table.from_pylist(records, schema=SCHEMA))
-
-    def flush(self) -> None:
-        """Wait until the rows written so far are in the file / the S3 upload buffer."""
-        self._out.flush()
 
     def close(self) -> dict:
         """Finish the file and make it visible.

@@ -10,8 +10,6 @@ import errno
 import hashlib
 import logging
 import os
-import queue
-import threading
 import time
 from pathlib import Path
 
@@ -81,28 +79,21 @@ class AtomicWriter:
 
     Use as a context manager (commit on success, discard on an exception) or call
     :meth:`commit` / :meth:`discard`. Keeps the sha256 and the length of what was written.
-    With ``background``, hashing and the writes/uploads run in a thread behind a bounded queue,
-    overlapping with the producer (e.g. Parquet encoding the next row group), and a local file is
-    fdatasync'ed every ``SYNC_EVERY_BYTES`` so that little is left for the commit's fsync; an
-    error there is raised by the next ``write`` or by ``commit``. Transient S3 errors are
-    retried per request by s3fs/botocore with backoff; see :func:`retry_transient` for retrying
-    a whole write.
+    Transient S3 errors are retried per request by s3fs/botocore with backoff; see
+    :func:`retry_transient` for retrying a whole write. (Hashing and uploading from a background
+    thread was tried and measured no faster in ``benchmarks/cache_io.py``.)
 
     Args:
         path: local path or s3:// URL.
         block_size_bytes: S3 part size (at least 5 MiB; the s3fs option ``default_block_size``,
             50 MiB unless set, when None).
-        background: write from a background thread.
     Raises:
         OSError: from ``write``/``commit``: the write failed (a full disk; an upload whose
             retries are spent, the object named); nothing is left at ``path``.
     """
 
-    QUEUE_ITEMS = 16  # pending writes (Parquet hands over pages of about 1 MB or one value)
-    SYNC_EVERY_BYTES = 64 << 20  # local file, background: fdatasync as it goes, not all at commit
-
     def __init__(self, path: str, storage_options: dict | None = None,
-                 block_size_bytes: int | None = None, background: bool = False):
+                 block_size_bytes: int | None = None):
         self.path, self.sha256, self.bytes_written = path, hashlib.sha256(), 0
         self.closed = False
         if is_url(path):
@@ -115,14 +106,6 @@ class AtomicWriter:
             target.parent.mkdir(parents=True, exist_ok=True)
             self._tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
             self._fh = open(self._tmp, "wb")
-        self._error: BaseException | None = None
-        self._dropping, self._unsynced = False, 0
-        self._queue = self._thread = None
-        if background:
-            self._queue = queue.Queue(self.QUEUE_ITEMS)
-            self._thread = threading.Thread(target=self._drain, daemon=True,
-                                            name=f"write {path.rsplit('/', 1)[-1]}")
-            self._thread.start()
 
     def _guard(self, fn):
         """Run a store call; name the object in an S3 failure (s3fs's message alone, e.g.
@@ -135,55 +118,17 @@ class AtomicWriter:
             raise OSError(err.errno, f"upload of {self.path} failed after the store's retries: "
                                      f"{err.strerror or err}") from err
 
-    def _write_now(self, data) -> None:
+    def write(self, data) -> int:
         self._guard(lambda: self._fh.write(data))
         self.sha256.update(data)
-        if self._tmp is not None and self._thread is not None:
-            self._unsynced += len(data)
-            if self._unsynced >= self.SYNC_EVERY_BYTES:  # disk writeback overlaps the producer
-                self._fh.flush()
-                os.fdatasync(self._fh.fileno())
-                self._unsynced = 0
-
-    def _drain(self) -> None:
-        while (data := self._queue.get()) is not None:
-            if self._error is None and not self._dropping:
-                try:
-                    self._write_now(data)
-                except BaseException as err:  # handed to the producer by write() / commit()
-                    self._error = err
-            self._queue.task_done()
-
-    def _stop(self) -> None:
-        """Wait until the background thread has written (or dropped) everything queued."""
-        if self._thread is not None:
-            self._queue.put(None)
-            self._thread.join()
-            self._thread = None
-        if self._error is not None:
-            err, self._error = self._error, None
-            raise err
-
-    def write(self, data) -> int:
-        if self._error is not None:
-            self._stop()
-        if self._queue is not None:
-            self._queue.put(data if isinstance(data, bytes) else bytes(data))
-        else:
-            self._write_now(data)
         self.bytes_written += len(data)
         return len(data)
 
     def tell(self) -> int:
         return self.bytes_written
 
-    def flush(self) -> None:
-        """Wait until the background thread has handed everything written so far to the file or
-        the S3 upload buffer (S3 parts still go out only as they fill)."""
-        if self._thread is not None:
-            self._queue.join()
-        if self._error is not None:
-            self._stop()
+    def flush(self) -> None:  # S3 parts go out as they fill; the file is fsync'ed on commit
+        pass
 
     def writable(self) -> bool:
         return True
@@ -195,7 +140,6 @@ class AtomicWriter:
             OSError: as the class says; the file is discarded first.
         """
         try:
-            self._stop()
             if self._tmp is None:
                 self._guard(self._fh.close)
             else:
@@ -213,11 +157,7 @@ class AtomicWriter:
         multipart upload is aborted; if even that fails, S3 keeps the parts out of sight)."""
         if self.closed:
             return
-        self.closed, self._dropping = True, True
-        try:
-            self._stop()
-        except BaseException:  # the error that brought us here was raised already
-            pass
+        self.closed = True
         if self._tmp is None:
             try:
                 self._fh.discard()  # aborts the multipart upload, if one was started

@@ -194,7 +194,6 @@ def test_s3_shard_streams_as_a_multipart_upload_visible_only_when_complete(s3_en
     so = dict(s3_endpoint, default_block_size=5 * 2**20)  # 5 MiB parts (S3's smallest)
     with ShardWriter(base, so, rows_per_row_group=4) as writer:
         writer.write_rows(rows[:12])
-        writer.flush()
         uploads = client.list_multipart_uploads(Bucket="dspark-test").get("Uploads", [])
         assert [u["Key"] for u in uploads] == [key], "parts are uploaded before the shard ends"
         assert not storage.exists(base + ".parquet", s3_endpoint)
