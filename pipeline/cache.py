@@ -121,12 +121,13 @@ PARQUET_OPTIONS = {"compression": "zstd", "use_dictionary": ["domain"],
 
 
 class ShardWriter:
-    """Streams one cache shard to ``<path>.parquet``: each :meth:`write_rows` call becomes Parquet
-    row groups right away, going out through a :class:`pipeline.storage.AtomicWriter` (a local
-    temporary renamed on commit, or an S3 multipart upload completed on commit, in parts of the
-    s3fs option ``default_block_size``, 50 MiB unless set), so a shard never sits whole in memory
-    and a partial one is never visible. :meth:`close` commits and returns
-    the shard's statistics; leaving a ``with`` block on an exception discards the shard.
+    """Streams one cache shard to ``<path>.parquet``: each :meth:`write_table` call becomes
+    Parquet row groups right away, going out through a :class:`pipeline.storage.AtomicWriter` (a
+    local temporary renamed on commit, or an S3 multipart upload completed on commit, in parts of
+    the s3fs option ``default_block_size``, 50 MiB unless set), so a shard never sits whole in
+    memory (at most a row group and an upload part do) and a partial one is never visible.
+    :meth:`close` commits and returns the shard's statistics; leaving a ``with`` block on an
+    exception discards the shard.
 
     Args:
         path: shard base path (local or s3://) without suffix.
