@@ -1,9 +1,12 @@
-"""Cache stage: one target forward per sample, written as the target cache of SPEC 1.4.
+"""Cache stage: one target forward per sample (samples of similar length batched together),
+written as the target cache of SPEC 1.4.
 
 Layout of ``<output>/<split>/``: ``shard-NNNNN.parquet`` files plus a ``shard-NNNNN.json`` sidecar
 written after the shard (its presence marks the shard complete), and ``<output>/manifest.json``.
 Shards are deterministic slices of the id-sorted conversations, so a re-run writes only missing
-shards. Each worker writes its own shards (nothing V-sized or cache-sized passes the driver).
+shards. Each worker writes its own shards, streaming them row group by row group (a local
+temporary renamed when complete, or an S3 multipart upload completed when complete); nothing
+V-sized or cache-sized passes the driver.
 
 Columns (hidden states as raw little-endian bytes plus explicit sizes, readable by any Parquet
 reader): ``sample_id`` string, ``domain`` string, ``num_tokens`` int32, ``input_ids`` binary
@@ -21,6 +24,7 @@ from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute  # noqa: F401  (pa.compute)
 import pyarrow.parquet as pq
 
 from . import storage
@@ -43,16 +47,40 @@ def shard_name(index: int) -> str:
     return f"shard-{index:05d}"
 
 
-def bf16_bytes(t) -> bytes:
-    """A bf16 torch tensor's raw bytes (numpy has no bf16, so go through int16)."""
+def bf16_array(t) -> np.ndarray:
+    """A torch tensor's bf16 bits as a CPU numpy int16 array (numpy has no bf16), same shape."""
     import torch
 
-    return t.to(torch.bfloat16).contiguous().view(torch.int16).cpu().numpy().tobytes()
+    return t.to(torch.bfloat16).contiguous().view(torch.int16).cpu().numpy()
 
 
 def decode_row(row: dict, hidden_size: int, num_context_layers: int) -> dict:
-    """Decode one cache row into torch tensors.
+    """Decode one cache row (a dict of Python values, e.g. from ``Table.to_pylist()``).
 
+    Returns:
+        ``input_ids`` int64 [T], ``loss_mask`` uint8 [T], ``context_hidden`` bf16 [T, m*H],
+        ``last_hidden`` bf16 [T, H], ``sample_id`` str.
+    Raises:
+        CorruptShardError: byte sizes disagree with ``num_tokens`` (naming the sample).
+    """
+    cols = {c: np.frombuffer(row[c], dtype=np.uint8) for c in BYTE_COLUMNS}
+    return decode_columns(row.get("sample_id"), int(row["num_tokens"]), cols, hidden_size,
+                          num_context_layers)
+
+
+BYTE_COLUMNS = ("input_ids", "loss_mask", "context_hidden", "last_hidden")
+
+
+def decode_columns(sample_id: str | None, num_tokens: int, cols: dict[str, np.ndarray],
+                   hidden_size: int, num_context_layers: int) -> dict:
+    """Decode one cache row from its byte columns, given as uint8 numpy views (e.g. straight into
+    an Arrow buffer; each is copied once into a fresh, writable tensor).
+
+    Args:
+        sample_id: the row's ``sample_id`` (named in errors).
+        num_tokens: T.
+        cols: ``input_ids`` [4T], ``loss_mask`` [T], ``context_hidden`` [2*T*m*H],
+            ``last_hidden`` [2*T*H], all uint8, little-endian payloads of SPEC 1.4.
     Returns:
         ``input_ids`` int64 [T], ``loss_mask`` uint8 [T], ``context_hidden`` bf16 [T, m*H],
         ``last_hidden`` bf16 [T, H], ``sample_id`` str.
@@ -61,32 +89,216 @@ def decode_row(row: dict, hidden_size: int, num_context_layers: int) -> dict:
     """
     import torch
 
-    t = int(row["num_tokens"])
-    sid = row.get("sample_id")
-    sizes = {"input_ids": 4 * t, "loss_mask": t, "context_hidden": 2 * t * num_context_layers * hidden_size,
+    t, w = num_tokens, num_context_layers * hidden_size
+    sizes = {"input_ids": 4 * t, "loss_mask": t, "context_hidden": 2 * t * w,
              "last_hidden": 2 * t * hidden_size}
     for col, size in sizes.items():
-        if len(row[col]) != size:
-            raise CorruptShardError(f"cache row {sid!r}: column {col} has {len(row[col])} bytes, "
-                                    f"expected {size} for {t} tokens")
-    as_bf16 = lambda b, w: torch.frombuffer(bytearray(b), dtype=torch.int16).view(torch.bfloat16).view(t, w)
+        if cols[col].size != size:
+            raise CorruptShardError(f"cache row {sample_id!r}: column {col} has {cols[col].size} "
+                                    f"bytes, expected {size} for {t} tokens")
+    def as_bf16(b: np.ndarray, width: int):  # [T, width] bf16, a fresh writable tensor
+        return torch.from_numpy(b.view("<i2").copy()).view(torch.bfloat16).view(t, width)
+
     return {
-        "sample_id": sid,
-        "input_ids": torch.from_numpy(np.frombuffer(row["input_ids"], dtype="<i4").astype(np.int64)),
-        "loss_mask": torch.from_numpy(np.frombuffer(row["loss_mask"], dtype=np.uint8).copy()),
-        "context_hidden": as_bf16(row["context_hidden"], num_context_layers * hidden_size),
-        "last_hidden": as_bf16(row["last_hidden"], hidden_size),
+        "sample_id": sample_id,
+        "input_ids": torch.from_numpy(cols["input_ids"].view("<i4").astype(np.int64)),
+        "loss_mask": torch.from_numpy(cols["loss_mask"].copy()),
+        "context_hidden": as_bf16(cols["context_hidden"], w),
+        "last_hidden": as_bf16(cols["last_hidden"], hidden_size),
     }
+
+
+# Parquet layout of a shard. Every column is zstd-compressed, hidden states included: on real
+# SmolLM2 activations (and the benchmark's synthetic ones) zstd stores bf16 hidden states in 0.80
+# of their size, for ~0.8 CPU s/GB more when reading (benchmarks/results/cache_io.md, which also
+# has the uncompressed numbers): on an object store, where the cache is bandwidth-bound and the
+# paper-scale cache is ~38 TB, the 20 % fewer bytes win. Only ``domain`` is dictionary-encoded:
+# byte columns are unique per row, so a dictionary there is built, found useless and dropped (one
+# measurement on SmolLM2 activations, uncompressed: 388 MB/s read with it, 3,482 MB/s without).
+# Statistics only where a reader could filter on them.
+PARQUET_OPTIONS = {"compression": "zstd", "use_dictionary": ["domain"],
+                   "write_statistics": ["sample_id", "domain", "num_tokens"]}
+
+
+class ShardWriter:
+    """Streams one cache shard to ``<path>.parquet``: each :meth:`write_table` call becomes
+    Parquet row groups right away, going out through a :class:`pipeline.storage.AtomicWriter` (a
+    local temporary renamed on commit, or an S3 multipart upload completed on commit, in parts of
+    the s3fs option ``default_block_size``, 50 MiB unless set), so a shard never sits whole in
+    memory (at most a row group and an upload part do) and a partial one is never visible.
+    :meth:`close` commits and returns the shard's statistics; leaving a ``with`` block on an
+    exception discards the shard.
+
+    Args:
+        path: shard base path (local or s3://) without suffix.
+        rows_per_row_group: the most rows in one row group.
+        parquet_options: ``pq.ParquetWriter`` keywords (:data:`PARQUET_OPTIONS` by default).
+    Raises:
+        OSError: the store failed (nothing is left at the shard's path).
+    """
+
+    def __init__(self, path: str, storage_options: dict, rows_per_row_group: int,
+                 parquet_options: dict | None = None):
+        self.file_name = path.rsplit("/", 1)[-1] + ".parquet"
+        self.rows_per_row_group = rows_per_row_group
+        self._out = storage.AtomicWriter(path + ".parquet", storage_options)
+        try:
+            self._writer = pq.ParquetWriter(self._out, SCHEMA,
+                                            **(parquet_options or PARQUET_OPTIONS))
+        except BaseException:
+            self._out.discard()
+            raise
+        self.rows = self.tokens = 0
+        self._counts = np.zeros(0, dtype=np.int64)
+
+    def write_table(self, table: pa.Table) -> None:
+        """Append cache rows as row groups of at most ``rows_per_row_group`` rows.
+
+        Args:
+            table: columns of :data:`SCHEMA` (e.g. from :func:`rows_table`).
+        Raises:
+            ValueError: another schema.
+            OSError: the store failed (raised here or by :meth:`close`).
+        """
+        if not table.schema.equals(SCHEMA, check_metadata=False):
+            raise ValueError(f"cache rows with schema {table.schema}, expected {SCHEMA}")
+        if not table.num_rows:
+            return
+        self._writer.write_table(table, row_group_size=self.rows_per_row_group)
+        ids = np.concatenate([_column_values(c, "<i4") for c in table.column("input_ids").chunks])
+        mask = np.concatenate([_column_values(c, np.uint8)
+                               for c in table.column("loss_mask").chunks]).astype(bool)
+        c = np.bincount(ids[mask], minlength=self._counts.size)
+        self._counts = np.pad(self._counts, (0, c.size - self._counts.size)) + c
+        self.tokens += int(pa.compute.sum(table.column("num_tokens")).as_py())
+        self.rows += table.num_rows
+
+    def write_rows(self, records: list[dict]) -> None:
+        """Append cache rows given as dicts (byte columns as ``bytes``); see :meth:`write_table`."""
+        self.write_table(pa.Table.from_pylist(records, schema=SCHEMA))
+
+    def close(self) -> dict:
+        """Finish the file and make it visible.
+
+        Returns:
+            ``file``, ``rows``, ``tokens``, ``supervised_tokens``, ``supervised_token_counts``
+            ({str(token id): count}), ``bytes`` and ``sha256`` of the stored file.
+        Raises:
+            OSError: the store failed (the shard is discarded).
+        """
+        try:
+            self._writer.close()
+        except BaseException:
+            self._out.discard()
+            raise
+        self._out.commit()
+        return {"file": self.file_name, "rows": self.rows, "tokens": self.tokens,
+                "supervised_tokens": int(self._counts.sum()),
+                "supervised_token_counts": token_counts_dict(self._counts),
+                "bytes": self._out.bytes_written, "sha256": self._out.sha256.hexdigest()}
+
+    def discard(self) -> None:
+        """Drop the shard (nothing at its path, no temporary, an S3 upload aborted)."""
+        self._writer.is_open = False  # pyarrow would write the footer when garbage-collected
+        self._out.discard()
+
+    def __enter__(self) -> "ShardWriter":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is not None:
+            self.discard()
+
+
+def _column_values(chunk: pa.BinaryArray, dtype) -> np.ndarray:
+    """All values of a binary column chunk, concatenated in row order, as ``dtype`` (a view
+    into the Arrow buffer)."""
+    _, offsets, data = chunk.buffers()
+    off = np.frombuffer(offsets, dtype=np.int32, count=len(chunk) + 1, offset=4 * chunk.offset)
+    if data is None or off[-1] == off[0]:
+        return np.zeros(0, dtype=dtype)
+    return np.frombuffer(data, dtype=np.uint8)[off[0]:off[-1]].view(dtype)
+
+
+def binary_column(values: list[np.ndarray]) -> pa.BinaryArray:
+    """A binary Arrow column from per-row byte arrays (any dtype, C-contiguous), copied once into
+    one buffer (``pa.array`` of ``bytes`` would copy twice)."""
+    flat = [np.ascontiguousarray(v).reshape(-1).view(np.uint8) for v in values]
+    offsets = np.zeros(len(flat) + 1, dtype=np.int32)
+    np.cumsum([f.size for f in flat], out=offsets[1:])
+    data = np.concatenate(flat) if flat else np.zeros(0, dtype=np.uint8)
+    return pa.BinaryArray.from_buffers(pa.binary(), len(flat),
+                                       [None, pa.py_buffer(offsets), pa.py_buffer(data)])
+
+
+def rows_table(samples: list[dict], context: list, last: list) -> pa.Table:
+    """Cache rows as an Arrow table of :data:`SCHEMA`.
+
+    Args:
+        samples: ``sample_id``, ``domain``, ``input_ids`` and ``loss_mask`` (lists, [T]) each.
+        context: per sample, [T, m*H] torch (any float dtype and device; stored as bf16) or
+            numpy int16 bf16 bits.
+        last: per sample, [T, H] likewise.
+    """
+    as_np = lambda t: t if isinstance(t, np.ndarray) else bf16_array(t)  # noqa: E731
+    return pa.table({
+        "sample_id": pa.array([s["sample_id"] for s in samples], pa.string()),
+        "domain": pa.array([s["domain"] for s in samples], pa.string()),
+        "num_tokens": pa.array([len(s["input_ids"]) for s in samples], pa.int32()),
+        "input_ids": binary_column([np.asarray(s["input_ids"], dtype="<i4") for s in samples]),
+        "loss_mask": binary_column([np.asarray(s["loss_mask"], dtype=np.uint8) for s in samples]),
+        "context_hidden": binary_column([as_np(t) for t in context]),
+        "last_hidden": binary_column([as_np(t) for t in last]),
+    }, schema=SCHEMA)
+
+
+def write_sidecar(path: str, summary: dict, storage_options: dict) -> None:
+    """Write ``<path>.json``. Call it after the shard is committed: its presence marks the shard
+    complete."""
+    storage.write_bytes_atomic(path + ".json", json.dumps(summary).encode(), storage_options)
+
+
+def write_shard(path: str, records: list[dict], *, rows_per_row_group: int,
+                storage_options: dict, extra: dict | None = None,
+                parquet_options: dict | None = None) -> dict:
+    """Write one shard from rows held in memory (the streaming form is :class:`ShardWriter`):
+    ``<path>.parquet``, then its ``<path>.json`` sidecar, which marks the shard complete.
+
+    Args:
+        path: shard base path (local or s3://) without suffix.
+        records: cache rows (columns of :data:`SCHEMA`, byte columns as ``bytes``).
+        rows_per_row_group: Parquet row group size (rows).
+        extra: more sidecar fields (``fingerprint``, ``errors``).
+    Returns:
+        The sidecar (see :meth:`ShardWriter.close`, plus ``extra``).
+    Raises:
+        OSError: the store failed (nothing is left at the shard's path).
+    """
+    with ShardWriter(path, storage_options, rows_per_row_group, parquet_options) as writer:
+        for i in range(0, len(records), rows_per_row_group):
+            writer.write_rows(records[i:i + rows_per_row_group])
+        summary = {**writer.close(), **(extra or {})}
+    write_sidecar(path, summary, storage_options)
+    return summary
 
 
 class CacheWriterUDF:
     """Ray Data callable class: tokenizes conversations, runs the target, writes one shard per
     input row. Input columns: ``shard`` (int), ``path`` (shard base path without suffix),
-    ``rows`` (JSON list of conversations). Output: one summary row per shard."""
+    ``fingerprint`` and ``rows`` (JSON list of conversations). Output: one summary row per shard.
+
+    A shard's samples go to the target a row group at a time: inside a row group they are
+    forwarded in batches of similar length (right-padded, at most ``forward_batch_tokens``
+    padded tokens per batch), and the row group is written (streamed) before the next one is
+    computed. Row order stays the conversations' order. A shard whose upload still fails after
+    the store client's retries is rewritten from scratch with backoff
+    (:func:`pipeline.storage.retry_transient`).
+    """
 
     def __init__(self, target: str, dtype: str, layer_ids: list[int], template_kwargs: dict,
                  max_length: int, min_supervised: int, rows_per_row_group: int,
-                 num_threads: int | None, storage_options: dict):
+                 num_threads: int | None, storage_options: dict, forward_batch_tokens: int = 8192,
+                 retry_base_delay_s: float = 2.0):
         import torch
 
         from serve.target_loading import load_target, load_tokenizer
@@ -104,16 +316,24 @@ class CacheWriterUDF:
         self.min_supervised = min_supervised
         self.rows_per_row_group = rows_per_row_group
         self.storage_options = storage_options
+        self.forward_batch_tokens = forward_batch_tokens
+        self.retry_base_delay_s = retry_base_delay_s
+        pad = self.tokenizer.pad_token_id
+        self.pad_id = pad if pad is not None else (self.tokenizer.eos_token_id or 0)
 
-    def _encode(self, conv: dict) -> list[dict]:
-        """Cache rows of one conversation: one, or one per assistant turn when the chat template
+    def _tokenize(self, conv: dict) -> list[dict]:
+        """Samples of one conversation: one, or one per assistant turn when the chat template
         renders history differently from a generated turn (``serve.chat``); ids ``<id>#<turn>``
-        then."""
+        then. Each: ``sample_id``, ``domain``, ``input_ids`` and ``loss_mask`` (lists, [T]).
+
+        Raises:
+            ValueError: too few supervised tokens, no anchor position, or a template error.
+        """
         from serve.chat import tokenize_conversation_samples
 
         samples = tokenize_conversation_samples(self.tokenizer, conv["messages"],
                                                 self.template_kwargs, self.max_length)
-        rows = []
+        out = []
         for k, tok in enumerate(samples):
             if tok.num_supervised < self.min_supervised:
                 raise ValueError(f"only {tok.num_supervised} supervised tokens "
@@ -121,61 +341,110 @@ class CacheWriterUDF:
             mask = tok.loss_mask
             if not any(a and b for a, b in zip(mask, mask[1:])):
                 raise ValueError("no anchor position (two consecutive supervised tokens)")
-            ids = self.torch.tensor([tok.input_ids], device=self.device)
-            with self.torch.no_grad():
-                out = self.model.model(input_ids=ids, output_hidden_states=True, use_cache=False)
-            hs = out.hidden_states  # L + 1 tensors; hs[l + 1] is decoder layer l's output
-            context = self.torch.cat([hs[l + 1][0] for l in self.layer_ids], dim=-1)
-            last = out.last_hidden_state[0]  # post-norm: exactly the LM head's input
-            rows.append({
-                "sample_id": conv["id"] if len(samples) == 1 else f"{conv['id']}#{k}",
-                "domain": conv.get("domain", "unknown"),
-                "num_tokens": len(tok.input_ids),
-                "input_ids": np.asarray(tok.input_ids, dtype="<i4").tobytes(),
-                "loss_mask": np.asarray(tok.loss_mask, dtype=np.uint8).tobytes(),
-                "context_hidden": bf16_bytes(context), "last_hidden": bf16_bytes(last),
-            })
-        return rows
+            out.append({"sample_id": conv["id"] if len(samples) == 1 else f"{conv['id']}#{k}",
+                        "domain": conv.get("domain", "unknown"),
+                        "input_ids": list(tok.input_ids), "loss_mask": list(tok.loss_mask)})
+        return out
+
+    def _forward(self, samples: list[dict]) -> pa.Table:
+        """Cache rows of ``samples`` (same order, :func:`rows_table`) from right-padded batched
+        target forwards (:func:`length_batches`): ``context_hidden`` bf16 [T, m*H] and
+        ``last_hidden`` bf16 [T, H] of each sample's own T positions (attention is causal, so the
+        padding after a sample cannot change them)."""
+        torch = self.torch
+        context: list = [None] * len(samples)
+        last: list = [None] * len(samples)
+        lengths = [len(s["input_ids"]) for s in samples]
+        for batch in length_batches(lengths, self.forward_batch_tokens):
+            width = lengths[batch[0]]
+            ids = torch.full((len(batch), width), self.pad_id, dtype=torch.long)  # [B, T_max]
+            attn = torch.zeros((len(batch), width), dtype=torch.long)  # [B, T_max]
+            for b, i in enumerate(batch):
+                ids[b, :lengths[i]] = torch.tensor(samples[i]["input_ids"])
+                attn[b, :lengths[i]] = 1
+            with torch.no_grad():
+                out = self.model.model(input_ids=ids.to(self.device),
+                                       attention_mask=attn.to(self.device),
+                                       output_hidden_states=True, use_cache=False)
+            hs = out.hidden_states  # L + 1 tensors [B, T_max, H]; hs[l + 1]: decoder layer l
+            # [B, T_max, m*H] and [B, T_max, H] (post-norm: exactly the LM head's input), bf16
+            ctx = torch.cat([hs[l + 1] for l in self.layer_ids], dim=-1).to(torch.bfloat16).cpu()
+            fin = out.last_hidden_state.to(torch.bfloat16).cpu()
+            for b, i in enumerate(batch):
+                context[i], last[i] = ctx[b, :lengths[i]], fin[b, :lengths[i]]
+        return rows_table(samples, context, last)
+
+    def write_shard(self, path: str, convs: list[dict], fingerprint: str) -> dict:
+        """Tokenize, forward and stream one shard (a row group at a time), then write its
+        sidecar.
+
+        Returns:
+            The sidecar (:meth:`ShardWriter.close` plus ``fingerprint`` and ``errors``).
+        Raises:
+            OSError: the store failed (nothing is left at the shard's path).
+        """
+        samples, errors = [], []
+        for conv in convs:
+            try:
+                samples += self._tokenize(conv)
+            except ValueError as err:  # bad data (mask, length, template) never sinks the shard
+                errors.append({"id": conv["id"], "stage": "cache",
+                               "error": f"{type(err).__name__}: {err}"})
+        n = self.rows_per_row_group
+        with ShardWriter(path, self.storage_options, n) as writer:
+            for i in range(0, len(samples), n):
+                writer.write_table(self._forward(samples[i:i + n]))
+            summary = {**writer.close(), "fingerprint": fingerprint, "errors": errors}
+        write_sidecar(path, summary, self.storage_options)
+        return summary
 
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, list]:
         summaries = {"shard": [], "summary": []}
         for shard, path, fingerprint, rows_json in zip(batch["shard"], batch["path"],
                                                        batch["fingerprint"], batch["rows"]):
-            records, errors = [], []
-            for conv in json.loads(rows_json):
-                try:
-                    records += self._encode(conv)
-                except ValueError as err:  # bad data (mask, length, template) never sinks the shard
-                    errors.append({"id": conv["id"], "stage": "cache",
-                                   "error": f"{type(err).__name__}: {err}"})
-            table = pa.Table.from_pylist(records, schema=SCHEMA)
-            buf = io.BytesIO()
-            pq.write_table(table, buf, row_group_size=self.rows_per_row_group, compression="zstd")
-            data = buf.getvalue()
-            storage.write_bytes_atomic(path + ".parquet", data, self.storage_options)
-            summary = {"file": path.rsplit("/", 1)[-1] + ".parquet", "rows": len(records),
-                       "tokens": int(sum(r["num_tokens"] for r in records)),
-                       "supervised_tokens": int(sum(sum(r["loss_mask"]) for r in records)),
-                       "supervised_token_counts": supervised_token_counts(records),
-                       "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest(),
-                       "fingerprint": str(fingerprint), "errors": errors}
-            # the sidecar is written last: its presence marks the shard complete
-            storage.write_bytes_atomic(path + ".json", json.dumps(summary).encode(),
-                                       self.storage_options)
+            path, convs = str(path), json.loads(rows_json)
+            write = lambda: self.write_shard(path, convs, str(fingerprint))  # noqa: E731
+            summary = (storage.retry_transient(write, what=f"cache shard {path}",
+                                               base_delay_s=self.retry_base_delay_s)
+                       if storage.is_url(path) else write())
             summaries["shard"].append(int(shard))
             summaries["summary"].append(json.dumps(summary))
         return summaries
 
 
+def length_batches(lengths: list[int], max_tokens: int) -> list[list[int]]:
+    """Indices of ``lengths`` grouped for batched forwards: longest first (ties by index), each
+    batch at most ``max_tokens`` padded tokens (batch size x its longest length); a sample
+    longer than that goes alone."""
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    batches: list[list[int]] = []
+    for i in order:
+        if batches and (len(batches[-1]) + 1) * lengths[batches[-1][0]] <= max_tokens:
+            batches[-1].append(i)
+        else:
+            batches.append([i])
+    return batches
+
+
 def supervised_token_counts(records: list[dict]) -> dict[str, int]:
     """How often each target token is a supervised (assistant) token in these cache rows:
     {str(token id): count}, the input of the draft vocabulary's frequency ranking."""
-    counts = np.zeros(0, dtype=np.int64)
+    return token_counts_dict(add_supervised_counts(np.zeros(0, dtype=np.int64), records))
+
+
+def add_supervised_counts(counts: np.ndarray, records: list[dict]) -> np.ndarray:
+    """``counts`` (int64 [V'], indexed by token id) plus the supervised tokens of ``records``
+    (grown as needed)."""
     for r in records:
         ids = np.frombuffer(r["input_ids"], dtype="<i4")
         mask = np.frombuffer(r["loss_mask"], dtype=np.uint8).astype(bool)
         c = np.bincount(ids[mask], minlength=counts.size)
         counts = np.pad(counts, (0, c.size - counts.size)) + c
+    return counts
+
+
+def token_counts_dict(counts: np.ndarray) -> dict[str, int]:
+    """{str(token id): count} of the non-zero entries of ``counts``."""
     return {str(t): int(counts[t]) for t in np.flatnonzero(counts)}
 
 
@@ -200,21 +469,90 @@ def shard_fingerprint(rows: list[dict], settings: dict) -> str:
     return h.hexdigest()
 
 
-def plan_shards(conversations: list[dict], rows_per_shard: int) -> list[list[dict]]:
-    """Deterministic shards: id-sorted conversations cut every ``rows_per_shard`` rows."""
-    convs = sorted(conversations, key=lambda c: c["id"])
-    return [convs[i:i + rows_per_shard] for i in range(0, len(convs), rows_per_shard)]
+def shard_bounds(ids: list[str], rows_per_shard: int) -> list[str]:
+    """Deterministic shards of id-sorted conversations cut every ``rows_per_shard`` rows: the
+    first id of every shard after the first (shard of an id = ``bisect_right(bounds, id)``).
+
+    Raises:
+        ValueError: an id occurs twice (naming it).
+    """
+    ids = sorted(ids)
+    dup = next((a for a, b in zip(ids, ids[1:]) if a == b), None)
+    if dup is not None:
+        raise ValueError(f"conversation id {dup!r} occurs more than once in the generate output")
+    return ids[rows_per_shard::rows_per_shard]
 
 
-def run_cache_split(conversations: list[dict], split_dir: str, *, target: str, dtype: str,
+def _key_lines(batch: dict) -> dict:
+    """Ray Data batch: JSON lines (``text``) -> ``id`` and the line itself; blank lines and an
+    unreadable (truncated) line, left by a crash while appending, are dropped."""
+    ids, texts = [], []
+    for line in batch["text"]:
+        line = str(line)
+        if not line.strip():
+            continue
+        try:
+            conv_id = json.loads(line)["id"]
+        except (json.JSONDecodeError, KeyError, TypeError):
+            logger.warning("generate output: ignoring an unreadable line (%.60s...)", line)
+            continue
+        ids.append(str(conv_id))
+        texts.append(line)
+    return {"id": np.array(ids, dtype=object), "text": np.array(texts, dtype=object)}
+
+
+def _assign_shard(batch: dict, bounds: list[str]) -> dict:
+    """Ray Data batch: add ``shard`` (int64) from ``id`` (:func:`shard_bounds`)."""
+    shard = np.searchsorted(np.array(bounds, dtype=object), batch["id"], side="right")
+    return {**batch, "shard": np.asarray(shard, dtype=np.int64)}
+
+
+def _pack_shard(group: dict, split_dir: str, settings: dict) -> dict:
+    """Ray Data ``map_groups``: the rows of one shard -> one row ``shard``, ``path``,
+    ``fingerprint`` and ``rows`` (JSON list of its id-sorted conversations)."""
+    order = np.argsort(group["id"].astype(str), kind="stable")
+    convs = [json.loads(group["text"][i]) for i in order]
+    shard = int(group["shard"][0])
+    return {"shard": np.array([shard], dtype=np.int64),
+            "path": np.array([storage.join(split_dir, shard_name(shard))], dtype=object),
+            "fingerprint": np.array([shard_fingerprint(convs, settings)], dtype=object),
+            "rows": np.array([json.dumps(convs, ensure_ascii=False)], dtype=object)}
+
+
+def conversations_dataset(conversations: list[dict] | str):
+    """A Ray Data dataset of JSON lines (column ``text``): a JSONL file (local path, read on
+    the driver's node, or s3://), or conversations given in memory (tests, small inputs)."""
+    import ray
+
+    if isinstance(conversations, str):
+        path = conversations if storage.is_url(conversations) else f"local://{conversations}"
+        return ray.data.read_text(path)
+    return ray.data.from_items([{"text": json.dumps(c, ensure_ascii=False)}
+                                for c in conversations])
+
+
+def run_cache_split(conversations: list[dict] | str, split_dir: str, *, target: str, dtype: str,
                     layer_ids: list[int], template_kwargs: dict, max_length: int,
                     min_supervised: int, rows_per_shard: int, rows_per_row_group: int,
                     num_actors: int, cpus_per_actor: float, gpus_per_actor: float,
-                    num_threads: int | None, storage_options: dict) -> list[dict]:
-    """Write the missing shards of one split; return every shard's summary (in shard order)."""
+                    num_threads: int | None, storage_options: dict,
+                    forward_batch_tokens: int = 8192) -> list[dict]:
+    """Write the missing shards of one split; return every shard's summary (in shard order).
+
+    The conversations are read as a Ray Data dataset (a generate output file is never loaded
+    into the driver, which holds only the ids): shards are the id-sorted conversations cut every
+    ``rows_per_shard``, packed one row per shard by a ``groupby``, fingerprinted there, and only
+    shards without a sidecar of the same fingerprint go to the writer actors
+    (:class:`CacheWriterUDF`; ``forward_batch_tokens`` is its batched-forward budget).
+
+    Args:
+        conversations: a JSONL file of conversations (``id``, ``messages``, ``domain``; local or
+            s3://) or the conversations themselves.
+    Raises:
+        ValueError: a conversation id occurs twice.
+    """
     import ray
 
-    shards = plan_shards(conversations, rows_per_shard)
     if not storage.is_url(split_dir):  # temporaries of writers killed mid-shard (never listed)
         for stale in Path(split_dir).glob(".shard-*.tmp-*"):
             stale.unlink(missing_ok=True)
@@ -222,34 +560,44 @@ def run_cache_split(conversations: list[dict], split_dir: str, *, target: str, d
                 "template_kwargs": template_kwargs, "max_length": max_length,
                 "min_supervised": min_supervised,
                 "summary": 2}  # 2: sidecars carry supervised_token_counts
+    keyed = conversations_dataset(conversations).map_batches(
+        _key_lines, batch_format="numpy").materialize()
+    ids = [str(r["id"]) for r in keyed.select_columns(["id"]).take_all()]
+    if not ids:
+        return []
+    bounds = shard_bounds(ids, rows_per_shard)
+    packed = (keyed.map_batches(_assign_shard, fn_kwargs={"bounds": bounds}, batch_format="numpy")
+              .groupby("shard", num_partitions=min(len(bounds) + 1, 64))
+              .map_groups(_pack_shard, fn_kwargs={"split_dir": split_dir, "settings": settings},
+                          batch_format="numpy")
+              .materialize())
     summaries: dict[int, dict] = {}
-    todo = []
-    for i, rows in enumerate(shards):
-        base = storage.join(split_dir, shard_name(i))
-        fingerprint = shard_fingerprint(rows, settings)
+    todo = set()
+    for row in packed.select_columns(["shard", "path", "fingerprint"]).take_all():
+        i, base, fingerprint = int(row["shard"]), str(row["path"]), str(row["fingerprint"])
         if storage.exists(base + ".json", storage_options):
             done = json.loads(storage.read_bytes(base + ".json", storage_options))
             if done.get("fingerprint") == fingerprint:
                 summaries[i] = done
                 continue
             logger.warning("%s was written from other inputs or settings: rewriting it", base)
-        todo.append({"shard": i, "path": base, "fingerprint": fingerprint,
-                     "rows": json.dumps(rows, ensure_ascii=False)})
+        todo.add(i)
+    num_shards = len(bounds) + 1
     if todo:
-        logger.info("cache %s: writing %d of %d shards", split_dir, len(todo), len(shards))
-        ds = ray.data.from_items(todo, override_num_blocks=len(todo))
-        ds = ds.map_batches(
+        logger.info("cache %s: writing %d of %d shards", split_dir, len(todo), num_shards)
+        ds = packed.filter(lambda row: int(row["shard"]) in todo)
+        ds = ds.repartition(len(todo)).map_batches(
             CacheWriterUDF,
             fn_constructor_kwargs=dict(
                 target=target, dtype=dtype, layer_ids=layer_ids, template_kwargs=template_kwargs,
                 max_length=max_length, min_supervised=min_supervised,
                 rows_per_row_group=rows_per_row_group, num_threads=num_threads,
-                storage_options=storage_options),
+                storage_options=storage_options, forward_batch_tokens=forward_batch_tokens),
             batch_size=1, concurrency=num_actors, num_cpus=cpus_per_actor,
             num_gpus=gpus_per_actor or None, batch_format="numpy")
         for row in ds.iter_rows():
             summaries[int(row["shard"])] = json.loads(row["summary"])
-    return [summaries[i] for i in range(len(shards))]
+    return [summaries[i] for i in range(num_shards)]
 
 
 def build_manifest(*, target: str, revision: str | None, layer_ids: list[int], hidden_size: int,

@@ -151,6 +151,10 @@ class CacheConfig(Strict):
     min_supervised_tokens: int = Field(14, ge=2)
     rows_per_shard: int = Field(64, ge=1)
     rows_per_row_group: int = Field(16, ge=1)
+    forward_batch_tokens: int = Field(8192, ge=1, description="Padded tokens per target forward: "
+                                      "the samples of a row group go through the target in "
+                                      "batches of similar length up to this many tokens "
+                                      "(a longer sample goes alone; 1 = one sample per forward).")
     num_actors: int = Field(1, ge=1)
     cpus_per_actor: float = Field(1.0, gt=0)
     gpus_per_actor: float = Field(0.0, ge=0)

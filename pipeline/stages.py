@@ -143,7 +143,8 @@ STAGE_INPUTS = {"prompts": ["prompts", "storage_options"],
 # fingerprint as it was, so runs made before them still count as complete
 ADDED_LATER = [("drafter", "qk_norm", None), ("engine", "kv_cache_memory_gib", 2.0),
                ("generate", "backend", "hf"),
-               ("generate", "vllm", VllmGenerateConfig().model_dump(mode="json"))]
+               ("generate", "vllm", VllmGenerateConfig().model_dump(mode="json")),
+               ("cache", "forward_batch_tokens", 8192)]
 
 
 def stage_fingerprint(cfg: PipelineConfig, name: str) -> str:
@@ -313,7 +314,6 @@ def stage_cache(ctx: StageContext) -> dict:
     from transformers import AutoConfig
 
     from .cache import build_manifest, read_manifest, run_cache_split
-    from .prompts import read_jsonl
 
     _require(ctx, "generate")
     so = ctx.cfg.storage_options
@@ -326,17 +326,21 @@ def stage_cache(ctx: StageContext) -> dict:
     splits = {}
     errors_path = ctx.stage_dir("cache") / "errors.jsonl"
     for split in SPLITS:
-        convs = read_jsonl(str(ctx.run_dir / "generate" / f"{split}.jsonl"))
-        if not convs:
+        # read by Ray Data inside run_cache_split: the driver never holds the conversations
+        generated = ctx.run_dir / "generate" / f"{split}.jsonl"
+        if not generated.exists() or generated.stat().st_size == 0:
             continue
-        splits[split] = run_cache_split(
-            convs, storage.join(ctx.cache_dir, split), target=ctx.target,
+        shards = run_cache_split(
+            str(generated), storage.join(ctx.cache_dir, split), target=ctx.target,
             dtype=ctx.cfg.target.dtype, layer_ids=ctx.layer_ids,
             template_kwargs=ctx.cfg.target.chat_template_kwargs, max_length=c.max_length,
             min_supervised=c.min_supervised_tokens, rows_per_shard=c.rows_per_shard,
             rows_per_row_group=c.rows_per_row_group, num_actors=c.num_actors,
             cpus_per_actor=c.cpus_per_actor, gpus_per_actor=c.gpus_per_actor,
-            num_threads=c.num_threads, storage_options=so)
+            num_threads=c.num_threads, storage_options=so,
+            forward_batch_tokens=c.forward_batch_tokens)
+        if shards:
+            splits[split] = shards
     errors = [e for shards in splits.values() for s in shards for e in s["errors"]]
     with open(errors_path, "w", encoding="utf-8") as fh:
         fh.writelines(json.dumps(e, ensure_ascii=False) + "\n" for e in errors)

@@ -24,6 +24,7 @@ if TYPE_CHECKING:
     from .config import DrafterSection, TrainConfig
 
 logger = logging.getLogger(__name__)
+PREFETCH_MICRO_BATCHES = 4  # micro-batches each worker reads ahead of its training loop
 
 
 def build_drafter_config(target_config, target_name: str, layer_ids: list[int],
@@ -272,7 +273,7 @@ def train_loop_per_worker(loop_cfg: dict) -> None:
     from drafters.loading import build_drafter
 
     from . import storage
-    from .train_data import (CacheRowIndex, CacheRowReader, row_generator, worker_micro_batches)
+    from .train_data import CacheRowIndex, CacheRowReader, row_generator, worker_plan
 
     from .config import DrafterSection, TrainConfig
 
@@ -367,14 +368,19 @@ def train_loop_per_worker(loop_cfg: dict) -> None:
     skipped, bad_in_a_row = (history[-1].get("skipped_steps", 0) if history else 0), 0
     # times this run continued from a checkpoint (a worker-group restart or a re-run's resume)
     resumes = history[-1].get("resumes", 0) + 1 if restored is not None and history else 0
+    # every micro-batch this worker will read, in order; the reader works PREFETCH_MICRO_BATCHES
+    # ahead of the loop without changing what a step sees (pipeline/train_data.py)
+    micro_per_step = tc.global_batch_size // world // tc.micro_batch_size
+    stream = reader.prefetch(worker_plan(train_index, tc.seed, step, total_steps, per_epoch,
+                                         tc.global_batch_size, tc.micro_batch_size, rank, world),
+                             depth=PREFETCH_MICRO_BATCHES)
     while step < total_steps:
-        epoch, step_in_epoch = divmod(step, per_epoch)
-        order = train_index.epoch_order(tc.seed, epoch)
+        epoch = step // per_epoch
         outs, bad = [], False
-        for rows in worker_micro_batches(order, step_in_epoch, tc.global_batch_size,
-                                         tc.micro_batch_size, rank, world):
+        for _ in range(micro_per_step):
+            rows, samples = next(stream)
             gens = [row_generator(tc.seed, epoch, r) for r in rows]
-            out = batch_losses(engine, reader.read(rows), tc, objective, weights, device, gens)
+            out = batch_losses(engine, samples, tc, objective, weights, device, gens)
             loss = out["loss"]
             if not finite_on_all_workers(loss, device):
                 # every worker still runs backward and step, so DeepSpeed's gradient all-reduce
@@ -412,6 +418,10 @@ def train_loop_per_worker(loop_cfg: dict) -> None:
             bar.set_postfix(loss=f"{last['loss']:.3f}", tau=f"{last['tau']:.2f}")
         if step == total_steps or (tc.checkpoint_every and step % tc.checkpoint_every == 0):
             save_training_state(engine, step, world, history, last)
+    stream.close()
+    reader.close()
+    if heldout_reader is not None:
+        heldout_reader.close()
     if bar is not None:
         bar.close()
     if run is not None:

@@ -10,18 +10,25 @@ Anchor sampling is seeded per (seed, epoch, row), not per worker, for the same r
 
 Ray Data's streaming split does not expose a resumable iterator position in open-source Ray, which
 is why training reads the manifest's shards through pyarrow directly (still O(H) per token: only
-the cached hidden states travel).
+the cached hidden states travel). Because a worker knows every row id it will read
+(:func:`worker_plan`), :meth:`CacheRowReader.prefetch` reads the row groups of the next
+micro-batches in background threads (files kept open, rows decoded from the Arrow buffers) and
+hands the micro-batches back in plan order: prefetching changes when rows are read, never which
+rows a step sees or in what order.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
+import threading
+from collections import OrderedDict, deque
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Iterable, Iterator
 
 import numpy as np
 
 from . import storage
-from .cache import CorruptShardError, decode_row
+from .cache import BYTE_COLUMNS, CorruptShardError, decode_columns
 
 
 @dataclass(frozen=True)
@@ -51,6 +58,7 @@ class CacheRowIndex:
 
         self.fs, base = storage.get_arrow_fs(storage.join(cache_dir, split), storage_options)
         self.groups: list[RowGroupRef] = []
+        self.metadata: dict[str, object] = {}  # path -> pyarrow FileMetaData (footer read once)
         for shard in manifest["splits"][split]["shards"]:
             if not shard["rows"]:
                 continue
@@ -60,6 +68,7 @@ class CacheRowIndex:
             if meta.num_rows != shard["rows"]:
                 raise CorruptShardError(f"cache shard {path} has {meta.num_rows} rows, the "
                                         f"manifest says {shard['rows']}")
+            self.metadata[path] = meta
             self.groups += [RowGroupRef(path, i, meta.row_group(i).num_rows)
                             for i in range(meta.num_row_groups)]
         sizes = np.array([g.rows for g in self.groups], dtype=np.int64)
@@ -83,49 +92,216 @@ class CacheRowIndex:
         return g, int(row - self.starts[g])
 
 
+READ_COLUMNS = ("sample_id", "num_tokens", *BYTE_COLUMNS)
+
+
+class ArrowRowGroup:
+    """One row group's columns as numpy views into its Arrow buffers (no per-row Python
+    objects): a binary column may come back in several chunks (over 2 GiB of bytes), each kept as
+    (offsets int64 [n + 1], data uint8 [bytes]).
+
+    Args:
+        table: the row group, with at least :data:`READ_COLUMNS`.
+    """
+
+    def __init__(self, table):
+        self.table = table  # keeps the buffers the views point into alive
+        self.num_rows = table.num_rows
+        self.sample_ids = table.column("sample_id").to_pylist()
+        self.num_tokens = table.column("num_tokens").to_numpy().astype(np.int64)
+        self.columns: dict[str, tuple[np.ndarray, list[tuple[np.ndarray, np.ndarray]]]] = {}
+        for name in BYTE_COLUMNS:
+            starts, chunks = [0], []
+            for chunk in table.column(name).chunks:
+                _, offsets, data = chunk.buffers()
+                off = np.frombuffer(offsets, dtype=np.int32, count=len(chunk) + 1,
+                                    offset=4 * chunk.offset).astype(np.int64)
+                chunks.append((off, np.frombuffer(data, dtype=np.uint8) if data is not None
+                               else np.zeros(0, dtype=np.uint8)))
+                starts.append(starts[-1] + len(chunk))
+            self.columns[name] = (np.asarray(starts, dtype=np.int64), chunks)
+
+    def column_bytes(self, name: str, i: int) -> np.ndarray:
+        """Row ``i``'s bytes of binary column ``name``: uint8 view [bytes] (read-only)."""
+        starts, chunks = self.columns[name]
+        c = int(np.searchsorted(starts, i, side="right") - 1)
+        off, data = chunks[c]
+        j = i - int(starts[c])
+        return data[off[j]:off[j + 1]]
+
+    def decode(self, i: int, hidden_size: int, num_context_layers: int) -> dict:
+        """Row ``i`` decoded by :func:`pipeline.cache.decode_columns` (fresh tensors).
+
+        Raises:
+            CorruptShardError: byte sizes disagree with ``num_tokens`` (sample named).
+        """
+        cols = {c: self.column_bytes(c, i) for c in BYTE_COLUMNS}
+        return decode_columns(self.sample_ids[i], int(self.num_tokens[i]), cols, hidden_size,
+                              num_context_layers)
+
+
 class CacheRowReader:
-    """Reads rows by global id, keeping the last few row groups in memory.
+    """Reads rows by global id: row groups are read by a pool of I/O threads (each keeps its
+    recently used shard files open, with the footers read once by the index), the last
+    ``cached_groups`` of them stay in memory, and rows are decoded straight from the Arrow
+    buffers.
+
+    Use :meth:`read` for one micro-batch now, or :meth:`prefetch` to stream a known plan of
+    micro-batches with ``depth`` of them read ahead. Close the reader (or use it as a context
+    manager) to stop its threads.
 
     Args:
         index: a :class:`CacheRowIndex`.
-        hidden_size, num_context_layers: to decode rows (:func:`pipeline.cache.decode_row`).
-        cached_groups: how many decoded row groups to keep (LRU).
+        hidden_size, num_context_layers: to decode rows (:func:`pipeline.cache.decode_columns`).
+        cached_groups: how many row groups (Arrow tables) to keep (LRU); at least the epoch
+            order's shuffle window (4) so that every row group is read once per epoch.
+        io_threads: row groups read concurrently (I/O and decompression release the GIL).
+        open_files: shard files each I/O thread keeps open (LRU).
     """
 
     def __init__(self, index: CacheRowIndex, hidden_size: int, num_context_layers: int,
-                 cached_groups: int = 8):
+                 cached_groups: int = 8, io_threads: int = 4, open_files: int = 16):
         self.index = index
         self.hidden, self.m = hidden_size, num_context_layers
-        self.cached_groups = cached_groups
-        self._groups: OrderedDict[int, list[dict]] = OrderedDict()
+        self.cached_groups, self.open_files = cached_groups, open_files
+        self._groups: OrderedDict[int, Future] = OrderedDict()
+        self._lock = threading.Lock()
+        self._local = threading.local()
+        self._io = ThreadPoolExecutor(io_threads, thread_name_prefix="cache-io")
+        self._decoder = ThreadPoolExecutor(1, thread_name_prefix="cache-decode")
+        self.groups_read = 0  # row group reads so far (a re-read after eviction counts again)
 
-    def _group(self, g: int) -> list[dict]:
+    def __enter__(self) -> "CacheRowReader":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Stop the threads (pending reads are cancelled); the reader is unusable afterwards."""
+        self._decoder.shutdown(wait=True, cancel_futures=True)
+        self._io.shutdown(wait=True, cancel_futures=True)
+        with self._lock:
+            self._groups.clear()
+
+    def _parquet_file(self, path: str):
+        """This thread's open ``pq.ParquetFile`` of ``path`` (footer from the index)."""
         import pyarrow.parquet as pq
 
-        if g in self._groups:
-            self._groups.move_to_end(g)
-            return self._groups[g]
+        files = getattr(self._local, "files", None)
+        if files is None:
+            files = self._local.files = OrderedDict()
+        if path in files:
+            files.move_to_end(path)
+            return files[path][1]
+        handle = self.index.fs.open_input_file(path)
+        files[path] = (handle, pq.ParquetFile(handle, metadata=self.index.metadata[path],
+                                              pre_buffer=True))
+        while len(files) > self.open_files:
+            old, _ = files.popitem(last=False)[1]
+            old.close()
+        return files[path][1]
+
+    def _load_group(self, g: int) -> ArrowRowGroup:
         ref = self.index.groups[g]
-        with self.index.fs.open_input_file(ref.path) as fh:
-            rows = pq.ParquetFile(fh).read_row_group(ref.index).to_pylist()
-        self._groups[g] = rows
-        while len(self._groups) > self.cached_groups:
-            self._groups.popitem(last=False)
-        return rows
+        table = self._parquet_file(ref.path).read_row_group(ref.index, columns=list(READ_COLUMNS))
+        if table.num_rows != ref.rows:
+            raise CorruptShardError(f"cache shard {ref.path}: row group {ref.index} has "
+                                    f"{table.num_rows} rows, its footer says {ref.rows}")
+        return ArrowRowGroup(table)
 
-    def read(self, rows: list[int]) -> list[dict]:
-        """Decoded samples (see ``decode_row``) of the given global row ids, with ``row_id``.
+    def _group(self, g: int) -> Future:
+        """The (possibly still running) read of row group ``g``; starts it when not cached."""
+        with self._lock:
+            fut = self._groups.get(g)
+            if fut is None:
+                fut = self._groups[g] = self._io.submit(self._load_group, g)
+                self.groups_read += 1
+            self._groups.move_to_end(g)
+            while len(self._groups) > self.cached_groups:  # in-flight users keep their future
+                self._groups.popitem(last=False)
+        return fut
 
-        Raises:
-            CorruptShardError: a row's byte sizes are inconsistent (sample named).
-        """
+    def _request(self, rows: list[int]) -> list[tuple[int, int, Future]]:
+        """Start the reads of ``rows``' row groups: [(row id, row in group, group future)]."""
         out = []
         for row in rows:
             g, i = self.index.locate(int(row))
-            sample = decode_row(self._group(g)[i], self.hidden, self.m)
-            sample["row_id"] = int(row)
+            out.append((int(row), i, self._group(g)))
+        return out
+
+    def _assemble(self, requested: list[tuple[int, int, Future]]) -> list[dict]:
+        out = []
+        for row, i, fut in requested:
+            sample = fut.result().decode(i, self.hidden, self.m)
+            sample["row_id"] = row
             out.append(sample)
         return out
+
+    def read(self, rows: list[int]) -> list[dict]:
+        """Decoded samples (see :func:`pipeline.cache.decode_columns`) of the given global row
+        ids, in the given order, each with ``row_id``.
+
+        Raises:
+            CorruptShardError: a row's byte sizes are inconsistent (sample named).
+            OSError / FileNotFoundError: a shard cannot be read.
+        """
+        return self._assemble(self._request(rows))
+
+    def prefetch(self, batches: Iterable[list[int]], depth: int = 4
+                 ) -> Iterator[tuple[list[int], list[dict]]]:
+        """Stream ``(rows, samples)`` for each micro-batch of ``batches``, in that order, while
+        the row groups of the next ``depth`` micro-batches are read and decoded in the
+        background (``depth`` 0 reads each micro-batch when it is asked for).
+
+        ``samples`` are exactly what :meth:`read` returns for ``rows``. An error reading a
+        micro-batch is raised when that micro-batch is reached, not before. Closing the
+        generator cancels what it has not handed out.
+        """
+        plan = iter(batches)
+        pending: deque[tuple[list[int], Future]] = deque()
+
+        def submit() -> bool:
+            rows = next(plan, None)
+            if rows is None:
+                return False
+            rows = [int(r) for r in rows]
+            pending.append((rows, self._decoder.submit(self._assemble, self._request(rows))))
+            return True
+
+        try:
+            while len(pending) <= depth and submit():
+                pass
+            while pending:
+                rows, fut = pending.popleft()
+                if depth:  # keep ``depth`` micro-batches in flight behind this one
+                    submit()
+                yield rows, fut.result()
+                if not depth:
+                    submit()
+        finally:
+            for _, fut in pending:
+                fut.cancel()
+
+
+def worker_plan(index: CacheRowIndex, seed: int, start_step: int, end_step: int,
+                steps_per_epoch: int, global_batch_size: int, micro_batch_size: int, rank: int,
+                world_size: int) -> Iterator[list[int]]:
+    """Row ids of worker ``rank``'s micro-batches for optimizer steps [start_step, end_step), in
+    training order: for each step, the micro-batches of :func:`worker_micro_batches` of its
+    epoch's order (``index.epoch_order(seed, epoch)``). A resumed run's plan from step s is the
+    tail of the uninterrupted run's plan.
+
+    Raises:
+        ValueError: the global batch does not split evenly into micro-batches over the workers.
+    """
+    epoch_cached, order = None, None
+    for step in range(start_step, end_step):
+        epoch, step_in_epoch = divmod(step, steps_per_epoch)
+        if epoch != epoch_cached:
+            epoch_cached, order = epoch, index.epoch_order(seed, epoch)
+        yield from worker_micro_batches(order, step_in_epoch, global_batch_size,
+                                        micro_batch_size, rank, world_size)
 
 
 def steps_per_epoch(num_rows: int, global_batch_size: int) -> int:

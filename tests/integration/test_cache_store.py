@@ -3,6 +3,7 @@ corruption detection and fail-fast on an unreachable bucket."""
 
 from __future__ import annotations
 
+import hashlib
 import io
 import json
 
@@ -161,3 +162,80 @@ def test_an_upload_that_finally_fails_leaves_no_object_and_a_clear_error(s3_endp
         assert storage.read_bytes("s3://dspark-test/faults/fine.parquet", s3_endpoint) == b"y"
     finally:
         proxy.close()
+
+
+def _big_rows(n: int, t: int = 256, width: int = 1024) -> list[dict]:
+    """Rows of ~1 MB (incompressible bytes): a few of them fill an S3 multipart part."""
+    import numpy as np
+
+    rng = np.random.default_rng(n)
+    return [{"sample_id": f"b{i:03d}", "domain": "x", "num_tokens": t,
+             "input_ids": rng.integers(0, 1000, t, dtype="<i4").tobytes(),
+             "loss_mask": np.ones(t, dtype=np.uint8).tobytes(),
+             "context_hidden": rng.bytes(2 * t * width), "last_hidden": rng.bytes(2 * t * width)}
+            for i in range(n)]
+
+
+def _s3(so):
+    import boto3
+
+    return boto3.client("s3", endpoint_url=so["endpoint_url"], aws_access_key_id="testing",
+                        aws_secret_access_key="testing", region_name="us-east-1")
+
+
+def test_s3_shard_streams_as_a_multipart_upload_visible_only_when_complete(s3_endpoint):
+    """Row groups go out as multipart parts while the shard is written; the object exists only
+    after close, and equals a plain Parquet read of the rows."""
+    from pipeline.cache import ShardWriter
+
+    client, rows = _s3(s3_endpoint), _big_rows(24)
+    base = "s3://dspark-test/stream/train/shard-00000"
+    key = "stream/train/shard-00000.parquet"
+    so = dict(s3_endpoint, default_block_size=5 * 2**20)  # 5 MiB parts (S3's smallest)
+    with ShardWriter(base, so, rows_per_row_group=4) as writer:
+        writer.write_rows(rows[:12])
+        uploads = client.list_multipart_uploads(Bucket="dspark-test").get("Uploads", [])
+        assert [u["Key"] for u in uploads] == [key], "parts are uploaded before the shard ends"
+        assert not storage.exists(base + ".parquet", s3_endpoint)
+        writer.write_rows(rows[12:])
+        summary = writer.close()
+    assert not client.list_multipart_uploads(Bucket="dspark-test").get("Uploads")
+    data = storage.read_bytes(base + ".parquet", s3_endpoint)
+    assert summary["bytes"] == len(data) and summary["rows"] == 24
+    assert pq.read_table(io.BytesIO(data)).to_pylist() == rows
+
+
+def test_s3_shard_failing_mid_upload_is_aborted_then_rewritten_after_backoff(s3_endpoint):
+    """Every part upload fails until the S3 client's own retries are spent: the shard's
+    multipart upload is aborted (nothing visible, no upload left open); after a backoff the whole
+    shard is written again, completely."""
+    from pipeline.cache import write_shard
+    from tests.faulty_s3 import FaultyS3Proxy
+
+    upstream = int(s3_endpoint["endpoint_url"].rsplit(":", 1)[1])
+    outage = {"on": True}
+    proxy = FaultyS3Proxy(upstream, lambda method, path, nth: outage["on"] and "partNumber" in path)
+    client = _s3(s3_endpoint)
+    base, rows, delays = "s3://dspark-test/retry/train/shard-00000", _big_rows(12), []
+
+    def backoff(delay_s):  # the outage ends while the writer waits
+        assert not client.list_multipart_uploads(Bucket="dspark-test").get("Uploads"), \
+            "the failed upload was aborted"
+        assert not storage.exists(base + ".parquet", s3_endpoint)
+        delays.append(delay_s)
+        outage["on"] = False
+
+    try:
+        so = dict(_through(proxy, s3_endpoint), default_block_size=5 * 2**20,
+                  config_kwargs={"retries": {"max_attempts": 1}})
+        summary = storage.retry_transient(
+            lambda: write_shard(base, rows, rows_per_row_group=4, storage_options=so),
+            what=base, sleep=backoff)
+    finally:
+        proxy.close()
+    assert proxy.injected >= 2 and delays == [2.0]
+    assert not client.list_multipart_uploads(Bucket="dspark-test").get("Uploads")
+    data = storage.read_bytes(base + ".parquet", s3_endpoint)
+    assert summary["sha256"] == hashlib.sha256(data).hexdigest()
+    assert pq.read_table(io.BytesIO(data)).to_pylist() == rows
+    assert json.loads(storage.read_bytes(base + ".json", s3_endpoint)) == summary
