@@ -144,7 +144,7 @@ STAGE_INPUTS = {"prompts": ["prompts", "storage_options"],
 ADDED_LATER = [("drafter", "qk_norm", None), ("engine", "kv_cache_memory_gib", 2.0),
                ("generate", "backend", "hf"),
                ("generate", "vllm", VllmGenerateConfig().model_dump(mode="json")),
-               ("cache", "forward_batch_tokens", 8192)]
+               ("cache", "forward_batch_tokens", 8192), ("train", "placement_strategy", "PACK")]
 
 
 def stage_fingerprint(cfg: PipelineConfig, name: str) -> str:
