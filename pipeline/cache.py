@@ -525,8 +525,11 @@ def conversations_dataset(conversations: list[dict] | str):
     import ray
 
     if isinstance(conversations, str):
-        path = conversations if storage.is_url(conversations) else f"local://{conversations}"
-        return ray.data.read_text(path)
+        if storage.is_url(conversations):
+            return ray.data.read_text(conversations)
+        # a local file lives on the driver's node, where the read must run; it asks for no CPU
+        # because a cluster's head often offers none (the work it does is light file I/O)
+        return ray.data.read_text(f"local://{conversations}", ray_remote_args={"num_cpus": 0})
     return ray.data.from_items([{"text": json.dumps(c, ensure_ascii=False)}
                                 for c in conversations])
 
