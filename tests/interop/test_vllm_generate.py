@@ -40,6 +40,8 @@ def ray_cpu():
     this checkout (an editable install may point elsewhere) and give vLLM's CPU KV cache 1 GiB."""
     import ray
 
+    if ray.is_initialized():  # an earlier interop test (vLLM's engine, Serve) left one running
+        ray.shutdown()
     ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False,
              runtime_env={"env_vars": {"PYTHONPATH": str(ROOT), "VLLM_CPU_KVCACHE_SPACE": "1"}})
     ray.data.DataContext.get_current().enable_progress_bars = False
