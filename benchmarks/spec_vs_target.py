@@ -104,7 +104,8 @@ class Arms:
                                                  drafter=eagle3, profile_dir="")
             self.engines[d] = engines
         self.tokenizer = self.models[dtype].tokenizer
-        self.eos, self.pad = self.models[dtype].eos, self.models[dtype].runner.pad_token_id
+        pad = self.tokenizer.pad_token_id
+        self.eos, self.pad = self.models[dtype].eos, pad if pad is not None else 0
         self.names = [a for a in list(PLAIN) + list(self.engines[dtype]) + ["prompt_lookup"]
                       if not only or a in only]
         torch.set_grad_enabled(False)

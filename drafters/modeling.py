@@ -126,7 +126,11 @@ class DrafterBase(nn.Module):
     def draft_head(self, hidden: torch.Tensor) -> torch.Tensor:
         """Draft logits through the frozen LM head rows of the draft vocabulary:
         [..., H] -> fp32 [..., N] (N = V without a draft vocabulary)."""
-        return F.linear(hidden, self.draft_head_weight.to(hidden.dtype)).float()
+        # as one 2-D product: a strided 3-D slice (the first k of a block's slots) would
+        # otherwise run as a batched matmul over a per-row copy of the [H, N] weight (measured:
+        # 7x the cost of the whole block at 64 rows on CPU)
+        flat = F.linear(hidden.reshape(-1, hidden.shape[-1]), self.draft_head_weight.to(hidden.dtype))
+        return flat.view(*hidden.shape[:-1], -1).float()
 
     def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
         """int64 draft ids -> target ids (identity without a draft vocabulary)."""

@@ -63,8 +63,7 @@ def load_models(target: str, dtype: str, drafter_dir: str | None = None, *,
         drafter = load_drafter(drafter_dir, model, target, dtype=DTYPES[dtype],
                                allow_name_mismatch=allow_name_mismatch)
     layers = list(drafter.config.target_layer_ids) if drafter is not None else []
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    return LoadedModels(tokenizer, model, drafter, TargetRunner(model, layers, pad),
+    return LoadedModels(tokenizer, model, drafter, TargetRunner(model, layers),
                         eos_token_ids(tokenizer, model), drafter_dir)
 
 

@@ -36,6 +36,11 @@ class EngineConfig(BaseModel):
                                 "lossless probe); the interval doubles while probes keep saying "
                                 "no, up to max_probe_interval.")
     max_probe_interval: int = Field(64, ge=1, description="Longest probe back-off (steps).")
+    probe_budget: float = Field(0.03, ge=0.0, le=1.0, description="goodput planning: the share of "
+                                "a target-only step's time that probes may add to drafting, on "
+                                "average (predicted from the profiles); due probes beyond it "
+                                "wait and are drafted together once it allows (under load they "
+                                "batch instead of taxing every step); 0 = no probes unless free.")
     prompt_lookup_max_ngram: int = Field(
         0, ge=0, le=16, description="goodput planning: also consider a prompt-lookup draft (the "
         "tokens that followed the latest earlier occurrence of the request's last n tokens, n "

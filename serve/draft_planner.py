@@ -18,7 +18,10 @@ propose: it is used when its predicted accepted length is at least the drafter's
 Losslessness: the plan is a function of past steps only (earlier confidences, acceptances and
 committed tokens), never of this step's drafts, so it is like choosing gamma before drafting.
 A request the plan keeps from the drafter is still drafted for now and then (a probe, with
-exponential back-off) so that a recovering confidence is noticed.
+exponential back-off) so that a recovering confidence is noticed. Probes are paid from a budget
+(a share of decode time, ``engine.probe_budget``): due probes whose extra drafter cost exceeds what
+the budget holds wait and are drafted together once it does, so under load a step that verifies
+nothing costs what a target-only step costs, plus at most that share.
 """
 
 from __future__ import annotations
@@ -168,7 +171,8 @@ class DraftPlan:
     """Per request: source ("model", "lookup" or None), the draft depth (tokens to propose), for
     lookup rows the predicted confidences handed to the verification scheduler, and whether a
     drafter row is drafted only as a probe; plus the
-    predicted step goodput (tokens/s) with and without drafting, for the logs and tests."""
+    predicted step goodput (tokens/s) with and without drafting, for the logs and tests, and the
+    predicted seconds the probes add to the drafter call (what the probe budget pays)."""
 
     sources: list[Source | None] = field(default_factory=list)
     depths: list[int] = field(default_factory=list)
@@ -176,6 +180,7 @@ class DraftPlan:
     probed: list[bool] = field(default_factory=list)
     predicted_tps: float = 0.0
     predicted_tps_without_drafter: float = 0.0
+    probe_cost_s: float = 0.0
 
 
 def _goodput(rows_alpha: list[tuple[float, int]], num_requests: int, sps: SPSTable,
@@ -188,18 +193,21 @@ def _goodput(rows_alpha: list[tuple[float, int]], num_requests: int, sps: SPSTab
 
 
 def plan_drafts(options: list[RequestOptions], sps: SPSTable, draft_cost: DraftCostTable | None,
-                sampled: bool, max_batch_tokens: int | None = None) -> DraftPlan:
+                sampled: bool, max_batch_tokens: int | None = None,
+                probe_allowance_s: float = math.inf) -> DraftPlan:
     """Choose, for every request, whether the drafter drafts for it and how deep, or whether it
     verifies its prompt-lookup draft, maximising the predicted goodput of the whole step.
 
     1. Source: lookup when its predicted accepted length is at least the drafter's at the same cap.
     2. Predicted verification lengths l_r: Algorithm 1 on the predicted confidences (alpha_r
        repeated), under the same SPS table and token budget as the real verification.
-    3. Drafter rows are dropped greedily (least predicted gain first) while that raises Theta
-       (module docstring); the drafter cost is that of the rows kept plus probes.
+    3. The drafter rows kept are those of largest predicted gain, as many as maximise Theta
+       (module docstring; every cut is evaluated); the drafter cost is that of the rows kept.
     4. A kept drafter row drafts l_r + 1 tokens (one beyond the prediction, so Algorithm 1 can
        verify deeper when this step's confidences are higher), capped at ``cap``; a probe drafts
        at least one.
+    5. The due probes are drafted (all together) when what they add to the drafter call's cost is
+       within ``probe_allowance_s``; otherwise none is, and they stay due.
 
     Args:
         options: one :class:`RequestOptions` per running request.
@@ -207,6 +215,8 @@ def plan_drafts(options: list[RequestOptions], sps: SPSTable, draft_cost: DraftC
         draft_cost: the drafter's cost table; None = drafting is free.
         sampled: whether any request samples (temperature > 0): picks the cost column.
         max_batch_tokens: token budget of the step.
+        probe_allowance_s: seconds of drafter time the probes may add this step (the engine's
+            probe budget); inf = probes are always drafted when due.
     Returns:
         a :class:`DraftPlan`.
     Source: DSpark paper section 3.2.2 (goodput tau * SPS(B)), extended with the drafting time.
@@ -237,29 +247,51 @@ def plan_drafts(options: list[RequestOptions], sps: SPSTable, draft_cost: DraftC
                         key=lambda i: expected_accepted(alphas[i], lengths[i]))
     probes = [i for i in range(n) if plan.sources[i] == "model" and options[i].probe_due]
 
-    def theta(kept: list[int]) -> float:
-        depth = max((min(options[i].cap, lengths[i] + 1) for i in kept), default=0)
-        cost = draft_cost.seconds(len(kept), depth, sampled) if draft_cost else 0.0
-        return _goodput(lookup_rows + [(alphas[i], lengths[i]) for i in kept], n, sps, cost)
-
-    # the economic decision ignores probes: a probe is drafted whatever it costs, and a row kept
-    # only because its probe was paid for anyway would never let the back-off grow
-    kept = list(model_rows)
-    best = theta(kept)
-    while kept:  # drop the row with the smallest predicted gain while that helps
-        trial = theta(kept[1:])
-        if trial < best:
-            break
-        kept, best = kept[1:], trial
+    # the economic decision ignores probes: they are paid from the probe budget (below), and a
+    # row kept only because its probe was paid for anyway would never let the back-off grow.
+    # Every cut is evaluated (keep the rows of largest predicted gain, drop the rest), not a
+    # greedy one-at-a-time descent: a drafter call has a fixed cost, so dropping one row of
+    # many saves little and only dropping them all pays (measured: a greedy descent kept four
+    # hopeless rows for ever).
+    m = len(model_rows)
+    gain_suffix, len_suffix, depth_suffix = [0.0] * (m + 1), [0] * (m + 1), [0] * (m + 1)
+    for k in range(m - 1, -1, -1):
+        i = model_rows[k]
+        gain_suffix[k] = gain_suffix[k + 1] + expected_accepted(alphas[i], lengths[i])
+        len_suffix[k] = len_suffix[k + 1] + lengths[i]
+        depth_suffix[k] = max(depth_suffix[k + 1], min(options[i].cap, lengths[i] + 1))
+    look_tokens = sum(expected_accepted(a, l) for a, l in lookup_rows)
+    look_len = sum(l for _, l in lookup_rows)
+    best, cut = -1.0, m
+    for k in range(m + 1):  # keep model_rows[k:]
+        batch = n + look_len + len_suffix[k]
+        cost = draft_cost.seconds(m - k, depth_suffix[k], sampled) if draft_cost else 0.0
+        value = (0.0 if batch > sps.max_tokens else
+                 (n + look_tokens + gain_suffix[k]) / (1.0 / sps.sps(batch) + cost))
+        if value >= best:  # ties drop rows: the cheaper plan
+            best, cut = value, k
+    kept = model_rows[cut:]
     plan.predicted_tps = best
     plan.predicted_tps_without_drafter = _goodput(lookup_rows, n, sps, 0.0)
+    kept_set = set(kept)
+    probes = [i for i in probes if i not in kept_set]
+    if probes and draft_cost is not None:
+        def call_s(rows: list[int]) -> float:
+            depth = max((min(options[i].cap, max(1, lengths[i] + 1)) for i in rows), default=0)
+            return draft_cost.seconds(len(rows), depth, sampled)
+
+        extra = call_s(kept + probes) - call_s(kept)
+        if extra > probe_allowance_s:
+            probes = []  # they stay due and go together once the budget covers them
+        else:
+            plan.probe_cost_s = extra
     for i in range(n):
         if plan.sources[i] == "lookup":
             plan.depths[i] = min(options[i].lookup_len, options[i].cap)
             plan.lookup_confidences[i] = preds[i]
-        elif plan.sources[i] == "model" and (i in kept or i in probes):
+        elif plan.sources[i] == "model" and (i in kept_set or i in probes):
             plan.depths[i] = min(options[i].cap, max(1, lengths[i] + 1))
-            plan.probed[i] = i not in kept
+            plan.probed[i] = i not in kept_set
         else:
             plan.sources[i] = None
     return plan

@@ -131,6 +131,7 @@ class SpecEngine:
         self.target, self.drafter, self.tokenizer, self.sps = target, drafter, tokenizer, sps
         self.draft_cost = draft_cost
         self.plans = drafter is not None and self.config.plans_drafts
+        self._probe_credit = 0.0  # seconds of drafter time probes may still spend (probe_budget)
         self.lookup_n = self.config.prompt_lookup_max_ngram if self.plans else 0
         if drafter is not None:  # looked up once, not per request per step
             param = next(drafter.parameters())
@@ -330,7 +331,7 @@ class SpecEngine:
         after each) for the drafter's context."""
         if not r.pending.features:
             r.pending.start = start
-        # a copy: a slice would keep the whole padded batch output of this step alive
+        # a copy: a slice would keep the whole packed batch output of this step alive
         r.pending.features.append(features.to(device=self._draft_device, dtype=self._draft_dtype,
                                               copy=True))
         r.pending.tokens += next_tokens
@@ -361,7 +362,13 @@ class SpecEngine:
                                           r.lookup_acc.alpha, probe_due=r.skipped >= r.backoff))
         sampled = any(r.req.params.temperature > 0 for r in reqs)
         plan = plan_drafts(options, self.sps, self.draft_cost, sampled,
-                           self.config.max_batch_tokens)
+                           self.config.max_batch_tokens, probe_allowance_s=self._probe_credit)
+        # the budget grows by its share of a target-only step of this batch (a prediction, so
+        # the plan stays a function of the past only), up to one full-depth call for everyone
+        ceiling = (self.draft_cost.seconds(len(reqs), self.draft_cost.max_depth, sampled)
+                   if self.draft_cost is not None else 0.0)
+        self._probe_credit = min(ceiling, self._probe_credit - plan.probe_cost_s
+                                 + self.config.probe_budget / self.sps.sps(len(reqs)))
         return [(plan.sources[i], plan.depths[i], looks[i], plan.lookup_confidences[i],
                  plan.probed[i]) for i in range(len(reqs))]
 

@@ -6,7 +6,7 @@ therefore never pads or gathers their caches into a batch (the copy ``DynamicCac
 needs) and never grows a cache by ``torch.cat``: each layer writes only the new positions of each
 request, and attention runs per request over a view of its slot (:func:`slot_attention`, registered
 with transformers' attention interface as ``"dspark_slots"``). Positions a request does not commit
-(rejected drafts, right padding) are simply overwritten by its next pass.
+(rejected drafts) are simply overwritten by its next pass.
 
 The engine sizes the pool once at start-up (``max_num_requests`` slots of ``max_model_len`` + a
 draft block positions, fewer positions if ``engine.kv_cache_memory_gib`` holds fewer; the
@@ -19,8 +19,9 @@ A slot returns to the pool the moment its request finishes, fails or is aborted
 (:meth:`serve.target_runner.TargetKV.release`), and at the latest when its cache object is
 garbage-collected.
 
-Shapes: R requests in a pass, n_j new tokens of request j (right-padded to n), L_j its committed
-length, Hkv key/value heads, Hq query heads, d head dim.
+Shapes: R requests in a pass, n_j new tokens of request j, packed into one row of T = sum n_j
+tokens (request j's at offsets [s_j, s_j + n_j)), L_j its committed length, Hkv key/value heads,
+Hq query heads, d head dim.
 """
 
 from __future__ import annotations
@@ -114,14 +115,16 @@ class SlotKVPool:
 
 class SlotViews:
     """What :meth:`PooledStepCache.update` hands the attention of one layer: each request's keys
-    or values ``[Hkv, L_j + n_j, d]`` as views of its slot (no copy), its new-token count n_j
-    and its causal mask bool ``[n_j, L_j + n_j]`` (None for a single query)."""
+    or values ``[Hkv, L_j + n_j, d]`` as views of its slot (no copy), its new tokens' offset s_j
+    in the packed row and count n_j, and its causal mask bool ``[n_j, L_j + n_j]`` (None for a
+    single query)."""
 
-    __slots__ = ("rows", "counts", "masks", "_folded")
+    __slots__ = ("rows", "starts", "counts", "masks", "_folded")
 
-    def __init__(self, rows: list[torch.Tensor], counts: list[int],
+    def __init__(self, rows: list[torch.Tensor], starts: list[int], counts: list[int],
                  masks: list[torch.Tensor | None], folded: dict):
-        self.rows, self.counts, self.masks, self._folded = rows, counts, masks, folded
+        self.rows, self.starts, self.counts = rows, starts, counts
+        self.masks, self._folded = masks, folded
 
     def folded_mask(self, j: int, groups: int) -> torch.Tensor:
         """Row j's mask repeated for ``groups`` folded query heads ``[groups * n_j, L_j + n_j]``,
@@ -134,8 +137,9 @@ class SlotViews:
 
 class PooledStepCache:
     """The cache object of one forward pass over requests in ``slots``: transformers' attention
-    layers call :meth:`update` with the new keys and values ``[R, Hkv, n, d]``; the first ``n_j``
-    of row j are written at positions ``[L_j, L_j + n_j)`` of its slot.
+    layers call :meth:`update` with the new keys and values of the packed row ``[1, Hkv, T, d]``;
+    request j's (offsets ``[s_j, s_j + n_j)``) are written at positions ``[L_j, L_j + n_j)`` of
+    its slot.
 
     Args:
         pool: the :class:`SlotKVPool`.
@@ -144,6 +148,9 @@ class PooledStepCache:
 
     def __init__(self, pool: SlotKVPool, slots: list[int], lengths: list[int], counts: list[int]):
         self.pool, self.slots, self.lengths, self.counts = pool, slots, lengths, counts
+        self.starts = [0] * len(counts)
+        for j in range(1, len(counts)):
+            self.starts[j] = self.starts[j - 1] + counts[j - 1]
         pool.reserve(max(l + n for l, n in zip(lengths, counts)))
         device = pool.keys[0].device
         # query i of row j (position L_j + i) sees keys [0, L_j + i]; a single query sees all
@@ -157,13 +164,13 @@ class PooledStepCache:
                *args, **kwargs) -> tuple[SlotViews, SlotViews]:
         keys, values = self.pool.keys[layer_idx], self.pool.values[layer_idx]
         krows, vrows = [], []
-        for j, (slot, l, n) in enumerate(zip(self.slots, self.lengths, self.counts)):
-            keys[slot, :, l:l + n] = key_states[j, :, :n]
-            values[slot, :, l:l + n] = value_states[j, :, :n]
+        for slot, l, s, n in zip(self.slots, self.lengths, self.starts, self.counts):
+            keys[slot, :, l:l + n] = key_states[0, :, s:s + n]
+            values[slot, :, l:l + n] = value_states[0, :, s:s + n]
             krows.append(keys[slot, :, :l + n])
             vrows.append(values[slot, :, :l + n])
-        return (SlotViews(krows, self.counts, self.masks, self._folded),
-                SlotViews(vrows, self.counts, self.masks, self._folded))
+        return (SlotViews(krows, self.starts, self.counts, self.masks, self._folded),
+                SlotViews(vrows, self.starts, self.counts, self.masks, self._folded))
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return max(self.lengths)
@@ -177,28 +184,30 @@ def slot_attention(module, query, key, value, attention_mask, scaling=None, drop
     still works outside the engine (plain ``generate``).
 
     Args:
-        query: ``[R, Hq, n, d]``; key, value: :class:`SlotViews` (or tensors: the SDPA path).
+        query: the packed row ``[1, Hq, T, d]``; key, value: :class:`SlotViews` (or tensors: the
+            SDPA path).
     Returns:
-        (``[R, n, Hq, d]``, None), as transformers' attention functions return.
+        (``[1, T, Hq, d]``, None), as transformers' attention functions return.
     """
     if not isinstance(key, SlotViews):
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                       scaling=scaling, **kwargs)
-    r, hq, n, d = query.shape
-    out = query.new_zeros(r, n, hq, d)
+    _, hq, t, d = query.shape
+    out = query.new_empty(1, t, hq, d)
     sdpa = torch.nn.functional.scaled_dot_product_attention
-    for j, (k, v, nj, mask) in enumerate(zip(key.rows, value.rows, key.counts, key.masks)):
+    for j, (k, v, s, nj, mask) in enumerate(zip(key.rows, value.rows, key.starts, key.counts,
+                                                key.masks)):
         hkv = k.shape[0]
         groups = hq // hkv
-        q = query[j, :, :nj].reshape(hkv, groups * nj, d)  # query head h = kv head * groups + g
+        q = query[0, :, s:s + nj].reshape(hkv, groups * nj, d)  # head h = kv head * groups + g
         if mask is None:  # one query sees every key
             o = sdpa(q[None], k[None], v[None], scale=scaling)
         else:  # the folded rows are g * n_j + i: each group repeats the causal mask
             o = sdpa(q[None], k[None], v[None], attn_mask=key.folded_mask(j, groups),
                      scale=scaling)
-        out[j, :nj] = o.reshape(hq, nj, d).transpose(0, 1)
+        out[0, s:s + nj] = o.reshape(hq, nj, d).transpose(0, 1)
     return out, None
 
 

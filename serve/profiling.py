@@ -151,6 +151,12 @@ def load_or_profile(runner: TargetRunner, directory: str | Path | None, max_toke
     return table
 
 
+# bumped when the drafter's inference cost changes for the same weights, so stored tables made
+# before are re-measured (2: the draft head no longer runs a strided slice as a batched matmul,
+# which had made depths below gamma cost up to 10x more at 64 rows)
+DRAFT_COST_METHOD = 2
+
+
 def _drafter_fingerprint(drafter) -> dict:
     cfg = drafter.config
     param = next(drafter.parameters())
@@ -228,7 +234,8 @@ def load_or_profile_draft_cost(drafter, runner: TargetRunner, directory: str | P
     """The drafter cost table for this hardware and drafter: reuse
     ``directory/draft_cost_profile.json`` when its fingerprint matches and it covers
     ``max_rows``, else profile and (if ``directory`` is writable) store it."""
-    fingerprint = {**hardware_fingerprint(runner), "drafter": _drafter_fingerprint(drafter)}
+    fingerprint = {**hardware_fingerprint(runner), "drafter": _drafter_fingerprint(drafter),
+                   "method": DRAFT_COST_METHOD}
     path = Path(directory) / DRAFT_COST_NAME if directory else None
     stored = _reusable(path, fingerprint, "max_rows", max_rows)
     if stored is not None:

@@ -4,8 +4,9 @@ that return next-token logits and, when a drafter needs them, the selected layer
 Continuous batching without copies: every request's keys and values live in its own slot of a
 preallocated pool (``serve/kv_pool.py``), written in place at the request's positions, so requests
 join and leave between steps and one forward pass verifies every request's variable-length block at
-its own positions. The new tokens are right-padded into one batch; attention runs per request over
-a view of its slot; nothing is padded, gathered or concatenated per step. A pass writes all its new
+its own positions. The new tokens of all requests are packed into one row (no padding: a request
+verifying a long block does not make the others pay for it); attention runs per request over a
+view of its slot; nothing is padded, gathered or concatenated per step. A pass writes all its new
 positions; only the ones a request commits (:meth:`BatchOutput.keep`) count, and the rest are
 overwritten by its next pass (rejected drafts never stay in a cache).
 
@@ -14,7 +15,7 @@ one token, ``"none"`` for a prefill chunk that samples nothing, all new position
 verification), and hidden states are kept only of the layers the drafter reads (forward hooks on
 those layers, not ``output_hidden_states``).
 
-Shapes: R requests, n new tokens, V vocabulary, m selected layers, H hidden size.
+Shapes: R requests, n_r new tokens of request r, T = sum n_r, V vocabulary, m selected layers, H hidden size.
 """
 
 from __future__ import annotations
@@ -92,16 +93,14 @@ class TargetRunner:
         model: ``AutoModelForCausalLM`` instance.
         layer_ids: 0-based decoder layers whose outputs form the drafter's context features
             (``hidden_states[l + 1]`` in transformers' numbering, where 0 is the embedding).
-        pad_token_id: token used to right-pad new tokens (its outputs are discarded).
     Raises:
         ValueError: layer ids outside the model.
     """
 
-    def __init__(self, model, layer_ids: list[int], pad_token_id: int = 0):
+    def __init__(self, model, layer_ids: list[int]):
         self.model = model
         self.layer_ids = list(layer_ids)
         self.num_layers = model.config.num_hidden_layers
-        self.pad_token_id = pad_token_id
         if self.layer_ids and (min(self.layer_ids) < 0 or max(self.layer_ids) >= self.num_layers):
             raise ValueError(f"layer ids {self.layer_ids} exceed the target's {self.num_layers} layers")
         decoder = model.get_decoder()
@@ -142,22 +141,24 @@ class TargetRunner:
         if logits not in ("all", "last", "none"):
             raise ValueError(f"logits must be 'all', 'last' or 'none', got {logits!r}")
         pool = self._kv_pool()
-        r = len(caches)
         slots = [c.bind(pool) for c in caches]
         lengths = [c.length for c in caches]
         counts = [len(t) for t in tokens]
-        new = max(counts)
+        if min(counts, default=0) < 1:
+            raise ValueError("every request needs at least one new token")
         dev = self.device
-        ids = torch.full((r, new), self.pad_token_id, dtype=torch.long, device=dev)
-        for j, t in enumerate(tokens):
-            ids[j, :len(t)] = torch.as_tensor(t, dtype=torch.long)
-        positions = torch.tensor(lengths, device=dev)[:, None] + torch.arange(new, device=dev)
-        keep_idx = self._logit_positions(counts, logits, dev)
+        # packed: every request's new tokens one after another in a single row, so a request
+        # verifying a long block never pads the others (a pass costs the tokens it runs)
+        ends = torch.tensor(counts).cumsum(0).tolist()
+        starts = [e - n for e, n in zip(ends, counts)]
+        ids = torch.tensor([t for row in tokens for t in row], dtype=torch.long, device=dev)[None]
+        positions = torch.cat([torch.arange(l, l + n) for l, n in zip(lengths, counts)]).to(dev)[None]
+        keep_idx = self._logit_positions(ends, logits, dev)
         captured: dict[int, torch.Tensor] = {}
         hooks = ([self._feature_modules[i].register_forward_hook(self._capture(i, captured))
                   for i in self.layer_ids] if with_features else [])
         try:
-            # the 1x1 4-D mask makes transformers skip building a padded [R, 1, n, L] mask: the
+            # the 1x1 4-D mask makes transformers skip building a [1, 1, T, L] mask: the
             # per-request causal masks live in the step cache (serve/kv_pool.py)
             out = self.model(input_ids=ids, attention_mask=self._no_mask, position_ids=positions,
                              cache=PooledStepCache(pool, slots, lengths, counts), use_cache=True,
@@ -165,18 +166,18 @@ class TargetRunner:
         finally:
             for h in hooks:
                 h.remove()
-        all_logits = None if logits == "none" else out.logits.float()
-        feats = (torch.cat([captured[i] for i in self.layer_ids], dim=-1)
+        all_logits = None if logits == "none" else out.logits[0].float()
+        feats = (torch.cat([captured[i][0] for i in self.layer_ids], dim=-1)
                  if with_features else None)
         results = []
-        for j, n in enumerate(counts):
+        for j, (a, e) in enumerate(zip(starts, ends)):
             if logits == "none":
                 row = None
             elif logits == "all":
-                row = all_logits[j, :n]
-            else:
-                row = all_logits[j, (keep_idx == n - 1).nonzero()[0]]
-            results.append(BatchOutput(row, None if feats is None else feats[j, :n], caches[j]))
+                row = all_logits[a:e]
+            else:  # keep_idx holds each request's last position, in request order
+                row = all_logits[j:j + 1]
+            results.append(BatchOutput(row, None if feats is None else feats[a:e], caches[j]))
         return results
 
     def reserve(self, cache: TargetKV, length: int) -> None:
@@ -241,11 +242,12 @@ class TargetRunner:
         return hook
 
     @staticmethod
-    def _logit_positions(counts: list[int], logits: str, dev) -> torch.Tensor | int:
-        """``logits_to_keep`` for the batch: 0 (all positions), 1 (``"none"``: the cheapest
-        legal choice) or the sorted distinct last-token positions of the rows."""
+    def _logit_positions(ends: list[int], logits: str, dev) -> torch.Tensor | int:
+        """``logits_to_keep`` for a packed pass whose requests end at ``ends`` (exclusive): 0
+        (all positions), 1 (``"none"``: the cheapest legal choice) or each request's last
+        position, in request order."""
         if logits == "all":
             return 0
         if logits == "none":
             return 1
-        return torch.tensor(sorted({n - 1 for n in counts}), device=dev)
+        return torch.tensor([e - 1 for e in ends], device=dev)

@@ -89,3 +89,34 @@ def test_ngram_index_continues_the_latest_earlier_occurrence_of_the_longest_suff
     assert short.propose(4) == [6, 5]  # the continuation may run into the suffix itself
     with pytest.raises(ValueError, match="min_n"):
         NgramIndex([1], max_n=1, min_n=2)
+
+
+def test_plan_drops_every_hopeless_row_when_the_drafter_call_has_a_fixed_cost():
+    """Four weak rows and a drafter call whose cost does not depend on the rows: dropping one row
+    saves nothing, dropping all four saves the call; the plan must find the latter (a greedy
+    one-row-at-a-time descent stops at the first step)."""
+    fixed = DraftCostTable((1,), ((0.005, 0.005),), ((0.005, 0.005),), 4)
+    plan = plan_drafts([RequestOptions(4, 0.16) for _ in range(4)], FLAT, fixed, False)
+    assert plan.sources == [None] * 4
+    assert plan.predicted_tps == pytest.approx(plan.predicted_tps_without_drafter)
+    strong = plan_drafts([RequestOptions(4, 0.95) for _ in range(4)], FLAT, fixed, False)
+    assert strong.sources == ["model"] * 4
+
+
+def test_probes_wait_for_the_budget_and_then_go_together():
+    """Due probes whose extra drafter cost exceeds the allowance are not drafted (and stay due);
+    with enough allowance they are all drafted in one call and the plan says what they cost.
+    Next to a kept row a probe costs only what it adds to that call."""
+    cost = _cost(0.004, 0.006)
+    due = [RequestOptions(4, 0.05, probe_due=True) for _ in range(3)]
+    poor = plan_drafts(due, FLAT, cost, False, probe_allowance_s=0.001)
+    assert poor.sources == [None] * 3 and poor.probed == [False] * 3 and poor.probe_cost_s == 0
+    rich = plan_drafts(due, FLAT, cost, False, probe_allowance_s=1.0)
+    assert rich.sources == ["model"] * 3 and rich.probed == [True] * 3
+    assert rich.probe_cost_s == pytest.approx(cost.seconds(3, max(rich.depths), False))
+    mixed = plan_drafts([RequestOptions(4, 0.95), RequestOptions(4, 0.05, probe_due=True)], FLAT,
+                        cost, False, probe_allowance_s=1.0)
+    depth = max(mixed.depths)
+    assert mixed.probed == [False, True]
+    assert mixed.probe_cost_s == pytest.approx(cost.seconds(2, depth, False)
+                                               - cost.seconds(1, depth, False))

@@ -243,8 +243,8 @@ def test_planner_stops_drafting_a_request_whose_drafts_do_not_pay_and_probes_wit
     calls = _counting(d)
     prompt, budget = [3, 1, 4, 1, 5], 21
     engine = SpecEngine(TargetRunner(varied_target, LAYERS), d, [],
-                        EngineConfig(scheduler="dspark", probe_interval=4), sps=SPS,
-                        draft_cost=HALF_STEP)
+                        EngineConfig(scheduler="dspark", probe_interval=4, probe_budget=1.0),
+                        sps=SPS, draft_cost=HALF_STEP)
     out, _ = _run(engine, {0: [EngineRequest("a", prompt, SamplingParams(budget, 0.0))]})
     assert out["a"] == greedy_reference(varied_target, prompt, budget)
     assert engine.stats.verified_tokens == 0
@@ -252,6 +252,51 @@ def test_planner_stops_drafting_a_request_whose_drafts_do_not_pay_and_probes_wit
     assert calls == {"propose": 3, "extend": 3}
     sources = [rec.source for rec in engine.running or []]
     assert sources == []
+
+
+def _drafter_calls(drafter):
+    """Record the rows of every drafter call (single-row and batched)."""
+    rows: list[int] = []
+    single, batch = drafter.propose_block, drafter.propose_block_batch
+
+    def one(*args, **kwargs):
+        rows.append(1)
+        return single(*args, **kwargs)
+
+    def many(states, *args, **kwargs):
+        rows.append(len(states))
+        return batch(states, *args, **kwargs)
+
+    drafter.propose_block, drafter.propose_block_batch = one, many
+    return rows
+
+
+def test_probe_budget_defers_due_probes_and_drafts_them_together(varied_target):
+    """Requests whose drafts never pay, joining one step apart so their probe back-offs are out of
+    phase: without a binding budget every due probe costs a drafter call of its own; under a
+    10 % budget the due probes wait and share calls, the drafter time the probes are predicted
+    to add stays within the budget, and the output is still the target's."""
+    prompts = [[3, 1, 4, 1, 5], [2, 7, 1, 8], [1, 6, 1, 8, 0], [5, 7, 7, 2]]
+    refs = [greedy_reference(varied_target, p, 40) for p in prompts]
+    calls = {}
+    for budget in (1.0, 0.1):
+        d = tiny_drafter(varied_target, block_size=4)
+        with torch.no_grad():
+            d.confidence.proj.bias.fill_(-20.0)  # c ~ 0: never worth verifying
+        rows = calls[budget] = _drafter_calls(d)
+        engine = SpecEngine(TargetRunner(varied_target, LAYERS), d, [],
+                            EngineConfig(scheduler="dspark", probe_interval=2,
+                                         max_probe_interval=4, probe_budget=budget),
+                            sps=SPS, draft_cost=HALF_STEP)
+        out, _ = _run(engine, {i: [EngineRequest(f"r{i}", p, SamplingParams(40, 0.0))]
+                               for i, p in enumerate(prompts)})
+        assert [out[f"r{i}"] for i in range(4)] == refs
+        steps = engine.stats.steps
+        if budget == 0.1:  # every call after the first rounds is a probe call of 5 ms
+            assert (len(rows) - 4) * 0.005 <= budget * steps / SPS.sps(1) + 0.005
+    # measured: 18 calls of 1.6 rows on average without a binding budget, 10 of 3.2 under it
+    assert len(calls[0.1]) <= 0.6 * len(calls[1.0])
+    assert sum(calls[0.1]) / len(calls[0.1]) >= 1.5 * sum(calls[1.0]) / len(calls[1.0])
 
 
 def test_planner_keeps_drafting_a_drafter_that_pays(varied_target):
