@@ -1,9 +1,10 @@
 """Serving under load: the DSpark scheduler vs no speculation, fixed gamma and a static threshold.
 
-For each verification policy the Ray Serve app (``serve/app.py``, the real HTTP path) is started
-with the trained drafter and the real target, then a load generator on 127.0.0.1 keeps C
+One Ray Serve app (``serve/app.py``, the real HTTP path) per verification policy is started with
+the trained drafter and the real target, side by side; a load generator on 127.0.0.1 keeps C
 concurrent streaming chat requests in flight (C = 1, 2, 4, ... 64), each point bounded in time and
-request count. Per point: aggregate tokens/s, mean per-user tokens/s (decode speed after the first
+request count, the policies taking turns at every C (``--repeats`` rounds, order rotated), so
+slow drift of the machine hits every policy alike. Per point: aggregate tokens/s, mean per-user tokens/s (decode speed after the first
 token), time to first token, and the mean verification budget per request per step (verified
 draft tokens / rounds, from the engine's counters). Writes
 ``benchmarks/results/serve_load.{md,json}``, a Pareto plot (throughput vs per-user speed, paper
@@ -107,64 +108,111 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_policy(name: str, args, prompts: list[str], port: int) -> list[dict]:
+def deploy(name: str, args):
+    """Start policy ``name``'s Serve app at ``/<name>`` (all policies stay up side by side, so
+    their points can alternate; an idle engine thread sleeps) and warm it up."""
     from ray import serve
 
     from serve.app import build_app
 
     engine = {"max_num_requests": max(args.concurrency), "max_waiting": max(args.concurrency),
-              "max_batch_tokens": args.max_batch_tokens, **POLICIES[name]}
-    app_args = {"target": args.target, "drafter": args.drafter if name != "none" else args.drafter,
-                "dtype": args.dtype, "served_model_name": "bench", "num_threads": args.threads,
-                "num_cpus": 1, "engine": engine}
-    handle = serve.run(build_app(app_args), name=f"bench-{name}", route_prefix="/")
-    url = f"http://127.0.0.1:{port}/v1/chat/completions"
-    asyncio.run(run_point(url, "bench", prompts, 2, args.max_tokens, 60, 2))  # warm-up
+              "max_batch_tokens": args.max_batch_tokens, "max_model_len": 1024,
+              "kv_cache_memory_gib": 1.5, **POLICIES[name]}
+    app_args = {"target": args.target, "drafter": args.drafter, "dtype": args.dtype,
+                "served_model_name": "bench", "num_threads": args.threads,
+                # Ray's bookkeeping only: the apps take turns, one runs at a time
+                "num_cpus": 0.25, "engine": engine}
+    return serve.run(build_app(app_args), name=f"bench-{name}", route_prefix=f"/{name}")
+
+
+def measure(name: str, handle, args, prompts: list[str], port: int, concurrency: int,
+            repeat: int) -> dict:
+    """One point: ``concurrency`` streams against policy ``name`` for ``duration_s``."""
+    url = f"http://127.0.0.1:{port}/{name}/v1/chat/completions"
+    before = handle.engine_state.remote().result()["stats"]
+    point = asyncio.run(run_point(url, "bench", prompts, concurrency, args.max_tokens,
+                                  args.duration_s, max(args.min_requests, 2 * concurrency)))
+    after = handle.engine_state.remote().result()["stats"]
+    rounds = after["rounds"] - before["rounds"]
+    point["mean_verification_budget"] = ((after["verified_tokens"] - before["verified_tokens"])
+                                         / rounds if rounds else 0.0)
+    point["tau"] = (after["committed_tokens"] - before["committed_tokens"]) / rounds if rounds else 0.0
+    point["steps"] = after["steps"] - before["steps"]
+    point["policy"], point["repeat"] = name, repeat
+    logging.info("%s C=%d #%d: %.1f tok/s, %.2f tok/s/user, budget %.2f, TTFT %.2f s", name,
+                 concurrency, repeat, point["throughput_tok_s"], point["per_user_tok_s"],
+                 point["mean_verification_budget"], point["ttft_s_mean"])
+    return point
+
+
+def summarize(runs: list[dict], policies: list[str], concurrency: list[int]) -> list[dict]:
+    """Per (policy, concurrency): means over the repeats, and the per-repeat ratios of dspark to
+    the better of none / fixed measured next to it (same repeat, minutes apart at most)."""
     points = []
-    for c in args.concurrency:
-        before = handle.engine_state.remote().result()["stats"]
-        point = asyncio.run(run_point(url, "bench", prompts, c, args.max_tokens, args.duration_s,
-                                      max(args.min_requests, 2 * c)))
-        after = handle.engine_state.remote().result()["stats"]
-        rounds = after["rounds"] - before["rounds"]
-        point["mean_verification_budget"] = ((after["verified_tokens"] - before["verified_tokens"])
-                                             / rounds if rounds else 0.0)
-        point["tau"] = (after["committed_tokens"] - before["committed_tokens"]) / rounds if rounds else 0.0
-        point["steps"] = after["steps"] - before["steps"]
-        point["policy"] = name
-        points.append(point)
-        logging.info("%s C=%d: %.1f tok/s, %.2f tok/s/user, budget %.2f, TTFT %.2f s", name, c,
-                     point["throughput_tok_s"], point["per_user_tok_s"],
-                     point["mean_verification_budget"], point["ttft_s_mean"])
-    serve.delete(f"bench-{name}")
+    for name in policies:
+        for c in concurrency:
+            rs = [r for r in runs if r["policy"] == name and r["concurrency"] == c]
+            point = {"policy": name, "concurrency": c, "repeats": len(rs),
+                     "requests": sum(r["requests"] for r in rs)}
+            for key in ("throughput_tok_s", "per_user_tok_s", "ttft_s_mean",
+                        "mean_verification_budget", "tau"):
+                point[key] = statistics.mean(r[key] for r in rs)
+            point["throughput_tok_s_each"] = [round(r["throughput_tok_s"], 2) for r in rs]
+            points.append(point)
     return points
 
 
-def render_md(points: list[dict], meta: dict) -> str:
+def paired_ratios(runs: list[dict], concurrency: list[int]) -> dict:
+    """dspark / max(none, fixed) aggregate throughput and dspark / none per-user speed, per
+    concurrency and repeat (each ratio from points of one repeat, run back to back)."""
+    out = {}
+    by = {(r["policy"], r["concurrency"], r["repeat"]): r for r in runs}
+    for c in concurrency:
+        reps = sorted({r["repeat"] for r in runs if r["concurrency"] == c})
+        thr, user = [], []
+        for k in reps:
+            d, n, f = (by.get((p, c, k)) for p in ("dspark", "none", "fixed"))
+            if d and n:
+                base = max(n["throughput_tok_s"], f["throughput_tok_s"] if f else 0.0)
+                thr.append(d["throughput_tok_s"] / base)
+                user.append(d["per_user_tok_s"] / max(1e-9, n["per_user_tok_s"]))
+        out[c] = {"throughput_vs_best_baseline": thr, "per_user_vs_none": user}
+    return out
+
+
+def render_md(points: list[dict], ratios: dict, meta: dict) -> str:
     lines = ["# Serving under load: verification policies side by side", "",
              f"Target `{meta['target']}` ({meta['dtype']}), drafter `{meta['drafter']}`; "
              f"{meta['max_tokens']} new tokens per request at temperature 1, prompts from "
              f"{', '.join(PROMPT_SETS)}; each point runs {meta['duration_s']} s or at least "
-             f"{meta['min_requests']} requests. Machine: {meta['machine']}. Total "
+             f"{meta['min_requests']} requests; all policies are deployed side by side and, per "
+             f"concurrency, the policies alternate {meta['repeats']} times (order rotated); "
+             f"tables give means over the repeats. Machine: {meta['machine']}. Total "
              f"{meta['wall_minutes']:.1f} min. Command: `{meta['command']}`.", "",
-             "| policy | concurrency | requests | throughput tok/s | per-user tok/s | TTFT mean s "
-             "| verification budget / request / step | tau |",
+             "| policy | concurrency | requests | throughput tok/s (each repeat) | per-user tok/s "
+             "| TTFT mean s | verification budget / request / step | tau |",
              "|---|---|---|---|---|---|---|---|"]
     for p in points:
+        each = ", ".join(f"{v:.1f}" for v in p["throughput_tok_s_each"])
         lines.append(f"| {p['policy']} | {p['concurrency']} | {p['requests']} | "
-                     f"{p['throughput_tok_s']:.1f} | {p['per_user_tok_s']:.2f} | "
+                     f"{p['throughput_tok_s']:.1f} ({each}) | {p['per_user_tok_s']:.2f} | "
                      f"{p['ttft_s_mean']:.2f} | {p['mean_verification_budget']:.2f} | "
                      f"{p['tau']:.2f} |")
     by = {(p["policy"], p["concurrency"]): p for p in points}
-    top, low = max(meta["concurrency"]), min(meta["concurrency"])
-    best_base = max(by[(n, top)]["throughput_tok_s"] for n in ("none", "fixed"))
+    if not all((n, c) in by for n in ("none", "dspark") for c in meta["concurrency"]):
+        return "\n".join(lines) + "\n"
     lines += ["", "## Done-when checks", "",
-              f"- Aggregate throughput at concurrency {top}: dspark "
-              f"{by[('dspark', top)]['throughput_tok_s']:.1f} tok/s vs the better of none/fixed "
-              f"{best_base:.1f} tok/s (ratio {by[('dspark', top)]['throughput_tok_s'] / best_base:.3f}).",
-              f"- Per-user speed at concurrency {low}: dspark {by[('dspark', low)]['per_user_tok_s']:.2f} "
-              f"vs fixed {by[('fixed', low)]['per_user_tok_s']:.2f} tok/s (ratio "
-              f"{by[('dspark', low)]['per_user_tok_s'] / max(1e-9, by[('fixed', low)]['per_user_tok_s']):.3f})."]
+              "| concurrency | dspark / best of none, fixed (throughput of the means) | per repeat "
+              "| dspark / none per-user tok/s | per repeat |", "|---|---|---|---|---|"]
+    for c in meta["concurrency"]:
+        base = max(by[(n, c)]["throughput_tok_s"] for n in ("none", "fixed") if (n, c) in by)
+        user = by[("dspark", c)]["per_user_tok_s"] / max(1e-9, by[("none", c)]["per_user_tok_s"])
+        r = ratios[c]
+        lines.append(f"| {c} | {by[('dspark', c)]['throughput_tok_s'] / base:.3f} | "
+                     f"{', '.join(f'{v:.3f}' for v in r['throughput_vs_best_baseline'])} | "
+                     f"{user:.3f} | {', '.join(f'{v:.3f}' for v in r['per_user_vs_none'])} |")
+    lines += ["", "Goals (issue 10): throughput ratio >= 0.97 at every concurrency; per-user "
+              "ratio >= 1.2 at concurrency 1."]
     return "\n".join(lines) + "\n"
 
 
@@ -218,6 +266,8 @@ def main() -> int:
     parser.add_argument("--max-batch-tokens", type=int, default=256)
     parser.add_argument("--duration-s", type=float, default=25.0)
     parser.add_argument("--min-requests", type=int, default=4)
+    parser.add_argument("--repeats", type=int, default=2,
+                        help="times each point is measured, the policies alternating")
     parser.add_argument("--data-dir", default=str(ROOT / "infra" / "datasets" / "eval"))
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     args = parser.parse_args()
@@ -228,27 +278,40 @@ def main() -> int:
 
     started = time.time()
     prompts = load_prompts(Path(args.data_dir), 40, 0)
+    policies = args.policies.split(",")
     port = free_port()
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
     serve.start(http_options={"host": "127.0.0.1", "port": port})
-    points = []
+    runs = []
     try:
-        for name in args.policies.split(","):
-            points += run_policy(name, args, prompts, port)
+        handles = {name: deploy(name, args) for name in policies}
+        for name in policies:  # warm-up
+            asyncio.run(run_point(f"http://127.0.0.1:{port}/{name}/v1/chat/completions",
+                                  "bench", prompts, 2, args.max_tokens, 60, 2))
+        for i, c in enumerate(args.concurrency):
+            for k in range(args.repeats):
+                shift = (i + k) % len(policies)
+                for name in policies[shift:] + policies[:shift]:
+                    runs.append(measure(name, handles[name], args, prompts, port, c, k))
     finally:
         serve.shutdown()
         ray.shutdown()
+    points = summarize(runs, policies, args.concurrency)
+    ratios = paired_ratios(runs, args.concurrency)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     meta = {"target": args.target, "drafter": args.drafter, "dtype": args.dtype,
             "max_tokens": args.max_tokens, "duration_s": args.duration_s,
             "min_requests": args.min_requests, "concurrency": args.concurrency,
+            "repeats": args.repeats,
             "machine": f"{platform.machine()}, {os.cpu_count()} CPU cores, no GPU",
             "wall_minutes": (time.time() - started) / 60,
             "command": "python benchmarks/serve_load.py " + " ".join(sys.argv[1:])}
-    (out / "serve_load.json").write_text(json.dumps({"meta": meta, "points": points}, indent=1))
+    (out / "serve_load.json").write_text(json.dumps(
+        {"meta": meta, "points": points, "ratios": {str(c): r for c, r in ratios.items()},
+         "runs": runs}, indent=1))
     plots(points, out)
-    md = render_md(points, meta)
+    md = render_md(points, ratios, meta)
     (out / "serve_load.md").write_text(md)
     print(md)
     return 0
