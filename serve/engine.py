@@ -132,6 +132,11 @@ class SpecEngine:
         self.draft_cost = draft_cost
         self.plans = drafter is not None and self.config.plans_drafts
         self._probe_credit = 0.0  # seconds of drafter time probes may still spend (probe_budget)
+        # the drafter's engine-wide realized acceptance, greedy and sampled: a new request's
+        # prior, so that with a drafter that accepts little here every newcomer does not start at
+        # 1/2 and pay for drafts until its own rounds say no (slowly forgetting: ~50 rounds).
+        # Prompt lookup keeps the neutral prior: its drafts cost nothing to propose.
+        self._drafter_prior = [AcceptanceEstimate(decay=0.98), AcceptanceEstimate(decay=0.98)]
         self.lookup_n = self.config.prompt_lookup_max_ngram if self.plans else 0
         if drafter is not None:  # looked up once, not per request per step
             param = next(drafter.parameters())
@@ -274,6 +279,8 @@ class SpecEngine:
                 if speculate and r.draft_state is None:
                     r.draft_state = self.drafter.new_draft_state()
                     r.backoff = self.config.probe_interval
+                    r.model_acc = AcceptanceEstimate(
+                        prior=self._drafter_prior[r.req.params.temperature > 0].alpha)
                 if not done:  # the drafter's context grows chunk by chunk too
                     if speculate:
                         self._add_pending(r, start, o.features,
@@ -492,12 +499,16 @@ class SpecEngine:
         the drafter's alpha through its calibrated confidences (expected successes sum_j a_j over
         expected trials sum_j a_{j-1}). Realized outcomes come first because a confidence head
         calibrated on other data can be optimistic on this request's domain (measured: chat at
-        T = 1), and an optimistic alpha keeps paying for drafts that are rejected."""
+        T = 1), and an optimistic alpha keeps paying for drafts that are rejected. Realized
+        drafter outcomes also feed the engine-wide prior that requests admitted later start
+        from."""
         if not self.plans:
             return
         if source == "model":
             if verified:
                 r.model_acc.update(accepted, accepted + (accepted < verified))
+                self._drafter_prior[r.req.params.temperature > 0].update(  # realized only
+                    accepted, accepted + (accepted < verified))
             elif confidences:
                 survival, reach = 1.0, 0.0
                 for c in confidences:

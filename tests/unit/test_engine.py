@@ -332,6 +332,25 @@ def test_planner_trusts_realized_acceptance_over_an_optimistic_confidence_head(v
     assert calls["propose"] <= 10 < len(done.rounds)
 
 
+def test_a_request_admitted_later_starts_from_the_drafters_realized_acceptance(varied_target):
+    """Drafts that are verified and (almost) always rejected: a request admitted after another has
+    finished starts from the engine-wide realized acceptance, not from 1/2, so it is not drafted
+    for on its first steps; a greedy request's prior is not a sampled one's."""
+    d = tiny_drafter(varied_target, block_size=4)  # random drafts ...
+    with torch.no_grad():
+        d.confidence.proj.bias.fill_(20.0)  # ... that it is sure of: they get verified
+    engine = SpecEngine(TargetRunner(varied_target, LAYERS), d, [],
+                        EngineConfig(scheduler="dspark"), sps=SPS, draft_cost=HALF_STEP)
+    first = engine.generate([EngineRequest("a", [9, 2, 6], SamplingParams(40, 0.0))])[0]
+    assert first.rounds[0].source == "model"  # the neutral prior: drafted at once
+    calls = _counting(d)
+    later = engine.generate([EngineRequest("b", [4, 4, 1], SamplingParams(6, 0.0))])[0]
+    assert later.tokens == greedy_reference(varied_target, [4, 4, 1], 6)
+    assert all(rec.source is None for rec in later.rounds) and calls["propose"] == 0
+    assert engine._drafter_prior[True].alpha == pytest.approx(0.5)
+    assert engine._drafter_prior[False].alpha < 0.25  # 0 of ~3 realized trials on a 1/2 prior
+
+
 @pytest.mark.parametrize("scheduler", ["dspark", "async"])
 def test_prompt_lookup_drafts_are_greedy_lossless_and_used(varied_target, scheduler):
     """A prompt that repeats itself: the lookup source is chosen (it costs nothing and matches),
