@@ -48,7 +48,10 @@ def cumulative(stats: pstats.Stats, filename: str, func: str) -> float:
 
 
 def run_arm(models, scheduler: str, prompts: list[str], args) -> dict:
-    """B requests admitted and prefilled, ``warmup`` steps, then ``steps`` timed steps."""
+    """B requests admitted and prefilled, ``warmup`` steps, then ``steps`` timed steps. With
+    ``request_tokens`` each request ends after that many tokens and a new one (the next prompt)
+    takes its place before the next step, as under serving load (prefills, drafter contexts of
+    new requests and their first plans fall inside the timed steps)."""
     from serve.builder import build_engine
     from serve.chat import render_prompt_ids
     from serve.config import EngineConfig
@@ -58,22 +61,37 @@ def run_arm(models, scheduler: str, prompts: list[str], args) -> dict:
         scheduler=scheduler, max_num_requests=args.batch, max_waiting=args.batch,
         kv_cache_memory_gib=1.0, max_model_len=1024),
         profile_dir=args.profile_dir or None)
-    for i, text in enumerate(prompts[:args.batch]):
+    added = 0
+
+    def add() -> None:
+        nonlocal added
+        text = prompts[added % len(prompts)]
         ids = render_prompt_ids(models.tokenizer, [{"role": "user", "content": text}],
                                 {"enable_thinking": False})
-        engine.add_request(EngineRequest(f"r{i}", ids[:256], SamplingParams(
-            max_tokens=args.warmup + args.steps + 64, temperature=1.0, seed=i,
-            ignore_eos=True)))
+        engine.add_request(EngineRequest(f"r{added}", ids[:256], SamplingParams(
+            max_tokens=args.request_tokens or args.warmup + args.steps + 64, temperature=1.0,
+            seed=added, ignore_eos=True)))
+        added += 1
+
+    def step() -> int:
+        outs = engine.step()
+        for o in outs:
+            if o.finished and args.request_tokens:
+                add()
+        return sum(len(o.new_token_ids) for o in outs)
+
+    for _ in range(args.batch):
+        add()
     while engine.waiting or engine.prefilling:  # admit and prefill all
-        engine.step()
+        step()
     for _ in range(args.warmup):
-        engine.step()
+        step()
     prof = cProfile.Profile()
     tokens = 0
     start = time.perf_counter()
     prof.enable()
     for _ in range(args.steps):
-        tokens += sum(len(o.new_token_ids) for o in engine.step())
+        tokens += step()
     prof.disable()
     wall = time.perf_counter() - start
     stats = pstats.Stats(prof)
@@ -95,6 +113,9 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--policies", default="none,dspark")
+    ap.add_argument("--request-tokens", type=int, default=0, help="end each request after this "
+                    "many tokens and admit the next prompt in its place (serving churn); 0 = "
+                    "the same B requests throughout")
     ap.add_argument("--profile-dir", default="", help="SPS/drafter-cost profile directory "
                     "(default: the drafter's own)")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "engine_step_profile"))
@@ -129,7 +150,7 @@ def main() -> int:
     meta = {"date": time.strftime("%Y-%m-%d"), "machine": platform.processor() or platform.machine(),
             "threads": torch.get_num_threads(), "target": args.target, "drafter": args.drafter,
             "dtype": args.dtype, "batch": args.batch, "steps": args.steps,
-            "repeats": args.repeats, "temperature": 1.0}
+            "repeats": args.repeats, "request_tokens": args.request_tokens, "temperature": 1.0}
     out = Path(args.out)
     out.with_suffix(".json").write_text(json.dumps({"meta": meta, "summary": summary,
                                                     "rows": rows}, indent=1))

@@ -184,8 +184,8 @@ def render_md(points: list[dict], ratios: dict, meta: dict) -> str:
     lines = ["# Serving under load: verification policies side by side", "",
              f"Target `{meta['target']}` ({meta['dtype']}), drafter `{meta['drafter']}`; "
              f"{meta['max_tokens']} new tokens per request at temperature 1, prompts from "
-             f"{', '.join(PROMPT_SETS)}; each point runs {meta['duration_s']} s or at least "
-             f"{meta['min_requests']} requests; all policies are deployed side by side and, per "
+             f"{', '.join(PROMPT_SETS)}; each point starts requests for {meta['duration_s']} s "
+             f"or until max({meta['min_requests']}, 2 x concurrency) have started; all policies are deployed side by side and, per "
              f"concurrency, the policies alternate {meta['repeats']} times (order rotated); "
              f"tables give means over the repeats. Machine: {meta['machine']}. Total "
              f"{meta['wall_minutes']:.1f} min. Command: `{meta['command']}`.", "",
@@ -265,7 +265,9 @@ def main() -> int:
     parser.add_argument("--max-tokens", type=int, default=48)
     parser.add_argument("--max-batch-tokens", type=int, default=256)
     parser.add_argument("--duration-s", type=float, default=25.0)
-    parser.add_argument("--min-requests", type=int, default=4)
+    parser.add_argument("--min-requests", type=int, default=4,
+                        help="a point also ends once max(this, 2 x concurrency) requests have "
+                        "started (a large value lets --duration-s alone decide)")
     parser.add_argument("--repeats", type=int, default=2,
                         help="times each point is measured, the policies alternating")
     parser.add_argument("--data-dir", default=str(ROOT / "infra" / "datasets" / "eval"))

@@ -36,6 +36,11 @@ class EngineConfig(BaseModel):
                                 "lossless probe); the interval doubles while probes keep saying "
                                 "no, up to max_probe_interval.")
     max_probe_interval: int = Field(64, ge=1, description="Longest probe back-off (steps).")
+    min_draft_gain: float = Field(0.05, ge=0.0, le=1.0, description="goodput planning: draft "
+                                  "only when the plan promises at least this relative gain in "
+                                  "tokens/s over drafting for nobody (a margin for what the "
+                                  "profiles leave out: rejection sampling of draft tokens, "
+                                  "streaming); 0 = any predicted gain.")
     probe_budget: float = Field(0.03, ge=0.0, le=1.0, description="goodput planning: the share of "
                                 "a target-only step's time that probes may add to drafting, on "
                                 "average (predicted from the profiles); due probes beyond it "

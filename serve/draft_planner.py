@@ -194,7 +194,7 @@ def _goodput(rows_alpha: list[tuple[float, int]], num_requests: int, sps: SPSTab
 
 def plan_drafts(options: list[RequestOptions], sps: SPSTable, draft_cost: DraftCostTable | None,
                 sampled: bool, max_batch_tokens: int | None = None,
-                probe_allowance_s: float = math.inf) -> DraftPlan:
+                probe_allowance_s: float = math.inf, min_gain: float = 0.0) -> DraftPlan:
     """Choose, for every request, whether the drafter drafts for it and how deep, or whether it
     verifies its prompt-lookup draft, maximising the predicted goodput of the whole step.
 
@@ -203,6 +203,8 @@ def plan_drafts(options: list[RequestOptions], sps: SPSTable, draft_cost: DraftC
        repeated), under the same SPS table and token budget as the real verification.
     3. The drafter rows kept are those of largest predicted gain, as many as maximise Theta
        (module docstring; every cut is evaluated); the drafter cost is that of the rows kept.
+       Unless that Theta beats drafting for nobody by the fraction ``min_gain``, nobody is
+       drafted for (the margin covers what the cost model leaves out).
     4. A kept drafter row drafts l_r + 1 tokens (one beyond the prediction, so Algorithm 1 can
        verify deeper when this step's confidences are higher), capped at ``cap``; a probe drafts
        at least one.
@@ -217,6 +219,7 @@ def plan_drafts(options: list[RequestOptions], sps: SPSTable, draft_cost: DraftC
         max_batch_tokens: token budget of the step.
         probe_allowance_s: seconds of drafter time the probes may add this step (the engine's
             probe budget); inf = probes are always drafted when due.
+        min_gain: the relative goodput gain a plan that drafts must promise (0 = any gain).
     Returns:
         a :class:`DraftPlan`.
     Source: DSpark paper section 3.2.2 (goodput tau * SPS(B)), extended with the drafting time.
@@ -270,6 +273,8 @@ def plan_drafts(options: list[RequestOptions], sps: SPSTable, draft_cost: DraftC
                  (n + look_tokens + gain_suffix[k]) / (1.0 / sps.sps(batch) + cost))
         if value >= best:  # ties drop rows: the cheaper plan
             best, cut = value, k
+    if cut < m and best < (1.0 + min_gain) * value:  # value: the last cut, nobody drafted
+        best, cut = value, m
     kept = model_rows[cut:]
     plan.predicted_tps = best
     plan.predicted_tps_without_drafter = _goodput(lookup_rows, n, sps, 0.0)

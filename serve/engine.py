@@ -369,7 +369,8 @@ class SpecEngine:
                                           r.lookup_acc.alpha, probe_due=r.skipped >= r.backoff))
         sampled = any(r.req.params.temperature > 0 for r in reqs)
         plan = plan_drafts(options, self.sps, self.draft_cost, sampled,
-                           self.config.max_batch_tokens, probe_allowance_s=self._probe_credit)
+                           self.config.max_batch_tokens, probe_allowance_s=self._probe_credit,
+                           min_gain=self.config.min_draft_gain)
         # the budget grows by its share of a target-only step of this batch (a prediction, so
         # the plan stays a function of the past only), up to one full-depth call for everyone
         ceiling = (self.draft_cost.seconds(len(reqs), self.draft_cost.max_depth, sampled)

@@ -120,3 +120,15 @@ def test_probes_wait_for_the_budget_and_then_go_together():
     assert mixed.probed == [False, True]
     assert mixed.probe_cost_s == pytest.approx(cost.seconds(2, depth, False)
                                                - cost.seconds(1, depth, False))
+
+
+def test_a_plan_that_drafts_must_promise_the_minimum_gain():
+    """One request whose predicted gain from drafting is a few per cent: drafted for when any gain
+    counts, not under a 10 % margin; a strong request clears the margin."""
+    cost = _cost(0.002, 0.003)
+    marginal = [RequestOptions(4, 0.3)]
+    free_for_all = plan_drafts(marginal, FLAT, cost, False, min_gain=0.0)
+    gain = free_for_all.predicted_tps / free_for_all.predicted_tps_without_drafter - 1
+    assert free_for_all.sources == ["model"] and 0 < gain < 0.1
+    assert plan_drafts(marginal, FLAT, cost, False, min_gain=0.1).sources == [None]
+    assert plan_drafts([RequestOptions(4, 0.9)], FLAT, cost, False, min_gain=0.1).sources == ["model"]
