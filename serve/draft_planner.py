@@ -46,10 +46,15 @@ class DraftCostTable:
     it is measured at depth 1 and at ``max_depth`` and interpolated in between; rows are
     interpolated linearly between measured sizes and clamped beyond them.
 
+    A request whose context has fallen behind (its prompt before its first draft, or the tokens
+    committed while the planner skipped it) is extended by more than the 2 positions the table
+    includes; each further position costs ``extend_s_per_position``.
+
     Args:
         rows: measured row counts, ascending, starting at 1.
         greedy_s, sampled_s: per row count, (seconds at depth 1, seconds at max_depth).
         max_depth: the deepest draft measured (the drafter's gamma).
+        extend_s_per_position: seconds per context position beyond 2 (one row extended by many).
     Raises:
         ValueError: empty or unsorted rows, mismatched lengths, a non-finite or negative time.
     """
@@ -58,10 +63,14 @@ class DraftCostTable:
     greedy_s: tuple[tuple[float, float], ...]
     sampled_s: tuple[tuple[float, float], ...]
     max_depth: int
+    extend_s_per_position: float = 0.0
 
     def __post_init__(self) -> None:
         if not self.rows or self.rows[0] != 1 or list(self.rows) != sorted(set(self.rows)):
             raise ValueError(f"draft cost rows must be ascending and start at 1, got {self.rows}")
+        if not (math.isfinite(self.extend_s_per_position) and self.extend_s_per_position >= 0):
+            raise ValueError(f"extend_s_per_position must be finite and >= 0, got "
+                             f"{self.extend_s_per_position}")
         if self.max_depth < 1:
             raise ValueError(f"max_depth must be >= 1, got {self.max_depth}")
         for name in ("greedy_s", "sampled_s"):
@@ -94,11 +103,17 @@ class DraftCostTable:
         frac = (min(depth, self.max_depth) - 1) / (self.max_depth - 1)
         return at[0] + frac * (at[1] - at[0])
 
+    def backlog_seconds(self, pending: int) -> float:
+        """Extra seconds to extend one row's context by ``pending`` positions (beyond the 2 the
+        table includes)."""
+        return max(0, pending - 2) * self.extend_s_per_position
+
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready form (seconds)."""
         return {"unit": "seconds", "rows": list(self.rows), "max_depth": self.max_depth,
                 "greedy_s": [list(p) for p in self.greedy_s],
-                "sampled_s": [list(p) for p in self.sampled_s]}
+                "sampled_s": [list(p) for p in self.sampled_s],
+                "extend_s_per_position": self.extend_s_per_position}
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> DraftCostTable:
@@ -111,7 +126,7 @@ class DraftCostTable:
             return cls(tuple(int(r) for r in data["rows"]),
                        tuple(tuple(float(v) for v in p) for p in data["greedy_s"]),
                        tuple(tuple(float(v) for v in p) for p in data["sampled_s"]),
-                       int(data["max_depth"]))
+                       int(data["max_depth"]), float(data.get("extend_s_per_position", 0.0)))
         except (KeyError, TypeError) as err:
             raise ValueError(f"bad draft cost table: {err!r}") from None
 
@@ -156,7 +171,8 @@ class RequestOptions:
     cap: the most draft tokens it may verify (budget, gamma, drafter context); model_alpha:
     predicted per-token acceptance of the drafter (None: the drafter cannot draft for it);
     lookup_len / lookup_alpha: length and predicted acceptance of its prompt-lookup draft
-    (0: no match); probe_due: the drafter must draft for it this step (a lossless probe).
+    (0: no match); probe_due: the drafter must draft for it this step (a lossless probe);
+    pending: committed positions not yet in its drafter context (extended before it is drafted).
     """
 
     cap: int
@@ -164,6 +180,7 @@ class RequestOptions:
     lookup_len: int = 0
     lookup_alpha: float = 0.0
     probe_due: bool = False
+    pending: int = 0
 
 
 @dataclass(slots=True)
@@ -258,9 +275,12 @@ def plan_drafts(options: list[RequestOptions], sps: SPSTable, draft_cost: DraftC
     # hopeless rows for ever).
     m = len(model_rows)
     gain_suffix, len_suffix, depth_suffix = [0.0] * (m + 1), [0] * (m + 1), [0] * (m + 1)
+    backlog_suffix = [0.0] * (m + 1)
     for k in range(m - 1, -1, -1):
         i = model_rows[k]
         gain_suffix[k] = gain_suffix[k + 1] + expected_accepted(alphas[i], lengths[i])
+        backlog_suffix[k] = backlog_suffix[k + 1] + (
+            draft_cost.backlog_seconds(options[i].pending) if draft_cost else 0.0)
         len_suffix[k] = len_suffix[k + 1] + lengths[i]
         depth_suffix[k] = max(depth_suffix[k + 1], min(options[i].cap, lengths[i] + 1))
     look_tokens = sum(expected_accepted(a, l) for a, l in lookup_rows)
@@ -268,7 +288,8 @@ def plan_drafts(options: list[RequestOptions], sps: SPSTable, draft_cost: DraftC
     best, cut = -1.0, m
     for k in range(m + 1):  # keep model_rows[k:]
         batch = n + look_len + len_suffix[k]
-        cost = draft_cost.seconds(m - k, depth_suffix[k], sampled) if draft_cost else 0.0
+        cost = (draft_cost.seconds(m - k, depth_suffix[k], sampled) + backlog_suffix[k]
+                if draft_cost else 0.0)
         value = (0.0 if batch > sps.max_tokens else
                  (n + look_tokens + gain_suffix[k]) / (1.0 / sps.sps(batch) + cost))
         if value >= best:  # ties drop rows: the cheaper plan
@@ -283,7 +304,8 @@ def plan_drafts(options: list[RequestOptions], sps: SPSTable, draft_cost: DraftC
     if probes and draft_cost is not None:
         def call_s(rows: list[int]) -> float:
             depth = max((min(options[i].cap, max(1, lengths[i] + 1)) for i in rows), default=0)
-            return draft_cost.seconds(len(rows), depth, sampled)
+            return (draft_cost.seconds(len(rows), depth, sampled)
+                    + sum(draft_cost.backlog_seconds(options[i].pending) for i in rows))
 
         extra = call_s(kept + probes) - call_s(kept)
         if extra > probe_allowance_s:

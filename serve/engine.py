@@ -366,7 +366,8 @@ class SpecEngine:
             look = r.lookup.propose(cap) if r.lookup is not None and cap > 0 else []
             looks.append(look)
             options.append(RequestOptions(cap, r.model_acc.alpha if cap > 0 else None, len(look),
-                                          r.lookup_acc.alpha, probe_due=r.skipped >= r.backoff))
+                                          r.lookup_acc.alpha, probe_due=r.skipped >= r.backoff,
+                                          pending=len(r.pending.tokens)))
         sampled = any(r.req.params.temperature > 0 for r in reqs)
         plan = plan_drafts(options, self.sps, self.draft_cost, sampled,
                            self.config.max_batch_tokens, probe_allowance_s=self._probe_credit,

@@ -153,8 +153,9 @@ def load_or_profile(runner: TargetRunner, directory: str | Path | None, max_toke
 
 # bumped when the drafter's inference cost changes for the same weights, so stored tables made
 # before are re-measured (2: the draft head no longer runs a strided slice as a batched matmul,
-# which had made depths below gamma cost up to 10x more at 64 rows)
-DRAFT_COST_METHOD = 2
+# which had made depths below gamma cost up to 10x more at 64 rows; 3: the cost per context
+# position of a backlog, for requests whose context fell behind)
+DRAFT_COST_METHOD = 3
 
 
 def _drafter_fingerprint(drafter) -> dict:
@@ -171,7 +172,8 @@ def profile_draft_cost(drafter, max_rows: int, context_len: int = 128, repeats: 
                        seed: int = 0) -> DraftCostTable:
     """Time one batched drafter call as the engine makes it: extend each request's context by 2
     committed positions, then propose a block of depth 1 and of depth gamma, greedy and sampled
-    (temperature 1), for every row count of :func:`batch_grid` up to ``max_rows``.
+    (temperature 1), for every row count of :func:`batch_grid` up to ``max_rows``; and the cost per
+    position of extending one row's context by a backlog of 128 positions.
 
     Args:
         drafter: a drafter (``drafters.loading.load_drafter``) on its serving device and dtype.
@@ -226,7 +228,24 @@ def profile_draft_cost(drafter, max_rows: int, context_len: int = 128, repeats: 
                 pair.append(statistics.median(one_call(rows, depth, temperature)
                                               for _ in range(repeats)))
             out.append(tuple(pair))
-    return DraftCostTable(tuple(rows_grid), tuple(greedy), tuple(sampled), gamma)
+
+    def extend_call(positions: int) -> float:  # one row's context extended by that many
+        st = states[0]
+        pos = st.length
+        feats = torch.randn(1, positions, width, generator=g).to(device=dev, dtype=dtype)
+        ids = torch.randint(0, vocab, (1, positions), generator=g).to(dev)
+        start = time.perf_counter()
+        drafter.extend_context(st, feats, torch.arange(pos, pos + positions, device=dev)[None], ids)
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+        return time.perf_counter() - start
+
+    backlog = 128  # a typical prompt, or the tokens of a long probe back-off
+    extend_call(backlog), extend_call(2)  # warm-up
+    long = statistics.median(extend_call(backlog) for _ in range(repeats))
+    short = statistics.median(extend_call(2) for _ in range(repeats))
+    return DraftCostTable(tuple(rows_grid), tuple(greedy), tuple(sampled), gamma,
+                          max(0.0, (long - short) / (backlog - 2)))
 
 
 def load_or_profile_draft_cost(drafter, runner: TargetRunner, directory: str | Path | None,

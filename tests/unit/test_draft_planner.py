@@ -132,3 +132,24 @@ def test_a_plan_that_drafts_must_promise_the_minimum_gain():
     assert free_for_all.sources == ["model"] and 0 < gain < 0.1
     assert plan_drafts(marginal, FLAT, cost, False, min_gain=0.1).sources == [None]
     assert plan_drafts([RequestOptions(4, 0.9)], FLAT, cost, False, min_gain=0.1).sources == ["model"]
+
+
+def test_a_context_backlog_is_priced_into_drafting_and_probes():
+    """A request whose drafter context lags 200 positions (its prompt, say) pays for extending
+    them: a probe the allowance covers without the backlog waits with it, and a row that would
+    pay with a current context is not drafted while the backlog makes the call too dear."""
+    base = _cost(0.002, 0.003)
+    cost = DraftCostTable(base.rows, base.greedy_s, base.sampled_s, base.max_depth,
+                          extend_s_per_position=0.0001)
+    assert cost.backlog_seconds(2) == 0.0 and cost.backlog_seconds(202) == pytest.approx(0.02)
+    assert DraftCostTable.from_dict(cost.to_dict()) == cost
+    assert DraftCostTable.from_dict({**base.to_dict(), "extend_s_per_position": 0.0}) == base
+    due = [RequestOptions(4, 0.05, probe_due=True, pending=202)]
+    assert plan_drafts(due, FLAT, cost, False, probe_allowance_s=0.01).probed == [False]
+    rich = plan_drafts(due, FLAT, cost, False, probe_allowance_s=1.0)
+    assert rich.probed == [True] and rich.probe_cost_s == pytest.approx(
+        cost.seconds(1, max(rich.depths), False) + 0.02)
+    assert plan_drafts([RequestOptions(4, 0.6)], FLAT, cost, False).sources == ["model"]
+    assert plan_drafts([RequestOptions(4, 0.6, pending=202)], FLAT, cost, False).sources == [None]
+    with pytest.raises(ValueError, match="extend_s_per_position"):
+        DraftCostTable((1,), ((0.1, 0.1),), ((0.1, 0.1),), 4, extend_s_per_position=-1.0)
