@@ -234,14 +234,16 @@ class SpecEngine:
         Returns:
             one :class:`RequestOutput` per request that emitted tokens or finished.
         """
-        outputs: list[RequestOutput] = []
         decoding = list(self.running)
-        if decoding:
-            outputs += self._decode(decoding)
         while self.waiting and self.num_running < self.config.max_num_requests:
             self.prefilling.append(self.waiting.popleft())
-        if self.prefilling:
-            outputs += self._prefill()
+        # the prompt chunks ride in the verification pass (one packed pass a step: a separate
+        # prefill pass would pay a pass's fixed cost again whenever a request arrives)
+        chunks = self._prefill_chunks() if self.prefilling else []
+        outputs, prefill_outs = (self._decode(decoding, chunks) if decoding
+                                 else ([], self._prefill_forward(chunks)))
+        if chunks:
+            outputs += self._prefill_finish(chunks, prefill_outs)
         self.stats.steps += 1
         return outputs
 
@@ -257,19 +259,31 @@ class SpecEngine:
             budget -= take
         return chunks
 
-    def _prefill(self) -> list[RequestOutput]:
-        speculate = self.drafter is not None and self.gamma > 0
-        chunks = self._prefill_chunks()
+    def _prefill_inputs(self, chunks: list[tuple[_Request, int]]):
+        """(caches, prompt tokens, logits modes) of this step's prefill chunks; reserves each new
+        request's whole length in the KV pool first (decoding never grows it)."""
         for r, _ in chunks:
-            if r.prefilled == 0:  # its whole length now: decoding never grows the KV pool
+            if r.prefilled == 0:
                 self.target.reserve(r.kv, len(r.req.prompt_ids) + r.req.params.max_tokens
                                     + self.gamma + 1)
-        reqs = [r for r, _ in chunks]
+        return ([r.kv for r, _ in chunks],
+                [r.req.prompt_ids[r.prefilled:r.prefilled + take] for r, take in chunks],
+                ["last" if r.prefilled + take == len(r.req.prompt_ids) else "none"
+                 for r, take in chunks])
+
+    def _prefill_forward(self, chunks: list[tuple[_Request, int]]) -> list:
+        """A pass of prefill chunks alone (a step with nothing to decode)."""
+        if not chunks:
+            return []
+        caches, tokens, modes = self._prefill_inputs(chunks)
+        return self.target.forward_batch(caches, tokens, with_features=self.drafter is not None,
+                                         logits=modes)
+
+    def _prefill_finish(self, chunks: list[tuple[_Request, int]], outs) -> list[RequestOutput]:
+        """Commit the prefill chunks' pass outputs: a complete prompt samples its first token and
+        joins the running requests; the drafter's pending context grows chunk by chunk."""
+        speculate = self.drafter is not None and self.gamma > 0
         completes = [r.prefilled + take == len(r.req.prompt_ids) for r, take in chunks]
-        outs = self.target.forward_batch(
-            [r.kv for r in reqs], [r.req.prompt_ids[r.prefilled:r.prefilled + take]
-                                   for r, take in chunks],
-            with_features=speculate, logits="last" if any(completes) else "none")
         results = []
         for (r, take), done, o in zip(chunks, completes, outs):
             start = r.prefilled
@@ -381,7 +395,9 @@ class SpecEngine:
         return [(plan.sources[i], plan.depths[i], looks[i], plan.lookup_confidences[i],
                  plan.probed[i]) for i in range(len(reqs))]
 
-    def _decode(self, reqs: list[_Request]) -> list[RequestOutput]:
+    def _decode(self, reqs: list[_Request], chunks: list[tuple[_Request, int]]):
+        """One speculative round for the running ``reqs``, the prefill ``chunks`` packed into the
+        same target pass; returns (their outputs, the chunks' pass outputs)."""
         t0 = time.perf_counter()
         caps = self._caps(reqs)
         plan = self._plan(reqs, caps)
@@ -432,12 +448,15 @@ class SpecEngine:
                 for seq in (reqs, tokens, probs, conf_logits, confidences, plan, caps):
                     del seq[i]
             if not reqs:
-                return results
+                return results, self._prefill_forward(chunks)
         lengths = self._schedule(confidences, [len(t) for t in tokens])
         t1 = time.perf_counter()
         verify_in = [[r.anchor] + tokens[i][:lengths[i]] for i, r in enumerate(reqs)]
-        outs = self.target.forward_batch([r.kv for r in reqs], verify_in,
-                                         with_features=self.drafter is not None)
+        caches, prompt_tokens, modes = self._prefill_inputs(chunks) if chunks else ([], [], [])
+        outs = self.target.forward_batch([r.kv for r in reqs] + caches, verify_in + prompt_tokens,
+                                         with_features=self.drafter is not None,
+                                         logits=["all"] * len(reqs) + modes)
+        outs, prefill_outs = outs[:len(reqs)], outs[len(reqs):]
         self.stats.batch_tokens += sum(len(v) for v in verify_in)
         for i, (r, o) in enumerate(zip(reqs, outs)):
             try:
@@ -447,7 +466,7 @@ class SpecEngine:
                 out = self._fail(r, err, "verification")
             results.append(out)
         self._stale.append(confidences)
-        return results
+        return results, prefill_outs
 
     def _propose(self, rows: list[_Request], anchors, positions, depths: list[int], temps, gens,
                  top_p):

@@ -123,7 +123,7 @@ class TargetRunner:
 
     @torch.inference_mode()
     def forward_batch(self, caches: list[TargetKV], tokens: list[list[int]],
-                      with_features: bool, logits: str = "all") -> list[BatchOutput]:
+                      with_features: bool, logits: str | list[str] = "all") -> list[BatchOutput]:
         """Run each request's new ``tokens`` after what its cache holds, in one forward pass.
 
         Args:
@@ -132,14 +132,17 @@ class TargetRunner:
             tokens: R non-empty token lists.
             with_features: also return the selected layers' hidden states.
             logits: ``"all"`` (every new position), ``"last"`` (each request's last new token)
-                or ``"none"`` (a prefill chunk: no LM head output is needed).
+                or ``"none"`` (a prefill chunk: no LM head output is needed); one mode for all,
+                or one per request (a pass that verifies some requests and prefills others).
         Returns:
             R :class:`BatchOutput`.
         Raises:
             ValueError: an unknown ``logits`` mode, or a cache of another runner.
         """
-        if logits not in ("all", "last", "none"):
-            raise ValueError(f"logits must be 'all', 'last' or 'none', got {logits!r}")
+        modes = [logits] * len(tokens) if isinstance(logits, str) else list(logits)
+        if len(modes) != len(tokens) or any(m not in ("all", "last", "none") for m in modes):
+            raise ValueError(f"logits must be 'all', 'last' or 'none' (one, or one per request), "
+                             f"got {logits!r}")
         pool = self._kv_pool()
         slots = [c.bind(pool) for c in caches]
         lengths = [c.length for c in caches]
@@ -153,7 +156,7 @@ class TargetRunner:
         starts = [e - n for e, n in zip(ends, counts)]
         ids = torch.tensor([t for row in tokens for t in row], dtype=torch.long, device=dev)[None]
         positions = torch.cat([torch.arange(l, l + n) for l, n in zip(lengths, counts)]).to(dev)[None]
-        keep_idx = self._logit_positions(ends, logits, dev)
+        keep_idx = self._logit_positions(starts, ends, modes, dev)
         captured: dict[int, torch.Tensor] = {}
         hooks = ([self._feature_modules[i].register_forward_hook(self._capture(i, captured))
                   for i in self.layer_ids] if with_features else [])
@@ -166,17 +169,14 @@ class TargetRunner:
         finally:
             for h in hooks:
                 h.remove()
-        all_logits = None if logits == "none" else out.logits[0].float()
+        kept = out.logits[0].float() if any(m != "none" for m in modes) else None
         feats = (torch.cat([captured[i][0] for i in self.layer_ids], dim=-1)
                  if with_features else None)
-        results = []
-        for j, (a, e) in enumerate(zip(starts, ends)):
-            if logits == "none":
-                row = None
-            elif logits == "all":
-                row = all_logits[a:e]
-            else:  # keep_idx holds each request's last position, in request order
-                row = all_logits[j:j + 1]
+        results, at = [], 0  # at: the request's first row in ``kept`` (kept rows are in order)
+        for j, (a, e, mode) in enumerate(zip(starts, ends, modes)):
+            width = {"all": e - a, "last": 1, "none": 0}[mode]
+            row = kept[at:at + width] if width else None
+            at += width
             results.append(BatchOutput(row, None if feats is None else feats[a:e], caches[j]))
         return results
 
@@ -242,12 +242,16 @@ class TargetRunner:
         return hook
 
     @staticmethod
-    def _logit_positions(ends: list[int], logits: str, dev) -> torch.Tensor | int:
-        """``logits_to_keep`` for a packed pass whose requests end at ``ends`` (exclusive): 0
-        (all positions), 1 (``"none"``: the cheapest legal choice) or each request's last
-        position, in request order."""
-        if logits == "all":
+    def _logit_positions(starts: list[int], ends: list[int], modes: list[str],
+                         dev) -> torch.Tensor | int:
+        """``logits_to_keep`` for a packed pass whose request j spans [starts[j], ends[j]): 0 when
+        every request wants all its positions, 1 when none wants any (the cheapest legal
+        choice), else the wanted positions in request order."""
+        if all(m == "all" for m in modes):
             return 0
-        if logits == "none":
+        if all(m == "none" for m in modes):
             return 1
-        return torch.tensor([e - 1 for e in ends], device=dev)
+        wanted: list[int] = []
+        for a, e, m in zip(starts, ends, modes):
+            wanted += range(a, e) if m == "all" else [e - 1] if m == "last" else []
+        return torch.tensor(wanted, device=dev)
