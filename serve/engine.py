@@ -3,16 +3,18 @@
 One engine serves every caller: the Ray Serve app, offline evaluation and the benchmarks all drive
 :meth:`SpecEngine.step`. A step:
 
-1. prefills admitted requests under a token budget (chunked prefill: a long prompt is split over
-   several steps, so the running requests keep decoding meanwhile); when a prompt is complete its
-   first token, the anchor, is sampled;
+1. admits waiting requests and takes their next prompt chunks under a token budget (chunked
+   prefill: a long prompt is split over several steps, so the running requests keep decoding
+   meanwhile); the chunks run in the same packed target pass as step 4, and when a prompt is
+   complete its first token, the anchor, is sampled;
 2. plans the drafting (``serve/draft_planner.py``, dspark/async): from each request's past rounds,
    which requests the drafter drafts for and how deep, and which verify a free prompt-lookup
    draft instead, so that the drafter's cost is paid only where it raises the step's tokens/s;
 3. drafts those blocks in one batched drafter call, turns the drafter's confidence logits into
    calibrated c_k and asks the scheduler (``serve/scheduler.py``) for each request's
    verification length l_r;
-4. verifies [anchor, x_1..x_{l_r}] of every request in one batched target forward pass;
+4. verifies [anchor, x_1..x_{l_r}] of every request in one packed target forward pass (the
+   prompt chunks of step 1 ride in it);
 5. rejection-samples each request with its own temperature, top_p and RNG (lossless), commits
    accepted + 1 tokens, applies EOS / stop tokens / stop strings / max_tokens exactly, and keeps
    only the committed positions in the request's target and drafter caches.
