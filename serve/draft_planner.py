@@ -200,15 +200,6 @@ class DraftPlan:
     probe_cost_s: float = 0.0
 
 
-def _goodput(rows_alpha: list[tuple[float, int]], num_requests: int, sps: SPSTable,
-             draft_s: float) -> float:
-    batch = num_requests + sum(l for _, l in rows_alpha)
-    if batch > sps.max_tokens:
-        return 0.0
-    tokens = num_requests + sum(expected_accepted(a, l) for a, l in rows_alpha)
-    return tokens / (1.0 / sps.sps(batch) + draft_s)
-
-
 def plan_drafts(options: list[RequestOptions], sps: SPSTable, draft_cost: DraftCostTable | None,
                 sampled: bool, max_batch_tokens: int | None = None,
                 probe_allowance_s: float = math.inf, min_gain: float = 0.0) -> DraftPlan:
@@ -298,7 +289,7 @@ def plan_drafts(options: list[RequestOptions], sps: SPSTable, draft_cost: DraftC
         best, cut = value, m
     kept = model_rows[cut:]
     plan.predicted_tps = best
-    plan.predicted_tps_without_drafter = _goodput(lookup_rows, n, sps, 0.0)
+    plan.predicted_tps_without_drafter = value  # the last cut: nobody drafted
     kept_set = set(kept)
     probes = [i for i in probes if i not in kept_set]
     if probes and draft_cost is not None:
