@@ -152,6 +152,7 @@ def main() -> int:
             "dtype": args.dtype, "batch": args.batch, "steps": args.steps,
             "repeats": args.repeats, "request_tokens": args.request_tokens, "temperature": 1.0}
     out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps({"meta": meta, "summary": summary,
                                                     "rows": rows}, indent=1))
     base = summary[policies[0]]["tokens_per_s"]

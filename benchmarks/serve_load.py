@@ -50,10 +50,11 @@ def load_prompts(data_dir: Path, per_set: int, seed: int) -> list[str]:
     return prompts
 
 
-async def one_request(client, url: str, model: str, prompt: str, max_tokens: int, seed: int):
+async def one_request(client, url: str, model: str, prompt: str, max_tokens: int, seed: int,
+                      temperature: float = 1.0):
     """Stream one chat completion; returns (ttft_s, total_s, completion_tokens, decode_s)."""
     body = {"model": model, "messages": [{"role": "user", "content": prompt}],
-            "max_tokens": max_tokens, "temperature": 1.0, "seed": seed, "stream": True,
+            "max_tokens": max_tokens, "temperature": temperature, "seed": seed, "stream": True,
             "stream_options": {"include_usage": True}}
     start = time.perf_counter()
     first = None
@@ -75,7 +76,7 @@ async def one_request(client, url: str, model: str, prompt: str, max_tokens: int
 
 
 async def run_point(url: str, model: str, prompts: list[str], concurrency: int, max_tokens: int,
-                    duration_s: float, max_requests: int) -> dict:
+                    duration_s: float, max_requests: int, temperature: float = 1.0) -> dict:
     """Keep ``concurrency`` requests in flight until ``duration_s`` or ``max_requests``."""
     import httpx
 
@@ -87,7 +88,7 @@ async def run_point(url: str, model: str, prompts: list[str], concurrency: int, 
             i = counter["next"]
             counter["next"] += 1
             results.append(await one_request(client, url, model, prompts[i % len(prompts)],
-                                             max_tokens, seed=i))
+                                             max_tokens, seed=i, temperature=temperature))
 
     limits = httpx.Limits(max_connections=concurrency + 4)
     async with httpx.AsyncClient(limits=limits) as client:
@@ -131,7 +132,8 @@ def measure(name: str, handle, args, prompts: list[str], port: int, concurrency:
     url = f"http://127.0.0.1:{port}/{name}/v1/chat/completions"
     before = handle.engine_state.remote().result()["stats"]
     point = asyncio.run(run_point(url, "bench", prompts, concurrency, args.max_tokens,
-                                  args.duration_s, max(args.min_requests, 2 * concurrency)))
+                                  args.duration_s, max(args.min_requests, 2 * concurrency),
+                                  args.temperature))
     after = handle.engine_state.remote().result()["stats"]
     rounds = after["rounds"] - before["rounds"]
     point["mean_verification_budget"] = ((after["verified_tokens"] - before["verified_tokens"])
@@ -183,7 +185,8 @@ def paired_ratios(runs: list[dict], concurrency: list[int]) -> dict:
 def render_md(points: list[dict], ratios: dict, meta: dict) -> str:
     lines = ["# Serving under load: verification policies side by side", "",
              f"Target `{meta['target']}` ({meta['dtype']}), drafter `{meta['drafter']}`; "
-             f"{meta['max_tokens']} new tokens per request at temperature 1, prompts from "
+             f"{meta['max_tokens']} new tokens per request at temperature {meta['temperature']:g} "
+             f"(0 = greedy), prompts from "
              f"{', '.join(PROMPT_SETS)}; each point starts requests for {meta['duration_s']} s "
              f"or until max({meta['min_requests']}, 2 x concurrency) have started; all policies are deployed side by side and, per "
              f"concurrency, the policies alternate {meta['repeats']} times (order rotated); "
@@ -263,6 +266,8 @@ def main() -> int:
                         default=[1, 2, 4, 8, 16, 32, 64])
     parser.add_argument("--policies", default=",".join(POLICIES))
     parser.add_argument("--max-tokens", type=int, default=48)
+    parser.add_argument("--temperature", type=float, default=1.0,
+                        help="sampling temperature of every request (0 = greedy)")
     parser.add_argument("--max-batch-tokens", type=int, default=256)
     parser.add_argument("--duration-s", type=float, default=25.0)
     parser.add_argument("--min-requests", type=int, default=4,
@@ -303,7 +308,8 @@ def main() -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     meta = {"target": args.target, "drafter": args.drafter, "dtype": args.dtype,
-            "max_tokens": args.max_tokens, "duration_s": args.duration_s,
+            "max_tokens": args.max_tokens, "temperature": args.temperature,
+            "duration_s": args.duration_s,
             "min_requests": args.min_requests, "concurrency": args.concurrency,
             "repeats": args.repeats,
             "machine": f"{platform.machine()}, {os.cpu_count()} CPU cores, no GPU",

@@ -78,6 +78,7 @@ def summarize(records: list[dict], gamma: int, sts_temperatures: list[float] | N
     for r in rounds:
         stats.record_round(r.drafted, r.verified, r.accepted, r.committed)
     pad = [0.0] * max(0, gamma - len(stats.verified_per_position))
+    zeros = [0] * len(pad)
     survival = stats.accept_rate_at_k() + pad
     conditional = stats.conditional_acceptance() + pad
     full = [r for r in rounds if r.verified == gamma]  # rounds that verified the full block
@@ -93,6 +94,10 @@ def summarize(records: list[dict], gamma: int, sts_temperatures: list[float] | N
         "tau": stats.tau,
         "accept_rate": survival,
         "conditional_acceptance": conditional,
+        # the rates' denominators: a confidence scheduler verifies deep positions rarely, and a
+        # rate over no rounds is unmeasured, not 0 (the report prints "-")
+        "verified_per_position": list(stats.verified_per_position) + zeros,
+        "reached_per_position": list(stats.reached_per_position) + zeros,
         "spec_tokens_per_s": spec_tps,
         "target_tokens_per_s": base_tps,
         "speedup": spec_tps / base_tps if base_tps else 0.0,
@@ -108,6 +113,12 @@ def summarize(records: list[dict], gamma: int, sts_temperatures: list[float] | N
     out.update(confidence_summary([r for r in full if r.confidence_logits is not None], gamma,
                                   sts_temperatures))
     return out
+
+
+def _rate_cells(rates: list[float], counts: list[int] | None) -> list[str]:
+    """Table cells for per-position rates: ``"-"`` where the denominator (rounds) is 0."""
+    counts = counts if counts is not None else [1] * len(rates)
+    return [f"{r:.2f}" if n else "-" for r, n in zip(rates, counts)]
 
 
 def confidence_summary(full_rounds: list, gamma: int, sts_temperatures: list[float] | None) -> dict:
@@ -249,7 +260,7 @@ def render_report_md(report: dict) -> str:
     ]
     for name, by_temp in report["results"].items():
         for temp, s in by_temp.items():
-            rates = " / ".join(f"{r:.2f}" for r in s["accept_rate"])
+            rates = " / ".join(_rate_cells(s["accept_rate"], s.get("verified_per_position")))
             same = s.get("greedy_identical_share")
             base, speedup = s["target_tokens_per_s"], s["speedup"]
             lines.append(
@@ -258,13 +269,16 @@ def render_report_md(report: dict) -> str:
                 f"{'-' if speedup is None else f'{speedup:.2f}x'} | "
                 f"{s['draft_ms_per_round']:.1f} | "
                 f"{s['verify_ms_per_round']:.1f} | {'' if same is None else f'{same:.0%}'} |")
-    lines += ["", "Conditional acceptance per position (P(token k accepted | tokens < k accepted)):", ""]
+    lines += ["", "Conditional acceptance per position (P(token k accepted | tokens < k accepted)); "
+              "'-': no round verified (or reached) position k, as when a confidence scheduler "
+              "never verifies that deep:", ""]
     lines.append("| dataset | temperature | " + " | ".join(f"k={k}" for k in range(1, gamma + 1)) + " |")
     lines.append("|---|---|" + "---|" * gamma)
     for name, by_temp in report["results"].items():
         for temp, s in by_temp.items():
             lines.append(f"| {name} | {temp} | " +
-                         " | ".join(f"{c:.2f}" for c in s["conditional_acceptance"]) + " |")
+                         " | ".join(_rate_cells(s["conditional_acceptance"],
+                                                s.get("reached_per_position"))) + " |")
     domains = report.get("domains", {})
     if domains:
         names = sorted({d for by_d in domains.values() for d in by_d if d != "macro"})

@@ -59,3 +59,14 @@ def test_spec_decode_stats_define_accept_rate_and_conditional_acceptance_once():
     assert stats.reached_per_position == [3, 3, 1]
     assert stats.accept_rate_at_k() == pytest.approx([1.0, 2 / 3, 0.5])
     assert stats.conditional_acceptance() == pytest.approx([1.0, 2 / 3, 1.0])
+
+
+def test_report_marks_positions_no_round_verified():
+    """Positions the scheduler never verified are unmeasured ("-"), not an acceptance of 0."""
+    s = summarize(_records(), gamma=5)
+    assert s["verified_per_position"] == [3, 3, 2, 0, 0]
+    assert s["reached_per_position"] == [3, 3, 1, 0, 0]
+    md = render_report_md({"gamma": 5, "target": "t", "dtype": "float32", "max_new_tokens": 8,
+                           "results": {"gsm8k": {"1.0": s}}, "domains": {}})
+    assert "| 1.00 / 0.67 / 0.50 / - / - |" in md
+    assert "| gsm8k | 1.0 | 1.00 | 0.67 | 1.00 | - | - |" in md
