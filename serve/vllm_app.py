@@ -3,7 +3,7 @@
 ``backend: vllm`` in a serve config builds a ``ray.serve.llm`` OpenAI application instead of this
 project's engine: the target from ``target``, the drafter from ``vllm.drafter_export`` (a ``python
 -m drafters.export --format vllm`` directory) as vLLM's ``speculative_config`` (method ``dspark``
-with adaptive verification, or ``eagle3``), ``engine.max_num_requests`` as vLLM's ``max_num_seqs``,
+with adaptive verification, ``dflash`` or ``eagle3``), ``engine.max_num_requests`` as vLLM's ``max_num_seqs``,
 GPUs per replica from ``vllm.num_gpus_per_replica`` (tensor parallel), autoscaling from the
 ``vllm`` section. It is the path for GPU fleets; this project's engine (``serve/app.py``) stays the
 reference and the CPU path (vLLM runs DSpark only in its GPU model runner).
@@ -39,18 +39,23 @@ def speculative_config(cfg: ServeConfig) -> dict | None:
     kind = exported.get("speculators_model_type")
     if "Qwen3DSparkModel" in archs or kind == "dspark":
         method = "dspark"
+    elif "DFlashDraftModel" in archs or kind == "dflash":
+        method = "dflash"
     elif any("Eagle3" in a for a in archs) or kind == "eagle3":
         method = "eagle3"
     else:
         raise ValueError(f"{path / 'config.json'}: architectures {archs} are not a drafter vLLM "
                          "serves (export with python -m drafters.export)")
     block = exported.get("block_size")
-    tokens = v.num_speculative_tokens or block
+    # a DFlash export's block_size counts its query slots, the anchor included (z-lab's and
+    # speculators' convention): it drafts block_size - 1 tokens
+    drafts = block - 1 if method == "dflash" and block else block
+    tokens = v.num_speculative_tokens or drafts
     if not tokens:
         raise ValueError(f"{path}: set vllm.num_speculative_tokens (the export has no block_size)")
-    if method == "dspark" and block and tokens > block:
-        raise ValueError(f"vllm.num_speculative_tokens {tokens} exceeds the drafter's block size "
-                         f"{block}")
+    if method in ("dspark", "dflash") and drafts and tokens > drafts:
+        raise ValueError(f"vllm.num_speculative_tokens {tokens} exceeds the {drafts} tokens the "
+                         f"drafter drafts per block")
     spec = {"model": str(path), "method": method, "num_speculative_tokens": int(tokens)}
     if method == "dspark" and v.adaptive_verification:
         if not exported.get("enable_confidence_head"):

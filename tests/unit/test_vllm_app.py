@@ -58,3 +58,18 @@ def test_without_vllm_the_backend_says_what_to_install():
 
     with pytest.raises(ImportError, match="backend 'vllm' needs vLLM"):
         build_app({"target": "Qwen/Qwen3-4B", "backend": "vllm"})
+
+
+@pytest.mark.parametrize("fmt", ["vllm", "speculators"])
+def test_a_dflash_export_is_served_as_vllms_dflash(tmp_path, tiny_target_dir, fmt):
+    """DFlash exports (either format) map to method "dflash"; their block_size counts the anchor
+    slot, so vLLM drafts block_size - 1 tokens and no more."""
+    drafter = tiny_drafter(load_target(str(tiny_target_dir)), layer_ids=(1, 3),
+                           drafter_type="dflash")
+    drafter.config.target_name_or_path = str(tiny_target_dir)
+    drafter.save_pretrained(tmp_path / "drafter")
+    export(tmp_path / "drafter", tmp_path / fmt, fmt)
+    spec = speculative_config(_cfg(drafter_export=str(tmp_path / fmt)))
+    assert spec == {"model": str(tmp_path / fmt), "method": "dflash", "num_speculative_tokens": 4}
+    with pytest.raises(ValueError, match="exceeds the 4 tokens"):
+        speculative_config(_cfg(drafter_export=str(tmp_path / fmt), num_speculative_tokens=5))
