@@ -1,7 +1,7 @@
 """Where a decode step's time goes at high concurrency: the DSpark policy against no speculation.
 
 The engine (``serve.builder``, the same one the Ray Serve app runs, no HTTP) is given B requests
-(B = 64 by default) of the serve_load prompt mix at temperature 1; after the prefills and a
+(B = 64 by default) of the serve_load prompt mix at temperature 1 (``--temperature``); after the prefills and a
 warm-up, S decode steps are timed per policy, the policies alternating R times. Each timed span
 also runs under cProfile, whose cumulative times split a step into: the target forward, the
 drafter (pending-context extension + block proposal), the goodput planner, the verification-length
@@ -69,7 +69,8 @@ def run_arm(models, scheduler: str, prompts: list[str], args) -> dict:
         ids = render_prompt_ids(models.tokenizer, [{"role": "user", "content": text}],
                                 {"enable_thinking": False})
         engine.add_request(EngineRequest(f"r{added}", ids[:256], SamplingParams(
-            max_tokens=args.request_tokens or args.warmup + args.steps + 64, temperature=1.0,
+            max_tokens=args.request_tokens or args.warmup + args.steps + 64,
+            temperature=args.temperature,
             seed=added, ignore_eos=True)))
         added += 1
 
@@ -113,6 +114,7 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--policies", default="none,dspark")
+    ap.add_argument("--temperature", type=float, default=1.0, help="every request's (0 = greedy)")
     ap.add_argument("--request-tokens", type=int, default=0, help="end each request after this "
                     "many tokens and admit the next prompt in its place (serving churn); 0 = "
                     "the same B requests throughout")
@@ -150,13 +152,15 @@ def main() -> int:
     meta = {"date": time.strftime("%Y-%m-%d"), "machine": platform.processor() or platform.machine(),
             "threads": torch.get_num_threads(), "target": args.target, "drafter": args.drafter,
             "dtype": args.dtype, "batch": args.batch, "steps": args.steps,
-            "repeats": args.repeats, "request_tokens": args.request_tokens, "temperature": 1.0}
+            "repeats": args.repeats, "request_tokens": args.request_tokens,
+            "temperature": args.temperature}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps({"meta": meta, "summary": summary,
                                                     "rows": rows}, indent=1))
     base = summary[policies[0]]["tokens_per_s"]
-    lines = [f"# Engine step profile at {args.batch} requests ({meta['date']})", "",
+    lines = [f"# Engine step profile at {args.batch} requests, temperature {args.temperature:g} "
+             f"({meta['date']})", "",
              f"`{' '.join(sys.argv)}`; {args.steps} timed steps per arm after {args.warmup} "
              f"warm-up steps, {args.repeats} repeats, arms alternating; medians. Parts are "
              "cProfile cumulative times (profiling inflates Python-heavy parts alike in both "
