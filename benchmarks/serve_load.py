@@ -40,6 +40,24 @@ POLICIES = {
 PROMPT_SETS = ("mt-bench", "gsm8k", "humaneval", "alpaca")
 
 
+def policy_engine(name: str) -> dict:
+    """Engine settings of a policy: a name in POLICIES, or ``base-field=value`` for an engine
+    variant measured beside it (e.g. ``dspark-probe_budget=0.01``).
+
+    Raises:
+        SystemExit: an unknown policy, or a variant that is not ``base-field=value``.
+    """
+    base, _, override = name.partition("-")
+    if base not in POLICIES or (override and "=" not in override):
+        raise SystemExit(f"--policies: {name!r} is not one of {sorted(POLICIES)} or "
+                         "POLICY-field=value")
+    engine = dict(POLICIES[base])
+    if override:
+        field, _, value = override.partition("=")
+        engine[field] = float(value) if value.replace(".", "", 1).isdigit() else value
+    return engine
+
+
 def load_prompts(data_dir: Path, per_set: int, seed: int) -> list[str]:
     from pipeline.evaluate import load_eval_prompts
 
@@ -118,18 +136,23 @@ def deploy(name: str, args):
 
     engine = {"max_num_requests": max(args.concurrency), "max_waiting": max(args.concurrency),
               "max_batch_tokens": args.max_batch_tokens, "max_model_len": 1024,
-              "kv_cache_memory_gib": 1.5, **POLICIES[name]}
+              "kv_cache_memory_gib": 1.5, **policy_engine(name)}
     app_args = {"target": args.target, "drafter": args.drafter, "dtype": args.dtype,
                 "served_model_name": "bench", "num_threads": args.threads,
                 # Ray's bookkeeping only: the apps take turns, one runs at a time
                 "num_cpus": 0.25, "engine": engine}
-    return serve.run(build_app(app_args), name=f"bench-{name}", route_prefix=f"/{name}")
+    return serve.run(build_app(app_args), name=f"bench-{name}", route_prefix=f"/{route(name)}")
+
+
+def route(name: str) -> str:
+    """The URL path segment of a policy (a variant's "=" and "." are not path-safe)."""
+    return "".join(c if c.isalnum() or c in "_-" else "_" for c in name)
 
 
 def measure(name: str, handle, args, prompts: list[str], port: int, concurrency: int,
             repeat: int) -> dict:
     """One point: ``concurrency`` streams against policy ``name`` for ``duration_s``."""
-    url = f"http://127.0.0.1:{port}/{name}/v1/chat/completions"
+    url = f"http://127.0.0.1:{port}/{route(name)}/v1/chat/completions"
     before = handle.engine_state.remote().result()["stats"]
     point = asyncio.run(run_point(url, "bench", prompts, concurrency, args.max_tokens,
                                   args.duration_s, max(args.min_requests, 2 * concurrency),
@@ -286,6 +309,8 @@ def main() -> int:
     started = time.time()
     prompts = load_prompts(Path(args.data_dir), 40, 0)
     policies = args.policies.split(",")
+    for name in policies:
+        policy_engine(name)  # an unknown policy fails here, before anything starts
     port = free_port()
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
     serve.start(http_options={"host": "127.0.0.1", "port": port})
@@ -293,7 +318,7 @@ def main() -> int:
     try:
         handles = {name: deploy(name, args) for name in policies}
         for name in policies:  # warm-up
-            asyncio.run(run_point(f"http://127.0.0.1:{port}/{name}/v1/chat/completions",
+            asyncio.run(run_point(f"http://127.0.0.1:{port}/{route(name)}/v1/chat/completions",
                                   "bench", prompts, 2, args.max_tokens, 60, 2))
         for i, c in enumerate(args.concurrency):
             for k in range(args.repeats):
