@@ -68,6 +68,25 @@ def load_prompts(data_dir: Path, per_set: int, seed: int) -> list[str]:
     return prompts
 
 
+async def sse_data(resp):
+    """The ``data:`` payloads of a server-sent-event stream, split on line feeds only.
+
+    httpx's ``aiter_lines`` also splits on U+2028, U+0085 and other characters that
+    ``str.splitlines`` treats as line breaks; JSON may carry them unescaped inside a string, so a
+    sampled token with one of them would cut a chunk in two.
+    """
+    buf = ""
+    async for text in resp.aiter_text():
+        buf += text
+        *lines, buf = buf.split("\n")
+        for line in lines:
+            line = line.rstrip("\r")
+            if line.startswith("data: "):
+                yield line[6:]
+    if buf.startswith("data: "):
+        yield buf[6:].rstrip("\r")
+
+
 async def one_request(client, url: str, model: str, prompt: str, max_tokens: int, seed: int,
                       temperature: float = 1.0):
     """Stream one chat completion; returns (ttft_s, total_s, completion_tokens, decode_s)."""
@@ -80,10 +99,10 @@ async def one_request(client, url: str, model: str, prompt: str, max_tokens: int
     async with client.stream("POST", url, json=body, timeout=600) as resp:
         if resp.status_code != 200:
             raise RuntimeError(f"HTTP {resp.status_code}: {(await resp.aread())[:200]!r}")
-        async for line in resp.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
+        async for data in sse_data(resp):
+            if data == "[DONE]":
                 continue
-            chunk = json.loads(line[6:])
+            chunk = json.loads(data)
             if chunk.get("usage"):
                 tokens = chunk["usage"]["completion_tokens"]
             if first is None and chunk.get("choices") and chunk["choices"][0]["delta"].get("content"):

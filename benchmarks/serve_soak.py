@@ -30,6 +30,9 @@ from pathlib import Path
 import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from benchmarks.serve_load import sse_data  # noqa: E402
+
 MODEL = "soak"
 
 # (description, request body or raw bytes): each must be refused with a 4xx, never a 5xx
@@ -114,10 +117,10 @@ async def stream_one(client, url: str, prompt: str, max_tokens: int, disconnect:
             await resp.aread()
             return
         chunks, finish, usage = 0, None, None
-        async for line in resp.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
+        async for data in sse_data(resp):
+            if data == "[DONE]":
                 continue
-            chunk = json.loads(line[6:])
+            chunk = json.loads(data)
             chunks += 1
             if disconnect and chunks >= 3:
                 tally.disconnected += 1

@@ -286,7 +286,8 @@ class SpecServer:
     def __init__(self, config: dict):
         self.cfg = ServeConfig.model_validate(config)
         engine = load_engine(self.cfg)
-        self.engine = AsyncSpecEngine(engine, num_threads=self.cfg.num_threads)
+        self.engine = AsyncSpecEngine(engine, num_threads=self.cfg.num_threads,
+                                     heap_trim_interval_s=self.cfg.heap_trim_interval_s)
         self.tokenizer = engine.tokenizer
         self.vocab_size = engine.target.model.config.vocab_size
         self.model_name = self.cfg.model_name()

@@ -38,6 +38,7 @@ from dataclasses import dataclass
 from typing import AsyncIterator
 
 from .errors import EngineDeadError, RequestError
+from .heap import HeapTrimmer
 from .metrics import SpecDecodeStats
 from .requests import EngineRequest, RequestOutput
 
@@ -195,11 +196,15 @@ class AsyncSpecEngine:
         engine: the engine; from now on only this object's thread may call it.
         num_threads: torch intra-op threads, set inside the engine thread (None: unchanged).
         name: the thread's name (logs).
+        heap_trim_interval_s: seconds between returns of the allocator's free memory to the OS
+            (:class:`serve.heap.HeapTrimmer`), done by the engine thread between steps; 0: never.
     """
 
-    def __init__(self, engine, num_threads: int | None = None, name: str = "spec-engine"):
+    def __init__(self, engine, num_threads: int | None = None, name: str = "spec-engine",
+                 heap_trim_interval_s: float = 0.0):
         self.engine = engine
         self._num_threads = num_threads
+        self.heap = HeapTrimmer(heap_trim_interval_s)
         self._commands: collections.deque = collections.deque()
         # orders "dead / stopping" checks with enqueues; re-entrant because a stream finalizer
         # (RequestStream.__del__ -> abort) may run inside a locked block during GC
@@ -326,10 +331,12 @@ class AsyncSpecEngine:
                     return
                 if not self.engine.has_unfinished():
                     self._publish()
+                    self.heap.maybe_trim()
                     self._wake.wait()
                     continue
                 self._dispatch(self.engine.step())
                 self._publish()
+                self.heap.maybe_trim()
         except BaseException as err:  # noqa: BLE001 - any step failure kills the engine
             logger.exception("engine step failed (scheduler=%s, running=%d, waiting=%d, step=%d)",
                              getattr(self.engine, "scheduler_name", "?"),

@@ -151,6 +151,10 @@ class ServeConfig(BaseModel):
     num_threads: int | None = Field(None, ge=1, description="torch intra-op threads per replica "
                                     "(CPU); None = torch's default.")
     num_cpus: float = Field(1.0, gt=0, description="Logical CPUs Ray reserves per replica.")
+    heap_trim_interval_s: float = Field(
+        10.0, ge=0, description="Seconds between returns of the allocator's free memory to the "
+        "OS (glibc malloc_trim, serve/heap.py), so resident memory follows use instead of each "
+        "thread arena's high-water mark; 0 disables.")
     num_gpus: float = Field(0.0, ge=0, description="GPUs Ray reserves per replica (fractions "
                             "share one); > 0 puts target and drafter on CUDA, and a replica that "
                             "asked for a GPU but sees none fails at start-up.")
