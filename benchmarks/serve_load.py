@@ -42,30 +42,27 @@ PROMPT_SETS = ("mt-bench", "gsm8k", "humaneval", "alpaca")
 
 def policy_engine(name: str) -> dict:
     """Engine settings of a policy: a name in POLICIES, or ``base-field=value`` for an engine
-    variant measured beside it (e.g. ``dspark-probe_budget=0.01``).
+    variant measured beside it (e.g. ``dspark-probe_budget=0.01``), validated as the engine
+    config would be.
 
     Raises:
-        SystemExit: an unknown policy, or a variant that is not ``base-field=value``.
+        SystemExit: an unknown policy, a variant that is not ``base-field=value``, or a field or
+            value the engine config refuses.
     """
+    from pydantic import ValidationError
+
+    from serve.config import EngineConfig
+
     base, _, override = name.partition("-")
-    if base not in POLICIES or (override and "=" not in override):
+    field, eq, value = override.partition("=")
+    if base not in POLICIES or (override and (not eq or "=" in value)):
         raise SystemExit(f"--policies: {name!r} is not one of {sorted(POLICIES)} or "
                          "POLICY-field=value")
-    engine = dict(POLICIES[base])
-    if override:
-        field, _, value = override.partition("=")
-        engine[field] = float(value) if value.replace(".", "", 1).isdigit() else value
-    return engine
-
-
-def load_prompts(data_dir: Path, per_set: int, seed: int) -> list[str]:
-    from pipeline.evaluate import load_eval_prompts
-
-    prompts = []
-    for name in PROMPT_SETS:
-        prompts += load_eval_prompts(data_dir / f"{name}.jsonl", per_set, seed)
-    random.Random(seed).shuffle(prompts)
-    return prompts
+    engine = dict(POLICIES[base], **({field: value} if override else {}))
+    try:
+        return EngineConfig.model_validate(engine).model_dump(include=set(engine))
+    except ValidationError as err:
+        raise SystemExit(f"--policies: {name!r}: {err}") from err
 
 
 async def sse_data(resp):
@@ -338,7 +335,7 @@ def main() -> int:
         handles = {name: deploy(name, args) for name in policies}
         for name in policies:  # warm-up
             asyncio.run(run_point(f"http://127.0.0.1:{port}/{route(name)}/v1/chat/completions",
-                                  "bench", prompts, 2, args.max_tokens, 60, 2))
+                                  "bench", prompts, 2, args.max_tokens, 60, 2, args.temperature))
         for i, c in enumerate(args.concurrency):
             for k in range(args.repeats):
                 shift = (i + k) % len(policies)

@@ -331,7 +331,7 @@ class AsyncSpecEngine:
                     return
                 if not self.engine.has_unfinished():
                     self._publish()
-                    self.heap.maybe_trim()
+                    self.heap.maybe_trim(idle=True)
                     self._wake.wait()
                     continue
                 self._dispatch(self.engine.step())

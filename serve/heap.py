@@ -12,7 +12,6 @@ few seconds between steps.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import logging
 import time
 
@@ -29,21 +28,29 @@ class HeapTrimmer:
 
     def __init__(self, interval_s: float):
         self.interval_s = interval_s
-        self._last = time.monotonic()
         self._trim = None
+        self._dirty = False  # steps ran since the last trim
         self.trims = 0  # trims done (tests, logs)
         if interval_s > 0:
-            try:
-                libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-                self._trim = libc.malloc_trim
+            try:  # the soname directly: find_library would spawn ldconfig at replica start
+                self._trim = ctypes.CDLL("libc.so.6").malloc_trim
                 self._trim.argtypes, self._trim.restype = [ctypes.c_size_t], ctypes.c_int
             except (OSError, AttributeError):
                 logger.info("no glibc malloc_trim here: the heap is not trimmed")
+        self._last = time.monotonic()
 
-    def maybe_trim(self) -> None:
-        """Trim when ``interval_s`` has passed since the last trim (cheap to call every step)."""
-        if self._trim is None or time.monotonic() - self._last < self.interval_s:
+    def maybe_trim(self, idle: bool = False) -> None:
+        """After a step (``idle`` False): trim when ``interval_s`` has passed since the last trim.
+        Before the engine waits for work (``idle`` True): trim if any step ran since the last
+        trim, so an idle replica does not sit at its last burst's high-water mark."""
+        if self._trim is None:
+            return
+        if not idle:
+            self._dirty = True
+        due = self._dirty if idle else time.monotonic() - self._last >= self.interval_s
+        if not due:
             return
         self._trim(0)
         self.trims += 1
+        self._dirty = False
         self._last = time.monotonic()

@@ -29,3 +29,15 @@ def test_the_interval_is_validated():
     assert ServeConfig.model_validate({"target": "t"}).heap_trim_interval_s == 10.0
     with pytest.raises(ValidationError, match="heap_trim_interval_s"):
         ServeConfig.model_validate({"target": "t", "heap_trim_interval_s": -1})
+
+
+def test_an_idle_engine_trims_once_after_work():
+    """Before waiting for work the engine trims if steps ran since the last trim, and only then."""
+    trimmer = HeapTrimmer(3600.0)
+    trimmer.maybe_trim(idle=True)
+    assert trimmer.trims == 0  # nothing ran yet
+    trimmer.maybe_trim()  # a step, long before the interval
+    assert trimmer.trims == 0
+    trimmer.maybe_trim(idle=True)
+    trimmer.maybe_trim(idle=True)
+    assert trimmer.trims == 1
