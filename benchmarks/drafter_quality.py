@@ -83,8 +83,10 @@ def build_table(results: dict, temperature: str) -> dict:
             "domains": res["report"]["domains"][temperature],
             "draft_ms_per_round": mean([c["draft_ms_per_round"] for c in cells.values()]),
             "verify_ms_per_round": mean([c["verify_ms_per_round"] for c in cells.values()]),
-            "conditional_acceptance": [mean(col) for col in zip(
-                *[c["conditional_acceptance"] for c in cells.values()])],
+            # mean over the benchmarks that reached position k (None: none did)
+            "conditional_acceptance": [mean(m) if (m := [v for v in col if v is not None]) else None
+                                       for col in zip(*[c["conditional_acceptance"]
+                                                        for c in cells.values()])],
             "rounds": sum(c["rounds"] for c in cells.values()),
             "trainable_parameters": res["report"]["trainable_parameters"],
             "train_steps": res["train"]["steps"],
@@ -134,7 +136,8 @@ def render_md(table: dict, results: dict, meta: dict) -> str:
               "| drafter | " + " | ".join(f"k={k + 1}" for k in range(meta["gamma"])) + " |",
               "|---|" + "---|" * meta["gamma"]]
     for n in names:
-        lines.append(f"| {n} | " + " | ".join(f"{c:.3f}" for c in table[n]["conditional_acceptance"]) + " |")
+        lines.append(f"| {n} | " + " | ".join("-" if c is None else f"{c:.3f}"
+                                              for c in table[n]["conditional_acceptance"]) + " |")
     cal = results["dspark"]["calibration"]
     lines += ["", "## DSpark calibration (STS on held-out prompts)", ""]
     if cal.get("calibrated"):

@@ -127,18 +127,28 @@ class VllmGenerateConfig(Strict):
 
 
 class GenerateConfig(Strict):
-    backend: Literal["hf", "vllm"] = Field(
-        "hf", description="hf: the target in transformers inside a Ray Data actor pool "
-        "(embedded, CPU or GPU; batch_size, num_actors, cpus/gpus_per_actor, num_threads); "
+    backend: Literal["hf", "engine", "vllm"] = Field(
+        "hf", description="hf: the target in transformers inside a Ray Data actor pool, padded "
+        "batches (embedded, CPU or GPU; batch_size, num_actors, cpus/gpus_per_actor, "
+        "num_threads); engine: the same actor pool decoding with this project's continuous-"
+        "batching engine in target-only mode (max_num_requests sequences in flight, "
+        "kv_cache_memory_gib; ~3-4x hf's tokens/s on CPU: benchmarks/results/gen_throughput.md); "
         "vllm: a ray.data.llm vLLM processor for GPU clusters (the vllm section; needs vLLM "
-        "installed). Both write the same rows.")
+        "installed). All write the same rows.")
     sampling: SamplingConfig = Field(default_factory=SamplingConfig)
-    batch_size: int = Field(8, ge=1, description="backend hf: prompts per batched generation.")
-    num_actors: int = Field(1, ge=1, description="backend hf: generation actors.")
-    cpus_per_actor: float = Field(1.0, gt=0, description="backend hf.")
-    gpus_per_actor: float = Field(0.0, ge=0, description="backend hf.")
-    num_threads: int | None = Field(None, ge=1, description="backend hf: torch threads per actor "
-                                    "on CPU.")
+    batch_size: int = Field(8, ge=1, description="backends hf / engine: prompts per Ray Data "
+                            "batch (hf: one padded generation; engine: queued, results written "
+                            "when the batch is done, so also the resume granularity).")
+    num_actors: int = Field(1, ge=1, description="backends hf / engine: generation actors.")
+    cpus_per_actor: float = Field(1.0, gt=0, description="backends hf / engine.")
+    gpus_per_actor: float = Field(0.0, ge=0, description="backends hf / engine.")
+    num_threads: int | None = Field(None, ge=1, description="backends hf / engine: torch threads "
+                                    "per actor on CPU.")
+    max_num_requests: int = Field(128, ge=1, description="backend engine: sequences decoded "
+                                  "together per actor (continuous batching).")
+    kv_cache_memory_gib: float = Field(4.0, gt=0, description="backend engine: KV pool per actor "
+                                       "(GiB); must hold max_num_requests x (max_prompt_tokens + "
+                                       "sampling.max_new_tokens) positions.")
     max_prompt_tokens: int = Field(2048, ge=8, description="Longer prompts go to the error file "
                                    "(both backends).")
     vllm: VllmGenerateConfig = Field(default_factory=VllmGenerateConfig,
@@ -223,6 +233,17 @@ class TrainConfig(Strict):
     eval_every: int | None = Field(None, ge=1, description="Held-out losses, tau and "
                                    "accept_rate@k every N steps (and at the end); None = never.")
     eval_rows: int = Field(64, ge=1, description="Held-out cache rows used by eval_every.")
+    plateau_patience: int | None = Field(None, ge=1, description="Train to the plateau: stop "
+                                         "once held-out tau has not risen by plateau_min_delta "
+                                         "over its best for this many evaluations in a row "
+                                         "(needs eval_every); None = run max_steps / num_epochs.")
+    plateau_min_delta: float = Field(0.01, ge=0, description="Smallest rise of held-out tau "
+                                     "(tokens per round) that counts as progress.")
+    max_train_rows: int | None = Field(None, ge=1, description="Train on a subset of the cache's "
+                                       "training rows: whole shards drawn in a seeded order "
+                                       "(``seed``) until at least this many rows, so a smaller "
+                                       "subset is part of every larger one (data-scaling "
+                                       "curves); None = all. Held-out rows are never cut.")
     verify_cache: bool = Field(True, description="Check every cache shard against the manifest's "
                                "sha256 (and its row count and schema) before training starts, so a "
                                "damaged shard is named up front instead of failing a worker later; "
@@ -255,6 +276,13 @@ class TrainConfig(Strict):
         if self.resume_from and self.init_from:
             raise ValueError("set train.resume_from (continue a run) or train.init_from (new run "
                              "from existing weights), not both")
+        return self
+
+    @model_validator(mode="after")
+    def _plateau_needs_evaluations(self):
+        if self.plateau_patience and not self.eval_every:
+            raise ValueError("train.plateau_patience needs train.eval_every (the held-out "
+                             "evaluations it watches)")
         return self
 
     @model_validator(mode="after")

@@ -77,10 +77,14 @@ def summarize(records: list[dict], gamma: int, sts_temperatures: list[float] | N
     stats = SpecDecodeStats()
     for r in rounds:
         stats.record_round(r.drafted, r.verified, r.accepted, r.committed)
-    pad = [0.0] * max(0, gamma - len(stats.verified_per_position))
-    zeros = [0] * len(pad)
-    survival = stats.accept_rate_at_k() + pad
-    conditional = stats.conditional_acceptance() + pad
+    zeros = [0] * max(0, gamma - len(stats.verified_per_position))
+    verified = list(stats.verified_per_position) + zeros
+    reached = list(stats.reached_per_position) + zeros
+    # a rate over no rounds is unmeasured: None (JSON null), never 0.0, which would read as "the
+    # drafter fails there" in tables and plots
+    survival = [r if n else None for r, n in zip(stats.accept_rate_at_k() + zeros, verified)]
+    conditional = [r if n else None
+                   for r, n in zip(stats.conditional_acceptance() + zeros, reached)]
     full = [r for r in rounds if r.verified == gamma]  # rounds that verified the full block
     spec_tokens = sum(rec["spec_tokens"] for rec in records)
     base_tokens = sum(rec["base_tokens"] for rec in records)
@@ -96,8 +100,8 @@ def summarize(records: list[dict], gamma: int, sts_temperatures: list[float] | N
         "conditional_acceptance": conditional,
         # the rates' denominators: a confidence scheduler verifies deep positions rarely, and a
         # rate over no rounds is unmeasured, not 0 (the report prints "-")
-        "verified_per_position": list(stats.verified_per_position) + zeros,
-        "reached_per_position": list(stats.reached_per_position) + zeros,
+        "verified_per_position": verified,
+        "reached_per_position": reached,
         "spec_tokens_per_s": spec_tps,
         "target_tokens_per_s": base_tps,
         "speedup": spec_tps / base_tps if base_tps else 0.0,
@@ -115,10 +119,11 @@ def summarize(records: list[dict], gamma: int, sts_temperatures: list[float] | N
     return out
 
 
-def _rate_cells(rates: list[float], counts: list[int] | None) -> list[str]:
-    """Table cells for per-position rates: ``"-"`` where the denominator (rounds) is 0."""
+def _rate_cells(rates: list[float | None], counts: list[int] | None) -> list[str]:
+    """Table cells for per-position rates: ``"-"`` where the rate is unmeasured (None, or its
+    denominator, the rounds, is 0)."""
     counts = counts if counts is not None else [1] * len(rates)
-    return [f"{r:.2f}" if n else "-" for r, n in zip(rates, counts)]
+    return [f"{r:.2f}" if n and r is not None else "-" for r, n in zip(rates, counts)]
 
 
 def confidence_summary(full_rounds: list, gamma: int, sts_temperatures: list[float] | None) -> dict:

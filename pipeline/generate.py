@@ -45,6 +45,11 @@ def finish_answer(tokenizer, tokens: list[int], end_ids: set[int]) -> tuple[str,
             "stop" if cut is not None else "length")
 
 
+def answer_length(tokens: list[int], end_ids: set[int]) -> int:
+    """Sampled tokens of an answer: up to and including its first end token (all if none)."""
+    return next((i + 1 for i, t in enumerate(tokens) if t in end_ids), len(tokens))
+
+
 class GenerateUDF:
     """Ray Data callable class: holds the target and tokenizer once per actor.
 
@@ -74,10 +79,19 @@ class GenerateUDF:
         self.seed = seed
         self.device = "cuda" if torch.cuda.is_available() else "cpu"
         self.model.to(self.device)
+        self.generated_tokens = 0  # sampled answer tokens so far, end tokens included
 
-    def _generate(self, prompts: list[list[int]]) -> tuple[list[str], list[str]]:
+    def _generate(self, prompts: list[list[int]], keys: list[str]
+                  ) -> tuple[list[str], list[str], list[str]]:
         """Sample answers for left-padded prompts with a KV cache. (``model.generate`` costs about
-        4x more per step than the forward pass on CPU, so the loop is written out here.)"""
+        4x more per step than the forward pass on CPU, so the loop is written out here.)
+
+        Args:
+            prompts: rendered prompt token ids, one list per answer to generate.
+            keys: "<row id>:<turn>" of each prompt (unused here: this backend seeds per batch).
+        Returns:
+            (answer texts, finish reasons "stop" / "length", per-row errors: "" = none).
+        """
         from transformers import DynamicCache
 
         from drafters.sampling import sample_rows
@@ -118,9 +132,10 @@ class GenerateUDF:
         ends = set(self.eos_ids)
         for row in generated[:, :step + 1].tolist():
             text, reason = finish_answer(self.tokenizer, row, ends)
+            self.generated_tokens += answer_length(row, ends)
             texts.append(text)
             reasons.append(reason)
-        return texts, reasons
+        return texts, reasons, [""] * len(texts)
 
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, list]:
         from serve.chat import render_prompt_ids
@@ -133,7 +148,7 @@ class GenerateUDF:
         reasons: list[list[str]] = [[] for _ in ids]
         errors = [""] * len(ids)
         while True:
-            active, prompts = [], []
+            active, prompts, keys = [], [], []
             for i, conv in enumerate(turns):
                 if errors[i]:
                     continue
@@ -151,24 +166,25 @@ class GenerateUDF:
                     continue
                 active.append(i)
                 prompts.append(prompt)
+                keys.append(f"{ids[i]}:{len(reasons[i])}")
             if not active:
                 break
             try:
-                texts, why = self._generate(prompts)
+                texts, why, failed = self._generate(prompts, keys)
             except Exception as err:  # isolate the failing row(s): retry one by one
                 logger.warning("batch generation failed (%s); retrying rows one by one", err)
-                texts, why = [], []
-                for i, p in zip(active, prompts):
+                texts, why, failed = [], [], []
+                for p, key in zip(prompts, keys):
                     try:
-                        t, w = self._generate([p])
-                        texts.append(t[0])
-                        why.append(w[0])
+                        t, w, f = self._generate([p], [key])
                     except Exception as row_err:
-                        errors[i] = f"generation failed: {type(row_err).__name__}: {row_err}"
-                        texts.append("")
-                        why.append("error")
-            for i, text, reason in zip(active, texts, why):
-                if errors[i]:
+                        t, w, f = [""], ["error"], [f"{type(row_err).__name__}: {row_err}"]
+                    texts.append(t[0])
+                    why.append(w[0])
+                    failed.append(f[0])
+            for i, text, reason, fail in zip(active, texts, why, failed):
+                if fail:
+                    errors[i] = f"generation failed: {fail}"
                     continue
                 if not text:
                     errors[i] = "target generated an empty answer"
@@ -219,9 +235,14 @@ def _append(fh, row: dict) -> None:
 def run_generate(rows: list[dict], out_path: Path, errors_path: Path, *, target: str, dtype: str,
                  sampling: dict, template_kwargs: dict, batch_size: int, num_actors: int,
                  cpus_per_actor: float, gpus_per_actor: float, num_threads: int | None,
-                 max_prompt_tokens: int, seed: int, progress=None) -> dict:
+                 max_prompt_tokens: int, seed: int, progress=None, udf: type | None = None,
+                 udf_kwargs: dict | None = None) -> dict:
     """Regenerate answers for ``rows`` not yet in ``out_path`` / ``errors_path``.
 
+    Args:
+        udf: the actor class that generates (default :class:`GenerateUDF`, backend hf; backend
+            engine passes ``pipeline.generate_engine.EngineGenerateUDF``), constructed with the
+            shared arguments plus ``udf_kwargs``.
     Returns:
         counts ``{"generated", "errors", "skipped"}`` of this invocation.
     """
@@ -241,10 +262,11 @@ def run_generate(rows: list[dict], out_path: Path, errors_path: Path, *, target:
               "messages": json.dumps(r["messages"], ensure_ascii=False)} for r in pending]
     ds = ray.data.from_items(items, override_num_blocks=max(1, -(-len(items) // batch_size)))
     ds = ds.map_batches(
-        GenerateUDF,
+        udf or GenerateUDF,
         fn_constructor_kwargs=dict(target=target, dtype=dtype, sampling=sampling,
                                    template_kwargs=template_kwargs, num_threads=num_threads,
-                                   max_prompt_tokens=max_prompt_tokens, seed=seed),
+                                   max_prompt_tokens=max_prompt_tokens, seed=seed,
+                                   **(udf_kwargs or {})),
         batch_size=batch_size, concurrency=num_actors, num_cpus=cpus_per_actor,
         num_gpus=gpus_per_actor or None, batch_format="numpy")
     out_path.parent.mkdir(parents=True, exist_ok=True)

@@ -3,6 +3,7 @@
     python -m pipeline.plan --config infra/configs/qwen3_4b.yaml --hidden-size 2560 --num-layers 36
 
 Prints bytes per cached token ((m + 1) * H * 2 + 5, SPEC 1.4), the prompts the config selects, the
+answer tokens their regeneration produces at most (and how long it takes at a given throughput), the
 cache's total bytes, shard and file counts, the time to write it once and to read it every epoch at
 a given bandwidth, the training steps, and the peak device memory of one worst-case training
 micro-batch per worker (``pipeline/memory.py``) against ``--device-memory-gb``. Tokens per sample
@@ -52,6 +53,8 @@ class Plan:
     memory: dict | None = None  # pipeline.memory.MemoryEstimate.as_dict(), bytes
     memory_note: str = ""  # why there is no memory estimate
     device_memory_bytes: float = 80e9
+    answer_tokens_max: int = 0  # prompts x generate.sampling.max_new_tokens
+    generate_tokens_per_s: float | None = None  # regeneration throughput, for the time line
 
 
 def bytes_per_token(hidden_size: int, context_layers: int) -> int:
@@ -75,7 +78,8 @@ def count_rows(path: str, storage_options: dict | None = None) -> int:
 
 
 def plan(cfg, hidden_size: int, num_layers: int, tokens_per_sample: float | None,
-         bandwidth_gb_s: float, target_config=None, device_memory_gb: float = 80.0) -> Plan:
+         bandwidth_gb_s: float, target_config=None, device_memory_gb: float = 80.0,
+         generate_tokens_per_s: float | None = None) -> Plan:
     """The plan for a validated ``PipelineConfig``.
 
     Args:
@@ -84,6 +88,8 @@ def plan(cfg, hidden_size: int, num_layers: int, tokens_per_sample: float | None
         bandwidth_gb_s: storage bandwidth in GB/s (10^9 bytes), for the time estimates.
         target_config: the target's Hugging Face config, for the memory estimate (None: none).
         device_memory_gb: one worker's device memory in GB (10^9 bytes).
+        generate_tokens_per_s: generated tokens/s of the generate stage (all actors), for the
+            regeneration time bound (None: no time line).
     Raises:
         ValueError: no tokens_per_sample and no cache manifest to take it from.
     """
@@ -133,7 +139,8 @@ def plan(cfg, hidden_size: int, num_layers: int, tokens_per_sample: float | None
                 total_tokens, total_bytes, shards, shards * SIDECAR_FILES_PER_SHARD + 1,
                 total_bytes / max(shards, 1), total_bytes / bandwidth,
                 total_bytes * train_rows / max(prompts, 1) / bandwidth, per_epoch, steps, bandwidth,
-                memory, note, device_memory_gb * 1e9)
+                memory, note, device_memory_gb * 1e9,
+                prompts * cfg.generate.sampling.max_new_tokens, generate_tokens_per_s)
 
 
 def _human(n: float, unit: str = "B") -> str:
@@ -153,6 +160,10 @@ def render(p: Plan) -> str:
         ("bytes per cached token", f"{p.bytes_per_token:,} B = ({p.context_layers} + 1) x "
                                    f"{p.hidden_size} x 2 + 5"),
         ("prompts selected", f"{p.prompts:,} ({p.train_rows:,} train, {p.heldout_rows:,} held out)"),
+        ("answer tokens (at most)", f"{_human(p.answer_tokens_max, 'tokens')} = prompts x "
+                                    "generate.sampling.max_new_tokens" + (
+            f"; regenerated in at most {_duration(p.answer_tokens_max / p.generate_tokens_per_s)} "
+            f"at {p.generate_tokens_per_s:,.0f} tokens/s" if p.generate_tokens_per_s else "")),
         ("tokens per sample", f"{p.tokens_per_sample:,.0f} ({p.tokens_per_sample_source})"),
         ("cached tokens", _human(p.total_tokens, "tokens")),
         ("cache size", _human(p.total_bytes)),
@@ -212,6 +223,9 @@ def main(argv: list[str] | None = None) -> int:
                              "target.name_or_path when possible); needed for the memory line")
     parser.add_argument("--device-memory-gb", type=float, default=80.0,
                         help="one worker's device memory in GB, for the memory line")
+    parser.add_argument("--generate-tokens-per-s", type=float, default=None,
+                        help="generated tokens/s of the generate stage (e.g. from "
+                             "benchmarks/results/gen_throughput.md), for the regeneration time")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     args = parser.parse_args(argv)
     from .config import ConfigError, load_config
@@ -236,7 +250,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         result = plan(cfg, hidden, layers, args.tokens_per_sample, args.bandwidth_gb_s,
-                      target_config, args.device_memory_gb)
+                      target_config, args.device_memory_gb, args.generate_tokens_per_s)
     except (ValueError, FileNotFoundError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

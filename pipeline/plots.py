@@ -98,7 +98,8 @@ def conditional_acceptance_plot(curves: dict[str, list[float]], path: str | os.P
     """One line per drafter: P(token k accepted | tokens < k accepted) against k = 1..gamma.
 
     Args:
-        curves: drafter name -> conditional acceptance at positions 1..K (values in [0, 1]).
+        curves: drafter name -> conditional acceptance at positions 1..K (values in [0, 1];
+            None where no round reached position k: not drawn, the line stops there).
         path: output PNG file.
         title: figure title.
     Returns:
@@ -112,7 +113,8 @@ def conditional_acceptance_plot(curves: dict[str, list[float]], path: str | os.P
     fig = _new_figure(5.0, 3.5)
     ax = fig.subplots()
     for name, ys in curves.items():
-        ax.plot(range(1, len(ys) + 1), ys, marker="o", label=name)
+        ax.plot(range(1, len(ys) + 1), [float("nan") if y is None else y for y in ys],
+                marker="o", label=name)
     ax.set(ylim=(0, 1.02), xlabel="draft position k",
            ylabel="P(k accepted | <k accepted)", title=title)
     ax.xaxis.get_major_locator().set_params(integer=True)

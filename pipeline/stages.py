@@ -142,9 +142,11 @@ STAGE_INPUTS = {"prompts": ["prompts", "storage_options"],
 # config fields added after run directories existed: at their defaults they leave a stage's
 # fingerprint as it was, so runs made before them still count as complete
 ADDED_LATER = [("drafter", "qk_norm", None), ("engine", "kv_cache_memory_gib", 2.0),
-               ("generate", "backend", "hf"),
+               ("generate", "backend", "hf"), ("generate", "max_num_requests", 128),
+               ("generate", "kv_cache_memory_gib", 4.0),
                ("generate", "vllm", VllmGenerateConfig().model_dump(mode="json")),
-               ("cache", "forward_batch_tokens", 8192), ("train", "placement_strategy", "PACK")]
+               ("cache", "forward_batch_tokens", 8192), ("train", "placement_strategy", "PACK"),
+               ("train", "max_train_rows", None)]
 
 
 def stage_fingerprint(cfg: PipelineConfig, name: str) -> str:
@@ -288,6 +290,13 @@ def stage_generate(ctx: StageContext) -> dict:
                 template_kwargs=ctx.cfg.target.chat_template_kwargs,
                 max_prompt_tokens=g.max_prompt_tokens, seed=ctx.cfg.seed, vllm=g.vllm,
                 progress=bar)
+    udf, udf_kwargs = None, None
+    if g.backend == "engine":
+        from .generate_engine import EngineGenerateUDF
+
+        udf = EngineGenerateUDF
+        udf_kwargs = {"max_num_requests": g.max_num_requests,
+                      "kv_cache_memory_gib": g.kv_cache_memory_gib}
     summary = {}
     for split in SPLITS:
         rows = read_jsonl(str(ctx.run_dir / "prompts" / f"{split}.jsonl"))
@@ -298,7 +307,8 @@ def stage_generate(ctx: StageContext) -> dict:
                 template_kwargs=ctx.cfg.target.chat_template_kwargs, batch_size=g.batch_size,
                 num_actors=g.num_actors, cpus_per_actor=g.cpus_per_actor,
                 gpus_per_actor=g.gpus_per_actor, num_threads=g.num_threads,
-                max_prompt_tokens=g.max_prompt_tokens, seed=ctx.cfg.seed, progress=bar)
+                max_prompt_tokens=g.max_prompt_tokens, seed=ctx.cfg.seed, progress=bar,
+                udf=udf, udf_kwargs=udf_kwargs)
         summary[split] = counts
     return summary
 
@@ -375,10 +385,12 @@ def _check_cache_target(ctx: StageContext, manifest: dict) -> None:
 def stage_train(ctx: StageContext) -> dict:
     from .cache import read_manifest
     from .train import run_train
+    from .train_data import subset_manifest
 
     _require(ctx, "cache")
     manifest = read_manifest(ctx.cache_dir, ctx.cfg.storage_options)
     _check_cache_target(ctx, manifest)
+    manifest = subset_manifest(manifest, ctx.cfg.train.max_train_rows, ctx.cfg.seed)
     ensure_ray(ctx.cfg)
     result = run_train(
         cache_dir=ctx.cache_dir, manifest=manifest, out_dir=ctx.stage_dir("train"),

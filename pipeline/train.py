@@ -18,7 +18,7 @@ import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from .train_data import steps_per_epoch
+from .train_data import plateau_reached, steps_per_epoch
 
 if TYPE_CHECKING:
     from .config import DrafterSection, TrainConfig
@@ -365,6 +365,9 @@ def train_loop_per_worker(loop_cfg: dict) -> None:
 
     per_epoch = loop_cfg["steps_per_epoch"]
     last = {"step": step}
+    if history and history[-1].get("plateau"):  # a finished run: report its state once more
+        total_steps = step
+        save_training_state(engine, step, world, history, history[-1])
     skipped, bad_in_a_row = (history[-1].get("skipped_steps", 0) if history else 0), 0
     # times this run continued from a checkpoint (a worker-group restart or a re-run's resume)
     resumes = history[-1].get("resumes", 0) + 1 if restored is not None and history else 0
@@ -411,6 +414,11 @@ def train_loop_per_worker(loop_cfg: dict) -> None:
         if heldout_rows is not None and (step % tc.eval_every == 0 or step == total_steps):
             last.update(heldout_metrics())
         history.append(last)
+        if plateau_reached(history, tc.plateau_patience, tc.plateau_min_delta):
+            last["plateau"] = True  # recorded in the log: a re-run does not train on
+            logger.info("step %d: held-out tau has not improved by %.3f for %d evaluations: "
+                        "stopping at the plateau", step, tc.plateau_min_delta, tc.plateau_patience)
+            total_steps = step
         if rank == 0:
             if run is not None and (step % tc.log_every == 0 or step == total_steps):
                 run.log(last, step=step)
@@ -744,7 +752,9 @@ def run_train(*, cache_dir: str, manifest: dict, out_dir: Path, target: str, lay
         run.finish()
     if vocab_report:
         (dest / "draft_vocab.json").write_text(json.dumps(vocab_report, indent=1))
-    return {"steps": total, "rows": rows, "metrics": result.metrics or {}, "resumed_from": resume,
+    # fewer than planned when training stopped at the held-out plateau
+    steps = int((result.metrics or {}).get("step", total))
+    return {"steps": steps, "rows": rows, "metrics": result.metrics or {}, "resumed_from": resume,
             "checkpoint": result.checkpoint.path, "draft_vocab": vocab_report}
 
 

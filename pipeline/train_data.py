@@ -304,6 +304,58 @@ def worker_plan(index: CacheRowIndex, seed: int, start_step: int, end_step: int,
                                         micro_batch_size, rank, world_size)
 
 
+def subset_manifest(manifest: dict, max_rows: int | None, seed: int) -> dict:
+    """The manifest with its training split cut to whole shards holding at least ``max_rows``
+    rows (``train.max_train_rows``): shards taken in a seeded random order, so the subset for
+    fewer rows is contained in the subset for more (nested data-scaling points), and listed in
+    their original order. Row, token and supervised-token counts are recomputed; the held-out
+    split and the draft-vocabulary statistics (token frequencies of the whole set) are kept.
+
+    Args:
+        manifest: the parsed ``manifest.json``.
+        max_rows: rows wanted (None or >= all rows: the manifest unchanged).
+        seed: the shard order's seed.
+    Returns:
+        A new manifest dict (the input is not modified).
+    """
+    train = manifest["splits"]["train"]
+    if max_rows is None or max_rows >= train["rows"]:
+        return manifest
+    shards = train["shards"]
+    order = np.random.default_rng([seed, 2024]).permutation(len(shards))
+    keep, rows = set(), 0
+    for i in order:
+        if rows >= max_rows:
+            break
+        keep.add(int(i))
+        rows += shards[i]["rows"]
+    chosen = [s for i, s in enumerate(shards) if i in keep]
+    cut = dict(train, shards=chosen, rows=sum(s["rows"] for s in chosen),
+               tokens=sum(s.get("tokens", 0) for s in chosen),
+               supervised_tokens=sum(s.get("supervised_tokens", 0) for s in chosen))
+    return dict(manifest, splits=dict(manifest["splits"], train=cut))
+
+
+def plateau_reached(history: list[dict], patience: int | None, min_delta: float) -> bool:
+    """Whether held-out tau has stopped improving (``train.plateau_patience``): the last
+    ``patience`` evaluations in ``history`` (entries with ``heldout_tau``) all stayed below the
+    best one before them plus ``min_delta``. A pure function of the log, so every worker, and a
+    resumed run, decides the same.
+
+    Args:
+        history: the training log, one dict per optimizer step.
+        patience: evaluations without progress that end training (None: never).
+        min_delta: the rise of held-out tau (tokens per round) that counts as progress.
+    """
+    if not patience:
+        return False
+    taus = [h["heldout_tau"] for h in history if "heldout_tau" in h]
+    if len(taus) <= patience:
+        return False
+    best_before = max(taus[:-patience])
+    return max(taus[-patience:]) < best_before + min_delta
+
+
 def steps_per_epoch(num_rows: int, global_batch_size: int) -> int:
     """Optimizer steps per epoch (the last partial global batch is dropped)."""
     return num_rows // global_batch_size

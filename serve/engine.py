@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from drafters.sampling import warped_probs
+from drafters.sampling import draw, warped_probs
 
 from . import scheduler as sched
 from .config import EngineConfig
@@ -584,7 +584,7 @@ class SpecEngine:
         if p.temperature <= 0:
             return int(logits[0].argmax())
         probs = self._target_probs(r, logits)
-        return int(torch.multinomial(probs[0].cpu(), 1, generator=r.gen))
+        return draw(probs[0], r.gen)
 
     def _target_probs(self, r: _Request, logits: torch.Tensor) -> torch.Tensor:
         """The request's warped target distribution, fp32 [rows, V] (temperature, min_p, top_k,

@@ -113,18 +113,58 @@ class SlotKVPool:
                 store[i] = grown
 
 
+class SingleTokenRows:
+    """The requests of a pass that run one new token each (a decode step), attended together in
+    one batched product over a contiguous range of pool slots instead of one SDPA call each:
+    at 128 decoding requests the per-request calls cost ~90 ms of a ~370 ms step on 2 CPU
+    cores, their Python dispatch most of it.
+
+    Fields (n single-token requests, slots [lo, hi) covering theirs, P = hi - lo):
+        index: int64 [n], their positions among the pass's requests.
+        slots, positions: int64 [n], each one's slot and the position its new token is written at.
+        starts: int64 [n], its token's offset in the packed row.
+        lo, hi: the slot range; rows: int64 [n], each one's row in the range (slot - lo).
+        in_slot_order: whether rows is 0..n-1 (the requests fill the range in slot order), so
+            queries and outputs need no reordering.
+        width: keys attended per slot (the longest of them, new token included).
+        mask: bool [P, 1, 1, width], True where a row may attend (slots in the range that are not
+            in this pass attend position 0 only, so their discarded rows never divide by zero).
+    """
+
+    __slots__ = ("index", "slots", "positions", "starts", "lo", "hi", "rows", "width", "mask",
+                 "in_slot_order")
+
+    def __init__(self, index: list[int], slots: list[int], lengths: list[int],
+                 starts: list[int], device):
+        self.index = torch.tensor(index, device=device)
+        self.slots = torch.tensor(slots, device=device)
+        self.positions = torch.tensor(lengths, device=device)
+        self.starts = torch.tensor(starts, device=device)
+        self.lo, self.hi = min(slots), max(slots) + 1
+        self.rows = self.slots - self.lo
+        # requests come in admission order, and a reused slot can put them in any slot order
+        self.in_slot_order = slots == list(range(self.lo, self.hi))
+        self.width = max(lengths) + 1
+        visible = torch.ones(self.hi - self.lo, dtype=torch.long, device=device)
+        visible[self.rows] = self.positions + 1
+        self.mask = (torch.arange(self.width, device=device)[None] < visible[:, None])[:, None, None]
+
+
 class SlotViews:
-    """What :meth:`PooledStepCache.update` hands the attention of one layer: each request's keys
-    or values ``[Hkv, L_j + n_j, d]`` as views of its slot (no copy), its new tokens' offset s_j
-    in the packed row and count n_j, and its causal mask bool ``[n_j, L_j + n_j]`` (None for a
-    single query)."""
+    """What :meth:`PooledStepCache.update` hands the attention of one layer: each multi-token
+    request's keys or values ``[Hkv, L_j + n_j, d]`` as views of its slot (no copy; None for a
+    single-token request), its new tokens' offset s_j in the packed row and count n_j, its causal
+    mask bool ``[n_j, L_j + n_j]``, and the single-token requests (:class:`SingleTokenRows`, or
+    None) with this layer's whole pool tensor ``[slots, Hkv, capacity, d]``."""
 
-    __slots__ = ("rows", "starts", "counts", "masks", "_folded")
+    __slots__ = ("rows", "starts", "counts", "masks", "_folded", "single", "pool")
 
-    def __init__(self, rows: list[torch.Tensor], starts: list[int], counts: list[int],
-                 masks: list[torch.Tensor | None], folded: dict):
+    def __init__(self, rows: list, starts: list[int], counts: list[int],
+                 masks: list[torch.Tensor | None], folded: dict,
+                 single: SingleTokenRows | None = None, pool: torch.Tensor | None = None):
         self.rows, self.starts, self.counts = rows, starts, counts
         self.masks, self._folded = masks, folded
+        self.single, self.pool = single, pool
 
     def folded_mask(self, j: int, groups: int) -> torch.Tensor:
         """Row j's mask repeated for ``groups`` folded query heads ``[groups * n_j, L_j + n_j]``,
@@ -159,18 +199,30 @@ class PooledStepCache:
                       <= (l + torch.arange(n, device=device))[:, None]
                       for l, n in zip(lengths, counts)]
         self._folded: dict = {}  # folded masks, shared by all layers of this pass
+        ones = [j for j, n in enumerate(counts) if n == 1]
+        # one request alone gains nothing from batching; the per-request path stays exact SDPA
+        self.single = (SingleTokenRows(ones, [slots[j] for j in ones], [lengths[j] for j in ones],
+                                       [self.starts[j] for j in ones], device)
+                       if len(ones) > 1 else None)
+        self._multi = [j for j in range(len(counts)) if self.single is None or counts[j] > 1]
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int,
                *args, **kwargs) -> tuple[SlotViews, SlotViews]:
         keys, values = self.pool.keys[layer_idx], self.pool.values[layer_idx]
-        krows, vrows = [], []
-        for slot, l, s, n in zip(self.slots, self.lengths, self.starts, self.counts):
+        krows: list = [None] * len(self.counts)
+        vrows: list = [None] * len(self.counts)
+        for j in self._multi:
+            slot, l, s, n = self.slots[j], self.lengths[j], self.starts[j], self.counts[j]
             keys[slot, :, l:l + n] = key_states[0, :, s:s + n]
             values[slot, :, l:l + n] = value_states[0, :, s:s + n]
-            krows.append(keys[slot, :, :l + n])
-            vrows.append(values[slot, :, :l + n])
-        return (SlotViews(krows, self.starts, self.counts, self.masks, self._folded),
-                SlotViews(vrows, self.starts, self.counts, self.masks, self._folded))
+            krows[j] = keys[slot, :, :l + n]
+            vrows[j] = values[slot, :, :l + n]
+        one = self.single
+        if one is not None:  # all single-token writes in one indexed store per tensor
+            keys[one.slots, :, one.positions] = key_states[0, :, one.starts].transpose(0, 1)
+            values[one.slots, :, one.positions] = value_states[0, :, one.starts].transpose(0, 1)
+        return (SlotViews(krows, self.starts, self.counts, self.masks, self._folded, one, keys),
+                SlotViews(vrows, self.starts, self.counts, self.masks, self._folded, one, values))
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return max(self.lengths)
@@ -199,6 +251,8 @@ def slot_attention(module, query, key, value, attention_mask, scaling=None, drop
     sdpa = torch.nn.functional.scaled_dot_product_attention
     for j, (k, v, s, nj, mask) in enumerate(zip(key.rows, value.rows, key.starts, key.counts,
                                                 key.masks)):
+        if k is None:  # a single-token request: attended below with the others
+            continue
         hkv = k.shape[0]
         groups = hq // hkv
         q = query[0, :, s:s + nj].reshape(hkv, groups * nj, d)  # head h = kv head * groups + g
@@ -208,7 +262,40 @@ def slot_attention(module, query, key, value, attention_mask, scaling=None, drop
             o = sdpa(q[None], k[None], v[None], attn_mask=key.folded_mask(j, groups),
                      scale=scaling)
         out[0, s:s + nj] = o.reshape(hq, nj, d).transpose(0, 1)
+    if key.single is not None:
+        out[0, key.single.starts] = _single_token_attention(query, key, value, scaling)
     return out, None
+
+
+def _single_token_attention(query: torch.Tensor, key: SlotViews, value: SlotViews,
+                            scaling: float | None) -> torch.Tensor:
+    """Attention of every single-token request at once over its slot's keys, as two batched
+    matrix products over the slot range [lo, hi) of the pool (views, no copy of any key).
+
+    Args:
+        query: the packed row ``[1, Hq, T, d]``; key, value: :class:`SlotViews` with ``single``.
+    Returns:
+        ``[n, Hq, d]``, the attention output of the n single-token requests in their order.
+    """
+    one, keys, values = key.single, key.pool, value.pool
+    _, hq, _, d = query.shape
+    hkv = keys.shape[1]
+    groups = hq // hkv
+    q = query[0, :, one.starts].reshape(hkv, groups, -1, d).permute(2, 0, 1, 3)  # [n, Hkv, g, d]
+    span = one.hi - one.lo
+    if not one.in_slot_order:  # rows in slot order; slots of the range not in this pass: zeros
+        q = q.new_zeros(span, hkv, groups, d).index_copy_(0, one.rows, q)
+    k = keys[one.lo:one.hi, :, :one.width]
+    v = values[one.lo:one.hi, :, :one.width]
+    scale = scaling if scaling is not None else d ** -0.5
+    # keys times queries, not queries times transposed keys: the pool's key rows are contiguous,
+    # and this orientation multiplies 3x faster on them (measured on 2 cores, bf16)
+    scores = torch.matmul(k, q.transpose(-1, -2)).transpose(-1, -2).float() * scale
+    weights = scores.masked_fill_(~one.mask, float("-inf")).softmax(-1).to(v.dtype)
+    o = torch.matmul(weights, v)  # [P, Hkv, g, d]
+    if not one.in_slot_order:
+        o = o.index_select(0, one.rows)
+    return o.reshape(-1, hq, d)
 
 
 def register() -> str:

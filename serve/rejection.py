@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import torch
 
+from drafters.sampling import draw
+
 
 def verify_greedy(draft_tokens: torch.Tensor, target_logits: torch.Tensor) -> tuple[int, int]:
     """Temperature 0: accept x_k iff it equals the target's argmax.
@@ -68,4 +70,4 @@ def verify_sampled(draft_tokens: torch.Tensor, draft_probs: torch.Tensor,
         dist = residual / total if total > 0 else target_probs[n]
     else:
         dist = target_probs[l]
-    return n, int(torch.multinomial(dist, 1, generator=generator))
+    return n, draw(dist, generator)

@@ -36,6 +36,22 @@ def test_summary_by_hand():
     assert low["threshold"] == 0.0 and low["committed_per_step"] == pytest.approx(3.0)
 
 
+def test_unmeasured_positions_are_none_not_zero(tmp_path, monkeypatch):
+    """Positions no round verified (or reached) have no rate: None in the JSON (issue 21: a 0.0
+    there reads as "the drafter fails there") and no point in the plot (NaN: the line stops)."""
+    from pipeline import plots
+
+    s = summarize(_records(), gamma=5)
+    assert s["accept_rate"][3:] == [None, None] and s["conditional_acceptance"][3:] == [None, None]
+    drawn = []
+    real_save = plots._save
+    monkeypatch.setattr(plots, "_save", lambda fig, path: (
+        drawn.extend(fig.axes[0].lines[0].get_ydata()), real_save(fig, path))[1])
+    plots.conditional_acceptance_plot({"dspark": s["conditional_acceptance"]}, tmp_path / "c.png")
+    assert drawn[:3] == pytest.approx([1.0, 2 / 3, 1.0])
+    assert all(y != y for y in drawn[3:])  # NaN: not drawn
+
+
 def test_domains_and_report():
     s = summarize(_records(), gamma=3)
     results = {"gsm8k": {"1.0": s}, "mbpp": {"1.0": dict(s, tau=2.0)}}

@@ -109,14 +109,15 @@ def test_missing_vllm_is_reported_before_any_stage_runs(tmp_path, monkeypatch):
 def test_configs_without_the_backend_fields_keep_their_fingerprints():
     cfg = load_config(QUICKSTART)
     dumped = cfg.model_dump(mode="json")
-    for key in ("backend", "vllm"):  # the generate section as it was dumped before them
-        del dumped["generate"][key]
+    for key in ("backend", "vllm", "max_num_requests", "kv_cache_memory_gib"):
+        del dumped["generate"][key]  # the generate section as it was dumped before them
     sections = STAGE_INPUTS["prompts"] + STAGE_INPUTS["generate"]
     before = hashlib.sha256(json.dumps({s: dumped[s] for s in sections},
                                        sort_keys=True).encode()).hexdigest()
     assert stage_fingerprint(cfg, "generate") == before
-    flipped = load_config(QUICKSTART, ["generate.backend=vllm"])
-    assert stage_fingerprint(flipped, "generate") != before
+    for override in ("generate.backend=vllm", "generate.backend=engine",
+                     "generate.max_num_requests=64"):
+        assert stage_fingerprint(load_config(QUICKSTART, [override]), "generate") != before
 
 
 def test_conversation_walk_and_answer_end_shared_by_both_backends(smollm2_tokenizer):

@@ -57,6 +57,37 @@ def test_batched_slots_match_a_plain_forward_over_each_sequence(model):
     assert [kv.length for kv in kvs] == [len(s) for s in seqs]
 
 
+@pytest.mark.parametrize("order", ["slot order", "reversed"])
+def test_single_token_requests_attended_together_match_a_plain_forward(model, order):
+    """Decode steps where most requests run one token (attended together in one batched product
+    over a slot range, serve/kv_pool.py: SingleTokenRows) beside a multi-token one, with a freed
+    slot inside the range, give each request the logits and features of a plain forward; also
+    when the pass lists the requests in another order than their slots (reused slots)."""
+    runner = TargetRunner(model, LAYERS)
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(2, 96, (n,), generator=g).tolist() for n in (6, 23, 2, 11, 8)]
+    kvs = [TargetKV() for _ in prompts]
+    runner.forward_batch(kvs, prompts, with_features=False, logits="last")
+    for kv, p in zip(kvs, prompts):
+        kv.length = len(p)
+    seqs = [list(p) for p in prompts]
+    kvs[2].release()  # a hole in the slot range: its row is computed and discarded
+    live = [0, 1, 3, 4] if order == "slot order" else [4, 3, 1, 0]
+    for step in range(5):
+        blocks = {j: torch.randint(2, 96, (3 if j == live[step % 4] else 1,),
+                                   generator=g).tolist() for j in live}
+        outs = runner.forward_batch([kvs[j] for j in live], [blocks[j] for j in live],
+                                    with_features=True)
+        for j, o in zip(live, outs):
+            logits, hidden = _full(model, seqs[j] + blocks[j])
+            n = len(blocks[j])
+            torch.testing.assert_close(o.logits, logits[-n:], atol=1e-4, rtol=1e-4)
+            expected = torch.cat([hidden[i + 1][0, -n:] for i in LAYERS], dim=-1)
+            torch.testing.assert_close(o.features, expected, atol=1e-4, rtol=1e-4)
+            o.keep(n)
+            seqs[j] += blocks[j]
+
+
 def test_the_pool_grows_and_frees_slots_with_their_requests(model):
     runner = TargetRunner(model, LAYERS)
     kvs = [TargetKV() for _ in range(6)]  # more than the 4 initial slots

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from drafters.sampling import sample_rows, warped_probs
+from drafters.sampling import draw, sample_rows, warped_probs
 
 
 def test_top_k_then_top_p_by_hand():
@@ -44,3 +44,28 @@ def test_topk_fast_path_equals_the_full_sort():
                         for i in range(5)])
     assert torch.allclose(fast, full, atol=1e-6)
     assert (fast > 0).sum(-1).tolist()[3] == 1
+
+
+def test_draw_follows_the_distribution_and_never_a_zero_probability_token():
+    """draw (inverse CDF, one uniform number per call) has the distribution it is given
+    (chi-square over 20,000 draws), never returns a zero-probability token, and a seeded
+    generator repeats it."""
+    from scipy.stats import chisquare
+
+    probs = torch.softmax(torch.randn(40, generator=torch.Generator().manual_seed(3)) * 2, -1)
+    probs[[0, 7, 39]] = 0.0  # the first, a middle and the last token are impossible
+    probs = probs / probs.sum()
+    g = torch.Generator().manual_seed(0)
+    counts = torch.zeros(40)
+    for _ in range(20_000):
+        counts[draw(probs, g)] += 1
+    assert counts[[0, 7, 39]].sum() == 0
+    keep = probs * 20_000 >= 5
+    assert chisquare(counts[keep].numpy(), (probs[keep] / probs[keep].sum() * counts[keep].sum())
+                     .numpy()).pvalue > 1e-3
+    # a one-token distribution, unnormalised input
+    one = torch.zeros(10)
+    one[9] = 0.3
+    assert {draw(one, g) for _ in range(50)} == {9}
+    a = [draw(probs, torch.Generator().manual_seed(5)) for _ in range(3)]
+    assert len(set(a)) == 1

@@ -169,3 +169,55 @@ def test_arrow_row_group_handles_chunked_and_sliced_columns():
     assert [len(c[1]) for c in (group.columns["context_hidden"],)] == [2]
     for i, row in enumerate(rows):
         _same(group.decode(i, H, M), decode_row(row, H, M))
+
+
+def test_subset_manifest_takes_whole_shards_nested_and_keeps_heldout():
+    """train.max_train_rows: whole shards in a seeded order until enough rows; a smaller subset
+    is inside every larger one; counts recomputed; held-out split untouched."""
+    from pipeline.train_data import subset_manifest
+
+    shards = [{"file": f"s{i}.parquet", "rows": 10, "tokens": 100 + i, "supervised_tokens": 50}
+              for i in range(12)]
+    manifest = {"splits": {"train": {"rows": 120, "tokens": sum(s["tokens"] for s in shards),
+                                     "supervised_tokens": 600, "shards": shards,
+                                     "token_frequency": [[5, 9]]},
+                           "heldout": {"rows": 7, "shards": [{"file": "h.parquet", "rows": 7}]}}}
+    small = subset_manifest(manifest, 25, seed=0)
+    large = subset_manifest(manifest, 61, seed=0)
+    files = lambda m: [s["file"] for s in m["splits"]["train"]["shards"]]  # noqa: E731
+    assert small["splits"]["train"]["rows"] == 30 and large["splits"]["train"]["rows"] == 70
+    assert set(files(small)) < set(files(large))
+    assert files(large) == sorted(files(large), key=lambda f: int(f[1:-8]))  # original order
+    assert small["splits"]["train"]["tokens"] == sum(
+        s["tokens"] for s in small["splits"]["train"]["shards"])
+    assert small["splits"]["train"]["token_frequency"] == [[5, 9]]
+    assert small["splits"]["heldout"] == manifest["splits"]["heldout"]
+    assert manifest["splits"]["train"]["rows"] == 120  # the input is not modified
+    assert subset_manifest(manifest, None, 0) is manifest
+    assert subset_manifest(manifest, 500, 0) is manifest
+    assert files(subset_manifest(manifest, 25, seed=1)) != files(small)
+
+
+def test_plateau_reached_after_patience_evaluations_without_progress():
+    from pipeline.train_data import plateau_reached
+
+    def log(*taus):
+        out = []
+        for i, t in enumerate(taus):
+            out += [{"step": 2 * i + 1}, {"step": 2 * i + 2, "heldout_tau": t}]
+        return out
+
+    assert not plateau_reached(log(1.2, 1.4, 1.5), None, 0.01)
+    assert not plateau_reached(log(1.2, 1.4), 2, 0.01)  # too few evaluations
+    assert not plateau_reached(log(1.2, 1.4, 1.5, 1.52), 2, 0.01)  # 1.52 >= 1.4 + 0.01
+    assert plateau_reached(log(1.2, 1.5, 1.505, 1.509), 2, 0.01)  # < 1.5 + 0.01 twice
+    assert plateau_reached(log(1.2, 1.5, 1.45, 1.40), 2, 0.01)  # falling
+    assert not plateau_reached(log(1.2, 1.5, 1.45, 1.60), 2, 0.01)  # a late rise counts
+
+
+def test_plateau_patience_needs_eval_every():
+    from pipeline.config import TrainConfig
+
+    with pytest.raises(ValueError, match="eval_every"):
+        TrainConfig(plateau_patience=3)
+    assert TrainConfig(plateau_patience=3, eval_every=10).plateau_patience == 3

@@ -1,0 +1,216 @@
+"""Data scaling of the drafter: held-out accept_rate@1, tau and tau per domain against the
+supervised tokens it trained on, each point trained to its own plateau on the same held-out rows.
+
+The points are nested subsets of one finished run's cache (``train.max_train_rows``: whole shards
+in a seeded order, so each smaller set is inside every larger one; ``all`` = the whole cache).
+Each is trained by the pipeline's own train stage (Ray Train + DeepSpeed) in
+``<run_dir>_scaling_<rows>`` (the data stages linked, not copied) with held-out evaluations every
+``--eval-every`` steps, stopping at the plateau (``train.plateau_patience``) or ``--max-steps``;
+a point whose drafter exists is reused, and an interrupted one resumes from its newest
+checkpoint. The held-out metrics are the trainer's probabilistic ones (accept_rate@k = mean
+prod_{i<=k}(1 - TV_i), tau = 1 + sum_k accept_rate@k per block), at the best evaluation; per
+domain they are computed afterwards with the same loss code on every held-out cache row of the
+domain. Writes ``benchmarks/results/data_scaling.{json,md,png}``.
+
+    .venv/bin/python benchmarks/data_scaling.py --config infra/configs/smollm2_reference.yaml \
+        --points 240,960,3840,all
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from pipeline import stages  # noqa: E402
+from pipeline.config import ConfigError, load_config  # noqa: E402
+
+
+def parse_points(text: str) -> list[int | None]:
+    """"240,960,all" -> [240, 960, None] (None: the whole cache)."""
+    out: list[int | None] = []
+    for part in text.split(","):
+        part = part.strip()
+        if part == "all":
+            out.append(None)
+        elif part.isdigit() and int(part) > 0:
+            out.append(int(part))
+        else:
+            raise ValueError(f"--points wants row counts or 'all', got {part!r}")
+    return out
+
+
+def domain_metrics(ctx, drafter_dir: Path, rows_per_batch: int = 8) -> dict:
+    """Held-out accept_rate@1 and tau per domain (and over all held-out rows) of a trained
+    drafter, with the trainer's loss code on every held-out cache row, in the row's own
+    anchor-sampling RNG (``row_generator(seed, -1, row)``, as the trainer's evaluations use)."""
+    import torch
+
+    from drafters.loading import load_drafter
+    from pipeline.cache import read_manifest
+    from pipeline.prompts import read_jsonl
+    from pipeline.train import batch_losses, reduce_metrics, training_objective
+    from pipeline.train_data import CacheRowIndex, CacheRowReader, row_generator
+    from serve.target_loading import load_target
+
+    cfg = ctx.cfg
+    manifest = read_manifest(ctx.cache_dir, cfg.storage_options)
+    target = load_target(ctx.target, "float32")
+    drafter = load_drafter(drafter_dir, target, ctx.target).eval()
+    domain_of = {r["id"]: r["domain"]
+                 for r in read_jsonl(str(ctx.run_dir / "prompts" / "heldout.jsonl"))}
+    index = CacheRowIndex(ctx.cache_dir, manifest, "heldout", cfg.storage_options)
+    reader = CacheRowReader(index, manifest["target"]["hidden_size"], len(ctx.layer_ids))
+    tc = cfg.train
+    objective, weights = training_objective(drafter.config)  # the trainer's, per drafter type
+    by_domain: dict[str, list] = {}
+    with torch.no_grad():
+        for start in range(0, index.num_rows, rows_per_batch):
+            rows = list(range(start, min(start + rows_per_batch, index.num_rows)))
+            for row, sample in zip(rows, reader.read(rows)):
+                out = batch_losses(drafter, [sample], tc, objective, weights,
+                                   torch.device("cpu"), [row_generator(tc.seed, -1, row)])
+                by_domain.setdefault(domain_of.get(sample["sample_id"], "unknown"), []).append(out)
+    reader.close()
+    k = cfg.drafter.block_size
+    result = {d: reduce_metrics(outs, k) for d, outs in sorted(by_domain.items())}
+    result["all"] = reduce_metrics([o for outs in by_domain.values() for o in outs], k)
+    return {d: {"accept_rate@1": m["accept_rate@1"], "tau": m["tau"],
+                "rows": len(by_domain.get(d, [])) if d != "all" else index.num_rows}
+            for d, m in result.items()}
+
+
+def train_point(base_cfg_path: str, sets: list[str], rows: int | None, args) -> dict:
+    """Train (or reuse) one point; returns its row, token and metric summary."""
+    from pipeline.cache import read_manifest
+    from pipeline.train_data import subset_manifest
+
+    label = "all" if rows is None else str(rows)
+    overrides = sets + [f"train.max_steps={args.max_steps}", "train.num_epochs=100000",
+                        f"train.eval_every={args.eval_every}",
+                        f"train.checkpoint_every={args.eval_every}",
+                        f"train.plateau_patience={args.patience}",
+                        f"train.plateau_min_delta={args.min_delta}",
+                        "train.resume_from=latest"]
+    if rows is not None:
+        overrides.append(f"train.max_train_rows={rows}")
+    base = load_config(base_cfg_path, sets)
+    cfg = load_config(base_cfg_path, overrides)
+    src = stages.StageContext.create(base)
+    if not (src.run_dir / "cache" / "_SUCCESS.json").exists():
+        raise FileNotFoundError(f"no finished cache stage under {src.run_dir}: run the pipeline's "
+                                "data stages first (pipeline/run.py --stages prompts,generate,cache)")
+    cfg.run_dir = str(Path(base.run_dir).with_name(f"{Path(base.run_dir).name}_scaling_{label}"))
+    ctx = stages.StageContext.create(cfg)
+    for stage in ("prompts", "generate", "cache"):  # share the data stages
+        link = ctx.run_dir / stage
+        if not link.exists():
+            link.symlink_to(src.run_dir / stage, target_is_directory=True)
+    start = time.time()
+    summary = stages.run_stage(ctx, "train")
+    seconds = time.time() - start
+    drafter_dir = ctx.run_dir / "train" / "drafter"
+    log = [json.loads(line) for line in (drafter_dir / "training_log.jsonl").read_text().splitlines()]
+    evals = [e for e in log if "heldout_tau" in e]
+    best = max(evals, key=lambda e: e["heldout_tau"])
+    manifest = subset_manifest(read_manifest(ctx.cache_dir, cfg.storage_options),
+                               cfg.train.max_train_rows, cfg.seed)
+    train_split = manifest["splits"]["train"]
+    return {"label": label, "rows": train_split["rows"],
+            "supervised_tokens": train_split["supervised_tokens"], "tokens": train_split["tokens"],
+            "steps": log[-1]["step"], "plateau": bool(log[-1].get("plateau")),
+            "train_seconds_this_run": round(seconds, 1), "summary_steps": summary.get("steps"),
+            "best_step": best["step"], "heldout_accept_rate@1": best["heldout_accept_rate@1"],
+            "heldout_tau": best["heldout_tau"],
+            "final_heldout_tau": evals[-1]["heldout_tau"],
+            "curve": [{"step": e["step"], "heldout_tau": e["heldout_tau"],
+                       "heldout_accept_rate@1": e["heldout_accept_rate@1"]} for e in evals],
+            "by_domain": domain_metrics(ctx, drafter_dir)}
+
+
+def write_results(points: list[dict], meta: dict, out: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "data_scaling.json").write_text(json.dumps({"meta": meta, "points": points}, indent=1))
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 4))
+    xs = [p["supervised_tokens"] for p in points]
+    a1.plot(xs, [p["heldout_accept_rate@1"] for p in points], marker="o")
+    a1.set(xscale="log", xlabel="supervised training tokens", ylabel="held-out accept_rate@1")
+    a2.plot(xs, [p["heldout_tau"] for p in points], marker="o", label="all held-out")
+    domains = sorted({d for p in points for d in p["by_domain"] if d != "all"})
+    for d in domains:
+        a2.plot(xs, [p["by_domain"].get(d, {}).get("tau", float("nan")) for p in points],
+                marker=".", linestyle="--", label=d)
+    a2.set(xscale="log", xlabel="supervised training tokens", ylabel="held-out tau (gamma = "
+           f"{meta['block_size']})")
+    a2.legend(fontsize=8)
+    for ax in (a1, a2):
+        ax.grid(alpha=0.3)
+    fig.suptitle("Drafter data scaling (each point at its own plateau)")
+    fig.tight_layout()
+    fig.savefig(out / "data_scaling.png", dpi=110)
+    lines = [f"# Data scaling ({meta['date']})", "", f"`{meta['command']}`", "",
+             "Held-out metrics at each point's best evaluation (the trainer's probabilistic "
+             "accept_rate@1 and tau on the same held-out cache rows); per domain: every held-out "
+             "row of the domain, final weights. 'plateau': training stopped because held-out tau "
+             f"rose less than {meta['min_delta']} over {meta['patience']} evaluations "
+             f"(every {meta['eval_every']} steps); otherwise it ran to --max-steps "
+             f"{meta['max_steps']}.", "",
+             "| point | train rows | supervised tokens | steps | plateau | best step | "
+             "accept_rate@1 | tau | " + " | ".join(f"tau {d}" for d in domains) + " |",
+             "|---|---|---|---|---|---|---|---|" + "---|" * len(domains)]
+    for p in points:
+        lines.append(f"| {p['label']} | {p['rows']} | {p['supervised_tokens']:,} | {p['steps']} | "
+                     f"{'yes' if p['plateau'] else 'no'} | {p['best_step']} | "
+                     f"{p['heldout_accept_rate@1']:.3f} | {p['heldout_tau']:.3f} | " +
+                     " | ".join(f"{p['by_domain'].get(d, {}).get('tau', float('nan')):.3f}"
+                                for d in domains) + " |")
+    (out / "data_scaling.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--config", default=str(ROOT / "infra" / "configs" / "smollm2_reference.yaml"))
+    ap.add_argument("--set", action="append", default=[])
+    ap.add_argument("--points", type=parse_points, default=parse_points("240,960,3840,all"))
+    ap.add_argument("--eval-every", type=int, default=50)
+    ap.add_argument("--patience", type=int, default=4)
+    ap.add_argument("--min-delta", type=float, default=0.01)
+    ap.add_argument("--max-steps", type=int, default=4000)
+    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
+    args = ap.parse_args()
+    try:
+        cfg = load_config(args.config, args.set)
+    except ConfigError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    meta = {"date": time.strftime("%Y-%m-%d"), "command": " ".join(sys.argv),
+            "config": args.config, "set": args.set, "eval_every": args.eval_every,
+            "patience": args.patience, "min_delta": args.min_delta, "max_steps": args.max_steps,
+            "block_size": cfg.drafter.block_size, "drafter": cfg.drafter.model_dump(),
+            "train": {k: v for k, v in cfg.train.model_dump().items()
+                      if k in ("lr", "global_batch_size", "num_anchors", "warmup_ratio")}}
+    points = []
+    for rows in args.points:
+        try:
+            points.append(train_point(args.config, args.set, rows, args))
+        except FileNotFoundError as err:
+            print(f"error: {err}", file=sys.stderr)
+            return 1
+        print(json.dumps({k: v for k, v in points[-1].items() if k != "curve"}), flush=True)
+        write_results(points, meta, Path(args.out))  # partial results survive a later failure
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,118 @@
+"""Generate stage on the project's own engine (``generate.backend: engine``): the regeneration of
+``generate.py`` decoded by :class:`serve.engine.SpecEngine` in target-only mode, the continuous
+batching engine that serving and evaluation run.
+
+What differs from the hf backend is only how the answers of one Ray Data batch are decoded: the
+engine keeps ``generate.max_num_requests`` sequences in flight, a finished one's KV slot takes the
+next prompt at once (no padding, no batch waiting for its longest answer), and single-token decode
+rows attend together in one batched product (``serve/kv_pool.py``). Rows, conversation walk,
+prompts, EOS set, answer cutting (:func:`pipeline.generate.finish_answer`), resume by id and the
+error file are the hf backend's (the same :class:`pipeline.generate.GenerateUDF` walk and
+:func:`pipeline.generate.run_generate` writer).
+
+Sampling: the engine's (``drafters.sampling.warped_probs``: temperature, top-k, top-p, the hf
+backend's warps), each answer from its own generator seeded by (``seed``, row id, turn), so a
+row's text does not depend on which batch or actor it ran in (the hf backend's does).
+"""
+
+from __future__ import annotations
+
+import zlib
+
+from .generate import GenerateUDF
+
+
+def answer_seed(seed: int, key: str) -> int:
+    """The RNG seed of one answer: the run's ``seed`` and the answer's "<row id>:<turn>" key
+    (a 63-bit integer, the engine's seed range)."""
+    return (seed * 1_000_003 + zlib.crc32(key.encode())) % 2**63
+
+
+class EngineGenerateUDF(GenerateUDF):
+    """Ray Data callable class (backend engine): holds one target-only :class:`SpecEngine`.
+
+    Args (beyond :class:`pipeline.generate.GenerateUDF`'s):
+        max_num_requests: sequences decoded together (the engine's batch).
+        kv_cache_memory_gib: the engine's KV pool (GiB): ``max_num_requests`` slots of
+            ``max_prompt_tokens + sampling.max_new_tokens`` positions must fit.
+    Raises:
+        ValueError: the KV budget holds too few positions for the longest prompt + answer.
+    """
+
+    def __init__(self, target: str, dtype: str, sampling: dict, template_kwargs: dict,
+                 num_threads: int | None, max_prompt_tokens: int, seed: int,
+                 max_num_requests: int, kv_cache_memory_gib: float):
+        import torch
+
+        from serve.builder import build_engine, load_models
+        from serve.config import EngineConfig
+
+        if num_threads:
+            torch.set_num_threads(num_threads)
+        self.torch = torch
+        models = load_models(target, dtype)
+        self.tokenizer, self.eos_ids = models.tokenizer, models.eos
+        self.sampling, self.template_kwargs = sampling, template_kwargs
+        self.max_prompt_tokens, self.seed = max_prompt_tokens, seed
+        self.generated_tokens = 0  # sampled answer tokens so far, end tokens included
+        wanted = max_prompt_tokens + sampling["max_new_tokens"]
+        self.engine = build_engine(models, EngineConfig(
+            scheduler="none", max_num_requests=max_num_requests, max_model_len=wanted,
+            kv_cache_memory_gib=kv_cache_memory_gib, max_waiting=1_000_000), tokenizer=False)
+        if self.engine.max_model_len < wanted:
+            raise ValueError(
+                f"generate.kv_cache_memory_gib {kv_cache_memory_gib} holds "
+                f"{self.engine.max_model_len} positions for each of generate.max_num_requests "
+                f"{max_num_requests} sequences; max_prompt_tokens + sampling.max_new_tokens need "
+                f"{wanted}: raise the budget or lower max_num_requests")
+
+    def sample_tokens(self, prompts: list[list[int]], keys: list[str]
+                      ) -> tuple[list[list[int]], list[str]]:
+        """Decode every prompt with continuous batching.
+
+        Args:
+            prompts: rendered prompt token ids; keys: "<row id>:<turn>" of each (its seed).
+        Returns:
+            (sampled tokens of each answer, the end token included when one ended it; per-row
+            errors, "" = none: a row the engine refused or failed has its error here and the
+            others are unaffected).
+        """
+        from serve.errors import RequestError
+        from serve.requests import EngineRequest, SamplingParams
+
+        s = self.sampling
+        tokens: list[list[int]] = [[] for _ in prompts]
+        errors = [""] * len(prompts)
+        for i, (prompt, key) in enumerate(zip(prompts, keys)):
+            params = SamplingParams(max_tokens=s["max_new_tokens"], temperature=s["temperature"],
+                                    top_p=s["top_p"], top_k=s["top_k"],
+                                    seed=answer_seed(self.seed, key))
+            try:
+                self.engine.add_request(EngineRequest(str(i), prompt, params))
+            except RequestError as err:
+                errors[i] = str(err)
+        while self.engine.has_unfinished():
+            for out in self.engine.step():
+                i = int(out.request_id)
+                tokens[i] += out.new_token_ids
+                if out.finish_reason == "error":
+                    errors[i] = str(out.error)
+        return tokens, errors
+
+    def _generate(self, prompts: list[list[int]], keys: list[str]
+                  ) -> tuple[list[str], list[str], list[str]]:
+        """Answers to ``prompts`` (:meth:`sample_tokens`, cut and decoded as the hf backend does).
+
+        Returns:
+            (answer texts, finish reasons "stop" / "length", per-row errors: "" = none).
+        """
+        from pipeline.generate import answer_length, finish_answer
+
+        tokens, errors = self.sample_tokens(prompts, keys)
+        texts, reasons, ends = [], [], set(self.eos_ids)
+        for toks in tokens:
+            self.generated_tokens += answer_length(toks, ends)
+            text, reason = finish_answer(self.tokenizer, toks, ends)
+            texts.append(text)
+            reasons.append(reason)
+        return texts, reasons, errors

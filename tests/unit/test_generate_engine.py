@@ -1,0 +1,125 @@
+"""generate.backend: engine (pipeline/generate_engine.py): the continuous-batching engine draws
+answers from the distribution plain transformers ``generate`` samples (two-sample chi-square on
+next-token histograms at three positions, the real SmolLM2 target), a row's answer does not depend
+on its batch, one bad row fails alone, and the stage writes the hf backend's rows and resumes by
+id."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from scipy.stats import chi2_contingency
+
+from pipeline.generate import GenerateUDF, run_generate
+from pipeline.generate_engine import EngineGenerateUDF, answer_seed
+from serve.chat import render_prompt_ids
+from serve.target_loading import load_target
+
+SAMPLING = {"temperature": 1.0, "top_p": 0.95, "top_k": 20, "max_new_tokens": 3}
+N = 400  # answers per arm
+
+
+def _two_sample_pvalue(a: list[int], b: list[int], min_expected: float = 5.0) -> float:
+    """Chi-square test that two samples of token ids come from one distribution: a 2 x K table,
+    tokens expected fewer than ``min_expected`` times in either row pooled into one column."""
+    tokens = sorted(set(a) | set(b))
+    table = np.array([[a.count(t) for t in tokens], [b.count(t) for t in tokens]], dtype=float)
+    expected = table.sum(0) * min(table.sum(1)) / table.sum()
+    keep = expected >= min_expected
+    pooled = np.concatenate([table[:, keep], table[:, ~keep].sum(1, keepdims=True)], axis=1)
+    pooled = pooled[:, pooled.sum(0) > 0]
+    assert pooled.shape[1] >= 4  # enough cells for a meaningful test
+    return float(chi2_contingency(pooled)[1])
+
+
+@pytest.fixture(scope="module")
+def engine_udf(smollm2_dir):
+    return EngineGenerateUDF(str(smollm2_dir), "float32", SAMPLING, {}, num_threads=None,
+                             max_prompt_tokens=64, seed=0, max_num_requests=128,
+                             kv_cache_memory_gib=0.5)
+
+
+def test_engine_backend_samples_the_distribution_of_hf_generate(smollm2_dir, engine_udf):
+    prompt = render_prompt_ids(engine_udf.tokenizer,
+                               [{"role": "user", "content": "Tell me about your favourite animal."}],
+                               {})
+    tokens, errors = engine_udf.sample_tokens([prompt] * N, [f"row{i}:0" for i in range(N)])
+    assert errors == [""] * N and all(len(t) == 3 for t in tokens)
+
+    model = load_target(str(smollm2_dir), "float32")
+    torch.manual_seed(0)
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt] * N), attention_mask=torch.ones(N, len(prompt),
+                                                                                   dtype=torch.long),
+                             do_sample=True, temperature=SAMPLING["temperature"],
+                             top_p=SAMPLING["top_p"], top_k=SAMPLING["top_k"], max_new_tokens=3,
+                             min_new_tokens=3, pad_token_id=engine_udf.tokenizer.pad_token_id)
+    hf = out[:, len(prompt):].tolist()
+    for pos in range(3):
+        p = _two_sample_pvalue([t[pos] for t in tokens], [t[pos] for t in hf])
+        assert p > 1e-3, f"position {pos + 1}: p = {p:.2g}"
+    # the draws are not degenerate: the first position has several likely tokens
+    assert len({t[0] for t in tokens}) >= 4
+
+
+def test_a_rows_answer_depends_on_its_key_not_its_batch(engine_udf):
+    tok = engine_udf.tokenizer
+    prompts = [render_prompt_ids(tok, [{"role": "user", "content": c}], {})
+               for c in ("Name a colour.", "Say hello.", "What is 2 + 2?")]
+    alone, _ = engine_udf.sample_tokens(prompts[1:2], ["b:0"])
+    together, _ = engine_udf.sample_tokens(prompts, ["a:0", "b:0", "c:0"])
+    assert together[1] == alone[0]
+    assert answer_seed(0, "b:0") != answer_seed(0, "b:1") != answer_seed(1, "b:0")
+
+
+def test_a_refused_row_fails_alone(engine_udf):
+    tok = engine_udf.tokenizer
+    good = render_prompt_ids(tok, [{"role": "user", "content": "Say hello."}], {})
+    too_long = good * 400  # past the engine's model length
+    tokens, errors = engine_udf.sample_tokens([good, too_long, good], ["a:0", "b:0", "c:0"])
+    assert errors[0] == errors[2] == "" and "exceeds the model length" in errors[1]
+    assert len(tokens[0]) >= 1 and tokens[1] == []
+
+
+def test_the_kv_budget_must_hold_the_longest_prompt_and_answer(smollm2_dir):
+    with pytest.raises(ValueError, match="generate.kv_cache_memory_gib"):
+        EngineGenerateUDF(str(smollm2_dir), "float32", dict(SAMPLING, max_new_tokens=512), {},
+                          num_threads=None, max_prompt_tokens=1024, seed=0, max_num_requests=64,
+                          kv_cache_memory_gib=0.05)
+
+
+def test_the_stage_writes_the_hf_backends_rows_and_resumes_by_id(smollm2_dir, tmp_path,
+                                                                  ray_local):
+    rows = [{"id": f"p{i}", "domain": "chat",
+             "messages": [{"role": "user", "content": f"Question {i}?"}]} for i in range(6)]
+    rows.append({"id": "long", "domain": "chat",
+                 "messages": [{"role": "user", "content": "word " * 400}]})
+    sampling = dict(SAMPLING, max_new_tokens=6, temperature=0.0)
+    common = dict(target=str(smollm2_dir), dtype="float32", sampling=sampling,
+                  template_kwargs={}, batch_size=4, num_actors=1, cpus_per_actor=1,
+                  gpus_per_actor=0, num_threads=1, max_prompt_tokens=64, seed=0)
+    engine_kwargs = {"udf": EngineGenerateUDF,
+                     "udf_kwargs": {"max_num_requests": 4, "kv_cache_memory_gib": 0.05}}
+    out, err = tmp_path / "engine" / "train.jsonl", tmp_path / "engine" / "errors.jsonl"
+    first = run_generate(rows[:3], out, err, **common, **engine_kwargs)
+    assert first == {"generated": 3, "errors": 0, "skipped": 0}
+    again = run_generate(rows, out, err, **common, **engine_kwargs)
+    assert again == {"generated": 3, "errors": 1, "skipped": 3}
+    written = [json.loads(line) for line in out.read_text().splitlines()]
+    assert sorted(r["id"] for r in written) == [f"p{i}" for i in range(6)]
+    assert "max_prompt_tokens" in err.read_text()
+    hf_out = tmp_path / "hf" / "train.jsonl"
+    run_generate(rows[:6], hf_out, tmp_path / "hf" / "errors.jsonl", **common)
+    hf_rows = {r["id"]: r for r in map(json.loads, hf_out.read_text().splitlines())}
+    for r in written:  # greedy: the same answers, the same fields
+        assert r == hf_rows[r["id"]]
+
+
+def test_the_hf_udf_counts_generated_tokens_too(tiny_target_dir):
+    udf = GenerateUDF(str(tiny_target_dir), "float32", dict(SAMPLING, max_new_tokens=4), {},
+                      num_threads=1, max_prompt_tokens=64, seed=0)
+    udf._generate([[5, 6, 7], [8, 9]], ["a:0", "b:0"])
+    assert 2 <= udf.generated_tokens <= 8
