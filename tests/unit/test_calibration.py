@@ -153,3 +153,44 @@ def test_static_threshold_sweep_hand_example():
     assert len(rows) == len(want)
     for got, exp in zip(rows, want):
         assert got == pytest.approx(exp)
+
+
+def _write_drafter_dir(path):
+    from tests.tiny import tiny_drafter, tiny_target
+
+    tiny_drafter(tiny_target()).save_pretrained(path)
+    return path
+
+
+@pytest.mark.parametrize("fit", ["sts", "worse than identity"])
+def test_calibrate_stage_keeps_identity_when_the_fit_does_not_help(tmp_path, monkeypatch, fit):
+    """The calibrate stage writes fitted temperatures only when they lower the report half's
+    mean ECE; otherwise the drafter keeps temperatures 1 and the report says why (issue 21)."""
+    import drafters.calibration as cal
+    from drafters.config import read_drafter_config
+    from pipeline.calibrate import fit_and_report
+
+    src = _write_drafter_dir(tmp_path / "src")
+    gamma = read_drafter_config(src).block_size
+    rng = np.random.default_rng(0)
+    rows = []
+    for _ in range(40):  # prompts; true survival follows z / 3: STS recovers T ~ 3 and helps
+        z = rng.normal(1.0, 1.5, size=(30, gamma))
+        acc = np.cumprod(rng.random(z.shape) < 1 / (1 + np.exp(-z / 3)), axis=1).sum(axis=1)
+        rows.append([(list(zz), int(a)) for zz, a in zip(z, acc)])
+    if fit != "sts":  # a fit that generalises badly: far too sharp
+        monkeypatch.setattr(cal, "sequential_temperature_scaling",
+                            lambda z, a: [0.2] * z.shape[1])
+    out = tmp_path / "out"
+    out.mkdir()
+    summary = fit_and_report({"gamma": gamma, "has_confidence": True, "rounds": rows}, out,
+                             str(src), seed=0)
+    temps = read_drafter_config(out / "drafter").calibration_temperatures
+    if fit == "sts":
+        assert summary["calibrated"] and summary["mean_ece_after"] < summary["mean_ece_before"]
+        assert temps == summary["temperatures"] and temps[0] > 2
+    else:
+        assert not summary["calibrated"] and "identity temperatures kept" in summary["reason"]
+        assert summary["mean_ece_after"] > summary["mean_ece_before"]
+        assert summary["fitted_temperatures"] == [0.2] * gamma
+        assert not temps or temps == [1.0] * gamma
