@@ -31,7 +31,16 @@ CONTENDERS = {
     "dflash": {"drafter_type": "dflash", "head_type": "none", "confidence_head": False},
     "eagle3": {"drafter_type": "eagle3", "head_type": "none", "confidence_head": False,
                "init": "random"},  # an Eagle3 layer reads a 2H-wide input: no target-layer start
+    # DSpark ablations (--contenders): which design choice explains DSpark's standing
+    "dspark-no_markov": {"head_type": "none"},  # the sequential head off (confidence head kept)
+    "dspark-rnn": {"head_type": "rnn"},
+    "dspark-markov_rank_64": {"markov_rank": 64},
+    "dspark-block_4": {"block_size": 4},
+    "dspark-loss_decay_4": {"loss_decay": 4.0},  # the reference repository's decay
+    "dspark-layers_1": {"num_layers": 1},
+    "dspark-layers_3": {"num_layers": 3},
 }
+DEFAULT_CONTENDERS = "dspark,dflash,eagle3"
 SHARED_STAGES = ("prompts", "generate", "cache")
 
 
@@ -117,10 +126,11 @@ def render_md(table: dict, results: dict, meta: dict) -> str:
                      f" | {t['domains']['macro']:.3f} |")
     lines += ["", "## DSpark's tau relative to the baselines", "",
               "| ratio | " + " | ".join(domains) + " | macro |", "|---|" + "---|" * (len(domains) + 1)]
+    ref = names[0]  # the first contender (dspark by default)
     for base in names[1:]:
-        lines.append(f"| dspark / {base} | " + " | ".join(
-            f"{table['dspark']['domains'][d] / table[base]['domains'][d]:.3f}" for d in domains) +
-            f" | {table['dspark']['domains']['macro'] / table[base]['domains']['macro']:.3f} |")
+        lines.append(f"| {ref} / {base} | " + " | ".join(
+            f"{table[ref]['domains'][d] / table[base]['domains'][d]:.3f}" for d in domains) +
+            f" | {table[ref]['domains']['macro'] / table[base]['domains']['macro']:.3f} |")
     lines += ["", "## Cost", "",
               "| drafter | trainable parameters | draft ms/round | verify ms/round | rounds | "
               "final train loss | final held-out tau (probabilistic) |",
@@ -135,11 +145,13 @@ def render_md(table: dict, results: dict, meta: dict) -> str:
               "`conditional_acceptance.png`:", "",
               "| drafter | " + " | ".join(f"k={k + 1}" for k in range(meta["gamma"])) + " |",
               "|---|" + "---|" * meta["gamma"]]
-    for n in names:
-        lines.append(f"| {n} | " + " | ".join("-" if c is None else f"{c:.3f}"
-                                              for c in table[n]["conditional_acceptance"]) + " |")
-    cal = results["dspark"]["calibration"]
-    lines += ["", "## DSpark calibration (STS on held-out prompts)", ""]
+    for n in names:  # a contender with a shorter block has no rate past it: '-'
+        rates = list(table[n]["conditional_acceptance"])[:meta["gamma"]]
+        rates += [None] * (meta["gamma"] - len(rates))
+        lines.append(f"| {n} | " + " | ".join("-" if c is None else f"{c:.3f}" for c in rates)
+                     + " |")
+    cal = results[ref]["calibration"]
+    lines += ["", f"## {ref} calibration (STS on held-out prompts)", ""]
     if cal.get("calibrated"):
         lines += [f"Temperatures fitted on {cal['fit_rounds']} full-block rounds of half the held-out "
                   f"prompts, reported on the other half ({cal['report_rounds']} rounds); "
@@ -164,11 +176,23 @@ def main() -> int:
     parser.add_argument("--config", default=str(ROOT / "infra/configs/drafter_quality.yaml"))
     parser.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE")
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
+    parser.add_argument("--contenders", default=DEFAULT_CONTENDERS,
+                        help=f"comma-separated, the first is the reference (one of "
+                             f"{', '.join(CONTENDERS)})")
+    parser.add_argument("--data-from", default=None, metavar="RUN_DIR",
+                        help="link the prompts/generate/cache stages of this finished run (e.g. "
+                             "runs/smollm2_reference) instead of generating them; its data "
+                             "sections must match the config's")
     args = parser.parse_args()
+    names = [n.strip() for n in args.contenders.split(",") if n.strip()]
+    unknown = [n for n in names if n not in CONTENDERS]
+    if unknown or not names:
+        print(f"--contenders: unknown {unknown}; known: {', '.join(CONTENDERS)}", file=sys.stderr)
+        return 2
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     try:  # a bad config or --set is reported like pipeline/run.py does, before any work
-        for name in CONTENDERS:
+        for name in names:
             contender_config(args.config, name, args.set)
     except ConfigError as err:
         print(err, file=sys.stderr)
@@ -176,7 +200,12 @@ def main() -> int:
     started = time.time()
     timings, results = {}, {}
     first_dir = None
-    for name in CONTENDERS:
+    if args.data_from:
+        first_dir = Path(args.data_from).resolve()
+        if not (first_dir / "cache" / "_SUCCESS.json").exists():
+            print(f"--data-from {args.data_from}: no finished cache stage there", file=sys.stderr)
+            return 1
+    for name in names:
         cfg = contender_config(args.config, name, args.set)
         ctx_dir = Path(stages.StageContext.create(cfg).run_dir)
         if first_dir is None:
@@ -196,21 +225,21 @@ def main() -> int:
                                 title="P(token k accepted | tokens < k accepted), mean over benchmarks")
     tau_bar_plot({n: t["tau"] for n, t in table.items()}, out / "drafter_quality_tau.png",
                  title=f"Accepted length tau at T = {temperature}")
-    reliability = Path(results["dspark"]["run_dir"]) / "calibrate" / "reliability.png"
+    reliability = Path(results[names[0]]["run_dir"]) / "calibrate" / "reliability.png"
     if reliability.exists():
         (out / "dspark_reliability.png").write_bytes(reliability.read_bytes())
     meta = {"target": cfg.target.name_or_path, "dtype": cfg.eval.dtype,
             "gamma": cfg.drafter.block_size, "temperature": temperature,
             "prompts_per_dataset": max(cfg.eval.datasets.values()),
             "max_new_tokens": cfg.eval.max_new_tokens,
-            "train_steps": table["dspark"]["train_steps"],
+            "train_steps": table[names[0]]["train_steps"],
             "global_batch_size": cfg.train.global_batch_size,
             "machine": f"{platform.machine()}, {os.cpu_count()} CPU cores, no GPU",
             "wall_minutes": (time.time() - started) / 60, "timings_s": timings,
             "command": "python benchmarks/drafter_quality.py " + " ".join(sys.argv[1:])}
     (out / "drafter_quality.json").write_text(json.dumps(
         {"meta": meta, "table": table,
-         "calibration": results["dspark"]["calibration"]}, indent=1))
+         "calibration": results[names[0]]["calibration"]}, indent=1))
     md = render_md(table, results, meta)
     (out / "drafter_quality.md").write_text(md)
     print(md)

@@ -44,6 +44,17 @@ def test_plan_counts_rows_bytes_shards_and_steps(tmp_path):
     assert p.shards == 6 + 1 and p.files == 15  # ceil(45/8) + ceil(5/8); 2 per shard + manifest
     assert p.write_s == pytest.approx(p.total_bytes / 1e6)
     assert (p.steps_per_epoch, p.train_steps) == (11, 33)
+    assert p.answer_tokens_max == 50 * 4096  # prompts x the default max_new_tokens
+
+
+def test_plan_sizes_the_regeneration(tmp_path, capsys):
+    _config(tmp_path)
+    assert main(["--config", str(tmp_path / "config.yaml"), "--hidden-size", "64",
+                 "--num-layers", "6", "--tokens-per-sample", "200",
+                 "--set", "generate.sampling.max_new_tokens=360",
+                 "--generate-tokens-per-s", "100"]) == 0
+    line = next(l for l in capsys.readouterr().out.splitlines() if l.startswith("answer tokens"))
+    assert "18.0 Ktokens" in line and "3.0 min at 100 tokens/s" in line  # 50 x 360 / 100 s
 
 
 def test_cli_needs_tokens_per_sample_without_a_manifest(tmp_path, capsys):
