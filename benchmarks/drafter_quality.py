@@ -32,7 +32,9 @@ CONTENDERS = {
     "eagle3": {"drafter_type": "eagle3", "head_type": "none", "confidence_head": False,
                "init": "random"},  # an Eagle3 layer reads a 2H-wide input: no target-layer start
     # DSpark ablations (--contenders): which design choice explains DSpark's standing
-    "dspark-no_markov": {"head_type": "none"},  # the sequential head off (confidence head kept)
+    # the sequential head off (the confidence head reads its embedding, so it goes too; the
+    # benchmark verifies fixed gamma blocks, which needs no confidence)
+    "dspark-no_markov": {"head_type": "none", "confidence_head": False},
     "dspark-rnn": {"head_type": "rnn"},
     "dspark-markov_rank_64": {"markov_rank": 64},
     "dspark-block_4": {"block_size": 4},

@@ -12,7 +12,9 @@ error file are the hf backend's (the same :class:`pipeline.generate.GenerateUDF`
 
 Sampling: the engine's (``drafters.sampling.warped_probs``: temperature, top-k, top-p, the hf
 backend's warps), each answer from its own generator seeded by (``seed``, row id, turn), so a
-row's text does not depend on which batch or actor it ran in (the hf backend's does).
+row's random draws do not depend on which batch or actor it ran in (the hf backend's do). Its
+text is then reproducible exactly in fp32; in bf16 the target's logits vary at rounding level with
+the composition of each packed pass, which can change a sampled token.
 """
 
 from __future__ import annotations

@@ -29,6 +29,11 @@ from __future__ import annotations
 import torch
 
 ATTENTION_NAME = "dspark_slots"
+# Cost of attending one key position in a request's own SDPA call, relative to one position of
+# the batched product over a slot range (which also pays for the range's holes and for padding
+# every row to the longest): measured on 2 cores at ~300 positions, ~80 vs ~45 ns per position
+# and key/value head, the per-call dispatch included.
+PER_REQUEST_COST = 2.0
 
 
 class SlotKVPool:
@@ -115,12 +120,13 @@ class SlotKVPool:
 
 class SingleTokenRows:
     """The requests of a pass that run one new token each (a decode step), attended together in
-    one batched product over a contiguous range of pool slots instead of one SDPA call each:
-    at 128 decoding requests the per-request calls cost ~90 ms of a ~370 ms step on 2 CPU
-    cores, their Python dispatch most of it.
+    one batched product over a contiguous range of pool slots instead of one SDPA call each
+    (chosen by :func:`batched_single_tokens`). With 128 decoding requests of similar lengths
+    (GSM8K prompts, 128-token answers) the per-request calls cost ~130 ms of a ~370 ms step on 2
+    CPU cores and the batched product ~60 ms; with mixed prompt and answer lengths the product
+    pays for padding to its longest row and for the range's holes, so fewer rows qualify.
 
     Fields (n single-token requests, slots [lo, hi) covering theirs, P = hi - lo):
-        index: int64 [n], their positions among the pass's requests.
         slots, positions: int64 [n], each one's slot and the position its new token is written at.
         starts: int64 [n], its token's offset in the packed row.
         lo, hi: the slot range; rows: int64 [n], each one's row in the range (slot - lo).
@@ -131,12 +137,10 @@ class SingleTokenRows:
             in this pass attend position 0 only, so their discarded rows never divide by zero).
     """
 
-    __slots__ = ("index", "slots", "positions", "starts", "lo", "hi", "rows", "width", "mask",
+    __slots__ = ("slots", "positions", "starts", "lo", "hi", "rows", "width", "mask",
                  "in_slot_order")
 
-    def __init__(self, index: list[int], slots: list[int], lengths: list[int],
-                 starts: list[int], device):
-        self.index = torch.tensor(index, device=device)
+    def __init__(self, slots: list[int], lengths: list[int], starts: list[int], device):
         self.slots = torch.tensor(slots, device=device)
         self.positions = torch.tensor(lengths, device=device)
         self.starts = torch.tensor(starts, device=device)
@@ -148,6 +152,33 @@ class SingleTokenRows:
         visible = torch.ones(self.hi - self.lo, dtype=torch.long, device=device)
         visible[self.rows] = self.positions + 1
         self.mask = (torch.arange(self.width, device=device)[None] < visible[:, None])[:, None, None]
+
+
+def batched_single_tokens(slots: list[int], lengths: list[int], counts: list[int]) -> list[int]:
+    """Which single-token requests of a pass to attend together (:class:`SingleTokenRows`), the
+    rest one SDPA call each: the shortest m of them for the m that minimises the estimated cost,
+    span x width of the batched product (its slot range times its longest row) plus
+    ``PER_REQUEST_COST`` x positions of the others. One long request (a 1,000-token prompt among
+    300-token ones) would otherwise make every row of the product attend 1,000 positions.
+
+    Args:
+        slots, lengths, counts: per request of the pass, its slot, committed length and new
+            tokens.
+    Returns:
+        the chosen request indices (empty: fewer than two are worth batching).
+    """
+    ones = sorted((j for j, n in enumerate(counts) if n == 1), key=lambda j: lengths[j])
+    rest = sum(lengths[j] + 1 for j in ones)  # positions left to the per-request path
+    best, best_cost = 0, PER_REQUEST_COST * rest
+    lo, hi = None, None
+    for m, j in enumerate(ones, start=1):
+        lo = slots[j] if lo is None else min(lo, slots[j])
+        hi = slots[j] if hi is None else max(hi, slots[j])
+        rest -= lengths[j] + 1
+        cost = (hi - lo + 1) * (lengths[j] + 1) + PER_REQUEST_COST * rest
+        if m >= 2 and cost < best_cost:
+            best, best_cost = m, cost
+    return ones[:best]
 
 
 class SlotViews:
@@ -199,12 +230,12 @@ class PooledStepCache:
                       <= (l + torch.arange(n, device=device))[:, None]
                       for l, n in zip(lengths, counts)]
         self._folded: dict = {}  # folded masks, shared by all layers of this pass
-        ones = [j for j, n in enumerate(counts) if n == 1]
-        # one request alone gains nothing from batching; the per-request path stays exact SDPA
-        self.single = (SingleTokenRows(ones, [slots[j] for j in ones], [lengths[j] for j in ones],
-                                       [self.starts[j] for j in ones], device)
-                       if len(ones) > 1 else None)
-        self._multi = [j for j in range(len(counts)) if self.single is None or counts[j] > 1]
+        batched = batched_single_tokens(slots, lengths, counts)
+        self.single = (SingleTokenRows([slots[j] for j in batched], [lengths[j] for j in batched],
+                                       [self.starts[j] for j in batched], device)
+                       if batched else None)
+        chosen = set(batched)
+        self._multi = [j for j in range(len(counts)) if j not in chosen]
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int,
                *args, **kwargs) -> tuple[SlotViews, SlotViews]:
@@ -289,7 +320,9 @@ def _single_token_attention(query: torch.Tensor, key: SlotViews, value: SlotView
     v = values[one.lo:one.hi, :, :one.width]
     scale = scaling if scaling is not None else d ** -0.5
     # keys times queries, not queries times transposed keys: the pool's key rows are contiguous,
-    # and this orientation multiplies 3x faster on them (measured on 2 cores, bf16)
+    # and this orientation multiplies 3x faster on them (measured on 2 cores, bf16). In bf16 the
+    # scores are rounded to bf16 before the fp32 softmax (SDPA's CPU kernel keeps them in fp32):
+    # noise of the size bf16 already puts on q and k; an fp32 target is exact (tested)
     scores = torch.matmul(k, q.transpose(-1, -2)).transpose(-1, -2).float() * scale
     weights = scores.masked_fill_(~one.mask, float("-inf")).softmax(-1).to(v.dtype)
     o = torch.matmul(weights, v)  # [P, Hkv, g, d]

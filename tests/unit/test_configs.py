@@ -24,11 +24,14 @@ def test_drafter_quality_config_trains_the_baselines_like_dspark():
     from benchmarks.drafter_quality import CONTENDERS, contender_config
 
     base = Path(__file__).resolve().parents[2] / "infra" / "configs" / "drafter_quality.yaml"
-    cfgs = {name: contender_config(base, name, []) for name in CONTENDERS}
+    cfgs = {name: contender_config(base, name, []) for name in CONTENDERS}  # all validate
     for name, cfg in cfgs.items():
-        assert cfg.drafter.drafter_type == name
+        assert cfg.drafter.drafter_type == name.split("-")[0]  # ablations are DSpark drafters
         assert cfg.train == cfgs["dspark"].train and cfg.eval == cfgs["dspark"].eval
         assert cfg.run_dir.endswith(name)
+    changed = {k for k, v in cfgs["dspark-block_4"].drafter.model_dump().items()
+               if v != cfgs["dspark"].drafter.model_dump()[k]}
+    assert changed == {"block_size"}
 
 
 SERVE = [p for p in CONFIGS if p not in PIPELINE]

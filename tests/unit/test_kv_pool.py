@@ -57,12 +57,25 @@ def test_batched_slots_match_a_plain_forward_over_each_sequence(model):
     assert [kv.length for kv in kvs] == [len(s) for s in seqs]
 
 
+def test_which_single_token_requests_are_attended_together():
+    from serve.kv_pool import batched_single_tokens
+
+    assert batched_single_tokens([0, 1, 2, 3], [100] * 4, [1] * 4) == [0, 1, 2, 3]
+    # one long request would make every row attend 1,000 positions: it goes alone
+    assert batched_single_tokens([0, 1, 2, 3], [100, 110, 1000, 105], [1] * 4) == [0, 3, 1]
+    assert batched_single_tokens([0, 1], [100, 100], [1, 3]) == []  # one single: nothing to batch
+    assert batched_single_tokens([0, 9], [100, 100], [1, 1]) == []  # a range mostly of holes
+
+
 @pytest.mark.parametrize("order", ["slot order", "reversed"])
-def test_single_token_requests_attended_together_match_a_plain_forward(model, order):
+def test_single_token_requests_attended_together_match_a_plain_forward(model, order, monkeypatch):
     """Decode steps where most requests run one token (attended together in one batched product
     over a slot range, serve/kv_pool.py: SingleTokenRows) beside a multi-token one, with a freed
     slot inside the range, give each request the logits and features of a plain forward; also
     when the pass lists the requests in another order than their slots (reused slots)."""
+    import serve.kv_pool as kv_pool
+
+    monkeypatch.setattr(kv_pool, "PER_REQUEST_COST", 1e9)  # every single-token request batched
     runner = TargetRunner(model, LAYERS)
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(2, 96, (n,), generator=g).tolist() for n in (6, 23, 2, 11, 8)]
