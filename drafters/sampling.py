@@ -66,8 +66,14 @@ def draw(probs: torch.Tensor, generator: torch.Generator | None = None) -> int:
         generator: a CPU ``torch.Generator`` (the request's own) or None (torch's global one).
     Returns:
         the token id (a Python int; never one of zero probability).
+    Raises:
+        ValueError: ``probs`` sums to zero or is not finite (as ``torch.multinomial`` refuses
+            it), so the caller fails this one request instead of emitting an arbitrary token.
     """
     cdf = probs.detach().to("cpu", torch.float64).cumsum(0)
+    total = float(cdf[-1])
+    if not total > 0 or not torch.isfinite(cdf[-1]):
+        raise ValueError(f"cannot draw from a distribution summing to {total}")
     u = torch.rand(1, generator=generator, dtype=torch.float64) * cdf[-1]
     # right=True: the first token whose cumulative mass exceeds u, which has mass of its own
     return min(int(torch.searchsorted(cdf, u, right=True)), cdf.numel() - 1)

@@ -93,12 +93,19 @@ class EngineGenerateUDF(GenerateUDF):
                 self.engine.add_request(EngineRequest(str(i), prompt, params))
             except RequestError as err:
                 errors[i] = str(err)
-        while self.engine.has_unfinished():
-            for out in self.engine.step():
-                i = int(out.request_id)
-                tokens[i] += out.new_token_ids
-                if out.finish_reason == "error":
-                    errors[i] = str(out.error)
+        try:
+            while self.engine.has_unfinished():
+                for out in self.engine.step():
+                    i = int(out.request_id)
+                    tokens[i] += out.new_token_ids
+                    if out.finish_reason == "error":
+                        errors[i] = str(out.error)
+        except BaseException:
+            # a failed step (out of memory, say) leaves this call's requests and their KV slots
+            # in the engine: free them, so the caller's row-by-row retry starts from empty
+            for i in range(len(prompts)):
+                self.engine.abort(str(i))
+            raise
         return tokens, errors
 
     def _generate(self, prompts: list[list[int]], keys: list[str]

@@ -146,7 +146,8 @@ ADDED_LATER = [("drafter", "qk_norm", None), ("engine", "kv_cache_memory_gib", 2
                ("generate", "kv_cache_memory_gib", 4.0),
                ("generate", "vllm", VllmGenerateConfig().model_dump(mode="json")),
                ("cache", "forward_batch_tokens", 8192), ("train", "placement_strategy", "PACK"),
-               ("train", "max_train_rows", None)]
+               ("train", "max_train_rows", None), ("train", "plateau_patience", None),
+               ("train", "plateau_min_delta", 0.01)]
 
 
 def stage_fingerprint(cfg: PipelineConfig, name: str) -> str:

@@ -18,7 +18,7 @@ import pytest
 from pipeline import generate_vllm as gv
 from pipeline.config import ConfigError, SamplingConfig, VllmGenerateConfig, load_config
 from pipeline.generate import finish_answer, next_user_turn
-from pipeline.stages import STAGE_INPUTS, preflight, stage_fingerprint
+from pipeline.stages import ADDED_LATER, STAGE_INPUTS, preflight, stage_fingerprint
 
 ROOT = Path(__file__).resolve().parents[2]
 QUICKSTART = ROOT / "infra" / "configs" / "quickstart.yaml"
@@ -149,3 +149,25 @@ def test_end_tokens_read_from_the_target_files_match_the_hf_backend(tiny_target_
     assert gv.target_end_tokens(str(target)) == expected and 7 in expected
     (target / "generation_config.json").unlink()
     assert gv.target_end_tokens(str(target)) == [tok.eos_token_id]
+
+
+def test_train_fields_added_this_release_keep_train_fingerprints():
+    """train.plateau_patience, train.plateau_min_delta and train.max_train_rows at their defaults
+    leave finished runs' train (and later) stages complete."""
+    cfg = load_config(QUICKSTART)
+    dumped = cfg.model_dump(mode="json")
+    for key in ("plateau_patience", "plateau_min_delta", "max_train_rows", "placement_strategy"):
+        del dumped["train"][key]
+    for key in ("backend", "vllm", "max_num_requests", "kv_cache_memory_gib"):
+        del dumped["generate"][key]
+    from pipeline.config import STAGES
+
+    sections = [s for st in STAGES[:STAGES.index("train") + 1] for s in STAGE_INPUTS[st]]
+    for section, key, default in ADDED_LATER:  # older additions, as the fingerprint drops them
+        if section not in ("train", "generate") and dumped[section].get(key) == default:
+            del dumped[section][key]
+    before = hashlib.sha256(json.dumps({s: dumped[s] for s in sections},
+                                       sort_keys=True).encode()).hexdigest()
+    assert stage_fingerprint(cfg, "train") == before
+    assert stage_fingerprint(load_config(QUICKSTART, ["train.plateau_min_delta=0.02"]),
+                             "train") != before

@@ -84,6 +84,22 @@ def test_a_refused_row_fails_alone(engine_udf):
     assert len(tokens[0]) >= 1 and tokens[1] == []
 
 
+def test_a_failed_step_leaves_nothing_in_the_engine(engine_udf, monkeypatch):
+    """A step that raises (out of memory, say) frees this call's requests, so the caller's
+    row-by-row retry runs on an empty engine."""
+    tok = engine_udf.tokenizer
+    prompt = render_prompt_ids(tok, [{"role": "user", "content": "Say hello."}], {})
+    real_step = engine_udf.engine.step
+    monkeypatch.setattr(engine_udf.engine, "step",
+                        lambda: (_ for _ in ()).throw(MemoryError("simulated")))
+    with pytest.raises(MemoryError):
+        engine_udf.sample_tokens([prompt, prompt], ["a:0", "b:0"])
+    assert not engine_udf.engine.has_unfinished()
+    monkeypatch.setattr(engine_udf.engine, "step", real_step)
+    tokens, errors = engine_udf.sample_tokens([prompt], ["a:0"])
+    assert errors == [""] and tokens[0]
+
+
 def test_the_kv_budget_must_hold_the_longest_prompt_and_answer(smollm2_dir):
     with pytest.raises(ValueError, match="generate.kv_cache_memory_gib"):
         EngineGenerateUDF(str(smollm2_dir), "float32", dict(SAMPLING, max_new_tokens=512), {},

@@ -69,3 +69,6 @@ def test_draw_follows_the_distribution_and_never_a_zero_probability_token():
     assert {draw(one, g) for _ in range(50)} == {9}
     a = [draw(probs, torch.Generator().manual_seed(5)) for _ in range(3)]
     assert len(set(a)) == 1
+    for bad in (torch.zeros(5), torch.tensor([0.5, float("nan")])):
+        with pytest.raises(ValueError, match="cannot draw"):
+            draw(bad, g)
