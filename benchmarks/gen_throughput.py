@@ -102,6 +102,8 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "gen_throughput"))
     args = ap.parse_args()
+    if not args.hf_batch_sizes or any(b < 1 for b in args.hf_batch_sizes + args.engine_batch_sizes):
+        ap.error("--hf-batch-sizes needs at least one size (the baseline) and every size >= 1")
 
     from pipeline.stages import StageContext
 
