@@ -416,7 +416,9 @@ class SpecServer:
         params = self._sampling_params(body, len(prompt_ids), chat)
         request_id = new_id("chatcmpl" if chat else "cmpl")
         try:
-            stream = await self.engine.add_request(EngineRequest(request_id, prompt_ids, params))
+            stream = await self.engine.add_request(EngineRequest(
+                request_id, prompt_ids, params,
+                return_spec_details=bool(body.return_spec_details)))
         except RequestError as err:
             raise _request_error(err, chat) from err
         except EngineDeadError as err:
@@ -437,12 +439,14 @@ class SpecServer:
                 choices=[ChatChoice(message=AssistantMessage(content=text),
                                     logprobs=chat_logprobs(logprobs, self._token_text)
                                     if wants else None,
-                                    finish_reason=last.finish_reason)]).model_dump()
+                                    finish_reason=last.finish_reason)],
+                spec_details=last.spec_details).model_dump()
         return CompletionResponse(
             id=request_id, created=created, model=self.model_name, usage=usage,
             choices=[CompletionChoice(text=text, finish_reason=last.finish_reason,
                                       logprobs=completion_logprobs(logprobs, self._token_text)
-                                      if wants else None)]).model_dump()
+                                      if wants else None)],
+            spec_details=last.spec_details).model_dump()
 
     async def _collect(self, stream: RequestStream, timer: _RequestTimer, chat: bool):
         """All of a request's text, its last output and its token logprobs (when asked); a
@@ -471,12 +475,12 @@ class SpecServer:
     async def _chat_events(self, stream: RequestStream, request_id: str, created: int,
                            include_usage: bool, timer: _RequestTimer):
         def chunk(delta: DeltaMessage, finish_reason=None, usage=None, choices=True,
-                  logprobs=None):
+                  logprobs=None, spec_details=None):
             return sse(ChatCompletionChunk(
                 id=request_id, created=created, model=self.model_name, usage=usage,
                 choices=[ChatChunkChoice(delta=delta, finish_reason=finish_reason,
                                          logprobs=logprobs)]
-                if choices else []))
+                if choices else [], spec_details=spec_details))
 
         last = None
         try:
@@ -489,7 +493,8 @@ class SpecServer:
                                 logprobs=chat_logprobs(out.logprobs, self._token_text)
                                 if out.logprobs is not None else None)
                 if out.finished:
-                    yield chunk(DeltaMessage(), finish_reason=out.finish_reason)
+                    yield chunk(DeltaMessage(), finish_reason=out.finish_reason,
+                                spec_details=out.spec_details)
             if include_usage and last is not None:
                 yield chunk(DeltaMessage(), choices=False,
                             usage=Usage.of(stream.num_prompt_tokens, last.num_generated_tokens))
@@ -507,12 +512,13 @@ class SpecServer:
 
     async def _completion_events(self, stream: RequestStream, request_id: str, created: int,
                                  include_usage: bool, timer: _RequestTimer):
-        def chunk(text: str, finish_reason=None, usage=None, choices=True, logprobs=None):
+        def chunk(text: str, finish_reason=None, usage=None, choices=True, logprobs=None,
+                  spec_details=None):
             return sse(CompletionResponse(
                 id=request_id, created=created, model=self.model_name, usage=usage,
                 choices=[CompletionChoice(text=text, finish_reason=finish_reason,
                                           logprobs=logprobs)]
-                if choices else []))
+                if choices else [], spec_details=spec_details))
 
         last, offset = None, 0
         try:
@@ -524,7 +530,8 @@ class SpecServer:
                     if out.logprobs is not None:
                         lp = completion_logprobs(out.logprobs, self._token_text, offset)
                         offset += sum(len(t) for t in lp.tokens)
-                    yield chunk(out.new_text, finish_reason=out.finish_reason, logprobs=lp)
+                    yield chunk(out.new_text, finish_reason=out.finish_reason, logprobs=lp,
+                                spec_details=out.spec_details)
             if include_usage and last is not None:
                 yield chunk("", choices=False,
                             usage=Usage.of(stream.num_prompt_tokens, last.num_generated_tokens))

@@ -40,7 +40,7 @@ from .detokenize import IncrementalDetokenizer
 from .draft_planner import AcceptanceEstimate, DraftCostTable, RequestOptions, plan_drafts
 from .errors import RequestError, RequestFailedError
 from .lookup import NgramIndex
-from .metrics import SpecDecodeStats
+from .metrics import SpecDecodeStats, request_spec_details
 from .rejection import verify_greedy, verify_sampled
 from .requests import EngineRequest, RequestOutput, TokenLogprob
 from .target_runner import TargetKV, TargetRunner
@@ -312,7 +312,8 @@ class SpecEngine:
                     if self.lookup_n:
                         r.lookup = NgramIndex(r.req.prompt_ids + [tok], self.lookup_n,
                                               self.config.prompt_lookup_min_ngram)
-                results.append(self._commit(r, [tok], self._logprobs(r, o.logits[-1:], [tok])))
+                results.append(self._with_details(
+                    r, self._commit(r, [tok], self._logprobs(r, o.logits[-1:], [tok]))))
             except Exception as err:  # noqa: BLE001 - this request fails, the engine goes on
                 results.append(self._fail(r, err, "prefill"))
                 continue
@@ -502,7 +503,7 @@ class SpecEngine:
         self.stats.record_round(len(row_tokens), l, min(n, kept), kept)
         if r.finish_reason is not None:
             self.running.remove(r)
-            return out
+            return self._with_details(r, out)
         self._learn(r, source, cap, row_confidences, l, n, probed)
         # keep the anchor and the accepted drafts; rejected positions never enter a cache
         o.keep(n + 1)
@@ -656,6 +657,13 @@ class SpecEngine:
         return RequestOutput(r.req.request_id, keep, text, reason is not None, reason,
                              len(r.req.prompt_ids), len(r.output),
                              logprobs=None if logprobs is None else logprobs[:len(keep)])
+
+    @staticmethod
+    def _with_details(r: _Request, out: RequestOutput) -> RequestOutput:
+        """A finished output carries the request's speculation summary when it asked."""
+        if out.finished and r.req.return_spec_details:
+            out.spec_details = request_spec_details(r.rounds)
+        return out
 
     def generate(self, requests: list[EngineRequest]) -> list["Completion"]:
         """Offline use: add ``requests``, step until all finish, return them in order.

@@ -76,3 +76,49 @@ class SpecDecodeStats:
     def mean_verification_budget(self) -> float:
         """Draft tokens verified per request per round."""
         return self.verified_tokens / self.rounds if self.rounds else 0.0
+
+
+def request_spec_details(rounds) -> dict:
+    """One request's speculation, summed over its rounds: what a client asks for with
+    ``return_spec_details`` (the same spirit as SGLang's per-request ``spec_verify_ct`` /
+    ``spec_accept_histogram`` meta info), computed with the engine-wide counters' definitions.
+
+    Args:
+        rounds: the request's round records in order (``serve.engine.RoundRecord``: drafted,
+            verified, accepted, committed, source), one per target pass after its first token.
+    Returns:
+        a JSON-ready dict: ``rounds`` (target passes after the first token), ``drafted_rounds``,
+        ``verified_rounds`` (rounds that verified >= 1 draft token), ``draft_tokens_proposed`` /
+        ``_verified`` / ``_accepted``, ``accept_length`` (tau: committed tokens per round, bonus
+        included), ``acceptance_rate`` (accepted / verified; None when nothing was verified),
+        ``accept_histogram`` (entry n: rounds that accepted exactly n draft tokens, rounds that
+        verified none counted at 0, so the entries sum to ``rounds``), ``conditional_acceptance``
+        (position k: P(draft k accepted | drafts < k accepted); None where no round reached k) and
+        ``sources``: per draft source (``model`` = the drafter, ``lookup`` = prompt lookup) its
+        rounds, verified and accepted draft tokens.
+    """
+    total = SpecDecodeStats()
+    sources = {"model": SpecDecodeStats(), "lookup": SpecDecodeStats()}
+    histogram: list[int] = []
+    for r in rounds:
+        total.record_round(r.drafted, r.verified, r.accepted, r.committed)
+        if r.source in sources:
+            sources[r.source].record_round(r.drafted, r.verified, r.accepted, r.committed)
+        histogram += [0] * (r.accepted + 1 - len(histogram))
+        histogram[r.accepted] += 1
+    return {
+        "rounds": total.rounds,
+        "drafted_rounds": total.drafted_rounds,
+        "verified_rounds": total.verified_per_position[0] if total.verified_per_position else 0,
+        "draft_tokens_proposed": total.drafted_tokens,
+        "draft_tokens_verified": total.verified_tokens,
+        "draft_tokens_accepted": total.accepted_tokens,
+        "accept_length": total.tau,
+        "acceptance_rate": total.acceptance_rate if total.verified_tokens else None,
+        "accept_histogram": histogram,
+        "conditional_acceptance": [a / n if n else None for a, n in
+                                   zip(total.accepted_per_position, total.reached_per_position)],
+        "sources": {name: {"rounds": s.rounds, "draft_tokens_verified": s.verified_tokens,
+                           "draft_tokens_accepted": s.accepted_tokens}
+                    for name, s in sources.items()},
+    }

@@ -163,6 +163,10 @@ class _SamplingFields(_NullMeansDefault):
     ignore_eos: bool | None = Field(None, description="Keep generating after EOS; default false.")
     stop_token_ids: list[int] | None = Field(None, max_length=64, description="Token ids that end "
                                              "the output (included).")
+    # this server's extension (SGLang returns the like in its meta_info)
+    return_spec_details: bool | None = Field(None, description="Add `spec_details`, the "
+                                             "request's speculation summary, to the response (the "
+                                             "final chunk when streaming); default false.")
     # accepted only at their neutral values
     frequency_penalty: float | None = None
     presence_penalty: float | None = None
@@ -422,6 +426,12 @@ class CompletionChoice(BaseModel):
     finish_reason: FinishReason | None = None
 
 
+def _spec_details_field():
+    """``spec_details`` (``serve.metrics.request_spec_details``): only in responses to requests
+    that set ``return_spec_details``, so other clients see the plain OpenAI object."""
+    return Field(None, exclude_if=lambda v: v is None)
+
+
 class CompletionResponse(BaseModel):
     """``text_completion`` object; also the streamed chunk (one delta of ``text`` per chunk)."""
 
@@ -431,6 +441,7 @@ class CompletionResponse(BaseModel):
     model: str
     choices: list[CompletionChoice]
     usage: Usage | None = None
+    spec_details: dict | None = _spec_details_field()
 
 
 class AssistantMessage(BaseModel):
@@ -452,6 +463,7 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: Usage
+    spec_details: dict | None = _spec_details_field()
 
 
 class DeltaMessage(BaseModel):
@@ -477,6 +489,7 @@ class ChatCompletionChunk(BaseModel):
     model: str
     choices: list[ChatChunkChoice]
     usage: Usage | None = None
+    spec_details: dict | None = _spec_details_field()
 
 
 class ModelCard(BaseModel):

@@ -103,11 +103,14 @@ class EngineRequest:
     """A request handed to :meth:`serve.engine.SpecEngine.add_request`.
 
     prompt_ids: the rendered prompt (chat template already applied), non-empty.
+    return_spec_details: attach the request's speculation summary to its finished output
+    (:func:`serve.metrics.request_spec_details`).
     """
 
     request_id: str
     prompt_ids: list[int]
     params: SamplingParams = field(default_factory=SamplingParams)
+    return_spec_details: bool = False
 
 
 @dataclass
@@ -130,3 +133,6 @@ class RequestOutput:
     num_generated_tokens: int
     error: RequestError | None = None
     logprobs: list[TokenLogprob] | None = None  # one per new token, when the request asked
+    # on the finished output of a request that asked (return_spec_details): its speculation
+    # summary, serve.metrics.request_spec_details
+    spec_details: dict | None = None

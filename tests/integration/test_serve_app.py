@@ -417,3 +417,32 @@ def test_client_disconnect_aborts_the_request(server, http):
     # the KV pool was sized at start-up and the aborted request's slot is free again
     pool = state["kv_pool"]
     assert pool["free_slots"] == pool["slots"] and pool["reallocations"] == 0
+
+
+def test_spec_details_over_http_when_asked(http):
+    """``return_spec_details``: the response (the final chunk when streaming) carries the request's
+    speculation summary, consistent with its usage; a request that did not ask gets the plain
+    OpenAI object."""
+    body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 12, "temperature": 0,
+            "ignore_eos": True}
+    plain = http.post("/v1/chat/completions", json=body).json()
+    assert "spec_details" not in plain
+    for path, extra in (("/v1/chat/completions", {}),
+                        ("/v1/completions", {"prompt": "Once upon a time", "messages": None})):
+        req = {**body, **extra, "return_spec_details": True}
+        req = {k: v for k, v in req.items() if v is not None}
+        out = http.post(path, json=req).json()
+        d = out["spec_details"]
+        generated = out["usage"]["completion_tokens"]
+        assert sum(d["accept_histogram"]) == d["rounds"] >= 1
+        assert d["accept_length"] * d["rounds"] == pytest.approx(generated - 1)
+        assert d["draft_tokens_accepted"] <= d["draft_tokens_verified"] <= d["draft_tokens_proposed"]
+        with http.stream("POST", path, json={**req, "stream": True}) as r:
+            events = [json.loads(line[len("data: "):]) for line in r.iter_lines()
+                      if line.startswith("data: {")]
+        carrying = [e for e in events if "spec_details" in e]
+        assert len(carrying) == 1 and carrying[0]["choices"][0]["finish_reason"] == "length"
+        # (not equal to d: the planner's engine-wide prior learned from the requests before)
+        streamed = carrying[0]["spec_details"]
+        assert sum(streamed["accept_histogram"]) == streamed["rounds"] >= 1
+        assert streamed["accept_length"] * streamed["rounds"] == pytest.approx(generated - 1)
