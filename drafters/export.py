@@ -37,7 +37,8 @@ it (:class:`ExportError`):
   (speculators: ``sliding_window_non_causal`` true), ``block_size`` gamma + 1 as z-lab's and
   speculators' DFlash count it, served with ``num_speculative_tokens`` gamma;
 - STS temperatures (per-position confidence calibration) have no field in vLLM: its adaptive
-  verification uses the raw confidence;
+  verification uses the raw confidence (SGLang's and TensorRT-LLM's STS and SPS files are written
+  by ``python -m serve.engine_files``, which can read the engine's SPS profile);
 - the RNN head and layers without q/k norms (vLLM's DSpark and DFlash attention always normalise
   q and k) are refused.
 """

@@ -30,7 +30,8 @@ def collect_rounds(*, target: str, dtype: str, drafter_dir: str, template_kwargs
     on whichever node it runs.
 
     Returns:
-        ``{"gamma", "has_confidence", "rounds": [[(z_1..z_gamma), accepted], ...] per prompt}``.
+        ``{"gamma", "has_confidence", "rounds": [[(z_1..z_gamma), accepted], ...] per prompt},
+        "dtype", "device"}`` (what the logits were measured with, for the engine files).
     """
     import torch
     from tqdm import tqdm
@@ -38,6 +39,7 @@ def collect_rounds(*, target: str, dtype: str, drafter_dir: str, template_kwargs
     from serve.builder import load_models
     from serve.chat import render_prompt_ids
     from serve.decoding import SpeculativeDecoder
+    from serve.profiling import device_name
 
     if num_threads:
         torch.set_num_threads(num_threads)
@@ -45,7 +47,8 @@ def collect_rounds(*, target: str, dtype: str, drafter_dir: str, template_kwargs
     models = load_models(target, dtype, drafter_dir, storage_options=storage_options)
     tokenizer, drafter = models.tokenizer, models.drafter
     gamma = drafter.config.block_size
-    out = {"gamma": gamma, "has_confidence": drafter.config.confidence_head, "rounds": []}
+    out = {"gamma": gamma, "has_confidence": drafter.config.confidence_head, "rounds": [],
+           "dtype": dtype, "device": device_name(models.runner.device)}
     if not drafter.config.confidence_head:
         return out
     decoder = SpeculativeDecoder(models.runner, drafter, models.eos)
@@ -75,12 +78,13 @@ def fit_and_report(collected: dict, out_dir: Path, drafter_dir: str, seed: int,
 
     from .plots import reliability_diagram
 
+    measured = {k: collected[k] for k in ("dtype", "device") if k in collected}
     dest = out_dir / "drafter"
     if dest.exists():
         shutil.rmtree(dest)
     shutil.copytree(drafter_dir, dest)
     if not collected["has_confidence"]:
-        summary = {"calibrated": False, "reason": "the drafter has no confidence head"}
+        summary = {"calibrated": False, "reason": "the drafter has no confidence head", **measured}
         (out_dir / "report.json").write_text(json.dumps(summary, indent=1))
         return summary
     per_prompt = collected["rounds"]
@@ -95,7 +99,7 @@ def fit_and_report(collected: dict, out_dir: Path, drafter_dir: str, seed: int,
             reason = (f"only {len(rows)} full-block rounds on the {name} half (< {min_rounds}): "
                       "raise calibrate.max_prompts or calibrate.max_new_tokens")
             logger.warning("drafter left uncalibrated: %s", reason)
-            summary = {"calibrated": False, "reason": reason}
+            summary = {"calibrated": False, "reason": reason, **measured}
             (out_dir / "report.json").write_text(json.dumps(summary, indent=1))
             return summary
         arrays[name] = (np.array([r[0] for r in rows]), np.array([r[1] for r in rows]))
@@ -114,7 +118,7 @@ def fit_and_report(collected: dict, out_dir: Path, drafter_dir: str, seed: int,
                   "identity temperatures kept")
         logger.warning("drafter left uncalibrated: %s", reason)
         summary = {"calibrated": False, "reason": reason, "fitted_temperatures": temps,
-                   **counts, "report": report}
+                   **counts, **measured, "report": report}
         (out_dir / "report.json").write_text(json.dumps(summary, indent=1))
         return summary
     config = read_drafter_config(dest)
@@ -123,6 +127,6 @@ def fit_and_report(collected: dict, out_dir: Path, drafter_dir: str, seed: int,
     config.save_pretrained(dest)
     reliability_diagram(*arrays["report"], temps, out_dir / "reliability.png",
                         title="Prefix survival a_k on held-out prompts (report half)")
-    summary = {"calibrated": True, "temperatures": temps, **counts, "report": report}
+    summary = {"calibrated": True, "temperatures": temps, **counts, **measured, "report": report}
     (out_dir / "report.json").write_text(json.dumps(summary, indent=1))
     return summary

@@ -172,7 +172,9 @@ def evaluate(*, target: str, dtype: str, drafter_dir: str, template_kwargs: dict
             on the node this runs on).
     Returns:
         ``{"gamma", "drafter", "results": {dataset: {str(temperature): summary}},
-        "domains": {str(temperature): {domain: tau, "macro": tau}}, ...}``.
+        "domains": {str(temperature): {domain: tau, "macro": tau}}, "sps_profile", ...}``
+        (``sps_profile``: the stored ``sps_profile.json`` payload, None when the scheduler
+        profiled none).
     Raises:
         FileNotFoundError / ValueError: missing drafter, or one trained for another target.
     """
@@ -182,6 +184,7 @@ def evaluate(*, target: str, dtype: str, drafter_dir: str, template_kwargs: dict
     from serve.builder import load_models
     from serve.chat import render_prompt_ids
     from serve.decoding import SpeculativeDecoder
+    from serve.profiling import PROFILE_NAME
     from serve.target_loading import load_target
 
     from .baselines import hf_generate
@@ -229,7 +232,13 @@ def evaluate(*, target: str, dtype: str, drafter_dir: str, template_kwargs: dict
             results[name][str(temp)] = summarize(records, gamma,
                                                  drafter.config.calibration_temperatures)
     bar.close()
-    return {"gamma": gamma, "drafter": drafter_dir, "drafter_type": drafter.config.drafter_type,
+    # the SPS(B) profile the engine measured or reused, for the engine files the eval stage
+    # writes (serve/engine_files.py): read here because a remote drafter's local copy (where the
+    # profile is stored) lives on this task's node only
+    profile = Path(models.drafter_dir or "") / PROFILE_NAME
+    stored = json.loads(profile.read_text()) if models.drafter_dir and profile.is_file() else None
+    return {"gamma": gamma, "drafter": drafter_dir, "sps_profile": stored,
+            "drafter_type": drafter.config.drafter_type,
             "scheduler": decoder.scheduler,
             "trainable_parameters": drafter.num_trainable_parameters(), "target": target,
             "dtype": dtype, "baseline": f"transformers generate ({baseline_dtype})"

@@ -495,6 +495,27 @@ def eval_datasets(cfg: PipelineConfig) -> dict[str, list[str]]:
             for name, n in e.datasets.items()}
 
 
+def export_engine_files(ctx: StageContext, sps_profile: dict | None, dst: Path) -> dict:
+    """Write the calibrated drafter's STS temperatures and the SPS(B) profile the eval engine
+    measured in SGLang's and TensorRT-LLM's formats to ``dst`` (``serve/engine_files.py``), with
+    the calibrate stage's report for the ECE columns.
+
+    Returns:
+        ``{"dst", "written", "skipped"}``.
+    """
+    from serve.engine_files import EngineFileError, write_engine_files
+
+    drafter = storage.local_copy(ctx.drafter_location("calibrate"), ctx.cfg.storage_options)
+    try:
+        summary = write_engine_files(drafter, dst, sps_profile=sps_profile,
+                                     calibration_report=ctx.run_dir / "calibrate" / "report.json")
+    except (EngineFileError, OSError, ValueError, KeyError) as err:  # the evaluation stands
+        summary = {"dst": str(dst), "written": [], "skipped": {"sts and sps": str(err)}}
+    for what, why in summary["skipped"].items():
+        logger.warning("engine files: no %s file: %s", what.upper(), why)
+    return summary
+
+
 def stage_eval(ctx: StageContext) -> dict:
     import ray
 
@@ -516,6 +537,7 @@ def stage_eval(ctx: StageContext) -> dict:
         num_threads=e.num_threads, seed=ctx.cfg.seed, speed_baseline=e.speed_baseline,
         baseline_dtype=e.baseline_dtype or e.dtype, engine=ctx.cfg.engine.model_copy(update={"max_num_requests": 1})))
     out = ctx.stage_dir("eval")
+    engine_files = export_engine_files(ctx, report.pop("sps_profile", None), out / "engine_files")
     (out / "report.json").write_text(json.dumps(report, indent=1))
     (out / "report.md").write_text(render_report_md(report))
     for temp in map(str, e.temperatures):
@@ -532,7 +554,7 @@ def stage_eval(ctx: StageContext) -> dict:
     if run is not None:
         log_evaluation(run, report, out)
         run.finish()
-    return {"domains": report["domains"],
+    return {"domains": report["domains"], "engine_files": engine_files,
             **{name: {t: {"tau": round(s["tau"], 3),
                           "speedup": None if s["speedup"] is None else round(s["speedup"], 3)}
                       for t, s in by_t.items()} for name, by_t in report["results"].items()}}

@@ -34,18 +34,24 @@ PROFILE_NAME = "sps_profile.json"
 DRAFT_COST_NAME = "draft_cost_profile.json"
 
 
+def device_name(device: torch.device) -> str:
+    """The accelerator's name (``torch.cuda.get_device_name``) or, on CPU, the processor's model
+    name from /proc/cpuinfo (falling back to ``platform``)."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    name = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as fh:
+            name = next((l.split(":", 1)[1].strip() for l in fh if l.startswith("model name")),
+                        name)
+    except OSError:
+        pass
+    return name
+
+
 def hardware_fingerprint(runner: TargetRunner) -> dict:
     """What SPS depends on: device, threads, software versions, model and dtype."""
-    if runner.device.type == "cuda":
-        device = torch.cuda.get_device_name(runner.device)
-    else:
-        device = platform.processor() or platform.machine()
-        try:
-            with open("/proc/cpuinfo") as fh:
-                device = next((l.split(":", 1)[1].strip() for l in fh if l.startswith("model name")),
-                              device)
-        except OSError:
-            pass
+    device = device_name(runner.device)
     cfg = runner.model.config
     return {"device": device, "device_type": runner.device.type, "cpu_count": os.cpu_count(),
             "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
@@ -146,7 +152,10 @@ def load_or_profile(runner: TargetRunner, directory: str | Path | None, max_toke
     measured = profile_sps(runner, max_tokens, block_tokens, repeats=repeats)
     table = SPSTable.from_measurements(measured)
     logger.info("profiled SPS(B) for B <= %d in %.1f s", max_tokens, time.perf_counter() - start)
+    # block_tokens and measured_at are provenance for the engine files (serve/engine_files.py)
     _store(path, {"fingerprint": fingerprint, "max_tokens": max_tokens,
+                  "block_tokens": block_tokens,
+                  "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                   "measured": {str(k): v for k, v in measured.items()}, "table": table.to_dict()})
     return table
 
