@@ -24,7 +24,10 @@ a proper prefix of some stop string, so at most ``max(len(stop)) - 1`` character
 the next characters decide it; everything before it is emitted. A stop string may span tokens and
 ``add()`` calls. When one completes, the output is cut before it; the token that released its last
 character is the last kept token, later tokens of the same block are dropped and do not count as
-usage.
+usage. ``min_tokens`` applies to stop strings as to EOS and stop tokens (vLLM's detokenizer): a
+stop string can only end the output on text released by output token number min_tokens + 1 or
+later; an occurrence that completes earlier is plain output (one that starts earlier and completes
+later still stops it).
 
 The central property (tested in ``tests/unit/test_detokenize.py``): the concatenation of every
 ``add().text`` and ``finish()`` equals ``tokenizer.decode(kept_tokens, skip_special_tokens=...)``
@@ -33,6 +36,9 @@ cut before the first stop string occurrence, however the tokens are grouped into
 
 from __future__ import annotations
 
+import json
+import re
+from collections.abc import Callable
 from dataclasses import dataclass
 
 REPLACEMENT_CHAR = "\ufffd"
@@ -78,6 +84,8 @@ class IncrementalDetokenizer:
             never emitted and stop strings are only searched in generated text).
         stop: stop strings (non-empty); the output ends before the first one to complete.
         skip_special_tokens: passed to ``decode`` (the property above holds for either value).
+        min_tokens: a stop string completing in the text of the first ``min_tokens`` generated
+            tokens does not end the output (it is output text).
 
     Semantics:
         * ``add(token_ids)`` commits tokens (any number, in order) and returns the text safe to emit
@@ -102,7 +110,7 @@ class IncrementalDetokenizer:
     """
 
     def __init__(self, tokenizer, prompt_ids: list[int], stop: tuple[str, ...] = (),
-                 skip_special_tokens: bool = True):
+                 skip_special_tokens: bool = True, min_tokens: int = 0):
         if any(not isinstance(s, str) or not s for s in stop):
             raise ValueError("stop strings must be non-empty strings")
         self._tokenizer = tokenizer
@@ -111,6 +119,7 @@ class IncrementalDetokenizer:
         self._max_hold = max((len(s) for s in self._stop), default=1) - 1
         self._ids: list[int] = [int(t) for t in prompt_ids]
         self._num_prompt = len(self._ids)
+        self._min_tokens = min_tokens
         # Decode window: ids[prefix_offset:read_offset] is emitted context (text = prefix_text);
         # partial = characters after prefix_text already released while the window's text still
         # ended in an incomplete character.
@@ -158,7 +167,7 @@ class IncrementalDetokenizer:
         for token_id in token_ids:
             self._ids.append(int(token_id))
             kept += 1
-            text, matched = self._filter_stop(self._step(final=False))
+            text, matched = self._filter_stop(self._step(final=False), self._may_stop())
             pieces.append(text)
             if matched is not None:
                 break
@@ -173,12 +182,16 @@ class IncrementalDetokenizer:
         self._finished = True
         if self._stopped:
             return ""
-        text, matched = self._filter_stop(self._step(final=True))
+        text, matched = self._filter_stop(self._step(final=True), self._may_stop())
         if matched is None:
             text, self._held = text + self._held, ""
         return text
 
     # ---------------------------------------------------------------- internals
+
+    def _may_stop(self) -> bool:
+        """The newest token's text may complete a stop string (it is past ``min_tokens``)."""
+        return len(self._ids) - self._num_prompt > self._min_tokens
 
     def _decode(self, ids: list[int]) -> str:
         return self._tokenizer.decode(ids, skip_special_tokens=self._skip_special_tokens,
@@ -205,9 +218,11 @@ class IncrementalDetokenizer:
             self._partial = 0
         return delta
 
-    def _filter_stop(self, delta: str) -> tuple[str, str | None]:
+    def _filter_stop(self, delta: str, may_stop: bool = True) -> tuple[str, str | None]:
         """Pass released text through the stop-string hold-back buffer.
 
+        ``may_stop`` False (before min_tokens): no stop string may complete in ``delta``, but its
+        tail is still held back, since a stop string may start there and complete later.
         Returns (text to emit, matched stop string or None); on a match sets the stopped state.
         """
         if not self._stop:
@@ -217,7 +232,7 @@ class IncrementalDetokenizer:
         held = self._held
         buf = held + delta
         best: tuple[int, int, str] | None = None  # (end, start, stop)
-        for s in self._stop:
+        for s in self._stop if may_stop else ():
             # The buffer held no complete stop string, so a new match must end inside delta.
             i = buf.find(s, max(0, len(held) - len(s) + 1))
             if i >= 0 and (best is None or (i + len(s), i) < best[:2]):
@@ -235,3 +250,62 @@ class IncrementalDetokenizer:
                 break
         self._held = buf[len(buf) - keep:] if keep else ""
         return buf[:len(buf) - keep], None
+
+
+# ------------------------------------------------------------------------ one token's raw bytes
+def _byte_level_chars() -> dict[str, int]:
+    """GPT-2's byte-level alphabet inverted: the printable character a byte-level BPE vocabulary
+    writes for each byte -> that byte. Printable Latin-1 bytes stand for themselves; the others
+    (control bytes, space, 0x7F-0xA0, 0xAD) take the characters from U+0100 on, in byte order.
+    Spelled out here because transformers moved its copy between releases."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("\u00a1"), ord("\u00ac") + 1),
+            *range(ord("\u00ae"), ord("\u00ff") + 1)]
+    out, extra = {}, 0
+    for b in range(256):
+        if b in keep:
+            out[chr(b)] = b
+        else:
+            out[chr(256 + extra)] = b
+            extra += 1
+    return out
+
+
+_BYTE_OF_CHAR = _byte_level_chars()
+_BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+_METASPACE = "\u2581"  # SentencePiece's word-boundary mark, a space in the text
+
+
+def token_bytes(tokenizer) -> Callable[[int], bytes]:
+    """A function from token id to the token's raw bytes (OpenAI logprobs ``bytes``).
+
+    A byte-level BPE token (GPT-2, Llama 3, Qwen, SmolLM2) may hold part of a multi-byte
+    character; decoded alone it is U+FFFD, whose bytes say nothing. Its raw bytes come from its
+    vocabulary string through the byte-level alphabet instead, so the bytes of consecutive tokens
+    concatenate to the UTF-8 of their text. SentencePiece byte-fallback tokens (``<0xE6>``) are
+    that byte and ``\u2581`` is a space. Added tokens (specials) and tokenizers of another kind
+    give the UTF-8 of the token decoded alone. The kind is read from the fast tokenizer's decoder
+    once, here.
+    """
+    def decoded(token_id: int) -> bytes:
+        return tokenizer.decode([token_id]).encode("utf-8")
+
+    try:
+        state = json.loads(tokenizer.backend_tokenizer.decoder.__getstate__())
+    except Exception:  # noqa: BLE001 - a slow tokenizer, or no decoder: decoded text
+        return decoded
+    kinds = {state.get("type")} | {d.get("type") for d in state.get("decoders", ())}
+    added = set(getattr(tokenizer, "added_tokens_decoder", {}))
+
+    def raw(token_id: int) -> bytes:
+        piece = None if token_id in added else tokenizer.convert_ids_to_tokens(token_id)
+        if piece is None:
+            return decoded(token_id)
+        if "ByteLevel" in kinds and all(c in _BYTE_OF_CHAR for c in piece):
+            return bytes(_BYTE_OF_CHAR[c] for c in piece)
+        if "ByteFallback" in kinds and (m := _BYTE_FALLBACK.fullmatch(piece)):
+            return bytes([int(m.group(1), 16)])
+        if kinds & {"Metaspace", "ByteFallback"}:
+            return piece.replace(_METASPACE, " ").encode("utf-8")
+        return decoded(token_id)
+
+    return raw

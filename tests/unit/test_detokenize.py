@@ -13,7 +13,8 @@ import random
 
 import pytest
 
-from serve.detokenize import MAX_PENDING_TOKENS, DetokenizeResult, IncrementalDetokenizer
+from serve.detokenize import (MAX_PENDING_TOKENS, DetokenizeResult, IncrementalDetokenizer,
+                              token_bytes)
 
 FFFD = "\ufffd"
 
@@ -49,20 +50,23 @@ def _char_ids(tok, text):
     return out
 
 
-def _first_stop(text, stops):
-    """(start, end, stop) of the occurrence that completes first; ties -> the earlier start."""
+def _first_stop(text, stops, after=0):
+    """(start, end, stop) of the occurrence that completes first, past character ``after``;
+    ties -> the earlier start."""
     best = None
     for s in stops:
-        i = text.find(s)
+        i = text.find(s, max(0, after - len(s) + 1))
         if i >= 0 and (best is None or (i + len(s), i) < best[:2]):
             best = (i + len(s), i, s)
     return None if best is None else (best[1], best[0], best[2])
 
 
-def _reference(tok, gen, stops, skip=True):
-    """(expected text, expected kept tokens, matched stop) computed from full decodes only."""
+def _reference(tok, gen, stops, skip=True, min_tokens=0):
+    """(expected text, expected kept tokens, matched stop) computed from full decodes only; a stop
+    string must complete in text released after the first ``min_tokens`` tokens (vLLM)."""
     full = tok.decode(gen, skip_special_tokens=skip)
-    hit = _first_stop(full, stops)
+    released = tok.decode(gen[:min_tokens], skip_special_tokens=skip).rstrip(FFFD)
+    hit = _first_stop(full, stops, len(released) if min_tokens else 0)
     if hit is None:
         return full, len(gen), None
     start, end, s = hit
@@ -81,9 +85,10 @@ def _chunks(seq, rng, max_chunk):
     return out
 
 
-def _stream(tok, prompt, chunks, stops=(), skip=True, valid_utf8=True):
+def _stream(tok, prompt, chunks, stops=(), skip=True, valid_utf8=True, min_tokens=0):
     """Feed chunks; check streaming invariants; return (text, total kept, stopped, matched)."""
-    det = IncrementalDetokenizer(tok, prompt, stop=stops, skip_special_tokens=skip)
+    det = IncrementalDetokenizer(tok, prompt, stop=stops, skip_special_tokens=skip,
+                                 min_tokens=min_tokens)
     pieces, kept, res = [], 0, None
     for chunk in chunks:
         res = det.add(chunk)
@@ -103,9 +108,10 @@ def _stream(tok, prompt, chunks, stops=(), skip=True, valid_utf8=True):
     return pieces, kept, det.stopped, det.matched_stop
 
 
-def _check(tok, prompt, gen, chunks, stops=(), skip=True, valid_utf8=True):
-    pieces, kept, stopped, matched = _stream(tok, prompt, chunks, stops, skip, valid_utf8)
-    text, exp_kept, exp_stop = _reference(tok, gen, stops, skip)
+def _check(tok, prompt, gen, chunks, stops=(), skip=True, valid_utf8=True, min_tokens=0):
+    pieces, kept, stopped, matched = _stream(tok, prompt, chunks, stops, skip, valid_utf8,
+                                             min_tokens)
+    text, exp_kept, exp_stop = _reference(tok, gen, stops, skip, min_tokens)
     got = "".join(pieces)
     assert got == text
     assert kept == exp_kept
@@ -333,6 +339,90 @@ def test_random_stops_and_chunkings_property(tok, prompt, name):
         stops = tuple(s for s in stops if s.strip(FFFD))
         for max_chunk in (1, 3, 8):
             _check(tok, prompt, gen, _chunks(gen, rng, max_chunk), stops=stops)
+
+
+# ------------------------------------------------------------------ min_tokens
+
+
+def test_min_tokens_stop_strings_within_them_are_output_text(tok, prompt):
+    """vLLM applies min_tokens to stop strings too (issue 24: ``"min_tokens": 20, "stop": [" "]``
+    ended after the first token): an occurrence completing in the first min_tokens tokens' text is
+    output; one completing later stops, also when it started within them."""
+    gen = _ids(tok, " one two three four five")
+    assert len(gen) == 5
+    det = IncrementalDetokenizer(tok, prompt, stop=(" ",), min_tokens=3)
+    out = [det.add([t]) for t in gen[:4]]
+    assert [r.text for r in out] == [" one", " two", " three", ""]
+    assert out[3] == DetokenizeResult("", True, 1, " ")
+    res = IncrementalDetokenizer(tok, prompt, stop=(" ",), min_tokens=3).add(gen)
+    assert res == DetokenizeResult(" one two three", True, 4, " ")
+    # "o t" starts in token 2 (" two", within min_tokens=2) and completes in token 3: it stops
+    res = IncrementalDetokenizer(tok, prompt, stop=("o t",), min_tokens=2).add(gen)
+    assert res == DetokenizeResult(" one tw", True, 3, "o t")
+    # ... but not when it completes within them: then the output runs on (held back, then out)
+    det = IncrementalDetokenizer(tok, prompt, stop=("o t", "zzzz"), min_tokens=3)
+    res = det.add(gen)
+    assert not res.stopped and res.text + det.finish() == " one two three four five"
+    # max_tokens == min_tokens: generation ends with the stop string never allowed to match
+    det = IncrementalDetokenizer(tok, prompt, stop=("four",), min_tokens=4)
+    res = det.add(gen[:4])
+    assert not res.stopped and res.text + det.finish() == " one two three four"
+
+
+@pytest.mark.parametrize("name", sorted(TEXTS))
+def test_random_stops_chunkings_and_min_tokens_property(tok, prompt, name):
+    text = TEXTS[name]
+    gen = _ids(tok, text)
+    rng = random.Random(100 + sorted(TEXTS).index(name))
+    for _ in range(12):
+        stops = []
+        for _ in range(rng.randint(1, 3)):
+            a = rng.randrange(len(text))
+            stops.append(text[a:a + rng.randint(1, 6)])
+        stops = tuple(s for s in stops if s.strip(FFFD))
+        min_tokens = rng.randrange(len(gen) + 1)
+        for max_chunk in (1, 3, 8):
+            _check(tok, prompt, gen, _chunks(gen, rng, max_chunk), stops=stops,
+                   min_tokens=min_tokens)
+
+
+# ------------------------------------------------------------------ raw token bytes
+
+
+def test_byte_level_token_bytes_concatenate_to_the_texts_utf8(tok):
+    """OpenAI logprobs ``bytes``: a token inside a multi-byte character decodes alone to U+FFFD,
+    but its raw bytes are its own, so consecutive tokens' bytes concatenate to the text's UTF-8."""
+    raw = token_bytes(tok)
+    for text in [*TEXTS.values(), "".join(map(chr, range(32, 256))), "\x00\t\r\n\x7f\xad"]:
+        ids = _ids(tok, text)
+        assert tok.decode(ids) == text  # (SmolLM2's vocabulary lacks some control bytes)
+        assert b"".join(raw(t) for t in ids) == text.encode("utf-8"), text
+    pieces = _ids(tok, "日")
+    assert len(pieces) > 1 and all(tok.decode([t]) == FFFD for t in pieces)
+    assert [raw(t) for t in pieces] != [FFFD.encode()] * len(pieces)
+    assert raw(tok.eos_token_id) == b"<|im_end|>"  # an added token: its text
+    try:  # the byte-level alphabet equals transformers' own copy, where this version has one
+        from transformers.convert_slow_tokenizer import bytes_to_unicode
+    except ImportError:
+        return
+    from serve.detokenize import _BYTE_OF_CHAR
+
+    assert _BYTE_OF_CHAR == {c: b for b, c in bytes_to_unicode().items()}
+
+
+def test_sentencepiece_byte_fallback_token_bytes():
+    """A Llama-2-style tokenizer: ``<0xE6>`` tokens are that byte, U+2581 a space."""
+    from tokenizers import Tokenizer, decoders, models
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, "<0xE6>": 1, "<0x97>": 2, "<0xA5>": 3, "\u2581hi": 4, "\u2581é": 5}
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>", byte_fallback=True))
+    backend.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(),
+                                         decoders.Fuse(), decoders.Strip(" ", 1, 0)])
+    sp = PreTrainedTokenizerFast(tokenizer_object=backend)
+    raw = token_bytes(sp)
+    assert [raw(t) for t in (4, 1, 2, 3, 5)] == [b" hi", b"\xe6", b"\x97", b"\xa5", " é".encode()]
+    assert sp.decode([4, 1, 2, 3]) == "hi日"
 
 
 def test_empty_add_and_validation(tok, prompt):
