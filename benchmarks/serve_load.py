@@ -8,7 +8,10 @@ slow drift of the machine hits every policy alike. Per point: aggregate tokens/s
 token), time to first token, and the mean verification budget per request per step (verified
 draft tokens / rounds, from the engine's counters). Writes
 ``benchmarks/results/serve_load.{md,json}``, a Pareto plot (throughput vs per-user speed, paper
-Figure 7) and a budget-vs-concurrency plot (Figure 8).
+Figure 7), a budget-vs-concurrency plot (Figure 8), and the throughput each policy sustains at a
+per-user SLA (every request at or above it; ``--slas``; table and ``serve_load_sla.png``, like the
+paper's production table). A policy with a speed floor is a variant:
+``--policies none,fixed,dspark,dspark-min_tokens_per_s=12``.
 
     .venv/bin/python benchmarks/serve_load.py --drafter runs/drafter_quality/dspark/calibrate/drafter
 """
@@ -84,12 +87,16 @@ async def sse_data(resp):
         yield buf[6:].rstrip("\r")
 
 
-async def one_request(client, url: str, model: str, prompt: str, max_tokens: int, seed: int,
-                      temperature: float = 1.0):
-    """Stream one chat completion; returns (ttft_s, total_s, completion_tokens, decode_s)."""
+async def one_request(client, url: str, model: str, prompt: str, max_tokens: int,
+                      seed: int | None = None, temperature: float = 1.0):
+    """Stream one chat completion; returns (ttft_s, total_s, completion_tokens, decode_s).
+    Unseeded by default, as most production traffic is: a seeded request samples load-invariantly
+    (``serve.config.EngineConfig.seeded_sampling``), which accepts less."""
     body = {"model": model, "messages": [{"role": "user", "content": prompt}],
-            "max_tokens": max_tokens, "temperature": temperature, "seed": seed, "stream": True,
+            "max_tokens": max_tokens, "temperature": temperature, "stream": True,
             "stream_options": {"include_usage": True}}
+    if seed is not None:
+        body["seed"] = seed
     start = time.perf_counter()
     first = None
     tokens = 0
@@ -122,7 +129,7 @@ async def run_point(url: str, model: str, prompts: list[str], concurrency: int, 
             i = counter["next"]
             counter["next"] += 1
             results.append(await one_request(client, url, model, prompts[i % len(prompts)],
-                                             max_tokens, seed=i, temperature=temperature))
+                                             max_tokens, temperature=temperature))
 
     limits = httpx.Limits(max_connections=concurrency + 4)
     async with httpx.AsyncClient(limits=limits) as client:
@@ -133,6 +140,8 @@ async def run_point(url: str, model: str, prompts: list[str], concurrency: int, 
     return {"concurrency": concurrency, "requests": len(results), "wall_s": wall,
             "completion_tokens": tokens, "throughput_tok_s": tokens / wall,
             "per_user_tok_s": statistics.mean(per_user) if per_user else 0.0,
+            # the slowest request of the point: what a per-user SLA is checked against
+            "per_user_tok_s_min": min(per_user) if per_user else 0.0,
             "ttft_s_mean": statistics.mean(r[0] for r in results),
             "ttft_s_p50": statistics.median(r[0] for r in results)}
 
@@ -198,6 +207,8 @@ def summarize(runs: list[dict], policies: list[str], concurrency: list[int]) -> 
             for key in ("throughput_tok_s", "per_user_tok_s", "ttft_s_mean",
                         "mean_verification_budget", "tau"):
                 point[key] = statistics.mean(r[key] for r in rs)
+            # every request of every repeat: the slowest one
+            point["per_user_tok_s_min"] = min(r["per_user_tok_s_min"] for r in rs)
             point["throughput_tok_s_each"] = [round(r["throughput_tok_s"], 2) for r in rs]
             points.append(point)
     return points
@@ -221,6 +232,67 @@ def paired_ratios(runs: list[dict], concurrency: list[int]) -> dict:
     return out
 
 
+def throughput_at_sla(points: list[dict], policy: str, sla: float) -> dict:
+    """The most aggregate tokens/s ``policy`` sustains with every request at or above ``sla``
+    per-user tokens/s, read off its measured points (each point's slowest request decides).
+
+    Returns:
+        {"measured": the best throughput among points whose slowest request holds the SLA (None:
+        no point does), "concurrency": that point's, "interpolated": the throughput where the
+        straight line between a point that holds the SLA and the next concurrency's point that
+        does not crosses it (None when no such pair exists; then "measured" is the answer)}.
+    """
+    ps = sorted((p for p in points if p["policy"] == policy), key=lambda p: p["concurrency"])
+    holding = [p for p in ps if p["per_user_tok_s_min"] >= sla]
+    best = max(holding, key=lambda p: p["throughput_tok_s"]) if holding else None
+    interpolated = None
+    for a, b in zip(ps, ps[1:]):
+        ua, ub = a["per_user_tok_s_min"], b["per_user_tok_s_min"]
+        if ua >= sla > ub:
+            t = a["throughput_tok_s"] + (b["throughput_tok_s"] - a["throughput_tok_s"]) * (
+                (ua - sla) / (ua - ub))
+            interpolated = t if interpolated is None else max(interpolated, t)
+    if interpolated is not None and best is not None:
+        interpolated = max(interpolated, best["throughput_tok_s"])
+    return {"measured": best["throughput_tok_s"] if best else None,
+            "concurrency": best["concurrency"] if best else None, "interpolated": interpolated}
+
+
+def default_slas(points: list[dict], count: int = 3) -> list[float]:
+    """SLAs spread over the range the measured points cover: ``count`` per-user speeds evenly
+    between the slowest and fastest points' slowest requests (rounded to 0.1 tok/s)."""
+    speeds = [p["per_user_tok_s_min"] for p in points if p["per_user_tok_s_min"] > 0]
+    if not speeds:
+        return []
+    lo, hi = min(speeds), max(speeds)
+    return [round(lo + (hi - lo) * (i + 1) / (count + 1), 1) for i in range(count)]
+
+
+def sla_rows(points: list[dict], slas: list[float]) -> list[dict]:
+    """Per SLA and policy: :func:`throughput_at_sla`."""
+    policies = list(dict.fromkeys(p["policy"] for p in points))
+    return [{"sla_tok_s": sla, "policy": name, **throughput_at_sla(points, name, sla)}
+            for sla in slas for name in policies]
+
+
+def render_sla_md(rows: list[dict]) -> list[str]:
+    if not rows:
+        return []
+    fmt = lambda v: "-" if v is None else f"{v:.1f}"  # noqa: E731
+    lines = ["", "## Throughput at a per-user SLA", "",
+             "The most aggregate tokens/s each policy sustained with every request (its decode "
+             "speed after the first token) at or above the SLA: the best measured point (its "
+             "concurrency), and the straight-line interpolation between the last concurrency "
+             "that held the SLA and the next one that did not ('-': none held it).", "",
+             "| SLA per-user tok/s | policy | throughput, measured (concurrency) | "
+             "interpolated |", "|---|---|---|---|"]
+    for r in rows:
+        conc = f" ({r['concurrency']})" if r["concurrency"] is not None else ""
+        lines.append(f"| {r['sla_tok_s']:g} | {r['policy']} | {fmt(r['measured'])}{conc} | "
+                     f"{fmt(r['interpolated'])} |")
+    return lines
+
+
 def render_md(points: list[dict], ratios: dict, meta: dict) -> str:
     lines = ["# Serving under load: verification policies side by side", "",
              f"Target `{meta['target']}` ({meta['dtype']}), drafter `{meta['drafter']}`; "
@@ -240,6 +312,7 @@ def render_md(points: list[dict], ratios: dict, meta: dict) -> str:
                      f"{p['throughput_tok_s']:.1f} ({each}) | {p['per_user_tok_s']:.2f} | "
                      f"{p['ttft_s_mean']:.2f} | {p['mean_verification_budget']:.2f} | "
                      f"{p['tau']:.2f} |")
+    lines += render_sla_md(sla_rows(points, meta.get("slas") or []))
     by = {(p["policy"], p["concurrency"]): p for p in points}
     if not all((n, c) in by for n in ("none", "dspark") for c in meta["concurrency"]):
         return "\n".join(lines) + "\n"
@@ -258,7 +331,7 @@ def render_md(points: list[dict], ratios: dict, meta: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def plots(points: list[dict], out: Path) -> None:
+def plots(points: list[dict], out: Path, slas: list[float] | None = None) -> None:
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
@@ -293,6 +366,23 @@ def plots(points: list[dict], out: Path) -> None:
     ax.legend()
     fig.tight_layout()
     fig.savefig(out / "serve_load_budget.png", dpi=120)
+    if slas:
+        fig = Figure(figsize=(6.4, 4.0))
+        FigureCanvasAgg(fig)
+        ax = fig.add_subplot()
+        rows = sla_rows(points, slas)
+        for name in policies:
+            got = [(r["sla_tok_s"], r["interpolated"] if r["interpolated"] is not None
+                    else r["measured"]) for r in rows if r["policy"] == name]
+            got = [(x, y) for x, y in got if y is not None]  # nothing drawn where none held it
+            if got:
+                ax.plot(*zip(*got), "o-", label=name)
+        ax.set_xlabel("per-user SLA (tokens/s, every request)")
+        ax.set_ylabel("aggregate tokens/s at the SLA")
+        ax.set_title("Throughput at a per-user speed floor")
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(out / "serve_load_sla.png", dpi=120)
 
 
 def main() -> int:
@@ -314,6 +404,9 @@ def main() -> int:
                         "started (a large value lets --duration-s alone decide)")
     parser.add_argument("--repeats", type=int, default=2,
                         help="times each point is measured, the policies alternating")
+    parser.add_argument("--slas", type=lambda s: [float(x) for x in s.split(",")], default=None,
+                        help="per-user tokens/s SLAs for the throughput-at-SLA table (default: "
+                        "three spread over the measured range)")
     parser.add_argument("--data-dir", default=str(ROOT / "infra" / "datasets" / "eval"))
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     args = parser.parse_args()
@@ -356,10 +449,11 @@ def main() -> int:
             "machine": f"{platform.machine()}, {os.cpu_count()} CPU cores, no GPU",
             "wall_minutes": (time.time() - started) / 60,
             "command": "python benchmarks/serve_load.py " + " ".join(sys.argv[1:])}
+    meta["slas"] = args.slas if args.slas is not None else default_slas(points)
     (out / "serve_load.json").write_text(json.dumps(
         {"meta": meta, "points": points, "ratios": {str(c): r for c, r in ratios.items()},
-         "runs": runs}, indent=1))
-    plots(points, out)
+         "sla": sla_rows(points, meta["slas"]), "runs": runs}, indent=1))
+    plots(points, out, meta["slas"])
     md = render_md(points, ratios, meta)
     (out / "serve_load.md").write_text(md)
     print(md)

@@ -82,7 +82,10 @@ class Arms:
             if m.drafter is None:
                 continue
             self.gamma = m.drafter.config.block_size
-            one = dict(max_num_requests=1, max_batch_tokens=max_batch_tokens)
+            # one request at a time, seeded for paired arms: rejection sampling, as unseeded
+            # production requests get it (serve.config.EngineConfig.seeded_sampling)
+            one = dict(max_num_requests=1, max_batch_tokens=max_batch_tokens,
+                       seeded_sampling="rejection")
             configs = {
                 "engine_target_only": EngineConfig(scheduler="none", **one),
                 "dspark": EngineConfig(scheduler="dspark", **one),

@@ -402,12 +402,13 @@ class Eagle3Drafter(DrafterBase):
         tokens, probs = [], []
         all_greedy = bool((torch.as_tensor(temperature) <= 0).all())
 
-        def sample(_k, normed):  # one draft token from a step's normed output [B, H]
+        def sample(k, normed):  # one draft token from a step's normed output [B, H]
             logits = self.draft_head(normed)
             if all_greedy:
                 tok = logits.argmax(-1)
             else:
-                tok, p = sample_rows(logits, temperature, top_p, generator)
+                tok, p = sample_rows(logits, temperature, top_p, generator, slot=k,
+                                     target_ids=self.d2t)
                 probs.append(p)
             tok = self.to_target_ids(tok)  # the chain embeds target tokens
             tokens.append(tok)

@@ -475,7 +475,8 @@ class DSparkDrafter(DrafterBase):
                 tok = logits.argmax(-1)
             else:
                 active = None if row_limits is None else row_limits > k
-                tok, p = sample_rows(logits, temperature, top_p, generator, active)
+                tok, p = sample_rows(logits, temperature, top_p, generator, active, slot=k,
+                                     target_ids=self.d2t)
                 probs.append(p)
             tokens.append(tok)
             prev = tok

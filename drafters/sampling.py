@@ -79,6 +79,53 @@ def draw(probs: torch.Tensor, generator: torch.Generator | None = None) -> int:
     return min(int(torch.searchsorted(cdf, u, right=True)), cdf.numel() - 1)
 
 
+_MIX = 0x9E3779B97F4A7C15  # 2^64 / golden ratio: spreads (seed, position) over seed space
+
+
+class PositionNoise:
+    """The Gumbel noise of a seeded request, a function of (seed, output position) alone.
+
+    Speculative decoding normally draws its random numbers from one stream per request, so how
+    many it draws, and with them the output, depends on the drafting plan, which depends on what
+    else the server is doing. A seeded request instead samples every output position p by the
+    Gumbel-max trick, token = argmax_v log q(v) + G_p(v), with G_p drawn from a generator seeded by
+    (seed, p): the target's token at p is then fixed before anything is drafted, and the drafter
+    drafts with the same G_p, so a draft is accepted exactly when it equals that token (the
+    coupling accepts with probability >= (1 - TV) / (1 + TV) for draft and target distributions
+    at total variation distance TV; rejection sampling's 1 - TV is the optimum). The output is a
+    sample of the target's distribution whatever the plan, and identical under any load.
+
+    Args:
+        seed: the request's seed (any int).
+        start: the output position of row or draft slot 0.
+        vocab_size: the target's vocabulary size V (the noise is indexed by target token id).
+    """
+
+    def __init__(self, seed: int, start: int, vocab_size: int):
+        self.seed, self.start, self.vocab_size = seed, start, vocab_size
+
+    def gumbel(self, offset: int) -> torch.Tensor:
+        """fp64 [V]: the noise of output position ``start + offset`` (standard Gumbel per token;
+        the same tensor whenever it is asked for)."""
+        key = (self.seed * _MIX + (self.start + offset) * 0xBF58476D1CE4E5B9) % 2**63
+        u = torch.rand(self.vocab_size, generator=torch.Generator().manual_seed(key),
+                       dtype=torch.float64)
+        return -torch.log(-torch.log(u))  # u = 0 gives -inf: that token can never win
+
+
+def gumbel_argmax(probs: torch.Tensor, gumbel: torch.Tensor) -> int:
+    """argmax_v log probs[v] + gumbel[v] over the tokens of non-zero probability: an exact draw
+    from ``probs`` [V] (Gumbel-max trick) given standard Gumbel noise ``gumbel`` fp64 [V].
+
+    Raises:
+        ValueError: ``probs`` has no positive finite mass.
+    """
+    p = probs.detach().to("cpu", torch.float64)
+    if not bool((p > 0).any()) or not bool(torch.isfinite(p).all()):
+        raise ValueError("cannot draw from a distribution without positive finite mass")
+    return int((p.log() + gumbel).argmax())
+
+
 def _per_row(value, b: int, device) -> torch.Tensor:
     if isinstance(value, torch.Tensor):
         return value.to(device=device, dtype=torch.float32).expand(b)
@@ -86,7 +133,8 @@ def _per_row(value, b: int, device) -> torch.Tensor:
 
 
 def sample_rows(logits: torch.Tensor, temperature, top_p=1.0, generator=None,
-                active: torch.Tensor | None = None, top_k=0):
+                active: torch.Tensor | None = None, top_k=0, slot: int = 0,
+                target_ids: torch.Tensor | None = None):
     """Draw one token per row.
 
     Args:
@@ -95,13 +143,19 @@ def sample_rows(logits: torch.Tensor, temperature, top_p=1.0, generator=None,
         top_p: float or fp32 [B].
         top_k: int or int64 [B]; 0 = no limit.
         generator: a torch.Generator, one per row (a list: requests in one batch never share
-            randomness), or None.
+            randomness; a row's entry may be a :class:`PositionNoise`: that row draws by the
+            Gumbel-max trick with the noise of position ``slot``), or None.
         active: bool [B] or None; inactive rows take the argmax and draw no random number, so a
             row's RNG stream does not depend on how many tokens other rows of the batch draft.
+        slot: the draft slot these rows are sampled for (0 = the token after the anchor).
+        target_ids: int64 [V] target id of each of the V logits (a draft vocabulary), None when
+            they are target ids already; :class:`PositionNoise` is indexed by target id.
     Returns:
         (tokens int64 [B], probs fp32 [B, V] of the sampled rows, one-hot for greedy rows).
     """
     b = logits.shape[0]
+    if isinstance(generator, PositionNoise):  # one row's (a per-request drafter call)
+        generator = [generator] * b
     temp = _per_row(temperature, b, logits.device)
     nucleus = _per_row(top_p, b, logits.device)
     greedy = temp <= 0
@@ -118,7 +172,12 @@ def sample_rows(logits: torch.Tensor, temperature, top_p=1.0, generator=None,
         if isinstance(generator, (list, tuple)):
             for j, r in enumerate(rows.tolist()):
                 # per-request generators live on the CPU (seeded, device independent)
-                tokens[r] = draw(p[j], generator[r])
+                if isinstance(generator[r], PositionNoise):
+                    noise = generator[r].gumbel(slot)
+                    tokens[r] = gumbel_argmax(p[j], noise if target_ids is None
+                                              else noise[target_ids.cpu()])
+                else:
+                    tokens[r] = draw(p[j], generator[r])
         else:  # one shared stream (or torch's global one): one batched draw
             tokens[rows] = torch.multinomial(p, 1, generator=generator).squeeze(-1)
     return tokens, probs

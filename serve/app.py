@@ -21,11 +21,13 @@ Routes (OpenAI API reference; bodies in :mod:`serve.openai_protocol`):
 * ``GET /v1/models``; ``GET /health`` (200 with queue counts, 503 when the engine is dead).
 
 Errors are ``{"error": {"message", "type", "param", "code"}}``: 400 for a bad field (named in
-``param``; pydantic errors mapped), 404 ``model_not_found``, 413 ``context_length_exceeded``
-when prompt + max_tokens exceed the model length (OpenAI answers 400 with the same code; 413 is
-this server's choice so clients can tell it from a malformed request), 429 ``queue_full`` with
-``Retry-After`` when the engine's waiting queue is full (requests are refused, never queued
-without bound), 503 ``engine_dead``. A client that disconnects cancels its request in the engine.
+``param``; pydantic errors mapped; text that is not valid Unicode, a number beyond int64, NaN or
+infinity included) or a body that is not JSON in UTF-8, 404 ``model_not_found``, 413
+``context_length_exceeded`` when prompt + max_tokens exceed the model length (OpenAI answers 400
+with the same code; 413 is this server's choice so clients can tell it from a malformed request),
+429 ``queue_full`` with ``Retry-After`` when the engine's waiting queue is full (requests are
+refused, never queued without bound), 503 ``engine_dead``. A client that disconnects cancels its
+request in the engine.
 
 Metrics (``ray.serve.metrics``, exported to Prometheus by Ray; names get Ray's ``ray_`` prefix and
 counters a ``_total`` suffix): see :class:`ServeMetrics`.
@@ -42,10 +44,12 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from ray import serve
 from ray.serve import metrics as serve_metrics
 from ray.serve.deployment import Application
+from starlette.exceptions import HTTPException
 
 from .async_engine import (AsyncSpecEngine, EngineSnapshot, RequestStream, copy_stats,
                            rounds_by_verified_length, stats_delta)
 from .config import ServeConfig, _is_path
+from .detokenize import token_bytes
 from .errors import EngineDeadError, RequestError
 from .metrics import SpecDecodeStats
 from .openai_protocol import (SSE_DONE, APIError, AssistantMessage, ChatChoice, ChatChunkChoice,
@@ -249,6 +253,21 @@ async def _validation_error(request: Request, exc: RequestValidationError):
     return JSONResponse(err.body(), status_code=err.status)
 
 
+@api.exception_handler(HTTPException)
+async def _http_error(request: Request, exc: HTTPException):
+    """FastAPI's and Starlette's own errors as OpenAI error objects, not ``{"detail": ...}``: a
+    body that fails before validation (not UTF-8, nesting deeper than the JSON parser goes, an
+    integer of more digits than Python converts), an unknown route or method."""
+    cause = exc.__cause__
+    if exc.status_code == 400 and cause is not None:
+        err = APIError(400, f"the request body cannot be read as JSON in UTF-8: "
+                       f"{type(cause).__name__}: {cause}", code="invalid_value")
+    else:
+        err = APIError(exc.status_code, f"{exc.detail}: {request.method} {request.url.path}",
+                       headers=exc.headers)
+    return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
+
+
 @api.exception_handler(Exception)
 async def _internal_error(request: Request, exc: Exception):
     """A bug, not the client's fault: 500 with the JSON error body (Starlette still logs it)."""
@@ -279,16 +298,19 @@ class SpecServer:
 
     Args:
         config: a :class:`ServeConfig` as a dict.
+        engine: a built :class:`SpecEngine` (tokenizer set) to serve instead of the one the
+            config names: the routes driven in-process, without Ray (tests).
     Raises:
         ValueError / FileNotFoundError: from :func:`load_engine` (the replica fails to start).
     """
 
-    def __init__(self, config: dict):
+    def __init__(self, config: dict, engine=None):
         self.cfg = ServeConfig.model_validate(config)
-        engine = load_engine(self.cfg)
+        engine = engine if engine is not None else load_engine(self.cfg)
         self.engine = AsyncSpecEngine(engine, num_threads=self.cfg.num_threads,
                                      heap_trim_interval_s=self.cfg.heap_trim_interval_s)
         self.tokenizer = engine.tokenizer
+        self._token_bytes = token_bytes(self.tokenizer)
         self.vocab_size = engine.target.model.config.vocab_size
         self.model_name = self.cfg.model_name()
         self.created = now_s()
@@ -418,7 +440,8 @@ class SpecServer:
         try:
             stream = await self.engine.add_request(EngineRequest(
                 request_id, prompt_ids, params,
-                return_spec_details=bool(body.return_spec_details)))
+                return_spec_details=bool(body.return_spec_details),
+                min_tokens_per_s=body.min_tokens_per_s))
         except RequestError as err:
             raise _request_error(err, chat) from err
         except EngineDeadError as err:
@@ -437,7 +460,8 @@ class SpecServer:
             return ChatCompletionResponse(
                 id=request_id, created=created, model=self.model_name, usage=usage,
                 choices=[ChatChoice(message=AssistantMessage(content=text),
-                                    logprobs=chat_logprobs(logprobs, self._token_text)
+                                    logprobs=chat_logprobs(logprobs, self._token_text,
+                                                           self._token_bytes)
                                     if wants else None,
                                     finish_reason=last.finish_reason)],
                 spec_details=last.spec_details).model_dump()
@@ -490,7 +514,8 @@ class SpecServer:
                 last = out
                 if out.new_text or out.logprobs:
                     yield chunk(DeltaMessage(content=out.new_text),
-                                logprobs=chat_logprobs(out.logprobs, self._token_text)
+                                logprobs=chat_logprobs(out.logprobs, self._token_text,
+                                                       self._token_bytes)
                                 if out.logprobs is not None else None)
                 if out.finished:
                     yield chunk(DeltaMessage(), finish_reason=out.finish_reason,

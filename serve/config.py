@@ -53,6 +53,22 @@ class EngineConfig(BaseModel):
         "predicted accepted length is at least the drafter's; 0 = off. Lossless (one-hot draft "
         "distribution).")
     prompt_lookup_min_ngram: int = Field(2, ge=1, le=16, description="Shortest n-gram matched.")
+    seeded_sampling: Literal["load_invariant", "rejection"] = Field(
+        "load_invariant", description="How a request with a seed samples when a drafter is "
+        "loaded. load_invariant: every output position is a Gumbel-max draw keyed by (seed, "
+        "position) and a draft is accepted iff it equals that draw, so the output is the same "
+        "whatever is drafted, and so whatever else the server is doing (lossless; it accepts "
+        "somewhat less than rejection sampling: >= (1 - TV) / (1 + TV) instead of 1 - TV). "
+        "rejection: speculative rejection sampling from the request's own random stream (the most "
+        "acceptance, but the output depends on the drafting plan, which depends on load); for "
+        "offline use one request at a time. Unseeded requests always use rejection sampling.")
+    min_tokens_per_s: float | None = Field(
+        None, gt=0, description="Per-user speed floor (tokens/s) for every request (a request's "
+        "own min_tokens_per_s overrides it); None = none. With a confidence-based scheduler, "
+        "verification goes first to requests predicted below their floor "
+        "(serve.scheduler.hold_speed_floors, lossless), and a waiting request is admitted only "
+        "while the engine's measured speed per request, rescaled by SPS(B) to one more request, "
+        "holds every running request's floor (otherwise it queues; a full queue answers 429).")
     max_num_requests: int = Field(32, ge=1, description="Requests decoded together (batch).")
     max_prefill_tokens: int = Field(2048, ge=1, description="Prompt tokens prefilled per step "
                                     "(chunked prefill): a longer prompt, or several, continue in "

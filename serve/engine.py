@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from drafters.sampling import draw, warped_probs
+from drafters.sampling import PositionNoise, draw, gumbel_argmax, warped_probs
 
 from . import scheduler as sched
 from .config import EngineConfig
@@ -41,7 +41,7 @@ from .draft_planner import AcceptanceEstimate, DraftCostTable, RequestOptions, p
 from .errors import RequestError, RequestFailedError
 from .lookup import NgramIndex
 from .metrics import SpecDecodeStats, request_spec_details
-from .rejection import verify_greedy, verify_sampled
+from .rejection import verify_coupled, verify_greedy, verify_sampled
 from .requests import EngineRequest, RequestOutput, TokenLogprob
 from .target_runner import TargetKV, TargetRunner
 
@@ -97,6 +97,27 @@ class _Request:
     rounds: list = field(default_factory=list)
     arrival_s: float = 0.0
     first_token_s: float | None = None
+
+
+@dataclass
+class _Pace:
+    """Slowly forgetting averages of decoding steps (no prefill in them): seconds per step,
+    tokens committed per running request per step, and tokens verified per step (B)."""
+
+    step_s: float | None = None
+    tokens_per_step: float = 1.0
+    batch_tokens: float = 1.0
+    decay: float = 0.9
+
+    def observe(self, step_s: float, tokens_per_step: float, batch_tokens: int) -> None:
+        if self.step_s is None:
+            self.step_s, self.tokens_per_step, self.batch_tokens = (step_s, tokens_per_step,
+                                                                    float(batch_tokens))
+            return
+        d = self.decay
+        self.step_s = d * self.step_s + (1 - d) * step_s
+        self.tokens_per_step = d * self.tokens_per_step + (1 - d) * tokens_per_step
+        self.batch_tokens = d * self.batch_tokens + (1 - d) * batch_tokens
 
 
 class SpecEngine:
@@ -170,6 +191,9 @@ class SpecEngine:
         self.running: list[_Request] = []
         self.stats = SpecDecodeStats()
         self._stale: deque[list[list[float]]] = deque(maxlen=2)  # confidences of past steps
+        # measured decode speed for admission under speed floors: seconds per decoding step and
+        # tokens committed per request per step (slowly forgetting averages), and that step's B
+        self._pace = _Pace()
 
     # ------------------------------------------------------------------ requests
     def add_request(self, request: EngineRequest) -> None:
@@ -200,7 +224,8 @@ class SpecEngine:
                for r in (*self.waiting, *self.prefilling, *self.running)):
             raise RequestError(f"duplicate request id {request.request_id!r}", field="request_id")
         seed = p.seed if p.seed is not None else random.getrandbits(63)
-        detok = (IncrementalDetokenizer(self.tokenizer, request.prompt_ids, tuple(p.stop))
+        detok = (IncrementalDetokenizer(self.tokenizer, request.prompt_ids, tuple(p.stop),
+                                        min_tokens=p.min_tokens)
                  if self.tokenizer is not None else None)
         self.waiting.append(_Request(request, torch.Generator().manual_seed(seed), detok,
                                      arrival_s=time.perf_counter()))
@@ -236,18 +261,51 @@ class SpecEngine:
         Returns:
             one :class:`RequestOutput` per request that emitted tokens or finished.
         """
+        start = time.perf_counter()
         decoding = list(self.running)
-        while self.waiting and self.num_running < self.config.max_num_requests:
+        while (self.waiting and self.num_running < self.config.max_num_requests
+               and self._floors_allow_one_more()):
             self.prefilling.append(self.waiting.popleft())
         # the prompt chunks ride in the verification pass (one packed pass a step: a separate
         # prefill pass would pay a pass's fixed cost again whenever a request arrives)
         chunks = self._prefill_chunks() if self.prefilling else []
+        batch_before = self.stats.batch_tokens
         outputs, prefill_outs = (self._decode(decoding, chunks) if decoding
                                  else ([], self._prefill_forward(chunks)))
+        if decoding and not chunks:  # a pure decoding step: what a running request gets
+            committed = sum(len(o.new_token_ids) for o in outputs)
+            self._pace.observe(time.perf_counter() - start, committed / len(decoding),
+                               self.stats.batch_tokens - batch_before)
         if chunks:
             outputs += self._prefill_finish(chunks, prefill_outs)
         self.stats.steps += 1
         return outputs
+
+    def _floor(self, r: _Request) -> float | None:
+        """The request's per-user speed floor (tokens/s): its own, else the engine's."""
+        own = r.req.min_tokens_per_s
+        return own if own is not None else self.config.min_tokens_per_s
+
+    def _floors_allow_one_more(self) -> bool:
+        """Admission under speed floors: admit the next waiting request only while the measured
+        per-request speed, rescaled to one more request's batch by SPS(B) (the step time grows as
+        1 / SPS), stays at or above every floor among the running requests and the newcomer.
+        Always true without floors, without a measurement yet, or with nothing running."""
+        floors = [f for f in map(self._floor, (*self.running, *self.prefilling, self.waiting[0]))
+                  if f is not None]
+        pace = self._pace
+        if not floors or not self.running or pace.step_s is None:
+            return True
+        running = len(self.running) + len(self.prefilling)
+        batch = pace.batch_tokens * (running + 1) / max(len(self.running), 1)
+        step_s = pace.step_s
+        if self.sps is not None:
+            now = self.sps.sps(min(max(1, round(pace.batch_tokens)), self.sps.max_tokens))
+            then = self.sps.sps(min(max(1, round(batch)), self.sps.max_tokens))
+            step_s *= now / then
+        else:  # no profile: time proportional to the batch (pessimistic while memory-bound)
+            step_s *= batch / max(pace.batch_tokens, 1.0)
+        return pace.tokens_per_step / step_s >= max(floors)
 
     def _prefill_chunks(self) -> list[tuple[_Request, int]]:
         """(request, prompt tokens to run now) in admission order, within the step's prefill
@@ -418,7 +476,7 @@ class SpecEngine:
             positions = torch.tensor([r.pos for r in rows], device=dev)
             temps = torch.tensor([r.req.params.temperature for r in rows])
             top_p = torch.tensor([r.req.params.top_p for r in rows])
-            gens = [r.gen for r in rows]
+            gens = [self._noise(r) or r.gen for r in rows]
             try:
                 props = [self._propose(rows, anchors, positions, depths, temps, gens, top_p)]
                 owners = [list(range(len(rows)))]
@@ -452,7 +510,8 @@ class SpecEngine:
                     del seq[i]
             if not reqs:
                 return results, self._prefill_forward(chunks)
-        lengths = self._schedule(confidences, [len(t) for t in tokens])
+        lengths = self._schedule(confidences, [len(t) for t in tokens],
+                                 [self._floor(r) for r in reqs])
         t1 = time.perf_counter()
         verify_in = [[r.anchor] + tokens[i][:lengths[i]] for i, r in enumerate(reqs)]
         caches, prompt_tokens, modes = self._prefill_inputs(chunks) if chunks else ([], [], [])
@@ -548,7 +607,8 @@ class SpecEngine:
         elif cap > 0:
             r.skipped += 1
 
-    def _schedule(self, confidences: list[list[float]], caps: list[int]) -> list[int]:
+    def _schedule(self, confidences: list[list[float]], caps: list[int],
+                  floors: list[float | None] | None = None) -> list[int]:
         """Per-request verification lengths from the configured policy, clipped to the drafts.
 
         Rows without confidences (a drafter without a confidence head, under fixed or none) are
@@ -561,7 +621,13 @@ class SpecEngine:
                 # nothing was drafted then (the planner skipped the drafter): like the warm-up,
                 # Algorithm 1 on the current confidences (the choice depends on the past only)
                 stale = None
-        return [min(l, c) for l, c in zip(self._scheduler(rows, stale), caps)]
+        lengths = [min(l, c) for l, c in zip(self._scheduler(rows, stale), caps)]
+        if (floors and any(f is not None for f in floors) and self.sps is not None
+                and self.scheduler_name in sched.NEEDS_CONFIDENCE):
+            # requests predicted below their speed floor get verification first (lossless)
+            lengths = sched.hold_speed_floors([row[:c] for row, c in zip(rows, caps)], lengths,
+                                              self.sps, floors, self.config.max_batch_tokens)
+        return lengths
 
     def _verify(self, r: _Request, draft: torch.Tensor, draft_probs, logits: torch.Tensor,
                 one_hot: bool = False):
@@ -572,6 +638,9 @@ class SpecEngine:
         if p.temperature <= 0:
             return verify_greedy(draft, logits)
         target_probs = self._target_probs(r, logits)
+        noise = self._noise(r)
+        if noise is not None:  # a seeded request: the same output under any plan
+            return verify_coupled(draft, target_probs, noise)
         if one_hot:
             draft_probs = torch.zeros_like(target_probs[:draft.numel()])
             draft_probs[torch.arange(draft.numel()), draft.to(draft_probs.device)] = 1.0
@@ -579,12 +648,27 @@ class SpecEngine:
             draft_probs = target_probs[:0]
         return verify_sampled(draft, draft_probs, target_probs, r.gen)
 
+    def _noise(self, r: _Request) -> PositionNoise | None:
+        """The position-keyed noise a seeded sampled request draws with when a drafter is
+        loaded (``drafters.sampling.PositionNoise``), starting at its next output position; None
+        for the others. Target-only decoding keeps one uniform per token from the request's own
+        stream (``draw``): without drafting, that stream is consumed the same way under any load,
+        and it costs a fraction of a Gumbel draw over the vocabulary."""
+        p = r.req.params
+        if (p.seed is None or p.temperature <= 0 or self.drafter is None
+                or self.config.seeded_sampling != "load_invariant"):
+            return None
+        return PositionNoise(p.seed, len(r.output), self.target.model.config.vocab_size)
+
     def _sample_one(self, r: _Request, logits: torch.Tensor) -> int:
         p = r.req.params
         logits = self._mask_early_stops(r, logits[None])
         if p.temperature <= 0:
             return int(logits[0].argmax())
         probs = self._target_probs(r, logits)
+        noise = self._noise(r)
+        if noise is not None:
+            return gumbel_argmax(probs[0], noise.gumbel(0))
         return draw(probs[0], r.gen)
 
     def _target_probs(self, r: _Request, logits: torch.Tensor) -> torch.Tensor:

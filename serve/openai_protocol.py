@@ -35,12 +35,13 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import (BaseModel, ConfigDict, Field, ValidationError, ValidationInfo,
                       field_validator, model_validator)
 
-INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+from .requests import INT64_MAX, INT64_MIN
+
 MAX_TOP_LOGPROBS = 20  # alternatives per token (OpenAI's chat limit; serve.requests.MAX_LOGPROBS)
 MAX_STOP_STRINGS = 4  # OpenAI: "Up to 4 sequences where the API will stop generating"
 
@@ -88,6 +89,44 @@ def _loc_to_param(loc: tuple) -> str | None:
     return ".".join(parts) or None
 
 
+def _surrogate_at(text: str) -> int | None:
+    """Index of the first lone surrogate in ``text``, else None: the only characters a Python
+    string can hold that UTF-8 cannot encode (JSON's ``"\\ud800"`` escape decodes to one)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as err:
+        return err.start
+    return None
+
+
+def invalid_text_error(body: Any) -> APIError | None:
+    """A 400 naming the first string of a parsed JSON body, a value or a field name at any depth,
+    that is not valid Unicode; None when every string is. No tokenizer, chat template or UTF-8
+    response can carry such text, and an error message that echoes it cannot even be sent, so it
+    is refused before anything reads it. Iterative: the depth is the JSON parser's, not ours."""
+    def error(path: tuple, what: str, text: str, i: int) -> APIError:
+        # the param itself must be sendable: a surrogate in a field name written as its escape
+        param = ".".join(str(p).encode("utf-8", "backslashreplace").decode("utf-8")
+                         for p in path) or None
+        return APIError(400, f"{param or 'request body'}: {what} is not valid Unicode (a lone "
+                        f"surrogate, U+{ord(text[i]):04X}, at character {i})", param=param,
+                        code="invalid_value")
+
+    stack: list[tuple[tuple, Any]] = [((), body)]
+    while stack:
+        path, value = stack.pop()
+        if isinstance(value, dict):
+            for key in value:
+                if isinstance(key, str) and (i := _surrogate_at(key)) is not None:
+                    return error(path + (key,), "the field name", key, i)
+            stack.extend(reversed([(path + (k,), v) for k, v in value.items()]))
+        elif isinstance(value, list):
+            stack.extend(reversed([(path + (n,), v) for n, v in enumerate(value)]))
+        elif isinstance(value, str) and (i := _surrogate_at(value)) is not None:
+            return error(path, "text", value, i)
+    return None
+
+
 def validation_error(errors: list[dict]) -> APIError:
     """Map pydantic / FastAPI validation errors to one 400 :class:`APIError` naming the first
     offending field (all problems are listed in the message)."""
@@ -98,7 +137,10 @@ def validation_error(errors: list[dict]) -> APIError:
         if kind == "extra_forbidden":
             msg = f"Unrecognized request argument supplied: {param}"
         elif kind == "json_invalid":
-            param, msg = None, f"request body is not valid JSON: {err.get('msg', '')}"
+            where = err.get("loc", ())[-1:]
+            msg = (f"request body is not valid JSON: {err.get('ctx', {}).get('error', '')}"
+                   + (f" (at character {where[0]})" if where and where[0] != "body" else ""))
+            param = None
         else:
             text = str(err.get("msg", "invalid value")).removeprefix("Value error, ")
             msg = f"{param}: {text}" if param else text
@@ -136,13 +178,18 @@ class StreamOptions(_NullMeansDefault):
 
 
 class _SamplingFields(_NullMeansDefault):
-    """Fields shared by both endpoints (OpenAI semantics, defaults filled by the server)."""
+    """Fields shared by both endpoints (OpenAI semantics, defaults filled by the server).
 
-    model_config = ConfigDict(extra="forbid")
+    Integers are int64 (the width vLLM and torch give them; a larger JSON number is a 400 naming
+    its field, never an overflow deeper down); NaN and infinities (JSON parsers accept ``NaN``,
+    ``Infinity`` and ``1e309``) are refused in every number field."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     model: str = Field(description="Served model name (GET /v1/models).")
-    max_tokens: int | None = Field(None, ge=1, description="Cap on generated tokens; None = the "
-                                   "server's default_max_tokens, clipped to the model length.")
+    max_tokens: int | None = Field(None, ge=1, le=INT64_MAX, description="Cap on generated "
+                                   "tokens; None = the server's default_max_tokens, clipped to "
+                                   "the model length.")
     temperature: float | None = Field(None, ge=0.0, le=2.0, description="0 = greedy; default 1.0.")
     top_p: float | None = Field(None, gt=0.0, le=1.0, description="Nucleus mass; default 1.0.")
     seed: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX, description="Seeds the request's "
@@ -154,15 +201,21 @@ class _SamplingFields(_NullMeansDefault):
     n: int = Field(1, description="Choices per request; only 1 is supported.")
     user: str | None = Field(None, max_length=256, description="End-user id (metrics tag).")
     # vLLM's extra sampling fields
-    top_k: int | None = Field(None, ge=-1, description="Keep the k most likely tokens; -1 or 0 = "
-                              "all (default).")
+    top_k: int | None = Field(None, ge=-1, le=INT64_MAX, description="Keep the k most likely "
+                              "tokens; -1 or 0 = all (default), as does a k at or above the "
+                              "vocabulary size (vLLM).")
     min_p: float | None = Field(None, ge=0.0, le=1.0, description="Drop tokens below min_p times "
                                 "the most likely token's probability; default 0.")
-    min_tokens: int | None = Field(None, ge=0, description="EOS and stop_token_ids cannot end the "
-                                   "output before this many tokens; default 0.")
+    min_tokens: int | None = Field(None, ge=0, le=INT64_MAX, description="EOS, stop_token_ids "
+                                   "and stop strings cannot end the output before this many "
+                                   "tokens (vLLM); default 0.")
     ignore_eos: bool | None = Field(None, description="Keep generating after EOS; default false.")
-    stop_token_ids: list[int] | None = Field(None, max_length=64, description="Token ids that end "
-                                             "the output (included).")
+    stop_token_ids: list[Annotated[int, Field(ge=0, le=INT64_MAX)]] | None = Field(
+        None, max_length=64, description="Token ids that end the output (included).")
+    min_tokens_per_s: float | None = Field(None, gt=0, le=1e9, description="This request's "
+                                           "per-user speed floor in tokens/s (verification goes "
+                                           "to requests below their floor first); default: the "
+                                           "engine's min_tokens_per_s.")
     # this server's extension (SGLang returns the like in its meta_info)
     return_spec_details: bool | None = Field(None, description="Add `spec_details`, the "
                                              "request's speculation summary, to the response (the "
@@ -177,6 +230,16 @@ class _SamplingFields(_NullMeansDefault):
     service_tier: str | None = None
     prompt_cache_key: str | None = None
     safety_identifier: str | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_unicode(cls, data: Any) -> Any:
+        """Raised as :class:`APIError` rather than a pydantic error: it names the string at
+        fault, a field name included, which a pydantic error location cannot."""
+        err = invalid_text_error(data) if isinstance(data, dict) else None
+        if err is not None:
+            raise err
+        return data
 
     @field_validator("n")
     @classmethod
@@ -302,8 +365,8 @@ class ChatCompletionRequest(_SamplingFields):
     """``POST /v1/chat/completions`` body: rendered with the tokenizer's chat template."""
 
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(None, ge=1, description="Newer name of max_tokens; "
-                                              "wins when both are given.")
+    max_completion_tokens: int | None = Field(None, ge=1, le=INT64_MAX, description="Newer name "
+                                              "of max_tokens; wins when both are given.")
     logprobs: bool | None = None
     top_logprobs: int | None = None
     tools: list[dict[str, Any]] | None = None
@@ -394,11 +457,13 @@ class CompletionLogprobs(BaseModel):
     text_offset: list[int] = Field(default_factory=list)
 
 
-def chat_logprobs(items, token_text) -> ChatLogprobs:
-    """``items``: ``serve.requests.TokenLogprob`` s; ``token_text``: id -> its text."""
+def chat_logprobs(items, token_text, token_bytes) -> ChatLogprobs:
+    """``items``: ``serve.requests.TokenLogprob`` s; ``token_text``: id -> its text;
+    ``token_bytes``: id -> its raw bytes (``serve.detokenize.token_bytes``: a token holding part of
+    a character has text U+FFFD but its own bytes, so the entries' bytes concatenate to the
+    content's UTF-8). Every alternative is its own entry, two with the same text included."""
     def entry(tid: int, lp: float) -> dict:
-        text = token_text(tid)
-        return {"token": text, "logprob": lp, "bytes": list(text.encode("utf-8"))}
+        return {"token": token_text(tid), "logprob": lp, "bytes": list(token_bytes(tid))}
 
     return ChatLogprobs(content=[
         ChatTokenLogprob(**entry(it.token_id, it.logprob),
@@ -407,13 +472,23 @@ def chat_logprobs(items, token_text) -> ChatLogprobs:
 
 
 def completion_logprobs(items, token_text, text_offset: int = 0) -> CompletionLogprobs:
-    """Legacy form of the same; ``text_offset`` is where the first token's text starts."""
+    """Legacy form of the same; ``text_offset`` is where the first token's text starts.
+
+    ``top_logprobs`` holds the sampled token and the k alternatives (OpenAI: "up to logprobs+1
+    elements"), keyed by text as vLLM builds it: candidates with equal texts (pieces of different
+    characters all read U+FFFD) share one key, so a dict may hold fewer; the legacy format has no
+    room for both (chat's list has). The key keeps the likelier logprob (vLLM's dict keeps the
+    one written last)."""
     out = CompletionLogprobs()
     for it in items:
         text = token_text(it.token_id)
         out.tokens.append(text)
         out.token_logprobs.append(it.logprob)
-        out.top_logprobs.append({token_text(t): lp for t, lp in it.top})
+        top: dict[str, float] = {text: it.logprob}
+        for t, lp in it.top:
+            key = token_text(t)
+            top[key] = max(lp, top.get(key, lp))
+        out.top_logprobs.append(top)
         out.text_offset.append(text_offset)
         text_offset += len(text)
     return out

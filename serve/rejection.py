@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from drafters.sampling import draw
+from drafters.sampling import PositionNoise, draw, gumbel_argmax
 
 
 def verify_greedy(draft_tokens: torch.Tensor, target_logits: torch.Tensor) -> tuple[int, int]:
@@ -71,3 +71,29 @@ def verify_sampled(draft_tokens: torch.Tensor, draft_probs: torch.Tensor,
     else:
         dist = target_probs[l]
     return n, draw(dist, generator)
+
+
+def verify_coupled(draft_tokens: torch.Tensor, target_probs: torch.Tensor,
+                   noise: PositionNoise) -> tuple[int, int]:
+    """A seeded request's verification: the target's token at each position is its Gumbel-max
+    draw with that position's noise (``drafters.sampling.PositionNoise``), so it does not depend on
+    the draft; x_k is accepted iff it equals that token. Lossless like :func:`verify_sampled` (each
+    emitted token is a draw from the target's distribution at its position), and the output is the
+    same whatever was drafted: a seeded request's text does not depend on the drafting plan, and so
+    not on the server's load.
+
+    Args:
+        draft_tokens: int64 [l].
+        target_probs: fp32 [l + 1, V], p_t after the anchor and after each x_k.
+        noise: the request's noise with ``start`` = the output position of row 0.
+    Returns:
+        (number accepted n, the target's token after the accepted prefix).
+    Raises:
+        ValueError: a target row without positive finite mass.
+    """
+    drafted = draft_tokens.tolist()
+    for k in range(len(drafted) + 1):
+        token = gumbel_argmax(target_probs[k], noise.gumbel(k))
+        if k == len(drafted) or drafted[k] != token:
+            return k, token
+    raise AssertionError("unreachable")

@@ -13,6 +13,7 @@ from .errors import RequestError
 # to inf and the softmax to NaN, which must never reach the sampler.
 GREEDY_TEMPERATURE_EPS = 1e-5
 MAX_LOGPROBS = 20  # alternatives per token (OpenAI's top_logprobs limit)
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1  # the API's integers (torch and vLLM take int64)
 
 
 @dataclass(frozen=True)
@@ -31,17 +32,18 @@ class SamplingParams:
 
     max_tokens: hard cap on generated tokens (>= 1); temperature: 0 (or anything below
     ``GREEDY_TEMPERATURE_EPS`` = 1e-5) = greedy, else the sampling temperature of target and
-    drafter alike (finite); top_p: nucleus mass in (0, 1]; top_k: keep the k most likely tokens
-    (0 or -1 = all); min_p: drop tokens below min_p times the most likely one's probability
-    (0 = off); seed: seeds this request's own RNG (None = engine-chosen); stop: strings that end the
-    output (not included); stop_token_ids: extra token ids that end the output (included, like
-    EOS); logprobs: None, or k >= 0: return the target's log probability of every emitted token
-    and of its k most likely alternatives (raw model distribution, from the verification pass;
-    at most ``MAX_LOGPROBS``); min_tokens: EOS and stop_token_ids cannot be generated before this
-    many tokens (the
-    target's distribution is masked there, so speculative decoding stays lossless); ignore_eos:
-    EOS does not end the output (max_tokens or a stop still does). The sampling warps apply to the
-    target's distribution in the order temperature, min_p, top_k, top_p (vLLM's).
+    drafter alike (finite); top_p: nucleus mass in (0, 1]; top_k: keep the k most likely tokens (0
+    or -1 = all; a k at or above the vocabulary size keeps all too, as vLLM reads it); min_p: drop
+    tokens below min_p times the most likely one's probability (0 = off); seed: seeds this
+    request's own RNG (an int64; None = engine-chosen); stop: strings that end the output (not
+    included); stop_token_ids: extra token ids that end the output (included, like EOS); logprobs:
+    None, or k >= 0: return the target's log probability of every emitted token and of its k most
+    likely alternatives (raw model distribution, from the verification pass; at most
+    ``MAX_LOGPROBS``); min_tokens: EOS and stop_token_ids cannot be generated before this many
+    tokens (the target's distribution is masked there, so speculative decoding stays lossless), and
+    a stop string completing within them is output text (vLLM); ignore_eos: EOS does not end the
+    output (max_tokens or a stop still does). The sampling warps apply to the target's distribution
+    in the order temperature, min_p, top_k, top_p (vLLM's).
     """
 
     max_tokens: int = 256
@@ -68,6 +70,8 @@ class SamplingParams:
             raise RequestError(f"top_p must be in (0, 1], got {self.top_p}", field="top_p")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise RequestError("stop strings must be non-empty strings", field="stop")
+        if self.seed is not None and not INT64_MIN <= self.seed <= INT64_MAX:
+            raise RequestError(f"seed must be a 64-bit integer, got {self.seed}", field="seed")
         if self.top_k < -1:
             raise RequestError(f"top_k must be -1 or 0 (all tokens) or >= 1, got {self.top_k}",
                                field="top_k")
@@ -93,7 +97,9 @@ class SamplingParams:
         out = self
         if 0 < self.temperature < GREEDY_TEMPERATURE_EPS:
             out = replace(out, temperature=0.0)
-        if self.top_k == -1:
+        if self.top_k == -1 or self.top_k > INT64_MAX:
+            # beyond int64 is beyond any vocabulary: no limit, as every k the vocabulary cannot
+            # fill is (vLLM; drafters.sampling.warped_probs), and never a tensor overflow
             out = replace(out, top_k=0)
         return out
 
@@ -111,6 +117,8 @@ class EngineRequest:
     prompt_ids: list[int]
     params: SamplingParams = field(default_factory=SamplingParams)
     return_spec_details: bool = False
+    # per-user speed floor in tokens/s (EngineConfig.min_tokens_per_s); None = the engine's
+    min_tokens_per_s: float | None = None
 
 
 @dataclass

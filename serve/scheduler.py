@@ -388,6 +388,70 @@ def async_schedule(current_confidences: Confidences, stale_confidences: Confiden
     return _admit(_candidates(_survival(rows)), num_requests, budget)
 
 
+def hold_speed_floors(confidences: Confidences, lengths: Sequence[int], sps: SPSTable,
+                      floors: Sequence[float | None], max_batch_tokens: int | None = None
+                      ) -> list[int]:
+    """Extend a plan so that requests below their per-user speed floor get verification first.
+
+    A request's predicted speed is E_r * SPS(B) tokens/s, E_r = 1 + sum_{j<=l_r} a_{r,j} its
+    expected committed tokens per step. Starting from ``lengths`` (a throughput plan, e.g.
+    :func:`dspark_schedule`'s), repeatedly take the request furthest below its floor (lowest
+    speed / floor; ties: smaller r) and verify its next draft token, while that raises its own
+    predicted speed ((E_r + a) * SPS(B + 1) > E_r * SPS(B)) and leaves every request that holds
+    its floor now at or above it; stop at the first request that cannot be helped so, or at the
+    batch limit. Requests the plan cannot lift stay below: the engine's admission keeps new
+    requests waiting then (``EngineConfig.min_tokens_per_s``).
+
+    Lossless on top of a lossless plan: it only extends contiguous prefixes, one token at a time,
+    and the decision to verify x_{r,k} reads a_{r,<=k} (computed from x_{r,<k}) and the admitted
+    prefixes of the other requests, never a_{r,j>k}; as with Algorithm 1's early stop, a stop
+    reads only candidates whose prefixes are admitted.
+
+    Args:
+        confidences: R rows of calibrated c_{r,1..gamma_r} in [0, 1].
+        lengths: the plan to extend, l_r in [0, gamma_r] (not mutated).
+        sps: profiled SPS table (steps/s).
+        floors: per request its floor in tokens/s, or None (no floor).
+        max_batch_tokens: optional cap on B in tokens.
+    Returns:
+        l: list[int] of length R with l_r >= lengths[r].
+    Raises:
+        ValueError: a confidence outside [0, 1], or ``lengths`` / ``floors`` not of length R.
+    Source: this project's SLA extension of DSpark Algorithm 1 (issue 24; the paper reports
+    throughput at a per-user speed floor, section 5).
+    """
+    rows = _as_rows(confidences)
+    num_requests = len(rows)
+    if len(lengths) != num_requests or len(floors) != num_requests:
+        raise ValueError(f"{num_requests} confidence rows but {len(lengths)} lengths and "
+                         f"{len(floors)} floors")
+    lengths = [int(l) for l in lengths]
+    limit = _batch_limit(sps, max_batch_tokens)
+    batch = num_requests + sum(lengths)
+    if num_requests == 0 or batch > limit or all(f is None for f in floors):
+        return lengths
+    a_rows = _survival(rows)
+    expected = [1.0 + sum(a_rows[r][:lengths[r]]) for r in range(num_requests)]
+    while batch < limit:
+        now, nxt = sps.sps(batch), sps.sps(batch + 1)
+        below = [r for r in range(num_requests)
+                 if floors[r] is not None and expected[r] * now < floors[r]]
+        if not below:
+            break
+        r = min(below, key=lambda q: (expected[q] * now / floors[q], q))
+        k = lengths[r]
+        if k >= len(a_rows[r]) or a_rows[r][k] <= 0.0:
+            break
+        gain = a_rows[r][k]
+        if not (expected[r] + gain) * nxt > expected[r] * now:
+            break
+        if any(q != r and floors[q] is not None and expected[q] * now >= floors[q] >
+               expected[q] * nxt for q in range(num_requests)):
+            break
+        lengths[r], expected[r], batch = k + 1, expected[r] + gain, batch + 1
+    return lengths
+
+
 def static_threshold_schedule(confidences: Confidences, threshold: float) -> list[int]:
     """Baseline: verify the leading draft tokens whose prefix survival reaches a fixed threshold.
 

@@ -5,6 +5,8 @@ limits, and SPS profiling."""
 
 from __future__ import annotations
 
+from collections import deque
+
 import numpy as np
 import pytest
 import torch
@@ -158,16 +160,22 @@ def sampling_pair():
     return target, d
 
 
-@pytest.mark.parametrize("scheduler", ["dspark", "async", "static_threshold", "fixed", "none"])
+@pytest.mark.parametrize("scheduler,seeded_sampling", [
+    ("dspark", "load_invariant"), ("async", "load_invariant"),
+    ("static_threshold", "load_invariant"), ("fixed", "load_invariant"),
+    ("none", "load_invariant"), ("dspark", "rejection"), ("fixed", "rejection")])
 def test_sampled_tokens_follow_the_target_distribution_for_every_scheduler(sampling_pair,
-                                                                          scheduler):
+                                                                          scheduler,
+                                                                          seeded_sampling):
     """Many requests with different seeds decode together; the joint law of their first three
-    tokens must be the target's exact one (lossless whatever the scheduler decides)."""
+    tokens must be the target's exact one (lossless whatever the scheduler decides), with seeded
+    requests sampled load-invariantly (the default) or by rejection sampling."""
     target, d = sampling_pair
     v = target.config.vocab_size
     prompt = [3, 7, 2, 9, 5]
     exact = _exact_first_tokens(target, prompt)
-    engine = _engine(target, d, scheduler, threshold=0.4, max_num_requests=48, max_waiting=2000)
+    engine = _engine(target, d, scheduler, threshold=0.4, max_num_requests=48, max_waiting=2000,
+                     seeded_sampling=seeded_sampling)
     n = 1500
     reqs = [EngineRequest(f"s{i}", prompt, SamplingParams(4, temperature=1.0, seed=i))
             for i in range(n)]
@@ -590,3 +598,47 @@ def engine_rounds_verified_blocks(drafter, target, prompt) -> int:
     engine = _engine(target, drafter, "fixed")
     engine.generate([EngineRequest("v", prompt, SamplingParams(14, 0.0))])
     return engine.stats.verified_tokens
+
+
+def test_speed_floors_add_verification_losslessly_and_gate_admission(varied_target,
+                                                                     corrupted_table):
+    """With a per-user speed floor above what the throughput plan gives, requests verify more
+    (serve.scheduler.hold_speed_floors) and greedy output stays the target's; admission waits
+    while the measured speed, rescaled to one more request, would break a floor."""
+    from serve.engine import _Pace
+
+    d = randomize_heads(oracle_drafter(varied_target, corrupted_table, "markov", 4))
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, 96, (n,), generator=g).tolist() for n in (4, 7, 3, 9)]
+
+    def run(**cfg):
+        engine = _engine(varied_target, d, "dspark", **cfg)
+        reqs = [EngineRequest(f"r{i}", p, SamplingParams(max_tokens=20, temperature=0.0))
+                for i, p in enumerate(prompts)]
+        out, _ = _run(engine, {0: reqs})
+        for i, p in enumerate(prompts):
+            assert out[f"r{i}"] == greedy_reference(varied_target, p, 20), (cfg, i)
+        return engine.stats
+
+    plain, floored = run(), run(min_tokens_per_s=400.0)  # SPS(1) = 100 steps/s: out of reach
+    assert floored.verified_tokens > plain.verified_tokens
+
+    # admission: SPS(8) = 95, SPS(16) = 80 steps/s; 4 running requests verifying B = 8 tokens in
+    # 10 ms steps, 2 tokens per request per step: 200 tokens/s each now; a fifth request makes
+    # B = 10 -> SPS 91.25, so 200 * 91.25 / 95 = 192.1 tokens/s
+    engine = _engine(varied_target, d, "dspark", min_tokens_per_s=190.0, max_num_requests=8)
+    for i, p in enumerate(prompts + [[1, 2, 3]]):
+        engine.add_request(EngineRequest(f"a{i}", p, SamplingParams(max_tokens=30,
+                                                                    temperature=0.0)))
+    engine.waiting, queued = deque(list(engine.waiting)[:4]), list(engine.waiting)[4:]
+    engine.step()  # prefill the four
+    assert len(engine.running) == 4
+    engine.waiting.extend(queued)
+    engine._pace = _Pace(step_s=0.01, tokens_per_step=2.0, batch_tokens=8.0)
+    assert engine._floors_allow_one_more()
+    engine._pace = _Pace(step_s=0.01, tokens_per_step=1.94, batch_tokens=8.0)
+    assert not engine._floors_allow_one_more()  # 194 * 91.25 / 95 = 186.3 < 190
+    queued[0].req.min_tokens_per_s = 1.0  # the newcomer's own floor is low, the others' are not
+    assert not engine._floors_allow_one_more()
+    engine.config = engine.config.model_copy(update={"min_tokens_per_s": None})
+    assert engine._floors_allow_one_more()  # no floor among the running requests any more

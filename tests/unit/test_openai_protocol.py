@@ -151,7 +151,8 @@ def test_logprobs_requests_and_responses_parse_with_the_official_client_types():
     resp = ChatCompletionResponse(
         id="x", created=1, model="m", usage=Usage.of(1, 2),
         choices=[ChatChoice(message=AssistantMessage(content="hello"),
-                            logprobs=chat_logprobs(items, text), finish_reason="stop")])
+                            logprobs=chat_logprobs(items, text, lambda t: text(t).encode()),
+                            finish_reason="stop")])
     parsed = chat_types.ChatCompletion.model_validate(resp.model_dump())
     content = parsed.choices[0].logprobs.content
     assert [c.token for c in content] == ["he", "llo"] and content[1].logprob == -1.0
@@ -162,3 +163,59 @@ def test_logprobs_requests_and_responses_parse_with_the_official_client_types():
     lp = completion_types.Completion.model_validate(comp.model_dump()).choices[0].logprobs
     assert lp.tokens == ["he", "llo"] and lp.text_offset == [0, 2]
     assert lp.top_logprobs[0] == {"he": -0.1, "ha": -2.5}
+    assert lp.top_logprobs[1] == {"llo": -1.0, "lp": -0.7}  # the sampled token is always there
+
+
+def test_logprobs_entries_keep_raw_bytes_and_every_alternative():
+    """Chat: ``bytes`` come from the token-bytes function (not the UTF-8 of the text, which is
+    U+FFFD for a piece of a character) and alternatives with equal texts stay separate entries;
+    legacy completions key alternatives by text (vLLM's format), so those share a key holding the
+    likelier logprob."""
+    from serve.openai_protocol import chat_logprobs, completion_logprobs
+    from serve.requests import TokenLogprob
+
+    text = {1: "\ufffd", 2: "\ufffd", 3: "\ufffd", 4: "x"}.__getitem__
+    raw = {1: b"\xe6\x97", 2: b"\xa5", 3: b"\x80", 4: b"x"}.__getitem__
+    items = [TokenLogprob(1, -0.5, ((1, -0.5), (3, -1.5), (4, -2.0))),
+             TokenLogprob(2, -0.1, ((2, -0.1), (4, -3.0)))]
+    chat = chat_logprobs(items, text, raw).content
+    assert b"".join(bytes(e.bytes) for e in chat) == "日".encode()
+    assert [(e.token, e.bytes) for e in chat[0].top_logprobs] == [
+        ("\ufffd", [0xE6, 0x97]), ("\ufffd", [0x80]), ("x", [ord("x")])]
+    legacy = completion_logprobs(items, text)
+    assert legacy.top_logprobs == [{"\ufffd": -0.5, "x": -2.0}, {"\ufffd": -0.1, "x": -3.0}]
+
+
+@pytest.mark.parametrize("cls, base", [(ChatCompletionRequest, {"messages": MSG}),
+                                       (CompletionRequest, {"prompt": "hi"})])
+def test_numbers_are_int64_and_finite_in_every_field(cls, base):
+    big = 2**63
+    for field in ("max_tokens", "top_k", "min_tokens", "seed"):
+        assert _error(cls, model="m", **base, **{field: big}).param == field
+    assert _error(cls, model="m", **base, stop_token_ids=[1, big]).param == "stop_token_ids.1"
+    for field in ("temperature", "top_p", "min_p", "frequency_penalty", "presence_penalty"):
+        for value in (float("nan"), float("inf"), -float("inf")):
+            err = _error(cls, model="m", **base, **{field: value})
+            assert err.param == field and "finite" in err.message, err.message
+    assert cls.model_validate({"model": "m", **base, "top_k": big - 1}).top_k == big - 1
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"prompt": "\ud800"}, "prompt"),
+    ({"prompt": ["a\udfffb"]}, "prompt.0"),
+    ({"prompt": "ok", "stop": ["x", "\ud800"]}, "stop.1"),
+    ({"prompt": "ok", "user": "\ud800"}, "user"),
+    ({"prompt": "ok", "metadata": {"\ud800": "v"}}, "metadata.\\ud800"),
+    ({"prompt": "ok", "\ud800x": 1}, "\\ud800x"),
+])
+def test_text_that_is_not_unicode_is_an_error_naming_it(body, param):
+    """Raised as the APIError itself (not a pydantic error): the param names the string, a field
+    name written as its escape so that the error body can be sent."""
+    with pytest.raises(APIError) as err:
+        CompletionRequest.model_validate({"model": "m", **body})
+    assert err.value.status == 400 and err.value.param == param
+    json.dumps(err.value.body(), ensure_ascii=False).encode("utf-8")  # sendable
+    with pytest.raises(APIError) as err:
+        ChatCompletionRequest.model_validate({"model": "m", "messages": [
+            {"role": "user", "content": [{"type": "text", "text": "\ud800"}]}]})
+    assert err.value.param == "messages.0.content.0.text"

@@ -29,6 +29,7 @@ from serve.scheduler import (
     dspark_schedule,
     fixed_schedule,
     full_search_capacity,
+    hold_speed_floors,
     make_scheduler,
     no_speculation_schedule,
     prefix_survival,
@@ -239,6 +240,27 @@ def test_async_request_count_changes_and_limits():
 # ---- baselines ----------------------------------------------------------------------------------
 
 
+def test_speed_floors_lift_the_slowest_request_first_and_keep_the_others():
+    # Algorithm 1 verifies request 0's a_1 = 0.9 and a_2 = 0.45 (theta 24.65, then 25.125) and
+    # stops before request 1's a_1 = 0.2 (3.55 * 7.0 = 24.85 < 25.125): B = 4, SPS 7.5
+    sps = SPSTable((10.0, 9.5, 8.5, 7.5, 7.0, 6.5))
+    conf = [[0.9, 0.5], [0.2, 0.9]]
+    base = dspark_schedule(conf, sps)
+    assert base == [2, 0]
+    # request 1 runs at 1 * 7.5 < its floor 7.6: verifying its x_1 lifts it to 1.2 * 7.0 = 8.4,
+    # and request 0 (2.35 * 7.0 = 16.45) keeps its floor of 12; then both hold theirs
+    assert hold_speed_floors(conf, base, sps, [12.0, 7.6]) == [2, 1]
+    # a floor request 0 would lose (2.35 * 7.0 = 16.45 < 17 <= 2.35 * 7.5): no extension
+    assert hold_speed_floors(conf, base, sps, [17.0, 7.6]) == [2, 0]
+    # no floors, or floors already held: the plan is unchanged (and not mutated)
+    assert hold_speed_floors(conf, base, sps, [None, None]) == [2, 0] == base
+    assert hold_speed_floors(conf, base, sps, [1.0, 1.0]) == [2, 0]
+    # verification that lowers the request's own speed is never added
+    assert hold_speed_floors([[0.01]], [0], SPSTable((10.0, 5.0)), [20.0]) == [0]
+    with pytest.raises(ValueError, match="floors"):
+        hold_speed_floors(conf, base, sps, [1.0])
+
+
 def test_static_threshold_hand_table():
     conf = [[0.9, 0.9, 0.9],   # a = .9, .81, .729 -> 3 at 0.5, 1 at 0.85
             [0.5, 1.0, 1.0],   # a = .5, .5, .5    -> 3 at 0.5 (>= keeps equality), 0 at 0.85
@@ -334,9 +356,27 @@ def _random_sps(rng: random.Random, max_tokens: int) -> SPSTable:
                           for b in range(1, max_tokens + 1)))
 
 
+def _random_floors(rng: random.Random, num_requests: int) -> list[float | None]:
+    return [None if rng.random() < 0.3 else rng.uniform(5.0, 40.0) for _ in range(num_requests)]
+
+
+def _with_floors(base, sps: SPSTable, floors: list, max_batch_tokens=None):
+    """``base``'s plan extended by :func:`hold_speed_floors` (floors cycled over the requests)."""
+    def sched(conf):
+        rows = [list(r) for r in conf]
+        own = [floors[r % len(floors)] for r in range(len(rows))]
+        return hold_speed_floors(rows, base(rows), sps, own, max_batch_tokens)
+    return sched
+
+
 def _lossless_schedulers(rng: random.Random, sps: SPSTable, gamma: int):
     stale = _random_conf(rng, rng.randint(1, 3), gamma)
+    floors = _random_floors(rng, 3)
     return {
+        "dspark_floors": _with_floors(make_scheduler("dspark", sps=sps), sps, floors),
+        "async_floors": _with_floors(lambda c: async_schedule(c, stale, sps), sps, floors, 6),
+        "static_floors": _with_floors(make_scheduler("static_threshold", threshold=0.7), sps,
+                                      floors),
         "dspark": make_scheduler("dspark", sps=sps),
         "dspark_capped": make_scheduler("dspark", sps=sps, max_batch_tokens=rng.randint(1, 8)),
         "async": lambda c: async_schedule(c, stale, sps),
@@ -381,6 +421,17 @@ def test_verify_decision_never_reads_its_own_future(seed):
         if name.startswith(("dspark", "async")) and any(lengths):
             assert len(conf) + sum(lengths) <= sps.max_tokens, name
         assert not _own_future_violations(sched, conf, rng), name
+
+
+def test_floor_extension_is_exercised_by_the_property_instances():
+    """Coverage guard for the floors variants above: on these random instances the extension
+    really changes Algorithm 1's plan often enough for the checks to mean something."""
+    changed = 0
+    for seed in range(200):
+        rng, sps, _, conf = _property_instance(seed)
+        base = dspark_schedule(conf, sps)
+        changed += hold_speed_floors(conf, base, sps, _random_floors(rng, len(conf))) != base
+    assert changed >= 10, changed
 
 
 def _peeking_schedule(conf: list[list[float]]) -> list[int]:

@@ -1,0 +1,41 @@
+"""The throughput-at-SLA reading of ``benchmarks/serve_load.py`` (issue 24): measured points that
+hold the SLA, straight-line interpolation to where the slowest request crosses it, nothing
+claimed where no point held it."""
+
+from __future__ import annotations
+
+import pytest
+
+from benchmarks.serve_load import default_slas, render_sla_md, sla_rows, throughput_at_sla
+
+
+def _points(policy, pairs):
+    return [{"policy": policy, "concurrency": c, "throughput_tok_s": t, "per_user_tok_s_min": u}
+            for c, (t, u) in zip((1, 2, 4, 8), pairs)]
+
+
+POINTS = (_points("none", [(10, 10.0), (18, 9.0), (30, 7.5), (40, 5.0)])
+          + _points("dspark", [(14, 14.0), (25, 12.5), (38, 9.5), (44, 5.5)]))
+
+
+def test_measured_and_interpolated_throughput_at_an_sla():
+    got = throughput_at_sla(POINTS, "none", 8.0)
+    assert got["measured"] == 18 and got["concurrency"] == 2
+    # between C=2 (9.0 tok/s, 18) and C=4 (7.5, 30): 8.0 lies 2/3 of the way -> 18 + 12 * 2/3
+    assert got["interpolated"] == pytest.approx(26.0)
+    d = throughput_at_sla(POINTS, "dspark", 8.0)
+    assert d["measured"] == 38 and d["interpolated"] == pytest.approx(38 + 6 * 1.5 / 4)
+    assert throughput_at_sla(POINTS, "none", 11.0) == {"measured": None, "concurrency": None,
+                                                       "interpolated": None}
+    # every point holds a low SLA: the best measured point, no crossing to interpolate
+    assert throughput_at_sla(POINTS, "none", 1.0) == {"measured": 40, "concurrency": 8,
+                                                      "interpolated": None}
+
+
+def test_default_slas_and_table():
+    slas = default_slas(POINTS)
+    assert slas == [7.2, 9.5, 11.8]
+    rows = sla_rows(POINTS, slas)
+    assert [(r["sla_tok_s"], r["policy"]) for r in rows][:2] == [(7.2, "none"), (7.2, "dspark")]
+    md = "\n".join(render_sla_md(rows))
+    assert "| 11.8 | none | - | - |" in md and "| 11.8 | dspark | 25.0 (2) |" in md
