@@ -28,6 +28,8 @@ import pyarrow.compute  # noqa: F401  (pa.compute)
 import pyarrow.parquet as pq
 
 from . import storage
+from .config import DEFAULT_ROW_GROUP_BYTES, MAX_COLUMN_BYTES
+from .plan import bytes_per_token
 
 logger = logging.getLogger(__name__)
 
@@ -108,6 +110,67 @@ def decode_columns(sample_id: str | None, num_tokens: int, cols: dict[str, np.nd
     }
 
 
+# Row groups are cut by bytes as well as rows. A row group's byte column is built as one Arrow
+# ``binary`` array, whose int32 offsets address at most 2 GiB: at Qwen3-8B shapes (H 4096, 5
+# context layers, cache.max_length 4096) one row is 192 MiB and 16 of them hold 2.5 GiB of
+# context_hidden ("ArrowInvalid: Negative offsets in binary array"). One row's value must also
+# fit a Parquet page, whose size is an int32; the margin below 2 GiB covers zstd's worst-case
+# growth of incompressible bytes (1/256) and the page header. Keeping ``binary`` (rather than
+# ``large_binary``) leaves the schema, and so every cache already written, unchanged; a training
+# worker holds a few row groups in memory (pipeline/train_data.py), which the byte cap bounds too.
+# The limits (MAX_COLUMN_BYTES, DEFAULT_ROW_GROUP_BYTES) are defined with the config's fields.
+
+
+def row_group_sizes(row_bytes, max_rows: int, max_bytes: int) -> list[int]:
+    """Cut consecutive rows into row groups: each at most ``max_rows`` rows and ``max_bytes``
+    bytes, except that a row larger than ``max_bytes`` makes a row group of its own.
+
+    Args:
+        row_bytes: each row's size in bytes, in row order (any int sequence).
+        max_rows: ``cache.rows_per_row_group``.
+        max_bytes: ``cache.row_group_bytes``.
+    Returns:
+        Rows per row group, in order (sums to ``len(row_bytes)``; [] for no rows).
+    """
+    sizes: list[int] = []
+    rows = used = 0
+    for b in row_bytes:
+        b = int(b)
+        if rows and (rows == max_rows or used + b > max_bytes):
+            sizes.append(rows)
+            rows = used = 0
+        rows, used = rows + 1, used + b
+    if rows:
+        sizes.append(rows)
+    return sizes
+
+
+def check_row_size(max_length: int, hidden_size: int, num_context_layers: int) -> None:
+    """Check that a sample of ``max_length`` tokens fits one cache row: its largest value,
+    ``context_hidden`` (bf16 [T, m*H]), must stay within :data:`MAX_COLUMN_BYTES`.
+
+    Raises:
+        ValueError: with the sizes and what to lower.
+    """
+    largest = max_length * num_context_layers * hidden_size * 2
+    if largest > MAX_COLUMN_BYTES:
+        raise ValueError(
+            f"a {max_length}-token sample's context_hidden ({num_context_layers} layers x "
+            f"{hidden_size} x 2 bytes per token) is {largest:,} bytes, over the "
+            f"{MAX_COLUMN_BYTES:,} bytes one Arrow binary value and Parquet page can hold: lower "
+            "cache.max_length or the number of context layers")
+
+
+def table_row_bytes(table: pa.Table) -> np.ndarray:
+    """Each row's bytes over the byte columns (:data:`BYTE_COLUMNS`) of a :data:`SCHEMA` table:
+    int64 [rows]."""
+    total = np.zeros(table.num_rows, dtype=np.int64)
+    for name in BYTE_COLUMNS:
+        total += pa.compute.binary_length(table.column(name)).to_numpy(
+            zero_copy_only=False).astype(np.int64)
+    return total
+
+
 # Parquet layout of a shard. Every column is zstd-compressed, hidden states included: on real
 # SmolLM2 activations (and the benchmark's synthetic ones) zstd stores bf16 hidden states in 0.80
 # of their size, for ~0.8 CPU s/GB more when reading (benchmarks/results/cache_io.md, which also
@@ -133,14 +196,22 @@ class ShardWriter:
         path: shard base path (local or s3://) without suffix.
         rows_per_row_group: the most rows in one row group.
         parquet_options: ``pq.ParquetWriter`` keywords (:data:`PARQUET_OPTIONS` by default).
+        row_group_bytes: the most bytes (uncompressed, all byte columns) in one row group; a
+            larger row goes alone (:func:`row_group_sizes`).
     Raises:
+        ValueError: ``row_group_bytes`` over :data:`MAX_COLUMN_BYTES`.
         OSError: the store failed (nothing is left at the shard's path).
     """
 
     def __init__(self, path: str, storage_options: dict, rows_per_row_group: int,
-                 parquet_options: dict | None = None):
+                 parquet_options: dict | None = None,
+                 row_group_bytes: int = DEFAULT_ROW_GROUP_BYTES):
+        if row_group_bytes > MAX_COLUMN_BYTES:
+            raise ValueError(f"row_group_bytes {row_group_bytes:,} is over the "
+                             f"{MAX_COLUMN_BYTES:,} bytes of one Arrow binary column")
         self.file_name = path.rsplit("/", 1)[-1] + ".parquet"
         self.rows_per_row_group = rows_per_row_group
+        self.row_group_bytes = row_group_bytes
         self._out = storage.AtomicWriter(path + ".parquet", storage_options)
         try:
             self._writer = pq.ParquetWriter(self._out, SCHEMA,
@@ -152,7 +223,8 @@ class ShardWriter:
         self._counts = np.zeros(0, dtype=np.int64)
 
     def write_table(self, table: pa.Table) -> None:
-        """Append cache rows as row groups of at most ``rows_per_row_group`` rows.
+        """Append cache rows as row groups of at most ``rows_per_row_group`` rows and
+        ``row_group_bytes`` bytes (:func:`row_group_sizes`).
 
         Args:
             table: columns of :data:`SCHEMA` (e.g. from :func:`rows_table`).
@@ -164,7 +236,11 @@ class ShardWriter:
             raise ValueError(f"cache rows with schema {table.schema}, expected {SCHEMA}")
         if not table.num_rows:
             return
-        self._writer.write_table(table, row_group_size=self.rows_per_row_group)
+        start = 0
+        for n in row_group_sizes(table_row_bytes(table), self.rows_per_row_group,
+                                 self.row_group_bytes):
+            self._writer.write_table(table.slice(start, n), row_group_size=n)
+            start += n
         ids = np.concatenate([_column_values(c, "<i4") for c in table.column("input_ids").chunks])
         mask = np.concatenate([_column_values(c, np.uint8)
                                for c in table.column("loss_mask").chunks]).astype(bool)
@@ -222,10 +298,20 @@ def _column_values(chunk: pa.BinaryArray, dtype) -> np.ndarray:
 
 def binary_column(values: list[np.ndarray]) -> pa.BinaryArray:
     """A binary Arrow column from per-row byte arrays (any dtype, C-contiguous), copied once into
-    one buffer (``pa.array`` of ``bytes`` would copy twice)."""
+    one buffer (``pa.array`` of ``bytes`` would copy twice).
+
+    Raises:
+        ValueError: the values hold more than :data:`MAX_COLUMN_BYTES` bytes (cut the rows into
+            smaller row groups: :func:`row_group_sizes`).
+    """
     flat = [np.ascontiguousarray(v).reshape(-1).view(np.uint8) for v in values]
+    # summed in int64: int32 offsets would wrap past 2 GiB into negative ones
+    ends = np.cumsum([f.size for f in flat], dtype=np.int64)
+    if ends.size and ends[-1] > MAX_COLUMN_BYTES:
+        raise ValueError(f"{len(flat)} values of {int(ends[-1]):,} bytes in one binary column, "
+                         f"over {MAX_COLUMN_BYTES:,}: cut them into smaller row groups")
     offsets = np.zeros(len(flat) + 1, dtype=np.int32)
-    np.cumsum([f.size for f in flat], out=offsets[1:])
+    offsets[1:] = ends
     data = np.concatenate(flat) if flat else np.zeros(0, dtype=np.uint8)
     return pa.BinaryArray.from_buffers(pa.binary(), len(flat),
                                        [None, pa.py_buffer(offsets), pa.py_buffer(data)])
@@ -260,23 +346,28 @@ def write_sidecar(path: str, summary: dict, storage_options: dict) -> None:
 
 def write_shard(path: str, records: list[dict], *, rows_per_row_group: int,
                 storage_options: dict, extra: dict | None = None,
-                parquet_options: dict | None = None) -> dict:
+                parquet_options: dict | None = None,
+                row_group_bytes: int = DEFAULT_ROW_GROUP_BYTES) -> dict:
     """Write one shard from rows held in memory (the streaming form is :class:`ShardWriter`):
     ``<path>.parquet``, then its ``<path>.json`` sidecar, which marks the shard complete.
 
     Args:
         path: shard base path (local or s3://) without suffix.
         records: cache rows (columns of :data:`SCHEMA`, byte columns as ``bytes``).
-        rows_per_row_group: Parquet row group size (rows).
+        rows_per_row_group, row_group_bytes: the most rows and bytes in one Parquet row group.
         extra: more sidecar fields (``fingerprint``, ``errors``).
     Returns:
         The sidecar (see :meth:`ShardWriter.close`, plus ``extra``).
     Raises:
         OSError: the store failed (nothing is left at the shard's path).
     """
-    with ShardWriter(path, storage_options, rows_per_row_group, parquet_options) as writer:
-        for i in range(0, len(records), rows_per_row_group):
-            writer.write_rows(records[i:i + rows_per_row_group])
+    with ShardWriter(path, storage_options, rows_per_row_group, parquet_options,
+                     row_group_bytes) as writer:
+        start = 0
+        for n in row_group_sizes([sum(len(r[c]) for c in BYTE_COLUMNS) for r in records],
+                                 rows_per_row_group, row_group_bytes):
+            writer.write_rows(records[start:start + n])
+            start += n
         summary = {**writer.close(), **(extra or {})}
     write_sidecar(path, summary, storage_options)
     return summary
@@ -287,18 +378,20 @@ class CacheWriterUDF:
     input row. Input columns: ``shard`` (int), ``path`` (shard base path without suffix),
     ``fingerprint`` and ``rows`` (JSON list of conversations). Output: one summary row per shard.
 
-    A shard's samples go to the target a row group at a time: inside a row group they are
-    forwarded in batches of similar length (right-padded, at most ``forward_batch_tokens``
-    padded tokens per batch), and the row group is written (streamed) before the next one is
-    computed. Row order stays the conversations' order. A shard whose upload still fails after
-    the store client's retries is rewritten from scratch with backoff
-    (:func:`pipeline.storage.retry_transient`).
+    A shard's samples go to the target a row group at a time (at most ``rows_per_row_group``
+    rows and ``row_group_bytes`` bytes, :func:`row_group_sizes`, known from the token counts
+    before the forward): inside a row group they are forwarded in batches of similar length
+    (right-padded, at most ``forward_batch_tokens`` padded tokens per batch), and the row group
+    is written (streamed) before the next one is computed. Row order stays the conversations'
+    order. A shard whose upload still fails after the store client's retries is rewritten from
+    scratch with backoff (:func:`pipeline.storage.retry_transient`).
     """
 
     def __init__(self, target: str, dtype: str, layer_ids: list[int], template_kwargs: dict,
                  max_length: int, min_supervised: int, rows_per_row_group: int,
                  num_threads: int | None, storage_options: dict, forward_batch_tokens: int = 8192,
-                 retry_base_delay_s: float = 2.0):
+                 retry_base_delay_s: float = 2.0,
+                 row_group_bytes: int = DEFAULT_ROW_GROUP_BYTES):
         import torch
 
         from serve.target_loading import load_target, load_tokenizer
@@ -308,6 +401,10 @@ class CacheWriterUDF:
         self.torch = torch
         self.tokenizer = load_tokenizer(target)
         self.model = load_target(target, dtype)
+        hidden = self.model.config.hidden_size
+        check_row_size(max_length, hidden, len(layer_ids))  # before any forward is spent
+        self.bytes_per_token = bytes_per_token(hidden, len(layer_ids))
+        self.row_group_bytes = row_group_bytes
         self.device = "cuda" if torch.cuda.is_available() else "cpu"
         self.model.to(self.device)
         self.layer_ids = layer_ids
@@ -390,10 +487,14 @@ class CacheWriterUDF:
             except ValueError as err:  # bad data (mask, length, template) never sinks the shard
                 errors.append({"id": conv["id"], "stage": "cache",
                                "error": f"{type(err).__name__}: {err}"})
-        n = self.rows_per_row_group
-        with ShardWriter(path, self.storage_options, n) as writer:
-            for i in range(0, len(samples), n):
-                writer.write_table(self._forward(samples[i:i + n]))
+        sizes = row_group_sizes([len(s["input_ids"]) * self.bytes_per_token for s in samples],
+                                self.rows_per_row_group, self.row_group_bytes)
+        with ShardWriter(path, self.storage_options, self.rows_per_row_group,
+                         row_group_bytes=self.row_group_bytes) as writer:
+            start = 0
+            for n in sizes:
+                writer.write_table(self._forward(samples[start:start + n]))
+                start += n
             summary = {**writer.close(), "fingerprint": fingerprint, "errors": errors}
         write_sidecar(path, summary, self.storage_options)
         return summary
@@ -539,14 +640,18 @@ def run_cache_split(conversations: list[dict] | str, split_dir: str, *, target: 
                     min_supervised: int, rows_per_shard: int, rows_per_row_group: int,
                     num_actors: int, cpus_per_actor: float, gpus_per_actor: float,
                     num_threads: int | None, storage_options: dict,
-                    forward_batch_tokens: int = 8192) -> list[dict]:
+                    forward_batch_tokens: int = 8192,
+                    row_group_bytes: int = DEFAULT_ROW_GROUP_BYTES) -> list[dict]:
     """Write the missing shards of one split; return every shard's summary (in shard order).
 
     The conversations are read as a Ray Data dataset (a generate output file is never loaded
     into the driver, which holds only the ids): shards are the id-sorted conversations cut every
     ``rows_per_shard``, packed one row per shard by a ``groupby``, fingerprinted there, and only
     shards without a sidecar of the same fingerprint go to the writer actors
-    (:class:`CacheWriterUDF`; ``forward_batch_tokens`` is its batched-forward budget).
+    (:class:`CacheWriterUDF`; ``forward_batch_tokens`` is its batched-forward budget,
+    ``rows_per_row_group`` and ``row_group_bytes`` cap its row groups). The row-group caps are
+    not part of a shard's fingerprint: they change the layout, not the rows, so a shard written
+    with other caps is kept.
 
     Args:
         conversations: a JSONL file of conversations (``id``, ``messages``, ``domain``; local or
@@ -595,7 +700,8 @@ def run_cache_split(conversations: list[dict] | str, split_dir: str, *, target: 
                 target=target, dtype=dtype, layer_ids=layer_ids, template_kwargs=template_kwargs,
                 max_length=max_length, min_supervised=min_supervised,
                 rows_per_row_group=rows_per_row_group, num_threads=num_threads,
-                storage_options=storage_options, forward_batch_tokens=forward_batch_tokens),
+                storage_options=storage_options, forward_batch_tokens=forward_batch_tokens,
+                row_group_bytes=row_group_bytes),
             batch_size=1, concurrency=num_actors, num_cpus=cpus_per_actor,
             num_gpus=gpus_per_actor or None, batch_format="numpy")
         for row in ds.iter_rows():
@@ -627,7 +733,7 @@ def build_manifest(*, target: str, revision: str | None, layer_ids: list[int], h
         "chat_template_sha256": template_sha256,
         "chat_template_kwargs": template_kwargs,
         "max_length": max_length,
-        "bytes_per_token": (len(layer_ids) + 1) * hidden_size * 2 + 5,
+        "bytes_per_token": bytes_per_token(hidden_size, len(layer_ids)),
         "splits": {
             name: {"rows": sum(s["rows"] for s in shards),
                    "tokens": sum(s["tokens"] for s in shards),

@@ -155,12 +155,23 @@ class GenerateConfig(Strict):
                                      description="Engines of backend vllm (read only there).")
 
 
+# Limits of the cache's row groups (why: pipeline/cache.py, above row_group_sizes): one Arrow
+# binary column, or one value, holds at most MAX_COLUMN_BYTES; row groups default to far less
+MAX_COLUMN_BYTES = 2**31 - 2**26
+DEFAULT_ROW_GROUP_BYTES = 2**29  # 512 MiB
+
+
 class CacheConfig(Strict):
     output: str | None = Field(None, description="Local path or s3:// URL; default <run_dir>/cache.")
     max_length: int = Field(4096, ge=16)
     min_supervised_tokens: int = Field(14, ge=2)
     rows_per_shard: int = Field(64, ge=1)
     rows_per_row_group: int = Field(16, ge=1)
+    row_group_bytes: int = Field(DEFAULT_ROW_GROUP_BYTES, ge=2**20, le=MAX_COLUMN_BYTES,
+                                 description="Most uncompressed bytes (all columns) in one "
+                                 "Parquet row group; a larger sample goes alone. Bounds the "
+                                 "writer's and each training reader's memory and keeps every "
+                                 "column under Arrow binary's 2 GiB.")
     forward_batch_tokens: int = Field(8192, ge=1, description="Padded tokens per target forward: "
                                       "the samples of a row group go through the target in "
                                       "batches of similar length up to this many tokens "

@@ -4,7 +4,9 @@
 
 Prints bytes per cached token ((m + 1) * H * 2 + 5, SPEC 1.4), the prompts the config selects, the
 answer tokens their regeneration produces at most (and how long it takes at a given throughput), the
-cache's total bytes, shard and file counts, the time to write it once and to read it every epoch at
+cache's total bytes, shard and file counts, the Parquet row-group size (rows and bytes, for a mean
+sample and at ``cache.max_length``, within ``cache.rows_per_row_group`` and
+``cache.row_group_bytes``), the time to write it once and to read it every epoch at
 a given bandwidth, the training steps, and the peak device memory of one worst-case training
 micro-batch per worker (``pipeline/memory.py``) against ``--device-memory-gb``. Tokens per sample
 are taken from an existing cache manifest of the run when there is one, else from
@@ -55,6 +57,13 @@ class Plan:
     device_memory_bytes: float = 80e9
     answer_tokens_max: int = 0  # prompts x generate.sampling.max_new_tokens
     generate_tokens_per_s: float | None = None  # regeneration throughput, for the time line
+    row_group_rows: int = 0  # rows of one row group of mean-sized samples
+    row_group_bytes: float = 0.0  # its uncompressed bytes
+    row_group_rows_at_max_length: int = 0  # the same with every sample at cache.max_length
+    row_group_bytes_at_max_length: float = 0.0
+    max_rows_per_row_group: int = 0  # cache.rows_per_row_group
+    max_row_group_bytes: int = 0  # cache.row_group_bytes
+    row_size_note: str = ""  # why a cache.max_length sample cannot be cached, if it cannot
 
 
 def bytes_per_token(hidden_size: int, context_layers: int) -> int:
@@ -140,7 +149,33 @@ def plan(cfg, hidden_size: int, num_layers: int, tokens_per_sample: float | None
                 total_bytes / max(shards, 1), total_bytes / bandwidth,
                 total_bytes * train_rows / max(prompts, 1) / bandwidth, per_epoch, steps, bandwidth,
                 memory, note, device_memory_gb * 1e9,
-                prompts * cfg.generate.sampling.max_new_tokens, generate_tokens_per_s)
+                prompts * cfg.generate.sampling.max_new_tokens, generate_tokens_per_s,
+                **_row_groups(cfg.cache, per_token, tokens_per_sample, hidden_size, m))
+
+
+def _row_groups(cache, per_token: int, tokens_per_sample: float, hidden_size: int,
+                context_layers: int) -> dict:
+    """The :class:`Plan` fields of the row-group size: as the cache writer cuts row groups
+    (``pipeline.cache.row_group_sizes``) of samples all of the mean size, and all at
+    ``cache.max_length``; bytes uncompressed."""
+    from .cache import check_row_size, row_group_sizes
+
+    def group(tokens: float) -> tuple[int, float]:
+        row = round(tokens * per_token)
+        rows = row_group_sizes([row] * cache.rows_per_row_group, cache.rows_per_row_group,
+                               cache.row_group_bytes)[0]
+        return rows, rows * row
+
+    (rows, size), (rows_max, size_max) = group(tokens_per_sample), group(cache.max_length)
+    try:
+        check_row_size(cache.max_length, hidden_size, context_layers)
+        note = ""
+    except ValueError as err:
+        note = str(err)
+    return {"row_group_rows": rows, "row_group_bytes": size,
+            "row_group_rows_at_max_length": rows_max, "row_group_bytes_at_max_length": size_max,
+            "max_rows_per_row_group": cache.rows_per_row_group,
+            "max_row_group_bytes": cache.row_group_bytes, "row_size_note": note}
 
 
 def _human(n: float, unit: str = "B") -> str:
@@ -169,6 +204,11 @@ def render(p: Plan) -> str:
         ("cache size", _human(p.total_bytes)),
         ("shards / files", f"{p.shards:,} shards of ~{_human(p.shard_bytes)}, {p.files:,} files "
                            "(parquet + json marker each, and the manifest)"),
+        ("row groups", f"{p.row_group_rows:,} rows of ~{_human(p.row_group_bytes)} (mean "
+                       f"sample), {p.row_group_rows_at_max_length:,} of "
+                       f"{_human(p.row_group_bytes_at_max_length)} at cache.max_length; at most "
+                       f"{p.max_rows_per_row_group:,} rows and {_human(p.max_row_group_bytes)}"
+                       + (f"; error: {p.row_size_note}" if p.row_size_note else "")),
         (f"write once at {_human(p.bandwidth_bytes_per_s)}/s", _duration(p.write_s)),
         (f"read per epoch at {_human(p.bandwidth_bytes_per_s)}/s", _duration(p.read_s_per_epoch)),
         ("optimizer steps", f"{p.train_steps:,} ({p.steps_per_epoch:,} per epoch)"),

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from . import storage
-from .config import PipelineConfig, VllmGenerateConfig, dump_config
+from .config import DEFAULT_ROW_GROUP_BYTES, PipelineConfig, VllmGenerateConfig, dump_config
 
 logger = logging.getLogger(__name__)
 SPLITS = ("train", "heldout")
@@ -146,6 +146,7 @@ ADDED_LATER = [("drafter", "qk_norm", None), ("engine", "kv_cache_memory_gib", 2
                ("generate", "kv_cache_memory_gib", 4.0),
                ("generate", "vllm", VllmGenerateConfig().model_dump(mode="json")),
                ("cache", "forward_batch_tokens", 8192), ("train", "placement_strategy", "PACK"),
+               ("cache", "row_group_bytes", DEFAULT_ROW_GROUP_BYTES),
                ("train", "max_train_rows", None), ("train", "plateau_patience", None),
                ("train", "plateau_min_delta", 0.01)]
 
@@ -349,7 +350,7 @@ def stage_cache(ctx: StageContext) -> dict:
             rows_per_row_group=c.rows_per_row_group, num_actors=c.num_actors,
             cpus_per_actor=c.cpus_per_actor, gpus_per_actor=c.gpus_per_actor,
             num_threads=c.num_threads, storage_options=so,
-            forward_batch_tokens=c.forward_batch_tokens)
+            forward_batch_tokens=c.forward_batch_tokens, row_group_bytes=c.row_group_bytes)
         if shards:
             splits[split] = shards
     errors = [e for shards in splits.values() for s in shards for e in s["errors"]]

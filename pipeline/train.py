@@ -272,7 +272,6 @@ def train_loop_per_worker(loop_cfg: dict) -> None:
 
     from drafters.loading import build_drafter
 
-    from . import storage
     from .train_data import CacheRowIndex, CacheRowReader, row_generator, worker_plan
 
     from .config import DrafterSection, TrainConfig
@@ -308,12 +307,7 @@ def train_loop_per_worker(loop_cfg: dict) -> None:
     objective, weights = training_objective(dcfg)
     weights = weights.to(device)
     step = 0
-    # after a worker failure Ray Train restarts the group with this run's newest checkpoint
-    # (train.max_failures); an explicit resume arrives through the loop config
-    restored = ray.train.get_checkpoint()
-    if restored is None and loop_cfg["resume_from"]:
-        fs, path = storage.get_arrow_fs(loop_cfg["resume_from"], loop_cfg["storage_options"])
-        restored = ray.train.Checkpoint(path, filesystem=fs)
+    restored = resume_checkpoint(loop_cfg)
     history = []
     if restored is not None:
         with restored.as_directory() as ckpt_dir:
@@ -367,7 +361,7 @@ def train_loop_per_worker(loop_cfg: dict) -> None:
     last = {"step": step}
     if history and history[-1].get("plateau"):  # a finished run: report its state once more
         total_steps = step
-        save_training_state(engine, step, world, history, history[-1])
+        save_training_state(engine, step, world, history, history[-1], loop_cfg)
     skipped, bad_in_a_row = (history[-1].get("skipped_steps", 0) if history else 0), 0
     # times this run continued from a checkpoint (a worker-group restart or a re-run's resume)
     resumes = history[-1].get("resumes", 0) + 1 if restored is not None and history else 0
@@ -425,7 +419,7 @@ def train_loop_per_worker(loop_cfg: dict) -> None:
             bar.update(1)
             bar.set_postfix(loss=f"{last['loss']:.3f}", tau=f"{last['tau']:.2f}")
         if step == total_steps or (tc.checkpoint_every and step % tc.checkpoint_every == 0):
-            save_training_state(engine, step, world, history, last)
+            save_training_state(engine, step, world, history, last, loop_cfg)
     stream.close()
     reader.close()
     if heldout_reader is not None:
@@ -502,11 +496,22 @@ def init_weights(model, path: str) -> None:
                                      f"{str(err).strip()}") from err
 
 
-def save_training_state(engine, step: int, world: int, history: list[dict], metrics: dict) -> None:
+def save_training_state(engine, step: int, world: int, history: list[dict], metrics: dict,
+                        loop_cfg: dict) -> None:
     """Report a Ray Train checkpoint: DeepSpeed state (model, optimizer, LR schedule; every rank
-    writes its shard), the HF drafter directory, the training log and ``train_state.json``."""
+    writes its shard), the HF drafter directory, the training log and ``train_state.json``; then,
+    once every rank's upload has returned, rank 0 marks it complete (``pipeline/checkpoints.py``:
+    the marker lists every rank's files and sizes, so ``resume_from: latest`` can tell a
+    checkpoint some rank did not finish from a complete one). All workers call this together.
+
+    Raises:
+        OSError: writing the completion marker failed (the checkpoint then counts as incomplete).
+    """
     import ray.train
+    import torch.distributed as dist
     from ray.train import Checkpoint
+
+    from .checkpoints import STATE, checkpoint_url, local_files, train_state_bytes, write_marker
 
     rank = ray.train.get_context().get_world_rank()
     with tempfile.TemporaryDirectory() as tmp:
@@ -515,9 +520,42 @@ def save_training_state(engine, step: int, world: int, history: list[dict], metr
             engine.module.save_pretrained(os.path.join(tmp, "drafter"))
             with open(os.path.join(tmp, "drafter", "training_log.jsonl"), "w") as fh:
                 fh.writelines(json.dumps(h) + "\n" for h in history)
-            with open(os.path.join(tmp, "train_state.json"), "w") as fh:
-                json.dump({"step": step, "world_size": world}, fh)
+            with open(os.path.join(tmp, STATE), "wb") as fh:
+                fh.write(train_state_bytes(step, world))
+        rank_files = [None] * world
+        dist.all_gather_object(rank_files, local_files(tmp))
         ray.train.report(metrics, checkpoint=Checkpoint.from_directory(tmp))
+    # report returns once this rank's files are uploaded: past the barrier, every rank's are
+    dist.barrier()
+    if rank == 0:
+        write_marker(checkpoint_url(ray.train.get_checkpoint().path, loop_cfg["storage_path"]),
+                     step, rank_files, loop_cfg["storage_options"])
+
+
+def resume_checkpoint(loop_cfg: dict):
+    """The ``ray.train.Checkpoint`` this worker group continues from, or None (step 0); the same
+    on every worker (rank 0 chooses with :func:`pipeline.checkpoints.restore_choice`, from Ray
+    Train's restored checkpoint and the driver's ``resume_from``, and broadcasts the choice).
+    Call it on all workers together, after the process group is up."""
+    import ray.train
+    import torch.distributed as dist
+
+    from . import storage
+    from .checkpoints import checkpoint_url, restore_choice
+
+    so, storage_path = loop_cfg["storage_options"], loop_cfg["storage_path"]
+    choice = [None]
+    if ray.train.get_context().get_world_rank() == 0:
+        restored = ray.train.get_checkpoint()
+        choice[0] = restore_choice(
+            checkpoint_url(restored.path, storage_path) if restored is not None else None,
+            loop_cfg["resume_from"], storage_path, loop_cfg["run_name"], so)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.broadcast_object_list(choice, src=0)
+    if choice[0] is None:
+        return None
+    fs, path = storage.get_arrow_fs(choice[0], so)
+    return ray.train.Checkpoint(path, filesystem=fs)
 
 
 def load_training_log(checkpoint_dir: str, step: int) -> list[dict]:
@@ -543,15 +581,18 @@ def load_training_state(engine, checkpoint_dir: str) -> int:
 
     Raises:
         FileNotFoundError: the directory is not a training checkpoint.
+        IncompleteCheckpointError: its ``train_state.json`` is cut off or malformed (named).
         RuntimeError: resuming with another worker count and the universal conversion failed.
     """
     import ray.train
 
+    from .checkpoints import parse_train_state
+
     state_file = os.path.join(checkpoint_dir, "train_state.json")
     if not os.path.isfile(state_file):
         raise FileNotFoundError(f"no train_state.json in {checkpoint_dir}: not a training checkpoint")
-    with open(state_file) as fh:
-        state = json.load(fh)
+    with open(state_file, "rb") as fh:
+        state = parse_train_state(fh.read(), state_file)
     world = ray.train.get_context().get_world_size()
     kwargs = dict(tag="state", load_optimizer_states=True, load_lr_scheduler_states=True)
     if state["world_size"] == world or not engine.zero_optimization():
@@ -634,24 +675,6 @@ def _universal_checkpoint_dir(checkpoint_dir: str, tag: str) -> tuple[str, str |
     return load_dir, own_tmp
 
 
-def latest_checkpoint(storage_path: str, run_name: str,
-                      storage_options: dict | None = None) -> str | None:
-    """The training checkpoint with the highest step of run ``run_name`` under Ray Train's
-    ``storage_path`` (a local or shared directory, or an s3:// URL), or None."""
-    from . import storage
-
-    fs = storage.get_fsspec(storage_path, storage_options)
-    best, best_step = None, -1
-    for state in fs.glob(storage.join(storage_path, run_name, "checkpoint_*", "train_state.json")):
-        with fs.open(state) as fh:
-            step = json.load(fh)["step"]
-        if step > best_step:
-            best, best_step = state.rsplit("/", 1)[0], step
-    if best is not None and storage_path.startswith("s3://") and not best.startswith("s3://"):
-        best = "s3://" + best
-    return best
-
-
 def run_train(*, cache_dir: str, manifest: dict, out_dir: Path, target: str, layer_ids: list[int],
               drafter: DrafterSection, train: TrainConfig, wandb_cfg: dict,
               storage_options: dict, run_name: str) -> dict:
@@ -659,12 +682,15 @@ def run_train(*, cache_dir: str, manifest: dict, out_dir: Path, target: str, lay
 
     Raises:
         ValueError: the cache holds too few rows for one optimizer step.
+        IncompleteCheckpointError: ``train.resume_from`` names a checkpoint directory that is
+            missing or that some rank did not finish writing (``pipeline/checkpoints.py``).
         TrainingFailedError: training failed (the workers' errors in the message).
     """
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
     from . import storage
+    from .checkpoints import latest_checkpoint, require_complete
     from .tracking import log_drafter_artifact, open_run, run_id
 
     rows = manifest["splits"]["train"]["rows"]
@@ -690,15 +716,14 @@ def run_train(*, cache_dir: str, manifest: dict, out_dir: Path, target: str, lay
                     else str((out_dir / "ray_train").resolve()))
     storage.check_writable(storage_path, storage_options)  # a bad bucket or path fails now
     resume = None
-    if train.resume_from == "latest":
+    if train.resume_from == "latest":  # the newest complete one; incomplete ones are logged
         resume = latest_checkpoint(storage_path, run_name, storage_options)
         logger.info("resuming from %s", resume) if resume else logger.info(
-            "train.resume_from is 'latest' but no checkpoint exists yet: starting at step 0")
+            "train.resume_from is 'latest' but no complete checkpoint exists yet: starting at "
+            "step 0")
     elif train.resume_from:
         resume = storage.resolve(train.resume_from)
-        if not storage.exists(storage.join(resume, "train_state.json"), storage_options):
-            raise FileNotFoundError(f"train.resume_from {resume} is not a training checkpoint "
-                                    "(no train_state.json)")
+        require_complete(resume, storage_options)
     else:  # an explicit fresh start: Ray Train would otherwise restore the run's old state
         fs = storage.get_fsspec(storage_path, storage_options)
         if fs.exists(storage.join(storage_path, run_name)):
@@ -711,6 +736,7 @@ def run_train(*, cache_dir: str, manifest: dict, out_dir: Path, target: str, lay
         "hidden_size": manifest["target"]["hidden_size"], "total_steps": total,
         "steps_per_epoch": per_epoch, "cache_dir": cache_dir, "manifest": manifest,
         "storage_options": storage_options, "resume_from": resume,
+        "storage_path": storage_path,
         "init_from": storage.resolve(train.init_from) if train.init_from else None,
         "wandb": wandb_cfg, "wandb_dir": str(wandb_dir), "run_name": run_name,
         "draft_vocab": draft_vocab, "wandb_run_id": run_id(out_dir.parent),

@@ -11,6 +11,7 @@ import pytest
 from drafters.loading import load_drafter
 from pipeline import storage
 from pipeline.cache import build_manifest, run_cache_split
+from pipeline.checkpoints import MARKER, inspect_checkpoint
 from pipeline.config import DrafterSection, TrainConfig
 from serve.target_loading import load_target
 from pipeline.train import run_train
@@ -81,6 +82,10 @@ def test_resume_with_another_worker_count_matches_uninterrupted_run(tmp_path, ti
     ckpts = {json.loads(p.read_text())["step"]: p.parent
              for p in (tmp_path / "a" / "ray_train").rglob("train_state.json")}
     assert sorted(ckpts) == [3, 6]
+    for ckpt in ckpts.values():  # marked complete, the marker listing both ranks' files
+        assert inspect_checkpoint(str(ckpt)).complete
+        marker = json.loads((ckpt / MARKER).read_text())
+        assert marker["world_size"] == 2 and any("zero_pp_rank_1" in n for n in marker["ranks"][1])
     for workers in (2, 1):
         result, log_b = _train(tiny_cache, tiny_target_dir, tmp_path / f"b{workers}",
                                num_epochs=3, num_workers=workers, resume_from=str(ckpts[3]))

@@ -15,7 +15,7 @@ import torch
 
 from pipeline import storage
 from pipeline.cache import (SCHEMA, CacheWriterUDF, ShardWriter, length_batches,
-                            supervised_token_counts, write_shard)
+                            row_group_sizes, supervised_token_counts, write_shard)
 
 
 def _rows(n: int, t: int = 40, width: int = 64) -> list[dict]:
@@ -172,6 +172,16 @@ def test_batched_forwards_give_the_rows_of_per_sample_forwards(tiny_target_dir, 
     assert pq.read_table(tmp_path / "shard-00000.parquet").column("sample_id").to_pylist() == \
         ["c0", "c1", "c2", "c3"]
     assert pq.ParquetFile(tmp_path / "shard-00000.parquet").metadata.num_row_groups == 1
+    # row groups cut by bytes as well (cache.row_group_bytes), planned from the token counts
+    row_bytes = [len(s["input_ids"]) * udf.bytes_per_token for s in samples]
+    assert udf.bytes_per_token == (2 + 1) * 64 * 2 + 5
+    udf.row_group_bytes = row_bytes[0] + row_bytes[1]
+    udf.write_shard(str(tmp_path / "shard-00001"), convs, "fp")
+    meta = pq.ParquetFile(tmp_path / "shard-00001.parquet").metadata
+    groups = [meta.row_group(g).num_rows for g in range(meta.num_row_groups)]
+    assert groups == row_group_sizes(row_bytes, 4, udf.row_group_bytes) == [2, 1, 1]
+    assert pq.read_table(tmp_path / "shard-00001.parquet").equals(
+        pq.read_table(tmp_path / "shard-00000.parquet"))
 
 
 def test_shards_are_cut_from_id_sorted_lines_and_fingerprinted_as_before():

@@ -87,3 +87,26 @@ def test_memory_line_needs_the_target_config_and_uses_it(tmp_path, capsys):
     memory = json.loads(capsys.readouterr().out)["memory"]
     expected = estimate_for_config(cfg, AutoConfig.from_pretrained(tmp_path / "target.json"))
     assert memory["total"] == expected.total > 0
+
+
+def test_plan_prints_the_row_group_size(tmp_path, capsys):
+    """Row groups as the cache writer cuts them (cache.rows_per_row_group and
+    cache.row_group_bytes), at Qwen3-8B shapes: H 4096, 5 context layers, 49,157 B per token."""
+    _config(tmp_path)
+    args = ["--config", str(tmp_path / "config.yaml"), "--hidden-size", "4096", "--num-layers",
+            "36", "--tokens-per-sample", "1000"]
+    assert main(args) == 0
+    line = next(l for l in capsys.readouterr().out.splitlines() if l.startswith("row groups"))
+    # a 1,000-token row is 49.2 MB: 10 fit 512 MiB; a 4,096-token row 201.3 MB: 2 fit
+    assert "10 rows of ~491.6 MB (mean sample), 2 of 402.7 MB at cache.max_length" in line
+    assert "at most 16 rows and 536.9 MB" in line and "error" not in line
+    assert main(args + ["--json"]) == 0
+    p = json.loads(capsys.readouterr().out)
+    assert (p["row_group_rows"], p["row_group_rows_at_max_length"]) == (10, 2)
+    assert p["row_group_bytes_at_max_length"] == 2 * 4096 * bytes_per_token(4096, 5)
+    # a sample whose context_hidden alone is past 2 GiB cannot be cached: said on that line
+    assert main(["--config", str(tmp_path / "config.yaml"), "--hidden-size", "8192",
+                 "--num-layers", "80", "--tokens-per-sample", "1000",
+                 "--set", "cache.max_length=32768"]) == 0
+    line = next(l for l in capsys.readouterr().out.splitlines() if l.startswith("row groups"))
+    assert "error: a 32768-token sample's context_hidden" in line
