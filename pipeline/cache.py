@@ -620,6 +620,10 @@ def _pack_shard(group: dict, split_dir: str, settings: dict) -> dict:
             "rows": np.array([json.dumps(convs, ensure_ascii=False)], dtype=object)}
 
 
+# Ray's label of a node's id (every node carries it); a task pinned to a node selects it
+NODE_ID_LABEL = "ray.io/node-id"
+
+
 def conversations_dataset(conversations: list[dict] | str):
     """A Ray Data dataset of JSON lines (column ``text``): a JSONL file (local path, read on
     the driver's node, or s3://), or conversations given in memory (tests, small inputs)."""
@@ -628,9 +632,11 @@ def conversations_dataset(conversations: list[dict] | str):
     if isinstance(conversations, str):
         if storage.is_url(conversations):
             return ray.data.read_text(conversations)
-        # a local file lives on the driver's node, where the read must run; it asks for no CPU
-        # because a cluster's head often offers none (the work it does is light file I/O)
-        return ray.data.read_text(f"local://{conversations}", ray_remote_args={"num_cpus": 0})
+        # a local file lives on the driver's node, where the read must run (what Ray's
+        # deprecated local:// scheme did, by this same node label); it asks for no CPU because a
+        # cluster's head often offers none (the work it does is light file I/O)
+        return ray.data.read_text(conversations, num_cpus=0, label_selector={
+            NODE_ID_LABEL: ray.get_runtime_context().get_node_id()})
     return ray.data.from_items([{"text": json.dumps(c, ensure_ascii=False)}
                                 for c in conversations])
 
@@ -660,6 +666,7 @@ def run_cache_split(conversations: list[dict] | str, split_dir: str, *, target: 
         ValueError: a conversation id occurs twice.
     """
     import ray
+    from ray.data.expressions import col
 
     if not storage.is_url(split_dir):  # temporaries of writers killed mid-shard (never listed)
         for stale in Path(split_dir).glob(".shard-*.tmp-*"):
@@ -693,7 +700,7 @@ def run_cache_split(conversations: list[dict] | str, split_dir: str, *, target: 
     num_shards = len(bounds) + 1
     if todo:
         logger.info("cache %s: writing %d of %d shards", split_dir, len(todo), num_shards)
-        ds = packed.filter(lambda row: int(row["shard"]) in todo)
+        ds = packed.filter(expr=col("shard").is_in(sorted(todo)))
         ds = ds.repartition(len(todo)).map_batches(
             CacheWriterUDF,
             fn_constructor_kwargs=dict(
@@ -702,7 +709,8 @@ def run_cache_split(conversations: list[dict] | str, split_dir: str, *, target: 
                 rows_per_row_group=rows_per_row_group, num_threads=num_threads,
                 storage_options=storage_options, forward_batch_tokens=forward_batch_tokens,
                 row_group_bytes=row_group_bytes),
-            batch_size=1, concurrency=num_actors, num_cpus=cpus_per_actor,
+            batch_size=1, compute=ray.data.ActorPoolStrategy(size=num_actors),
+            num_cpus=cpus_per_actor,
             num_gpus=gpus_per_actor or None, batch_format="numpy")
         for row in ds.iter_rows():
             summaries[int(row["shard"])] = json.loads(row["summary"])

@@ -267,7 +267,8 @@ def run_generate(rows: list[dict], out_path: Path, errors_path: Path, *, target:
                                    template_kwargs=template_kwargs, num_threads=num_threads,
                                    max_prompt_tokens=max_prompt_tokens, seed=seed,
                                    **(udf_kwargs or {})),
-        batch_size=batch_size, concurrency=num_actors, num_cpus=cpus_per_actor,
+        batch_size=batch_size, compute=ray.data.ActorPoolStrategy(size=num_actors),
+        num_cpus=cpus_per_actor,
         num_gpus=gpus_per_actor or None, batch_format="numpy")
     out_path.parent.mkdir(parents=True, exist_ok=True)
     with open(out_path, "a", encoding="utf-8") as out, open(errors_path, "a", encoding="utf-8") as err:

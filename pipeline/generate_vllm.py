@@ -294,15 +294,15 @@ def _run_pass(items, state, files, files_err, split_of, counts, progress, *, tar
     conversations are written as batches arrive. Returns the ids with a user turn left."""
     import ray
 
-    cpu_pool = (1, vllm.num_replicas)
+    cpu_pool = ray.data.ActorPoolStrategy(min_size=1, max_size=vllm.num_replicas)
     ds = ray.data.from_items(items, override_num_blocks=max(1, -(-len(items) // vllm.batch_size)))
     ds = ds.map_batches(RenderPromptUDF, fn_constructor_kwargs=dict(
         target=target, template_kwargs=template_kwargs, max_prompt_tokens=max_prompt_tokens),
-        batch_size=vllm.batch_size, concurrency=cpu_pool, num_cpus=1, batch_format="numpy")
+        batch_size=vllm.batch_size, compute=cpu_pool, num_cpus=1, batch_format="numpy")
     ds = build_processor(target, vllm, engine, params)(ds)
     ds = ds.map_batches(DecodeAnswerUDF, fn_constructor_kwargs=dict(target=target,
                                                                    end_ids=end_ids),
-                        batch_size=vllm.batch_size, concurrency=cpu_pool, num_cpus=1,
+                        batch_size=vllm.batch_size, compute=cpu_pool, num_cpus=1,
                         batch_format="numpy")
     more = []
     for batch in ds.iter_batches(batch_size=None, batch_format="numpy"):

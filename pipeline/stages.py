@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import storage
+from . import ray_logs, storage
 from .config import DEFAULT_ROW_GROUP_BYTES, PipelineConfig, VllmGenerateConfig, dump_config
 
 logger = logging.getLogger(__name__)
@@ -111,7 +111,10 @@ def ensure_ray(cfg: PipelineConfig) -> None:
         # gets two logical CPUs more than the machine has unless the config says otherwise
         num_cpus = cfg.ray.num_cpus or (os.cpu_count() or 1) + 2
         try:
-            ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=True)
+            # no dashboard (~1 GB in ten processes); the runtime env's worker hook drops the
+            # warning Ray Train's placement-group cleaner logs every second without one
+            ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=True,
+                     runtime_env=ray_logs.LOCAL_RUNTIME_ENV)
         except ValueError as err:  # a `ray start` cluster runs here: join it as it is
             if "existing cluster" not in str(err):
                 raise
