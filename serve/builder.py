@@ -13,6 +13,7 @@ from pathlib import Path
 from .config import EngineConfig
 from .engine import SpecEngine
 from .paths import local_copy
+from .scheduler_registry import scheduler_entry
 from .target_runner import TargetRunner
 
 
@@ -75,7 +76,8 @@ def build_engine(models: LoadedModels, config: EngineConfig, *, drafter=None,
 
     Args:
         models: from :func:`load_models`.
-        config: the engine's knobs; scheduler "none" decodes with the target alone.
+        config: the engine's knobs; a scheduler that does not speculate ("none") decodes with the
+            target alone.
         drafter: use this drafter instead of ``models.drafter`` (same target layers).
         profile_dir: where profiles are stored / reused; None = ``models.drafter_dir``; "" =
             profile without storing (e.g. a second dtype next to a stored profile).
@@ -86,7 +88,7 @@ def build_engine(models: LoadedModels, config: EngineConfig, *, drafter=None,
     from .profiling import engine_profiles
 
     drafter = drafter if drafter is not None else models.drafter
-    if config.scheduler == "none":
+    if not scheduler_entry(config.scheduler).speculates:
         drafter = None
     directory = profile_dir if profile_dir is not None else models.drafter_dir
     sps, cost = engine_profiles(models.runner, drafter, config, directory)

@@ -11,7 +11,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from .scheduler import NEEDS_SPS, SCHEDULER_NAMES
+from .scheduler_registry import NEEDS_SPS, SCHEDULER_NAMES
 
 SchedulerName = Literal[SCHEDULER_NAMES]  # type: ignore[valid-type]  (names from the registry)
 

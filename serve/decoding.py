@@ -13,7 +13,7 @@ from .builder import LoadedModels, build_engine
 from .config import EngineConfig
 from .engine import RoundRecord, SpecEngine
 from .requests import EngineRequest, SamplingParams
-from .scheduler import NEEDS_SPS
+from .scheduler_registry import NEEDS_SPS
 from .target_runner import TargetRunner
 
 __all__ = ["SpeculativeDecoder", "GenerationResult", "RoundRecord"]

@@ -26,7 +26,8 @@ import torch
 
 from .config import EngineConfig
 from .draft_planner import DraftCostTable
-from .scheduler import NEEDS_SPS, SPSTable
+from .scheduler_registry import NEEDS_SPS
+from .sps import SPSTable
 from .target_runner import TargetKV, TargetRunner
 
 logger = logging.getLogger(__name__)

@@ -4,7 +4,8 @@
 Every scheduler here is a pure function of per-request confidences: no model, no clock, no I/O, and
 inputs are never mutated. It returns one int l_r in [0, gamma_r] per request, where gamma_r is the
 number of draft tokens request r proposed (rows may have different lengths, including 0). A step
-then verifies B = sum_r (1 + l_r) tokens: every request's anchor plus its l_r draft tokens.
+then verifies B = sum_r (1 + l_r) tokens: every request's anchor plus its l_r draft tokens. The
+engine finds them by name in ``serve/scheduler_registry.py``; SPS(B) is ``serve/sps.py``.
 
 Terms and units (SPEC 0):
 - c_{r,j} in [0, 1]: calibrated confidence that draft token j of request r survives verification
@@ -29,115 +30,16 @@ target's 0.7. ``tests/unit/test_scheduler.py`` checks all of this by exact enume
 
 from __future__ import annotations
 
-import math
 import operator
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, overload
+
+from .sps import SPSTable  # re-exported: the schedulers' hardware profile
 
 # Confidences: R rows of gamma_r floats in [0, 1]; a list of lists, a numpy array or a torch tensor
 # [R, K] (anything with ``tolist()``).
 Confidences = Any
-
-
-
-@dataclass(frozen=True, slots=True)
-class SPSTable:
-    """Profiled SPS(B): target engine steps per second at a verification batch of B tokens.
-
-    Profiled once at engine start-up over the batch sizes the engine can run (SPEC 6) and looked
-    up in O(1) by the schedulers. Jagged curves (SPS rising again after a dip, e.g. from kernel
-    tile sizes) are allowed.
-
-    Args:
-        sps_by_batch: SPS(1), SPS(2), ..., SPS(max_tokens) in steps/s; entry i is batch size i + 1.
-            Any sequence of numbers; stored as a tuple of floats.
-    Raises:
-        ValueError: the table is empty or holds a value that is not finite and positive.
-    Source: DSpark paper section 3.2.2 (hardware profile SPS(B)); SPEC 6.
-    """
-
-    sps_by_batch: tuple[float, ...]
-
-    def __post_init__(self) -> None:
-        values = tuple(float(v) for v in self.sps_by_batch)
-        if not values:
-            raise ValueError("SPSTable needs SPS(B) for at least B = 1, got an empty table")
-        for b, v in enumerate(values, start=1):
-            if not (math.isfinite(v) and v > 0):
-                raise ValueError(f"SPS({b}) must be a finite positive steps/s value, got {v}")
-        object.__setattr__(self, "sps_by_batch", values)
-
-    @property
-    def max_tokens(self) -> int:
-        """Largest verification batch (tokens) the table covers."""
-        return len(self.sps_by_batch)
-
-    def sps(self, b: int) -> float:
-        """SPS(b) in steps/s, O(1).
-
-        Args:
-            b: verification batch size in tokens, 1 <= b <= max_tokens.
-        Raises:
-            ValueError: b is outside the table.
-        """
-        b = operator.index(b)
-        if not 1 <= b <= len(self.sps_by_batch):
-            raise ValueError(f"batch size b={b} is outside the SPS table range "
-                             f"[1, {len(self.sps_by_batch)}] tokens")
-        return self.sps_by_batch[b - 1]
-
-    @classmethod
-    def from_measurements(cls, measurements: Mapping[int, float],
-                          max_tokens: int | None = None) -> SPSTable:
-        """Fill the integer grid 1..max_tokens by linear interpolation between measured sizes.
-
-        Args:
-            measurements: {batch size in tokens: SPS in steps/s}; must include B = 1 (nothing is
-                extrapolated below the smallest measured size either).
-            max_tokens: table length; default and maximum: the largest measured size.
-        Raises:
-            ValueError: no measurements, a size < 1 or a non-integer size, B = 1 missing, a bad
-                SPS value, or max_tokens beyond the largest measured size (no extrapolation).
-        """
-        if not measurements:
-            raise ValueError("SPSTable.from_measurements needs at least one measurement")
-        points = sorted((operator.index(b), float(v)) for b, v in measurements.items())
-        if points[0][0] < 1:
-            raise ValueError(f"batch sizes must be >= 1 token, got {points[0][0]}")
-        if points[0][0] != 1:
-            raise ValueError(f"measurements must include B=1 (smallest given: {points[0][0]}); "
-                             "SPS is not extrapolated below the smallest measured size")
-        largest = points[-1][0]
-        if max_tokens is None:
-            max_tokens = largest
-        if not 1 <= max_tokens <= largest:
-            raise ValueError(f"max_tokens={max_tokens} is outside [1, {largest}]: SPS is not "
-                             f"extrapolated beyond the largest measured size {largest}")
-        values: list[float] = []
-        for (b0, v0), (b1, v1) in zip(points, points[1:]):
-            values.extend(v0 + (v1 - v0) * (b - b0) / (b1 - b0) for b in range(b0, b1))
-        values.append(points[-1][1])
-        return cls(tuple(values[:max_tokens]))
-
-    def to_dict(self) -> dict[str, Any]:
-        """JSON-ready form: {"unit": "steps_per_s", "sps": [SPS(1), ..., SPS(max_tokens)]}."""
-        return {"unit": "steps_per_s", "sps": list(self.sps_by_batch)}
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> SPSTable:
-        """Inverse of :meth:`to_dict`.
-
-        Raises:
-            ValueError: missing "sps", unknown keys, a unit other than steps_per_s, or bad values.
-        """
-        unknown = set(data) - {"unit", "sps"}
-        if unknown or "sps" not in data:
-            raise ValueError(f"SPS table dict needs key 'sps' (and optional 'unit'), "
-                             f"got keys {sorted(data)}")
-        if data.get("unit", "steps_per_s") != "steps_per_s":
-            raise ValueError(f"SPS table unit must be 'steps_per_s', got {data['unit']!r}")
-        return cls(tuple(data["sps"]))
 
 
 @dataclass(frozen=True, slots=True)
@@ -530,123 +432,3 @@ def no_speculation_schedule(num_requests: int) -> list[int]:
     if num_requests < 0:
         raise ValueError(f"number of requests must be >= 0, got {num_requests}")
     return [0] * num_requests
-
-
-# ---- registry -----------------------------------------------------------------------------------
-
-Scheduler = Callable[..., list[int]]
-
-
-@dataclass(frozen=True)
-class NamedScheduler:
-    """A scheduler with bound parameters: ``sched(confidences, stale_confidences=None)``.
-
-    confidences: R rows of current c_{r,1..gamma_r}; stale_confidences: confidences of two steps
-    earlier (read by "async" only, ignored by the others). Returns l: list[int] of length R.
-    """
-
-    name: str
-    params: Mapping[str, Any]
-    fn: Callable[[Confidences, Confidences | None], list[int]] = field(repr=False)
-
-    def __call__(self, confidences: Confidences,
-                 stale_confidences: Confidences | None = None) -> list[int]:
-        return self.fn(confidences, stale_confidences)
-
-
-def _rows_len(confidences: Confidences) -> list[int]:
-    return [len(row) for row in _as_rows(confidences)]
-
-
-def _build_dspark(sps: SPSTable, max_batch_tokens: int | None = None):
-    _batch_limit(sps, max_batch_tokens)
-    return lambda conf, stale: dspark_schedule(conf, sps, max_batch_tokens)
-
-
-def _build_async(sps: SPSTable, max_batch_tokens: int | None = None):
-    _batch_limit(sps, max_batch_tokens)
-    return lambda conf, stale: async_schedule(conf, stale, sps, max_batch_tokens)
-
-
-def _build_static(threshold: float):
-    _check_threshold(threshold)
-    return lambda conf, stale: static_threshold_schedule(conf, threshold)
-
-
-def _build_fixed(gamma: int):
-    _check_gamma(gamma)
-    return lambda conf, stale: fixed_schedule(_rows_len(conf), gamma)
-
-
-def _build_none():
-    return lambda conf, stale: no_speculation_schedule(len(_as_rows(conf)))
-
-
-@dataclass(frozen=True)
-class _Entry:
-    builder: Callable[..., Any]
-    required: frozenset[str]
-    optional: frozenset[str]
-    reads_confidence: bool  # decides from calibrated confidences (needs a confidence head)
-
-
-_REGISTRY: dict[str, _Entry] = {
-    "dspark": _Entry(_build_dspark, frozenset({"sps"}), frozenset({"max_batch_tokens"}), True),
-    "async": _Entry(_build_async, frozenset({"sps"}), frozenset({"max_batch_tokens"}), True),
-    "static_threshold": _Entry(_build_static, frozenset({"threshold"}), frozenset(), True),
-    "fixed": _Entry(_build_fixed, frozenset({"gamma"}), frozenset(), False),
-    "none": _Entry(_build_none, frozenset(), frozenset(), False),
-}
-SCHEDULER_NAMES = tuple(_REGISTRY)  # the one list of names (configs validate against it)
-# what the engine and the profiler ask of a scheduler name (derived from the registry, not listed)
-NEEDS_CONFIDENCE = frozenset(n for n, e in _REGISTRY.items() if e.reads_confidence)
-NEEDS_SPS = frozenset(n for n, e in _REGISTRY.items() if "sps" in e.required)
-
-
-def make_scheduler(name: str, **params: Any) -> NamedScheduler:
-    """Build a scheduler by name with one uniform call signature.
-
-    Names and parameters: "dspark" (sps, max_batch_tokens=None) -> :func:`dspark_schedule`;
-    "async" (sps, max_batch_tokens=None) -> :func:`async_schedule`; "static_threshold"
-    (threshold) -> :func:`static_threshold_schedule`; "fixed" (gamma) -> :func:`fixed_schedule`
-    clipped to each request's drafts; "none" () -> :func:`no_speculation_schedule`.
-
-    Returns:
-        A :class:`NamedScheduler`: ``sched(confidences, stale_confidences=None) -> list[int]``.
-    Raises:
-        ValueError: unknown name (the message lists the valid ones), a missing or unexpected
-            parameter, or an invalid parameter value.
-    Source: SPEC 6 (scheduler and the baselines it is compared against).
-    """
-    if name not in _REGISTRY:
-        raise ValueError(f"unknown scheduler {name!r}; valid names: {', '.join(SCHEDULER_NAMES)}")
-    entry = _REGISTRY[name]
-    builder, required, optional = entry.builder, entry.required, entry.optional
-    missing = sorted(required - set(params))
-    unexpected = sorted(set(params) - required - optional)
-    if missing or unexpected:
-        raise ValueError(f"scheduler {name!r} takes {sorted(required)} (required) and "
-                         f"{sorted(optional)} (optional); missing {missing}, "
-                         f"unexpected {unexpected}")
-    return NamedScheduler(name, dict(params), builder(**params))
-
-
-def scheduler_for(name: str, **available: Any) -> NamedScheduler:
-    """:func:`make_scheduler` from everything the caller has (``sps``, ``max_batch_tokens``,
-    ``threshold``, ``gamma``): only the parameters ``name`` takes are passed on, so the engine
-    builds any scheduler with one call.
-
-    Raises:
-        ValueError: unknown name, or a required parameter that is missing or None (e.g. dspark
-            without an SPS(B) table).
-    """
-    if name not in _REGISTRY:
-        raise ValueError(f"unknown scheduler {name!r}; valid names: {', '.join(SCHEDULER_NAMES)}")
-    entry = _REGISTRY[name]
-    missing = sorted(p for p in entry.required if available.get(p) is None)
-    if missing:
-        raise ValueError(f"scheduler {name!r} needs {', '.join(missing)}"
-                         + (" (an SPS(B) table: serve/profiling.py)" if "sps" in missing else ""))
-    params = {k: v for k, v in available.items()
-              if k in entry.required or (k in entry.optional and v is not None)}
-    return make_scheduler(name, **params)

@@ -355,8 +355,8 @@ def test_a_request_admitted_later_starts_from_the_drafters_realized_acceptance(v
     later = engine.generate([EngineRequest("b", [4, 4, 1], SamplingParams(6, 0.0))])[0]
     assert later.tokens == greedy_reference(varied_target, [4, 4, 1], 6)
     assert all(rec.source is None for rec in later.rounds) and calls["propose"] == 0
-    assert engine._drafter_prior[True].alpha == pytest.approx(0.5)
-    assert engine._drafter_prior[False].alpha < 0.25  # 0 of ~3 realized trials on a 1/2 prior
+    assert engine.planner.drafter_prior[True].alpha == pytest.approx(0.5)
+    assert engine.planner.drafter_prior[False].alpha < 0.25  # 0 of ~3 realized trials on a 1/2 prior
 
 
 @pytest.mark.parametrize("scheduler", ["dspark", "async"])
@@ -605,7 +605,7 @@ def test_speed_floors_add_verification_losslessly_and_gate_admission(varied_targ
     """With a per-user speed floor above what the throughput plan gives, requests verify more
     (serve.scheduler.hold_speed_floors) and greedy output stays the target's; admission waits
     while the measured speed, rescaled to one more request, would break a floor."""
-    from serve.engine import _Pace
+    from serve.admission import Pace
 
     d = randomize_heads(oracle_drafter(varied_target, corrupted_table, "markov", 4))
     g = torch.Generator().manual_seed(3)
@@ -634,9 +634,9 @@ def test_speed_floors_add_verification_losslessly_and_gate_admission(varied_targ
     engine.step()  # prefill the four
     assert len(engine.running) == 4
     engine.waiting.extend(queued)
-    engine._pace = _Pace(step_s=0.01, tokens_per_step=2.0, batch_tokens=8.0)
+    engine._pace = Pace(step_s=0.01, tokens_per_step=2.0, batch_tokens=8.0)
     assert engine._floors_allow_one_more()
-    engine._pace = _Pace(step_s=0.01, tokens_per_step=1.94, batch_tokens=8.0)
+    engine._pace = Pace(step_s=0.01, tokens_per_step=1.94, batch_tokens=8.0)
     assert not engine._floors_allow_one_more()  # 194 * 91.25 / 95 = 186.3 < 190
     queued[0].req.min_tokens_per_s = 1.0  # the newcomer's own floor is low, the others' are not
     assert not engine._floors_allow_one_more()

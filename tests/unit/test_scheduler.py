@@ -22,7 +22,6 @@ import pytest
 import torch
 
 from serve.scheduler import (
-    SCHEDULER_NAMES,
     ScheduleResult,
     SPSTable,
     async_schedule,
@@ -30,11 +29,11 @@ from serve.scheduler import (
     fixed_schedule,
     full_search_capacity,
     hold_speed_floors,
-    make_scheduler,
     no_speculation_schedule,
     prefix_survival,
     static_threshold_schedule,
 )
+from serve.scheduler_registry import SCHEDULER_NAMES, make_scheduler
 
 # ---- SPSTable -----------------------------------------------------------------------------------
 

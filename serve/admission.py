@@ -1,0 +1,118 @@
+"""Admission: the model length requests are admitted against (what a slot of the engine's KV pool
+holds), the checks a request must pass to be queued (each failure a
+:class:`serve.errors.RequestError` with its HTTP status), and the speed-floor gate that decides when
+the next waiting request may start, from the engine's measured decoding pace (SPEC 5; issue 24).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from .config import EngineConfig
+from .errors import RequestError
+from .requests import EngineRequest
+from .sps import SPSTable
+from .target_runner import TargetRunner
+
+logger = logging.getLogger(__name__)
+
+
+def size_kv_pool(target: TargetRunner, config: EngineConfig, gamma: int) -> int:
+    """Allocate the engine's whole KV pool now (``serve/kv_pool.py``: never grown under load) and
+    return the model length in tokens: what a slot holds, less the draft block of gamma + 1
+    positions a request's last verification writes past its end, at most ``engine.max_model_len``
+    (default: the target's ``max_position_embeddings``).
+
+    Raises:
+        ValueError: ``engine.kv_cache_memory_gib`` holds fewer than 16 tokens per slot.
+    """
+    wanted_len = config.max_model_len or target.model.config.max_position_embeddings
+    pool = target.preallocate(config.max_num_requests, wanted_len + gamma + 1,
+                              int(config.kv_cache_memory_gib * 2**30))
+    max_model_len = min(wanted_len, pool["capacity"] - gamma - 1)
+    if max_model_len < 16:
+        raise ValueError(
+            f"engine.kv_cache_memory_gib {config.kv_cache_memory_gib} holds "
+            f"{pool['capacity']} positions per slot for {pool['slots']} slots "
+            f"(engine.max_num_requests): a model length of {max_model_len} tokens; raise "
+            "the budget or lower max_num_requests")
+    if max_model_len < wanted_len:
+        logger.warning("engine.kv_cache_memory_gib %.2f holds %d slots of %d positions: the "
+                       "model length is %d tokens, not %d (raise the budget or lower "
+                       "max_num_requests)", config.kv_cache_memory_gib, pool["slots"],
+                       pool["capacity"], max_model_len, wanted_len)
+    return max_model_len
+
+
+def check_request(request: EngineRequest, max_model_len: int, vocab_size: int,
+                  has_tokenizer: bool) -> None:
+    """What a request must satisfy on its own (its ``params`` already normalized).
+
+    Args:
+        max_model_len: the most positions a request may use (prompt + max_tokens), in tokens.
+        vocab_size: the target's V; stop token ids must be below it.
+        has_tokenizer: whether the engine can detokenize (stop strings need it).
+    Raises:
+        RequestError: empty prompt (400), prompt + max_tokens beyond the model length (413), a
+            stop token id outside the vocabulary (400), stop strings without a tokenizer (400).
+    """
+    p = request.params
+    if not request.prompt_ids:
+        raise RequestError("the prompt is empty", field="prompt")
+    if len(request.prompt_ids) + p.max_tokens > max_model_len:
+        raise RequestError(f"prompt ({len(request.prompt_ids)} tokens) + max_tokens "
+                           f"({p.max_tokens}) exceeds the model length {max_model_len} "
+                           "(engine.max_model_len, or what engine.kv_cache_memory_gib holds)",
+                           status=413, field="max_tokens")
+    if any(t >= vocab_size for t in p.stop_token_ids):
+        raise RequestError(f"stop_token_ids must be below the vocabulary size {vocab_size}",
+                           field="stop_token_ids")
+    if p.stop and not has_tokenizer:
+        raise RequestError("stop strings need an engine with a tokenizer", field="stop")
+
+
+@dataclass
+class Pace:
+    """Slowly forgetting averages of decoding steps (no prefill in them): seconds per step,
+    tokens committed per running request per step, and tokens verified per step (B)."""
+
+    step_s: float | None = None
+    tokens_per_step: float = 1.0
+    batch_tokens: float = 1.0
+    decay: float = 0.9
+
+    def observe(self, step_s: float, tokens_per_step: float, batch_tokens: int) -> None:
+        if self.step_s is None:
+            self.step_s, self.tokens_per_step, self.batch_tokens = (step_s, tokens_per_step,
+                                                                    float(batch_tokens))
+            return
+        d = self.decay
+        self.step_s = d * self.step_s + (1 - d) * step_s
+        self.tokens_per_step = d * self.tokens_per_step + (1 - d) * tokens_per_step
+        self.batch_tokens = d * self.batch_tokens + (1 - d) * batch_tokens
+
+    def allows_one_more(self, floors: list[float], num_decoding: int, num_admitted: int,
+                        sps: SPSTable | None) -> bool:
+        """Whether one more request keeps every speed floor: the measured per-request speed,
+        rescaled to one more request's batch by SPS(B) (the step time grows as 1 / SPS), stays
+        at or above the highest floor. Always true without floors, without a measurement yet,
+        or with nothing decoding.
+
+        Args:
+            floors: the floors (tokens/s) of the admitted requests and the newcomer that have one.
+            num_decoding: requests decoding now; num_admitted: those plus the ones prefilling.
+            sps: the SPS(B) profile; None = step time proportional to the batch (pessimistic
+                while memory-bound).
+        """
+        if not floors or not num_decoding or self.step_s is None:
+            return True
+        batch = self.batch_tokens * (num_admitted + 1) / max(num_decoding, 1)
+        step_s = self.step_s
+        if sps is not None:
+            now = sps.sps(min(max(1, round(self.batch_tokens)), sps.max_tokens))
+            then = sps.sps(min(max(1, round(batch)), sps.max_tokens))
+            step_s *= now / then
+        else:
+            step_s *= batch / max(self.batch_tokens, 1.0)
+        return self.tokens_per_step / step_s >= max(floors)

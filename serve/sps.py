@@ -1,0 +1,111 @@
+"""The hardware profile the goodput schedulers read: SPS(B), target engine steps per second at a
+verification batch of B tokens (DSpark paper section 3.2.2; SPEC 6). Measured by
+``serve/profiling.py``, read by ``serve/scheduler.py`` and ``serve/draft_planner.py``.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True, slots=True)
+class SPSTable:
+    """Profiled SPS(B): target engine steps per second at a verification batch of B tokens.
+
+    Profiled once at engine start-up over the batch sizes the engine can run (SPEC 6) and looked
+    up in O(1) by the schedulers. Jagged curves (SPS rising again after a dip, e.g. from kernel
+    tile sizes) are allowed.
+
+    Args:
+        sps_by_batch: SPS(1), SPS(2), ..., SPS(max_tokens) in steps/s; entry i is batch size i + 1.
+            Any sequence of numbers; stored as a tuple of floats.
+    Raises:
+        ValueError: the table is empty or holds a value that is not finite and positive.
+    Source: DSpark paper section 3.2.2 (hardware profile SPS(B)); SPEC 6.
+    """
+
+    sps_by_batch: tuple[float, ...]
+
+    def __post_init__(self) -> None:
+        values = tuple(float(v) for v in self.sps_by_batch)
+        if not values:
+            raise ValueError("SPSTable needs SPS(B) for at least B = 1, got an empty table")
+        for b, v in enumerate(values, start=1):
+            if not (math.isfinite(v) and v > 0):
+                raise ValueError(f"SPS({b}) must be a finite positive steps/s value, got {v}")
+        object.__setattr__(self, "sps_by_batch", values)
+
+    @property
+    def max_tokens(self) -> int:
+        """Largest verification batch (tokens) the table covers."""
+        return len(self.sps_by_batch)
+
+    def sps(self, b: int) -> float:
+        """SPS(b) in steps/s, O(1).
+
+        Args:
+            b: verification batch size in tokens, 1 <= b <= max_tokens.
+        Raises:
+            ValueError: b is outside the table.
+        """
+        b = operator.index(b)
+        if not 1 <= b <= len(self.sps_by_batch):
+            raise ValueError(f"batch size b={b} is outside the SPS table range "
+                             f"[1, {len(self.sps_by_batch)}] tokens")
+        return self.sps_by_batch[b - 1]
+
+    @classmethod
+    def from_measurements(cls, measurements: Mapping[int, float],
+                          max_tokens: int | None = None) -> SPSTable:
+        """Fill the integer grid 1..max_tokens by linear interpolation between measured sizes.
+
+        Args:
+            measurements: {batch size in tokens: SPS in steps/s}; must include B = 1 (nothing is
+                extrapolated below the smallest measured size either).
+            max_tokens: table length; default and maximum: the largest measured size.
+        Raises:
+            ValueError: no measurements, a size < 1 or a non-integer size, B = 1 missing, a bad
+                SPS value, or max_tokens beyond the largest measured size (no extrapolation).
+        """
+        if not measurements:
+            raise ValueError("SPSTable.from_measurements needs at least one measurement")
+        points = sorted((operator.index(b), float(v)) for b, v in measurements.items())
+        if points[0][0] < 1:
+            raise ValueError(f"batch sizes must be >= 1 token, got {points[0][0]}")
+        if points[0][0] != 1:
+            raise ValueError(f"measurements must include B=1 (smallest given: {points[0][0]}); "
+                             "SPS is not extrapolated below the smallest measured size")
+        largest = points[-1][0]
+        if max_tokens is None:
+            max_tokens = largest
+        if not 1 <= max_tokens <= largest:
+            raise ValueError(f"max_tokens={max_tokens} is outside [1, {largest}]: SPS is not "
+                             f"extrapolated beyond the largest measured size {largest}")
+        values: list[float] = []
+        for (b0, v0), (b1, v1) in zip(points, points[1:]):
+            values.extend(v0 + (v1 - v0) * (b - b0) / (b1 - b0) for b in range(b0, b1))
+        values.append(points[-1][1])
+        return cls(tuple(values[:max_tokens]))
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready form: {"unit": "steps_per_s", "sps": [SPS(1), ..., SPS(max_tokens)]}."""
+        return {"unit": "steps_per_s", "sps": list(self.sps_by_batch)}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> SPSTable:
+        """Inverse of :meth:`to_dict`.
+
+        Raises:
+            ValueError: missing "sps", unknown keys, a unit other than steps_per_s, or bad values.
+        """
+        unknown = set(data) - {"unit", "sps"}
+        if unknown or "sps" not in data:
+            raise ValueError(f"SPS table dict needs key 'sps' (and optional 'unit'), "
+                             f"got keys {sorted(data)}")
+        if data.get("unit", "steps_per_s") != "steps_per_s":
+            raise ValueError(f"SPS table unit must be 'steps_per_s', got {data['unit']!r}")
+        return cls(tuple(data["sps"]))

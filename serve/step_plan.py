@@ -1,0 +1,206 @@
+"""The typed plan of one engine step, and the planner that makes it (SPEC 5 and 6).
+
+A step plans in two halves around the drafter call. Before it, per running request: the cap (the
+most draft tokens it may verify), and the draft source and depth from the goodput planner
+(``serve/draft_planner.py``, from the request's past rounds only). After it: how many drafted
+tokens each verifies, from this step's calibrated confidences, by the scheduler the config names
+(``serve/scheduler_registry.py``: every policy question goes to its entry). After verification the
+planner learns from each round. Losslessness: no decision about a draft token x_k reads x_k or
+anything computed from it (``serve/scheduler.py``).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+
+from .config import EngineConfig
+from .draft_planner import AcceptanceEstimate, DraftCostTable, RequestOptions, Source, plan_drafts
+from .request_state import RequestState
+from .scheduler import hold_speed_floors
+from .scheduler_registry import scheduler_entry, scheduler_for
+from .sps import SPSTable
+
+
+@dataclass
+class PlanRow:
+    """One running request's part of the step; K = ``len(tokens)`` draft tokens proposed, V the
+    target's vocabulary."""
+
+    request: RequestState
+    cap: int  # the most draft tokens it may verify: gamma, its budget, the drafter's context
+    source: Source | None = None  # "model" (the drafter), "lookup" (prompt lookup), None: none
+    depth: int = 0  # draft tokens to propose, <= cap
+    probed: bool = False  # the drafter drafts for it as a probe (back-off), not because it pays
+    tokens: list[int] = field(default_factory=list)  # [K] the draft x_1..x_K
+    probs: torch.Tensor | None = None  # fp32 [K, V] the drafter's distributions; None: greedy
+    confidence_logits: list[float] | None = None  # [K] raw z_k; None: no confidence head
+    # [K] calibrated c_k (a lookup draft: the planner's predicted ones; [] when there are none)
+    confidences: list[float] = field(default_factory=list)
+    length: int = 0  # l <= K: the draft tokens it verifies (the scheduler's choice)
+
+
+@dataclass
+class StepPlan:
+    """The running requests' rows of one step in running order, and when its phases began
+    (perf_counter seconds): planning and drafting from ``start_s``, verification from
+    ``verify_start_s``."""
+
+    rows: list[PlanRow] = field(default_factory=list)
+    start_s: float = 0.0
+    verify_start_s: float = 0.0
+
+    @classmethod
+    def make_empty(cls) -> StepPlan:
+        """The plan of a step with nothing to decode."""
+        return cls()
+
+
+class StepPlanner:
+    """Plans each step's drafting and verification for the engine, and learns from its rounds.
+
+    Args:
+        config: the engine's knobs.
+        scheduler: the scheduler's registry name ("none" without a drafter).
+        gamma: draft tokens per round (0 without a drafter).
+        drafter_context: the drafter's context limit in positions (None without a drafter).
+        sps, draft_cost: the SPS(B) profile and the drafter's cost, as :class:`SpecEngine`.
+        plans: whether the goodput planner runs (else the drafter drafts gamma for everyone).
+    Raises:
+        ValueError: the scheduler needs something missing (e.g. an SPS(B) table).
+    """
+
+    def __init__(self, config: EngineConfig, scheduler: str, gamma: int,
+                 drafter_context: int | None, sps: SPSTable | None,
+                 draft_cost: DraftCostTable | None, plans: bool):
+        self.config, self.gamma, self.drafter_context = config, gamma, drafter_context
+        self.sps, self.draft_cost, self.plans = sps, draft_cost, plans
+        self.policy = scheduler_entry(scheduler)
+        self.schedule_fn = scheduler_for(scheduler, sps=sps, gamma=max(gamma, 1),
+                                         threshold=config.threshold,
+                                         max_batch_tokens=config.max_batch_tokens)
+        self.probe_credit = 0.0  # seconds of drafter time probes may still spend (probe_budget)
+        # the drafter's engine-wide realized acceptance, greedy and sampled: a new request's
+        # prior, so that with a drafter that accepts little here every newcomer does not start at
+        # 1/2 and pay for drafts until its own rounds say no (slowly forgetting: ~50 rounds).
+        # Prompt lookup keeps the neutral prior: its drafts cost nothing to propose.
+        self.drafter_prior = [AcceptanceEstimate(decay=0.98), AcceptanceEstimate(decay=0.98)]
+        self.stale: deque[list[list[float]]] = deque(maxlen=2)  # confidences of past steps
+
+    def start(self, r: RequestState) -> None:
+        """A request the drafter starts drafting for: its probe back-off and its drafter
+        acceptance prior (the engine-wide realized one)."""
+        r.backoff = self.config.probe_interval
+        r.model_acc = AcceptanceEstimate(prior=self.drafter_prior[r.req.params.temperature > 0]
+                                         .alpha)
+
+    def caps(self, reqs: list[RequestState]) -> list[int]:
+        """The most draft tokens each request may verify: gamma, one less than its remaining
+        budget (a fully accepted block adds a bonus token), and the drafter's context limit."""
+        if not self.policy.speculates:
+            return [0] * len(reqs)
+        out = []
+        for r in reqs:
+            room = r.req.params.max_tokens - len(r.output) - 1
+            l = max(0, min(self.gamma, room))
+            # beyond its context: target-only steps
+            out.append(0 if r.pos + l >= self.drafter_context else l)
+        return out
+
+    def plan(self, reqs: list[RequestState], start_s: float) -> StepPlan:
+        """The step's rows: source, depth and probing from the goodput planner (a lookup row gets
+        its draft and predicted confidences now), or gamma from the drafter for every request
+        without it."""
+        caps = self.caps(reqs)
+        if not self.plans:
+            return StepPlan([PlanRow(r, c, "model" if c > 0 else None, c)
+                             for r, c in zip(reqs, caps)], start_s)
+        options, looks = [], []
+        for r, cap in zip(reqs, caps):
+            look = r.lookup.propose(cap) if r.lookup is not None and cap > 0 else []
+            looks.append(look)
+            options.append(RequestOptions(cap, r.model_acc.alpha if cap > 0 else None, len(look),
+                                          r.lookup_acc.alpha, probe_due=r.skipped >= r.backoff,
+                                          pending=len(r.pending.tokens)))
+        sampled = any(r.req.params.temperature > 0 for r in reqs)
+        plan = plan_drafts(options, self.sps, self.draft_cost, sampled,
+                           self.config.max_batch_tokens, probe_allowance_s=self.probe_credit,
+                           min_gain=self.config.min_draft_gain)
+        # the budget grows by its share of a target-only step of this batch (a prediction, so
+        # the plan stays a function of the past only), up to one full-depth call for everyone
+        ceiling = (self.draft_cost.seconds(len(reqs), self.draft_cost.max_depth, sampled)
+                   if self.draft_cost is not None else 0.0)
+        self.probe_credit = min(ceiling, self.probe_credit - plan.probe_cost_s
+                                + self.config.probe_budget / self.sps.sps(len(reqs)))
+        rows = []
+        for i, (r, cap) in enumerate(zip(reqs, caps)):
+            source, depth = plan.sources[i], plan.depths[i]
+            rows.append(PlanRow(r, cap, source, depth, plan.probed[i],
+                                list(looks[i][:depth]) if source == "lookup" else [],
+                                confidences=list(plan.lookup_confidences[i])))
+        return StepPlan(rows, start_s)
+
+    def schedule(self, plan: StepPlan, floors: list[float | None]) -> None:
+        """Set each row's verification length l from the configured policy, clipped to its
+        drafts; ``floors``: per row its speed floor in tokens/s, or None.
+
+        Rows without confidences (a drafter without a confidence head, under fixed or none) are
+        given placeholder ones: those policies read only the row lengths."""
+        drafted = [len(row.tokens) for row in plan.rows]
+        rows = [row.confidences if len(row.confidences) == n else [1.0] * n
+                for row, n in zip(plan.rows, drafted)]
+        stale = None
+        if self.policy.reads_stale_confidences:  # capacity from two steps earlier (section 5.2)
+            stale = self.stale[0] if len(self.stale) == 2 else None
+            if stale is not None and not any(stale):
+                # nothing was drafted then (the planner skipped the drafter): like the warm-up,
+                # Algorithm 1 on the current confidences (the choice depends on the past only)
+                stale = None
+        lengths = [min(l, n) for l, n in zip(self.schedule_fn(rows, stale), drafted)]
+        if (floors and any(f is not None for f in floors) and self.sps is not None
+                and self.policy.reads_confidence):
+            # requests predicted below their speed floor get verification first (lossless)
+            lengths = hold_speed_floors([row[:n] for row, n in zip(rows, drafted)], lengths,
+                                        self.sps, floors, self.config.max_batch_tokens)
+        for row, l in zip(plan.rows, lengths):
+            row.length = l
+
+    def remember(self, plan: StepPlan) -> None:
+        """Keep the step's confidences for the schedulers that read stale ones."""
+        self.stale.append([row.confidences for row in plan.rows])
+
+    def learn(self, row: PlanRow, accepted: int) -> None:
+        """Update the request's acceptance estimates and probe back-off after its round.
+
+        Both sources learn from what verification saw (accepted n of l verified: n successes in
+        n + [n < l] trials). A drafter round the scheduler did not verify (l = 0) still informs
+        the drafter's alpha through its calibrated confidences (expected successes sum_j a_j over
+        expected trials sum_j a_{j-1}). Realized outcomes come first because a confidence head
+        calibrated on other data can be optimistic on this request's domain (measured: chat at
+        T = 1), and an optimistic alpha keeps paying for drafts that are rejected. Realized
+        drafter outcomes also feed the engine-wide prior that requests admitted later start
+        from."""
+        if not self.plans:
+            return
+        r, verified = row.request, row.length
+        if row.source == "model":
+            if verified:
+                r.model_acc.update(accepted, accepted + (accepted < verified))
+                self.drafter_prior[r.req.params.temperature > 0].update(  # realized only
+                    accepted, accepted + (accepted < verified))
+            elif row.confidences:
+                survival, reach = 1.0, 0.0
+                for c in row.confidences:
+                    reach += survival
+                    survival *= c
+                r.model_acc.update(reach - 1.0 + survival, reach)
+            r.skipped = 0
+            r.backoff = (min(2 * r.backoff, self.config.max_probe_interval) if row.probed
+                         else self.config.probe_interval)
+        elif row.source == "lookup":
+            if verified:
+                r.lookup_acc.update(accepted, accepted + (accepted < verified))
+        elif row.cap > 0:
+            r.skipped += 1
