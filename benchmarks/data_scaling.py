@@ -54,7 +54,7 @@ def domain_metrics(ctx, drafter_dir: Path, rows_per_batch: int = 8) -> dict:
     from drafters.loading import load_drafter
     from pipeline.cache import read_manifest
     from pipeline.prompts import read_jsonl
-    from pipeline.train import batch_losses, reduce_metrics, training_objective
+    from pipeline.train_worker import batch_losses, reduce_metrics
     from pipeline.train_data import CacheRowIndex, CacheRowReader, row_generator
     from serve.target_loading import load_target
 
@@ -67,7 +67,7 @@ def domain_metrics(ctx, drafter_dir: Path, rows_per_batch: int = 8) -> dict:
     index = CacheRowIndex(ctx.cache_dir, manifest, "heldout", cfg.storage_options)
     reader = CacheRowReader(index, manifest["target"]["hidden_size"], len(ctx.layer_ids))
     tc = cfg.train
-    objective, weights = training_objective(drafter.config)  # the trainer's, per drafter type
+    objective, weights = drafter.config.spec.training_objective(drafter.config)  # the trainer's
     by_domain: dict[str, list] = {}
     with torch.no_grad():
         for start in range(0, index.num_rows, rows_per_batch):

@@ -182,9 +182,9 @@ def summarize(results: list[dict], gamma: int) -> dict:
 # where an engine step's time goes: (label, module path suffix, function name) of cProfile entries
 STEP_PARTS = (
     ("target forward", "target_runner.py", "forward_batch"),
-    ("drafter: block + sampling", "modeling.py", "propose_block"),
-    ("drafter: batched block", "modeling.py", "propose_block_batch"),
-    ("drafter: extend context", "modeling.py", "extend_context"),
+    ("drafter: block + sampling", "dspark.py", "propose_block"),
+    ("drafter: batched block", "dspark.py", "propose_block_batch"),
+    ("drafter: extend context", "dspark.py", "extend_context"),
     ("eagle3 drafting", "eagle3.py", "propose_block"),
     ("scheduler", "engine.py", "_schedule"),
     ("verification (rejection sampling)", "engine.py", "_verify"),

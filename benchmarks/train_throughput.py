@@ -58,11 +58,12 @@ def worker(args) -> dict:
     import torch
 
     from drafters.loading import build_drafter
+    from drafters.target_weights import load_frozen_head
     from pipeline.cache import read_manifest
     from pipeline.config import load_config
     from pipeline.stages import StageContext
-    from pipeline.train import (batch_losses, build_drafter_config, load_frozen_head,
-                                select_draft_vocab, training_objective)
+    from pipeline.train import select_draft_vocab
+    from pipeline.train_worker import batch_losses
     from pipeline.train_data import CacheRowIndex, CacheRowReader, row_generator
 
     torch.set_num_threads(args.threads)
@@ -74,10 +75,10 @@ def worker(args) -> dict:
     drafter = cfg.drafter.model_copy(update={"draft_vocab_size": vocab_size})
     draft_vocab, report = select_draft_vocab(manifest, vocab_size)
     target_cfg, emb, head = load_frozen_head(ctx.target)
-    model = build_drafter(build_drafter_config(target_cfg, ctx.target, manifest["layer_ids"],
-                                               drafter), emb, head, draft_vocab).train()
+    model = build_drafter(drafter.for_target(target_cfg, ctx.target, manifest["layer_ids"]),
+                          emb, head, draft_vocab).train()
     tc = cfg.train
-    objective, weights = training_objective(model.config)
+    objective, weights = model.config.spec.training_objective(model.config)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=tc.lr,
                             betas=(0.9, 0.95))
     index = CacheRowIndex(ctx.cache_dir, manifest, "train", cfg.storage_options)

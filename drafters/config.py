@@ -1,170 +1,293 @@
-"""Configuration of a drafter checkpoint (a Hugging Face ``PretrainedConfig``).
+"""The drafter's configuration: one pydantic schema for the pipeline's ``drafter:`` section and for
+every drafter checkpoint's ``config.json``.
 
-The config is self-describing in the nanoGPT sense: it names the target model the drafter was trained
-against (name, vocabulary, hidden size), the target layers whose hidden states feed the context
-features, the block size gamma, the head type and the calibration temperatures, so that a serving
-engine can rebuild and validate the drafter from the checkpoint directory alone.
+:class:`DrafterConfig` is what a user chooses (type, block size, layers, heads, draft vocabulary);
+the pipeline config holds it as its ``drafter`` section. :meth:`DrafterConfig.for_target` binds it
+to the target it is built for: a :class:`BoundDrafterConfig` is the same fields plus the target's
+shape (:class:`TargetShape`) and what training and calibration add (the draft-vocabulary
+fingerprint, the STS temperatures). A drafter model holds one and its checkpoint records it, so a
+serving engine rebuilds and validates the drafter from the checkpoint directory alone (SPEC
+section 2). Per-type rules (which heads a type has, its layer-count field, its slot convention)
+come from the type's :class:`~drafters.spec.DrafterSpec` (``drafters/registry.py``).
+
+``config.json`` keeps the flat layout every version of this project wrote (``target_vocab_size``,
+``num_hidden_layers``, ...), so checkpoints of earlier versions load as they are.
 """
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
-from transformers import PretrainedConfig
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+if TYPE_CHECKING:
+    from .spec import DrafterSpec
 
 HeadType = Literal["markov", "rnn", "none"]
-DrafterType = Literal["dspark", "dflash", "eagle3"]
+MAX_BLOCK_SIZE = 32  # block sizes beyond this are outside what the drafters are built and tested for
+QK_NORM_TARGETS = ("qwen3", "qwen3_moe")  # target model types whose attention normalises q and k
+MODEL_TYPE = "dspark_drafter"  # config.json's model_type of a drafter checkpoint
 
 
-class DSparkConfig(PretrainedConfig):
-    """Config of a DSpark, DFlash or Eagle3 drafter.
+class DrafterConfig(BaseModel):
+    """A drafter as the user configures it (the pipeline's ``drafter`` section)."""
 
-    Args:
-        drafter_type: ``"dspark"`` (anchor is the first prediction slot, sequential head, confidence
-            head; SPEC section 2), ``"dflash"`` (same backbone, CE only, no heads) or ``"eagle3"``
-            (one autoregressive layer over [embed; fused target features], gamma chained steps).
-        target_name_or_path: the target model this drafter serves (``from_pretrained`` name/path).
-        target_vocab_size, target_hidden_size: checked against the serving target on load.
-        target_layer_ids: 0-based decoder-layer indices of the target whose outputs are
-            concatenated into the context features (ascending; SPEC 1.4).
-        block_size: gamma, draft tokens per round.
-        num_hidden_layers: drafter decoder layers (default 5).
-        hidden_size, num_attention_heads, num_key_value_heads, head_dim, intermediate_size,
-        rms_norm_eps, rope_theta, max_position_embeddings: copied from the target (SPEC 2).
-        head_type: ``"markov"`` (Eq. 5), ``"rnn"`` (Eq. 6) or ``"none"`` (DFlash).
-        markov_rank: r of the low-rank transition W1 W2 (default 256).
-        confidence_head: whether c_k (Eq. 7) is predicted.
-        calibration_temperatures: per-position STS temperatures T_1..T_gamma (SPEC 4); ``None``
-            means uncalibrated (all 1.0).
-        loss_decay: denominator of the position weights w_k = exp(-(k-1)/loss_decay); the paper
-            uses gamma, the reference repository 4.
-        draft_vocab_size: N, the size of the frequency-ranked draft vocabulary the drafter predicts
-            in (``drafters/draft_vocab.py``; FR-Spec, EAGLE-3); 0 = the full target vocabulary.
-        draft_vocab_sha256: fingerprint of the draft-to-target map stored with the weights
-            (``d2t``); the loader rejects a map that does not match it.
-    """
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
-    model_type = "dspark_drafter"
+    drafter_type: str = Field("dspark", description="A registered drafter type "
+                              "(drafters/registry.py): dspark, dflash or eagle3.")
+    num_layers: int = Field(5, ge=1, description="Backbone layers of DSpark/DFlash.")
+    eagle3_num_layers: int = Field(1, ge=1, description="Decoder layers of an Eagle3 drafter.")
+    block_size: int = Field(7, description=f"Draft tokens per block (gamma), 1..{MAX_BLOCK_SIZE}.")
+    head_type: HeadType = Field("markov", description="DSpark's sequential head: markov (Eq. 5), "
+                                "rnn (Eq. 6) or none.")
+    markov_rank: int = Field(256, ge=1, description="r of the head's low-rank transition W1 W2.")
+    qk_norm: bool | None = Field(None, description="RMSNorm on each head's queries and keys in "
+                                 "the drafter's layers; None = as the target (Qwen3 yes, Llama "
+                                 "no). vLLM's DSpark and DFlash drafters are Qwen3-based: set true "
+                                 "to export a Llama-target drafter with drafters.export --format "
+                                 "vllm.")
+    confidence_head: bool = Field(True, description="Predict the confidence c_k (Eq. 7).")
+    loss_decay: float | None = Field(None, gt=0, description="w_k = exp(-(k-1)/decay); None = "
+                                     "block_size (paper); the reference repository uses 4.")
+    init: Literal["random", "target_layers"] = Field(
+        "random", description="Backbone start: random, or the target's last num_layers decoder "
+        "layers and final norm (W_c = identity on the deepest feature layer; drafter types whose "
+        "spec allows it: DSpark, DFlash).")
+    draft_vocab_size: int = Field(0, ge=0, description="N most frequent supervised target tokens "
+                                  "(the cache manifest's ranking) the drafter predicts in; "
+                                  "0 = the full target vocabulary.")
 
-    def __init__(
-        self,
-        drafter_type: DrafterType = "dspark",
-        target_name_or_path: str = "",
-        target_vocab_size: int = 32000,
-        target_hidden_size: int = 256,
-        target_layer_ids: list[int] | None = None,
-        block_size: int = 7,
-        num_hidden_layers: int = 5,
-        hidden_size: int = 256,
-        num_attention_heads: int = 4,
-        num_key_value_heads: int = 2,
-        head_dim: int | None = None,
-        intermediate_size: int = 512,
-        rms_norm_eps: float = 1e-6,
-        rope_theta: float = 10000.0,
-        max_position_embeddings: int = 4096,
-        head_type: HeadType = "markov",
-        markov_rank: int = 256,
-        confidence_head: bool = True,
-        calibration_temperatures: list[float] | None = None,
-        loss_decay: float | None = None,
-        qk_norm: bool = False,
-        draft_vocab_size: int = 0,
-        draft_vocab_sha256: str | None = None,
-        **kwargs,
-    ):
-        self.drafter_type = drafter_type
-        self.target_name_or_path = target_name_or_path
-        self.target_vocab_size = target_vocab_size
-        self.target_hidden_size = target_hidden_size
-        self.target_layer_ids = list(target_layer_ids if target_layer_ids is not None else [1])
-        self.block_size = block_size
-        self.num_hidden_layers = num_hidden_layers
-        self.hidden_size = hidden_size
-        self.num_attention_heads = num_attention_heads
-        self.num_key_value_heads = num_key_value_heads
-        self.head_dim = head_dim or hidden_size // num_attention_heads
-        self.intermediate_size = intermediate_size
-        self.rms_norm_eps = rms_norm_eps
-        self.rope_theta = rope_theta
-        self.max_position_embeddings = max_position_embeddings
-        self.head_type = head_type
-        self.markov_rank = markov_rank
-        self.confidence_head = confidence_head
-        self.calibration_temperatures = calibration_temperatures
-        self.loss_decay = loss_decay if loss_decay is not None else float(block_size)
-        self.qk_norm = qk_norm
-        self.draft_vocab_size = int(draft_vocab_size)
-        self.draft_vocab_sha256 = draft_vocab_sha256
-        super().__init__(**kwargs)
-        self.vocab_size = target_vocab_size
-        self._validate()
+    @field_validator("drafter_type")
+    @classmethod
+    def _registered(cls, v: str) -> str:
+        from .registry import get_spec
 
-    def _validate(self) -> None:
-        check_drafter_kind(self.drafter_type, self.head_type, self.confidence_head,
-                           self.block_size)
-        if not 0 <= self.draft_vocab_size <= self.target_vocab_size:
-            raise ValueError(f"draft_vocab_size must be in [0, {self.target_vocab_size}] (0 = the "
-                             f"full vocabulary), got {self.draft_vocab_size}")
-        ids = list(self.target_layer_ids)
-        if not ids or sorted(set(ids)) != ids or ids[0] < 0:
+        get_spec(v)  # raises naming the registered types
+        return v
+
+    @field_validator("block_size")
+    @classmethod
+    def _block_size(cls, v: int) -> int:
+        if not 1 <= v <= MAX_BLOCK_SIZE:
+            raise ValueError(f"block_size must be in [1, {MAX_BLOCK_SIZE}], got {v}")
+        return v
+
+    @model_validator(mode="after")
+    def _heads_and_init(self):
+        spec = self.spec
+        if not spec.has_heads and (self.head_type != "none" or self.confidence_head):
+            raise ValueError(f"a {self.drafter_type} drafter has no sequential or confidence head: "
+                             "set head_type 'none' and confidence_head false")
+        if self.confidence_head and self.head_type == "none":
+            raise ValueError("the confidence head (Eq. 7) reads the sequential head's embedding "
+                             "W1[x_{k-1}]: it needs head_type 'markov' or 'rnn'")
+        if self.init == "target_layers" and not spec.target_layer_init:
+            raise ValueError(f"init 'target_layers' copies the target's decoder layers, which a "
+                             f"{spec.title} drafter's layers are not: use init 'random'")
+        return self
+
+    # ------------------------------------------------------------------ derived from the spec
+    @property
+    def spec(self) -> DrafterSpec:
+        """The registered :class:`~drafters.spec.DrafterSpec` of ``drafter_type``."""
+        from .registry import get_spec
+
+        return get_spec(self.drafter_type)
+
+    @property
+    def num_hidden_layers(self) -> int:
+        """The drafter's layer count: the field its type's spec names (``layers_field``)."""
+        return getattr(self, self.spec.layers_field)
+
+    @property
+    def anchor_slots(self) -> int:
+        """Block inputs that only condition (0, or 1 for DFlash's anchor): the first
+        prediction slot's index (the spec's slot convention)."""
+        return self.spec.anchor_slots
+
+    @property
+    def num_block_inputs(self) -> int:
+        """Inputs of one block pass (S), the anchor included: block_size + anchor_slots."""
+        return self.block_size + self.spec.anchor_slots
+
+    def for_target(self, target_config, target_name: str, layer_ids: list[int]) -> BoundDrafterConfig:
+        """This drafter bound to a target: its shape from the target's Hugging Face config (or
+        any object with its attributes), ``qk_norm`` None resolved to the target's own (Qwen3
+        yes) and ``loss_decay`` None to ``block_size``. The one place target dimensions enter a
+        drafter config.
+
+        Raises:
+            ValueError: the bound config is invalid (e.g. a draft vocabulary larger than the
+                target's, layer ids not ascending).
+        """
+        target = TargetShape.of(target_config, target_name, layer_ids)
+        qk_norm = (self.qk_norm if self.qk_norm is not None
+                   else getattr(target_config, "model_type", "") in QK_NORM_TARGETS)
+        loss_decay = self.loss_decay if self.loss_decay is not None else float(self.block_size)
+        fields = self.model_dump(include=set(DrafterConfig.model_fields))
+        return BoundDrafterConfig(**{**fields, "qk_norm": qk_norm, "loss_decay": loss_decay},
+                                  target=target)
+
+
+class TargetShape(BaseModel):
+    """The target a drafter is built for, as its checkpoint records it: the model, its
+    vocabulary, the layers whose outputs feed the context features, and the decoder-layer
+    dimensions the drafter's own layers copy (SPEC 2)."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+    name_or_path: str = Field("", description="The target's from_pretrained name or directory.")
+    vocab_size: int = Field(ge=1)
+    hidden_size: int = Field(ge=1)
+    layer_ids: list[int] = Field(description="0-based decoder layers whose outputs are "
+                                 "concatenated into the context features (ascending; SPEC 1.4).")
+    num_attention_heads: int = Field(ge=1)
+    num_key_value_heads: int = Field(ge=1)
+    head_dim: int = Field(ge=1)
+    intermediate_size: int = Field(ge=1)
+    rms_norm_eps: float = Field(gt=0)
+    rope_theta: float = Field(gt=0)
+    max_position_embeddings: int = Field(ge=1)
+
+    @field_validator("layer_ids")
+    @classmethod
+    def _ascending(cls, v: list[int]) -> list[int]:
+        if not v or sorted(set(v)) != v or v[0] < 0:
             raise ValueError(f"target_layer_ids must be non-empty, distinct, ascending and >= 0, "
-                             f"got {ids}")
+                             f"got {v}")
+        return v
+
+    @model_validator(mode="after")
+    def _heads(self):
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
+        return self
+
+    @classmethod
+    def of(cls, tc, name: str, layer_ids: list[int]) -> TargetShape:
+        """The shape of the target whose Hugging Face config is ``tc``."""
+        params = getattr(tc, "rope_parameters", None) or {}
+        heads = tc.num_attention_heads
+        return cls(name_or_path=name, vocab_size=tc.vocab_size, hidden_size=tc.hidden_size,
+                   layer_ids=list(layer_ids), num_attention_heads=heads,
+                   num_key_value_heads=getattr(tc, "num_key_value_heads", None) or heads,
+                   head_dim=getattr(tc, "head_dim", None) or tc.hidden_size // heads,
+                   intermediate_size=tc.intermediate_size, rms_norm_eps=tc.rms_norm_eps,
+                   rope_theta=float(params.get("rope_theta") or getattr(tc, "rope_theta", 10000.0)),
+                   max_position_embeddings=tc.max_position_embeddings)
+
+
+# config.json key -> TargetShape field (the flat checkpoint layout)
+_TARGET_KEYS = {"target_name_or_path": "name_or_path", "target_vocab_size": "vocab_size",
+                "target_hidden_size": "hidden_size", "target_layer_ids": "layer_ids",
+                "num_attention_heads": "num_attention_heads",
+                "num_key_value_heads": "num_key_value_heads", "head_dim": "head_dim",
+                "intermediate_size": "intermediate_size", "rms_norm_eps": "rms_norm_eps",
+                "rope_theta": "rope_theta", "max_position_embeddings": "max_position_embeddings"}
+# config.json fields of DrafterConfig (the layer count goes as num_hidden_layers)
+_DRAFTER_KEYS = ("drafter_type", "block_size", "head_type", "markov_rank", "confidence_head",
+                 "qk_norm", "loss_decay", "draft_vocab_size")
+# bookkeeping keys transformers' PretrainedConfig wrote beside ours (ignored on reading)
+_HF_KEYS = ("transformers_version", "architectures", "dtype", "torch_dtype", "_name_or_path")
+
+
+def _target_field(name: str) -> property:
+    """A read/write view of ``self.target.<name>``."""
+    return property(lambda self: getattr(self.target, name),
+                    lambda self, value: setattr(self.target, name, value))
+
+
+class BoundDrafterConfig(DrafterConfig):
+    """A :class:`DrafterConfig` bound to its target (:meth:`DrafterConfig.for_target`): what a
+    drafter model holds and its checkpoint's ``config.json`` records. The target's dimensions
+    also read (and assign) under their config.json names: ``target_vocab_size``,
+    ``target_layer_ids``, ``hidden_size``, ``num_attention_heads``, ``head_dim``, ... (below the
+    class)."""
+
+    target: TargetShape
+    calibration_temperatures: list[float] | None = Field(
+        None, description="Per-position STS temperatures T_1..T_gamma (SPEC 4), written by the "
+        "calibrate stage; None = uncalibrated (all 1.0).")
+    draft_vocab_sha256: str | None = Field(None, description="Fingerprint of the draft-to-target "
+                                           "map stored with the weights (d2t).")
+
+    @model_validator(mode="after")
+    def _bound(self):
+        if not 0 <= self.draft_vocab_size <= self.target.vocab_size:
+            raise ValueError(f"draft_vocab_size must be in [0, {self.target.vocab_size}] (0 = the "
+                             f"full vocabulary), got {self.draft_vocab_size}")
         temps = self.calibration_temperatures
         if temps is not None and (len(temps) != self.block_size or min(temps) <= 0):
             raise ValueError(f"calibration_temperatures needs {self.block_size} positive values, "
                              f"got {temps}")
-
-    @property
-    def num_slots(self) -> int:
-        """Block inputs per round: gamma for DSpark (the anchor is the first prediction slot) and
-        Eagle3 (gamma chained steps), gamma + 1 for DFlash (the anchor slot only conditions)."""
-        return self.block_size + 1 if self.drafter_type == "dflash" else self.block_size
-
-    @property
-    def prediction_offset(self) -> int:
-        """Index of the first slot whose output predicts a draft token."""
-        return 1 if self.drafter_type == "dflash" else 0
+        return self
 
     @property
     def draft_vocab_len(self) -> int:
         """Size of the vocabulary the drafter predicts in: N, or V for the full vocabulary."""
-        return self.draft_vocab_size or self.target_vocab_size
+        return self.draft_vocab_size or self.target.vocab_size
 
     @property
     def num_context_layers(self) -> int:
         """m, the number of target layers concatenated into the context features."""
-        return len(self.target_layer_ids)
+        return len(self.target.layer_ids)
+
+    # ------------------------------------------------------------------ config.json
+    def to_json_dict(self) -> dict:
+        """The checkpoint's ``config.json`` content (flat; keys as every version wrote them)."""
+        out = {k: getattr(self, k) for k in _DRAFTER_KEYS}
+        out.update({k: getattr(self.target, f) for k, f in _TARGET_KEYS.items()})
+        out.update(model_type=MODEL_TYPE, num_hidden_layers=self.num_hidden_layers,
+                   hidden_size=self.target.hidden_size, vocab_size=self.target.vocab_size,
+                   calibration_temperatures=self.calibration_temperatures,
+                   draft_vocab_sha256=self.draft_vocab_sha256)
+        return out
+
+    @classmethod
+    def from_json_dict(cls, data: dict) -> BoundDrafterConfig:
+        """Parse a checkpoint's ``config.json`` content.
+
+        Raises:
+            ValueError: another model type, a drafter hidden size unlike its target's, or an
+                invalid field (pydantic's message names it).
+        """
+        from .registry import drafter_types, get_spec
+
+        data = {k: v for k, v in data.items() if k not in _HF_KEYS}
+        model_type = data.pop("model_type", MODEL_TYPE)
+        if model_type != MODEL_TYPE:
+            raise ValueError(f"model_type {model_type!r} is not a dspark-ray drafter "
+                             f"({MODEL_TYPE!r})")
+        data.pop("vocab_size", None)  # = target_vocab_size
+        hidden = data.pop("hidden_size", None)
+        if hidden is not None and hidden != data.get("target_hidden_size"):
+            raise ValueError(f"hidden_size {hidden} differs from target_hidden_size "
+                             f"{data.get('target_hidden_size')}: the drafter's layers have the "
+                             "target's width")
+        target = {f: data.pop(k) for k, f in _TARGET_KEYS.items() if k in data}
+        kind = data.get("drafter_type", "dspark")
+        layers = data.pop("num_hidden_layers", None)
+        if layers is not None and kind in drafter_types():
+            data[get_spec(kind).layers_field] = layers
+        data.setdefault("qk_norm", False)  # written since qk_norm exists; before, no q/k norms
+        if data.get("loss_decay") is None and isinstance(data.get("block_size"), int):
+            data["loss_decay"] = float(data["block_size"])
+        return cls(**data, target=target)
+
+    def save(self, path: str | Path) -> None:
+        """Write ``config.json`` into the directory ``path``."""
+        (Path(path) / "config.json").write_text(
+            json.dumps(self.to_json_dict(), indent=2, sort_keys=True) + "\n")
 
 
-MAX_BLOCK_SIZE = 32  # gamma beyond this is outside what the drafters are built and tested for
-
-
-def check_drafter_kind(drafter_type: str, head_type: str, confidence_head: bool,
-                       block_size: int) -> None:
-    """The rules on which heads a drafter type has, and on gamma; shared by the model config and
-    the pipeline's ``drafter`` section so both reject the same inputs with the same words.
-
-    Raises:
-        ValueError: an unknown type or head, heads on a drafter that has none, a confidence head
-            without a sequential head, or block_size outside [1, MAX_BLOCK_SIZE].
-    """
-    if drafter_type not in ("dspark", "dflash", "eagle3"):
-        raise ValueError(f"drafter_type must be 'dspark', 'dflash' or 'eagle3', got "
-                         f"{drafter_type!r}")
-    if head_type not in ("markov", "rnn", "none"):
-        raise ValueError(f"head_type must be 'markov', 'rnn' or 'none', got {head_type!r}")
-    if drafter_type != "dspark" and (head_type != "none" or confidence_head):
-        raise ValueError(f"a {drafter_type} drafter has no sequential or confidence head: "
-                         "set head_type 'none' and confidence_head false")
-    if confidence_head and head_type == "none":
-        raise ValueError("the confidence head (Eq. 7) reads the sequential head's embedding "
-                         "W1[x_{k-1}]: it needs head_type 'markov' or 'rnn'")
-    if not 1 <= block_size <= MAX_BLOCK_SIZE:
-        raise ValueError(f"block_size must be in [1, {MAX_BLOCK_SIZE}], got {block_size}")
+# the target's dimensions under the names the model code and config.json use (the drafter's
+# layers copy the target's decoder-layer shapes, SPEC 2; hidden_size is the drafter's width):
+# read/write views of ``config.target``
+for _key, _field in {**_TARGET_KEYS, "hidden_size": "hidden_size"}.items():
+    setattr(BoundDrafterConfig, _key, _target_field(_field))
 
 
 class DrafterCheckpointError(ValueError):
@@ -172,8 +295,8 @@ class DrafterCheckpointError(ValueError):
     weights that are damaged, incomplete or of other shapes (the file is named)."""
 
 
-def read_drafter_config(path) -> DSparkConfig:
-    """The :class:`DSparkConfig` of drafter directory ``path``.
+def read_drafter_config(path) -> BoundDrafterConfig:
+    """The :class:`BoundDrafterConfig` of drafter directory ``path``.
 
     Raises:
         FileNotFoundError: no ``config.json`` in ``path``.
@@ -183,6 +306,12 @@ def read_drafter_config(path) -> DSparkConfig:
     if not file.is_file():
         raise FileNotFoundError(f"no drafter checkpoint (config.json) at {path}")
     try:
-        return DSparkConfig.from_pretrained(path)
-    except (OSError, ValueError, TypeError) as err:
+        data = json.loads(file.read_text())
+    except (OSError, ValueError) as err:
+        raise DrafterCheckpointError(f"{file}: not a valid JSON file ({err})") from err
+    if not isinstance(data, dict):
+        raise DrafterCheckpointError(f"{file}: not a JSON object")
+    try:
+        return BoundDrafterConfig.from_json_dict(data)
+    except (ValidationError, ValueError, TypeError) as err:
         raise DrafterCheckpointError(f"{file}: {err}") from err

@@ -28,15 +28,20 @@ layers, H_t target hidden size, V vocabulary, nkv key-value heads, hd head dim, 
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .config import DSparkConfig
+from .base import BlockProposal, DrafterBase
 from .layers import KVInjectionAttention, RMSNorm, RotaryEmbedding, SwiGLU
-from .modeling import BlockProposal, DrafterBase
+from .losses import eagle3_step_weights
 from .packing import PackedBlocks
+from .spec import DrafterSpec
+
+if TYPE_CHECKING:
+    from .config import BoundDrafterConfig
 
 
 class Eagle3Attention(KVInjectionAttention):
@@ -63,7 +68,7 @@ class Eagle3Layer(nn.Module):
     Both then do h + attn, followed by h + MLP(post_attention_layernorm(h)).
     """
 
-    def __init__(self, cfg: DSparkConfig, fused: bool):
+    def __init__(self, cfg: BoundDrafterConfig, fused: bool):
         super().__init__()
         h, eps = cfg.hidden_size, cfg.rms_norm_eps
         self.fused = fused
@@ -113,23 +118,20 @@ class Eagle3Drafter(DrafterBase):
 
     Config: ``drafter_type="eagle3"``, ``head_type="none"``, ``confidence_head=False``;
     ``num_hidden_layers`` Eagle3 layers (normally 1; the first is the fused 2H-input layer);
-    ``block_size`` = gamma = the number of chained draft steps (``num_slots == block_size``,
-    ``prediction_offset == 0``).
+    ``block_size`` = gamma = the number of chained draft steps (``num_block_inputs ==
+    block_size``, ``anchor_slots == 0``); ``eagle3_num_layers`` sets the layer count.
 
     Args:
-        config: a :class:`~drafters.config.DSparkConfig`.
+        config: a :class:`~drafters.config.BoundDrafterConfig`.
         embed_weight: the target's input embedding [V, H] (frozen, shared).
         lm_head_weight: the target's LM head [V, H] (frozen, shared).
     Raises:
-        ValueError: ``config.drafter_type`` is not ``"eagle3"``, ``num_hidden_layers < 1``, or the
+        ValueError: ``config.drafter_type`` is not built by this class, ``num_hidden_layers < 1``, or the
             target tensors do not match the config's vocabulary / hidden size.
     """
 
-    def __init__(self, config: DSparkConfig, embed_weight: torch.Tensor,
+    def __init__(self, config: BoundDrafterConfig, embed_weight: torch.Tensor,
                  lm_head_weight: torch.Tensor, draft_vocab=None):
-        if config.drafter_type != "eagle3":
-            raise ValueError(f"Eagle3Drafter needs drafter_type 'eagle3', got "
-                             f"{config.drafter_type!r}")
         if config.num_hidden_layers < 1:
             raise ValueError(f"an Eagle3 drafter needs num_hidden_layers >= 1, got "
                              f"{config.num_hidden_layers}")
@@ -169,7 +171,8 @@ class Eagle3Drafter(DrafterBase):
         the step-1 outputs of the context rows are first computed causally (O(Nc * p) per layer).
 
         Args:
-            packed: a :class:`~drafters.packing.PackedBlocks` packed with ``min_anchor=1`` and
+            packed: a :class:`~drafters.packing.PackedBlocks` packed with ``min_anchor=1`` (the
+                spec's anchor rule, :meth:`~drafters.base.DrafterBase.pack_blocks`) and
                 ``block_size = gamma`` (``prev_tokens`` [N, K]).
         Returns:
             [N, K, H], step outputs after the final norm (the trainer applies
@@ -374,9 +377,9 @@ class Eagle3Drafter(DrafterBase):
 
     @torch.no_grad()
     def propose_block(self, state: Eagle3DraftState, anchor_tokens: torch.Tensor,
-                      anchor_positions: torch.Tensor, num_tokens: int, temperature,
+                      anchor_positions: torch.Tensor, num_draft_tokens: int, temperature,
                       generator=None, top_p=1.0) -> BlockProposal:
-        """Draft ``num_tokens`` tokens left to right (SPEC 5): token 1 from the stored h_1, each
+        """Draft ``num_draft_tokens`` tokens left to right (SPEC 5): token 1 from the stored h_1, each
         further step runs the layers on [embed(draft_{k-1}); h_{k-1}] at position p-1+(k-1) over
         the cache and this round's chain keys (discarded afterwards). Drafting cost grows linearly
         with the number of tokens.
@@ -384,19 +387,21 @@ class Eagle3Drafter(DrafterBase):
         Args:
             state: holding exactly the positions < p (the last extend's next token is the anchor).
             anchor_tokens, anchor_positions: int64 [B], x_p and p.
-            num_tokens: 1 <= num_tokens <= gamma.
+            num_draft_tokens: 1 <= num_draft_tokens <= gamma.
             temperature: float or fp32 [B]; <= 0 greedy (argmax); else multinomial from
                 softmax(logits / T), the temperature the target is verified at.
             generator: RNG for sampling, or one per row.
             top_p: float or fp32 [B], nucleus filter of the draft distribution.
         Returns:
-            :class:`~drafters.modeling.BlockProposal` with tokens int64 [B, num_tokens], probs fp32
-            [B, num_tokens, V] (None when greedy) and confidence_logits None.
+            :class:`~drafters.base.BlockProposal` with tokens int64 [B, num_draft_tokens], probs
+            fp32 [B, num_draft_tokens, V] (None when greedy) and confidence_logits None.
         Raises:
-            ValueError: empty state, anchors not matching the state, or num_tokens out of range.
+            ValueError: empty state, anchors not matching the state, or num_draft_tokens out of
+                range.
         """
-        if not 1 <= num_tokens <= self.config.block_size:
-            raise ValueError(f"num_tokens must be in 1..{self.config.block_size}, got {num_tokens}")
+        if not 1 <= num_draft_tokens <= self.config.block_size:
+            raise ValueError(f"num_draft_tokens must be in 1..{self.config.block_size}, got "
+                             f"{num_draft_tokens}")
         from .sampling import sample_rows
 
         tokens, probs = [], []
@@ -414,8 +419,21 @@ class Eagle3Drafter(DrafterBase):
             tokens.append(tok)
             return tok
 
-        self._unroll(state, anchor_tokens, anchor_positions, num_tokens, sample)
+        self._unroll(state, anchor_tokens, anchor_positions, num_draft_tokens, sample)
         return BlockProposal(tokens=torch.stack(tokens, 1),
                              probs=None if all_greedy else self.to_target_probs(
                                  torch.stack(probs, 1)),
                              confidence_logits=None)
+
+
+def _exporters() -> dict:
+    from .export import eagle3 as export
+
+    return export.EXPORTERS
+
+
+SPEC = DrafterSpec(
+    name="eagle3", title="Eagle3", model_class=Eagle3Drafter, objective="soft_ce",
+    step_weights=lambda config: eagle3_step_weights(config.block_size), min_anchor=1,
+    layers_field="eagle3_num_layers", drafts_whole_block=False, exporters=_exporters(),
+    vllm_method="eagle3", vllm_architectures=("Eagle3",))

@@ -1,5 +1,6 @@
-"""Load any drafter checkpoint by the ``drafter_type`` its config names, and check it against the
-serving target (SPEC section 2: checkpoints are self-describing HF directories)."""
+"""Build and load drafters by the ``drafter_type`` their config names (the type's registered
+spec gives the model class), and check a checkpoint against the serving target (SPEC section 2:
+checkpoints are self-describing HF-style directories)."""
 
 from __future__ import annotations
 
@@ -7,36 +8,21 @@ from pathlib import Path
 
 import torch
 
-from .config import DrafterCheckpointError, DSparkConfig, read_drafter_config
-from .modeling import DrafterBase, DSparkDrafter, check_target_compatibility
+from .base import WEIGHTS_NAME, DrafterBase, check_target_compatibility
+from .config import BoundDrafterConfig, DrafterCheckpointError, read_drafter_config
 
 
-def drafter_class(drafter_type: str) -> type[DrafterBase]:
-    """The model class of a ``drafter_type``.
-
-    Raises:
-        ValueError: unknown type (the valid ones are named).
-    """
-    if drafter_type in ("dspark", "dflash"):
-        return DSparkDrafter
-    if drafter_type == "eagle3":
-        from .eagle3 import Eagle3Drafter
-
-        return Eagle3Drafter
-    raise ValueError(f"unknown drafter_type {drafter_type!r}; expected dspark, dflash or eagle3")
-
-
-def build_drafter(config: DSparkConfig, embed_weight: torch.Tensor,
+def build_drafter(config: BoundDrafterConfig, embed_weight: torch.Tensor,
                   lm_head_weight: torch.Tensor, draft_vocab=None) -> DrafterBase:
     """A freshly initialised drafter of ``config.drafter_type`` bound to the target's tensors;
     ``draft_vocab`` (int64 [N] target ids) is required when ``config.draft_vocab_size`` > 0."""
     if config.draft_vocab_size and draft_vocab is None:
         raise ValueError(f"draft_vocab_size {config.draft_vocab_size} needs the draft vocabulary "
                          "(the cache manifest's token frequency ranking)")
-    return drafter_class(config.drafter_type)(config, embed_weight, lm_head_weight, draft_vocab)
+    return config.spec.model_class(config, embed_weight, lm_head_weight, draft_vocab)
 
 
-def check_checkpoint(path: str | Path) -> DSparkConfig:
+def check_checkpoint(path: str | Path) -> BoundDrafterConfig:
     """Read a drafter directory's config and its weights' header without loading the model (a
     cheap check before work that would read it much later, e.g. ``train.init_from``).
 
@@ -47,8 +33,6 @@ def check_checkpoint(path: str | Path) -> DSparkConfig:
         DrafterCheckpointError (a ValueError): invalid config or unreadable weights (file named).
     """
     from safetensors import safe_open
-
-    from .modeling import WEIGHTS_NAME
 
     path = Path(path)
     config = read_drafter_config(path)
@@ -70,7 +54,7 @@ def load_drafter(path: str | Path, target_model, target_name: str,
 
     The target's embedding and LM head are bound to the drafter; the checkpoint's recorded target
     is checked first (model name, vocabulary, hidden size, layer ids; see
-    :func:`drafters.modeling.check_target_compatibility`).
+    :func:`drafters.base.check_target_compatibility`).
 
     Raises:
         FileNotFoundError: no drafter checkpoint at ``path``.
@@ -82,6 +66,5 @@ def load_drafter(path: str | Path, target_model, target_name: str,
     tc = target_model.config
     check_target_compatibility(config, target_name, tc.vocab_size, tc.hidden_size,
                                tc.num_hidden_layers, allow_name_mismatch)
-    cls = drafter_class(config.drafter_type)
-    return cls.from_pretrained(path, target_model.get_input_embeddings().weight,
+    return config.spec.model_class.from_pretrained(path, target_model.get_input_embeddings().weight,
                                target_model.get_output_embeddings().weight, dtype=dtype)

@@ -122,9 +122,8 @@ def fit_and_report(collected: dict, out_dir: Path, drafter_dir: str, seed: int,
         (out_dir / "report.json").write_text(json.dumps(summary, indent=1))
         return summary
     config = read_drafter_config(dest)
-    config.calibration_temperatures = [float(t) for t in temps]
-    config._validate()
-    config.save_pretrained(dest)
+    config.calibration_temperatures = [float(t) for t in temps]  # validated on assignment
+    config.save(dest)
     reliability_diagram(*arrays["report"], temps, out_dir / "reliability.png",
                         title="Prefix survival a_k on held-out prompts (report half)")
     summary = {"calibrated": True, "temperatures": temps, **counts, **measured, "report": report}

@@ -14,6 +14,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from drafters.config import DrafterConfig
 from serve.config import EngineConfig
 
 Dtype = Literal["float32", "bfloat16", "float16"]
@@ -182,40 +183,6 @@ class CacheConfig(Strict):
     num_threads: int | None = Field(None, ge=1)
 
 
-class DrafterSection(Strict):
-    drafter_type: Literal["dspark", "dflash", "eagle3"] = "dspark"
-    num_layers: int = Field(5, ge=1, description="Backbone layers of DSpark/DFlash.")
-    eagle3_num_layers: int = Field(1, ge=1, description="Decoder layers of an Eagle3 drafter.")
-    block_size: int = Field(7, ge=1, description="gamma (at most drafters.config.MAX_BLOCK_SIZE).")
-    head_type: Literal["markov", "rnn", "none"] = "markov"
-    markov_rank: int = Field(256, ge=1)
-    qk_norm: bool | None = Field(None, description="RMSNorm on each head's queries and keys in "
-                                 "the drafter's layers; None = as the target (Qwen3 yes, Llama "
-                                 "no). vLLM's DSpark and DFlash drafters are Qwen3-based: set true "
-                                 "to export a Llama-target drafter with drafters.export --format "
-                                 "vllm.")
-    confidence_head: bool = True
-    loss_decay: float | None = Field(None, gt=0, description="w_k = exp(-(k-1)/decay); None = "
-                                     "block_size (paper); the reference repository uses 4.")
-    init: Literal["random", "target_layers"] = Field(
-        "random", description="DSpark/DFlash backbone start: random, or the target's last "
-        "num_layers decoder layers and final norm (W_c = identity on the deepest feature layer).")
-    draft_vocab_size: int = Field(0, ge=0, description="N most frequent supervised target tokens "
-                                  "(the cache manifest's ranking) the drafter predicts in; "
-                                  "0 = the full target vocabulary.")
-
-    @model_validator(mode="after")
-    def _consistent(self):
-        from drafters.config import check_drafter_kind
-
-        check_drafter_kind(self.drafter_type, self.head_type, self.confidence_head,
-                           self.block_size)
-        if self.init == "target_layers" and self.drafter_type == "eagle3":
-            raise ValueError("init 'target_layers' is for the DSpark/DFlash backbone (an Eagle3 "
-                             "layer reads a 2H-wide input)")
-        return self
-
-
 class TrainConfig(Strict):
     num_workers: int = Field(2, ge=1)
     use_gpu: bool = False
@@ -369,7 +336,8 @@ class PipelineConfig(Strict):
     prompts: PromptsConfig
     generate: GenerateConfig = Field(default_factory=GenerateConfig)
     cache: CacheConfig = Field(default_factory=CacheConfig)
-    drafter: DrafterSection = Field(default_factory=DrafterSection)
+    drafter: DrafterConfig = Field(default_factory=DrafterConfig, description="The drafter "
+                                   "(drafters/config.py); its type's spec in drafters/registry.py.")
     train: TrainConfig = Field(default_factory=TrainConfig)
     calibrate: CalibrateConfig = Field(default_factory=CalibrateConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)

@@ -6,6 +6,8 @@ Ray Serve app (STYLE: engine kwargs are not repeated across configs).
 
 from __future__ import annotations
 
+import logging
+import warnings
 from pathlib import Path
 from typing import Any, Literal
 
@@ -14,6 +16,14 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from .scheduler_registry import NEEDS_SPS, SCHEDULER_NAMES
 
 SchedulerName = Literal[SCHEDULER_NAMES]  # type: ignore[valid-type]  (names from the registry)
+logger = logging.getLogger(__name__)
+
+
+def deprecated_name(old: str, new: str) -> None:
+    """Say (warning and log) that config field ``old`` is read as its new name ``new``."""
+    msg = f"{old} is deprecated: it is now {new} (same meaning)"
+    warnings.warn(msg, DeprecationWarning, stacklevel=3)
+    logger.warning(msg)
 
 
 class EngineConfig(BaseModel):
@@ -22,8 +32,10 @@ class EngineConfig(BaseModel):
     scheduler: SchedulerName = Field("dspark", description="Verification-length policy (SPEC 6): "
                                      "dspark (Algorithm 1), async (section 5.2), static_threshold, "
                                      "fixed (gamma) or none (target only).")
-    num_draft_tokens: int | None = Field(None, ge=1, description="Tokens drafted per round; None = "
-                                         "the drafter's block size gamma. Also fixed's length.")
+    num_speculative_tokens: int | None = Field(
+        None, ge=1, description="The serving cap: draft tokens per round at most (vLLM's name); "
+        "None = the drafter's block_size (backend vllm: the export's). Also fixed's length. "
+        "Formerly num_draft_tokens (still read, with a deprecation message).")
     threshold: float = Field(0.5, ge=0.0, le=1.0, description="static_threshold: verify while "
                              "the prefix survival a_k >= threshold.")
     draft_planning: Literal["goodput", "off"] = Field(
@@ -90,6 +102,19 @@ class EngineConfig(BaseModel):
                                                 "model); off: assume SPS constant (B-independent).")
     sps_repeats: int = Field(3, ge=1, description="Timed forward passes per batch size when profiling.")
 
+    @model_validator(mode="before")
+    @classmethod
+    def _old_names(cls, data: Any) -> Any:
+        if not isinstance(data, dict) or "num_draft_tokens" not in data:
+            return data
+        if data.get("num_speculative_tokens") is not None:
+            raise ValueError("num_draft_tokens is the old name of num_speculative_tokens: set "
+                             "only num_speculative_tokens")
+        deprecated_name("engine.num_draft_tokens", "engine.num_speculative_tokens")
+        data = dict(data)
+        data["num_speculative_tokens"] = data.pop("num_draft_tokens")
+        return data
+
     @model_validator(mode="after")
     def _check_lookup(self) -> "EngineConfig":
         if self.prompt_lookup_max_ngram and self.prompt_lookup_min_ngram > self.prompt_lookup_max_ngram:
@@ -100,10 +125,10 @@ class EngineConfig(BaseModel):
                              f"probe_interval ({self.probe_interval})")
         return self
 
-    def draft_length(self, block_size: int) -> int:
-        """gamma: draft tokens per round, the drafter's block size unless num_draft_tokens is
-        smaller (the one place this is derived)."""
-        return min(block_size, self.num_draft_tokens or block_size)
+    def speculative_tokens(self, block_size: int) -> int:
+        """gamma, the cap in effect: draft tokens per round at most, the drafter's block_size
+        unless num_speculative_tokens is smaller (the one place this is derived)."""
+        return min(block_size, self.num_speculative_tokens or block_size)
 
     @property
     def plans_drafts(self) -> bool:
@@ -120,8 +145,6 @@ class VllmBackendConfig(BaseModel):
 
     drafter_export: str | None = Field(None, description="Exported drafter directory (relative: "
                                        "project root); null serves the target alone.")
-    num_speculative_tokens: int | None = Field(None, ge=1, description="Tokens drafted per "
-                                               "round; None = the export's block_size.")
     adaptive_verification: bool = Field(True, description="vLLM's DSpark adaptive verification: "
                                         "each request's verification sized by the confidence "
                                         "head (needs one in the export).")
@@ -190,6 +213,30 @@ class ServeConfig(BaseModel):
         "dspark-ray", description="dspark-ray: this project's engine (the reference, and the CPU "
         "path); vllm: vLLM through ray.serve.llm with the exported drafter (GPU fleets).")
     vllm: VllmBackendConfig = Field(default_factory=VllmBackendConfig)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _old_names(cls, data: Any) -> Any:
+        """vllm.num_speculative_tokens is engine.num_speculative_tokens now (one serving cap
+        for both backends); the dspark-ray backend ignored it, and still does."""
+        vllm = data.get("vllm") if isinstance(data, dict) else None
+        if not isinstance(vllm, dict) or "num_speculative_tokens" not in vllm:
+            return data
+        data = {**data, "vllm": {k: v for k, v in vllm.items() if k != "num_speculative_tokens"}}
+        if data.get("backend", "dspark-ray") != "vllm":
+            logger.warning("vllm.num_speculative_tokens is deprecated and ignored by backend %s "
+                           "(the cap is engine.num_speculative_tokens)", data.get("backend",
+                                                                                  "dspark-ray"))
+            return data
+        engine = data.get("engine") or {}
+        if not isinstance(engine, dict):  # an EngineConfig object: merged through its fields
+            engine = engine.model_dump(exclude_unset=True)
+        if engine.get("num_speculative_tokens") is not None:
+            raise ValueError("vllm.num_speculative_tokens is the old place of "
+                             "engine.num_speculative_tokens: set only the engine's")
+        deprecated_name("vllm.num_speculative_tokens", "engine.num_speculative_tokens")
+        return {**data, "engine": {**engine,
+                                   "num_speculative_tokens": vllm["num_speculative_tokens"]}}
 
     @model_validator(mode="after")
     def _device_matches_gpus(self) -> "ServeConfig":

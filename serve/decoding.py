@@ -75,11 +75,12 @@ class SpeculativeDecoder:
                 cfg = self.engine_config.model_copy(update={"max_num_requests": 1,
                                                             "seeded_sampling": "rejection"})
                 if cfg.scheduler in NEEDS_SPS:  # one request: SPS up to gamma + 1
-                    gamma = cfg.draft_length(self.drafter.config.block_size)
+                    gamma = cfg.speculative_tokens(self.drafter.config.block_size)
                     cfg = cfg.model_copy(update={"max_batch_tokens": gamma + 1})
             else:
                 cfg = EngineConfig(scheduler="fixed" if speculative else "none",
-                                   num_draft_tokens=num_draft_tokens or None, max_num_requests=1,
+                                   num_speculative_tokens=num_draft_tokens or None,
+                                   max_num_requests=1,
                                    sps_profile="off", seeded_sampling="rejection")
             self._engines[key] = build_engine(self.models, cfg, profile_dir=self._sps_dir,
                                               tokenizer=False)

@@ -91,7 +91,8 @@ class SpecEngine:
         self.lookup_n = self.config.prompt_lookup_max_ngram if plans else 0
         self.drafting = Drafting(drafter) if drafter is not None else None
         self.eos = set(eos_token_ids)
-        self.gamma = 0 if drafter is None else self.config.draft_length(drafter.config.block_size)
+        self.gamma = (0 if drafter is None
+                      else self.config.speculative_tokens(drafter.config.block_size))
         self.planner = StepPlanner(
             self.config, name, self.gamma,
             None if drafter is None else drafter.config.max_position_embeddings, sps, draft_cost,

@@ -81,8 +81,8 @@ def _model_id(name: str) -> str:
 
 def drafter_facts(drafter_dir: str | Path) -> dict:
     """Target, gamma, confidence head, temperatures and weights hash of a drafter directory."""
+    from drafters.base import WEIGHTS_NAME
     from drafters.config import read_drafter_config
-    from drafters.modeling import WEIGHTS_NAME
 
     cfg = read_drafter_config(drafter_dir)
     digest = hashlib.sha256()

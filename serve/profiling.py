@@ -289,7 +289,7 @@ def engine_profiles(runner: TargetRunner, drafter, config: EngineConfig,
     """
     if drafter is None or config.scheduler not in NEEDS_SPS:
         return None, None
-    gamma = config.draft_length(drafter.config.block_size)
+    gamma = config.speculative_tokens(drafter.config.block_size)
     if config.sps_profile == "off":
         sps = SPSTable((1.0,) * config.max_batch_tokens)
     else:

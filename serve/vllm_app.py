@@ -3,7 +3,8 @@
 ``backend: vllm`` in a serve config builds a ``ray.serve.llm`` OpenAI application instead of this
 project's engine: the target from ``target``, the drafter from ``vllm.drafter_export`` (a ``python
 -m drafters.export --format vllm`` directory) as vLLM's ``speculative_config`` (method ``dspark``
-with adaptive verification, ``dflash`` or ``eagle3``), ``engine.max_num_requests`` as vLLM's ``max_num_seqs``,
+with adaptive verification, ``dflash`` or ``eagle3``, by the export's registered drafter type),
+``engine.num_speculative_tokens`` as its cap, ``engine.max_num_requests`` as vLLM's ``max_num_seqs``,
 GPUs per replica from ``vllm.num_gpus_per_replica`` (tensor parallel), autoscaling from the
 ``vllm`` section. It is the path for GPU fleets; this project's engine (``serve/app.py``) stays the
 reference and the CPU path (vLLM runs DSpark only in its GPU model runner).
@@ -20,13 +21,18 @@ from .paths import resolve
 
 def speculative_config(cfg: ServeConfig) -> dict | None:
     """vLLM's ``speculative_config`` for the export in ``cfg.vllm.drafter_export`` (None: the
-    target alone).
+    target alone), capped at ``engine.num_speculative_tokens``. The export's drafter type (its
+    registered spec, ``drafters/registry.py``) gives vLLM's method, how its ``block_size``
+    counts (the spec's ``anchor_slots``), whether vLLM may draft more than that
+    (``drafts_whole_block``) and whether adaptive verification applies (``has_heads``).
 
     Raises:
         FileNotFoundError: no exported ``config.json`` there.
-        ValueError: an export vLLM has no method for, or adaptive verification asked of an
-            export without a confidence head.
+        ValueError: an export vLLM has no method for, a cap above what the drafter drafts per
+            block, or adaptive verification asked of an export without a confidence head.
     """
+    from drafters.registry import spec_of_export
+
     v = cfg.vllm
     if not v.drafter_export:
         return None
@@ -35,34 +41,29 @@ def speculative_config(cfg: ServeConfig) -> dict | None:
         raise FileNotFoundError(f"vllm.drafter_export {path} has no config.json (write it with "
                                 "python -m drafters.export --format vllm)")
     exported = json.loads((path / "config.json").read_text())
-    archs = exported.get("architectures") or []
-    kind = exported.get("speculators_model_type")
-    if "Qwen3DSparkModel" in archs or kind == "dspark":
-        method = "dspark"
-    elif "DFlashDraftModel" in archs or kind == "dflash":
-        method = "dflash"
-    elif any("Eagle3" in a for a in archs) or kind == "eagle3":
-        method = "eagle3"
-    else:
-        raise ValueError(f"{path / 'config.json'}: architectures {archs} are not a drafter vLLM "
-                         "serves (export with python -m drafters.export)")
+    spec = spec_of_export(exported)
+    if spec is None:
+        raise ValueError(f"{path / 'config.json'}: architectures "
+                         f"{exported.get('architectures') or []} are not a drafter vLLM serves "
+                         "(export with python -m drafters.export)")
     block = exported.get("block_size")
-    # a DFlash export's block_size counts its query slots, the anchor included (z-lab's and
-    # speculators' convention): it drafts block_size - 1 tokens
-    drafts = block - 1 if method == "dflash" and block else block
-    tokens = v.num_speculative_tokens or drafts
+    # an export's block_size counts the block inputs (DFlash: the anchor's slot too, as z-lab's
+    # and speculators' DFlash do): it drafts block_size - anchor_slots tokens
+    drafts = block - spec.anchor_slots if block else block
+    tokens = cfg.engine.num_speculative_tokens or drafts
     if not tokens:
-        raise ValueError(f"{path}: set vllm.num_speculative_tokens (the export has no block_size)")
-    if method in ("dspark", "dflash") and drafts and tokens > drafts:
-        raise ValueError(f"vllm.num_speculative_tokens {tokens} exceeds the {drafts} tokens the "
+        raise ValueError(f"{path}: set engine.num_speculative_tokens (the export has no "
+                         "block_size)")
+    if spec.drafts_whole_block and drafts and tokens > drafts:
+        raise ValueError(f"engine.num_speculative_tokens {tokens} exceeds the {drafts} tokens the "
                          f"drafter drafts per block")
-    spec = {"model": str(path), "method": method, "num_speculative_tokens": int(tokens)}
-    if method == "dspark" and v.adaptive_verification:
+    out = {"model": str(path), "method": spec.vllm_method, "num_speculative_tokens": int(tokens)}
+    if spec.has_heads and v.adaptive_verification:
         if not exported.get("enable_confidence_head"):
             raise ValueError(f"{path}: adaptive verification needs the confidence head, which "
                              "this export lacks; set vllm.adaptive_verification false")
-        spec["enable_adaptive_verification"] = True
-    return spec
+        out["enable_adaptive_verification"] = True
+    return out
 
 
 def llm_config(cfg: ServeConfig):

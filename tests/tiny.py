@@ -5,7 +5,9 @@ from __future__ import annotations
 import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
-from drafters import DSparkConfig, DSparkDrafter
+from drafters import DrafterBase, DrafterConfig
+from drafters.loading import build_drafter
+from drafters.registry import get_spec
 
 
 def tiny_target(vocab_size: int = 96, seed: int = 0, num_layers: int = 6) -> Qwen3ForCausalLM:
@@ -25,25 +27,18 @@ def tiny_target(vocab_size: int = 96, seed: int = 0, num_layers: int = 6) -> Qwe
 
 def tiny_drafter(target, layer_ids=(1, 3), block_size: int = 4, head_type: str = "markov",
                  num_layers: int = 1, seed: int = 0, drafter_type: str = "dspark",
-                 draft_vocab: list[int] | None = None) -> DSparkDrafter:
+                 draft_vocab: list[int] | None = None) -> DrafterBase:
     """A 1-layer drafter for ``target``; ``draft_vocab`` (target ids) makes it predict in that
     subset only (``drafters/draft_vocab.py``)."""
     torch.manual_seed(seed)
-    tc = target.config
-    cfg = DSparkConfig(
-        drafter_type=drafter_type, target_name_or_path="tiny-qwen3",
-        target_vocab_size=tc.vocab_size, target_hidden_size=tc.hidden_size,
-        target_layer_ids=list(layer_ids), block_size=block_size, num_hidden_layers=num_layers,
-        hidden_size=tc.hidden_size, num_attention_heads=tc.num_attention_heads,
-        num_key_value_heads=tc.num_key_value_heads, head_dim=tc.head_dim,
-        intermediate_size=tc.intermediate_size, rms_norm_eps=tc.rms_norm_eps,
-        max_position_embeddings=512, head_type=head_type if drafter_type == "dspark" else "none",
-        markov_rank=16, confidence_head=drafter_type == "dspark", qk_norm=True,
-        draft_vocab_size=len(draft_vocab) if draft_vocab else 0)
+    heads = get_spec(drafter_type).has_heads
+    cfg = DrafterConfig(
+        drafter_type=drafter_type, block_size=block_size,
+        **{get_spec(drafter_type).layers_field: num_layers},
+        head_type=head_type if heads else "none", markov_rank=16, confidence_head=heads,
+        qk_norm=True, draft_vocab_size=len(draft_vocab) if draft_vocab else 0,
+    ).for_target(target.config, "tiny-qwen3", list(layer_ids))
+    cfg.target.max_position_embeddings = 512
     emb = target.get_input_embeddings().weight
     head = target.get_output_embeddings().weight
-    if drafter_type == "eagle3":
-        from drafters.eagle3 import Eagle3Drafter
-
-        return Eagle3Drafter(cfg, emb, head, draft_vocab).eval()
-    return DSparkDrafter(cfg, emb, head, draft_vocab).eval()
+    return build_drafter(cfg, emb, head, draft_vocab).eval()

@@ -1,7 +1,7 @@
 """Training fits, measured at the real shapes (issue 11): one micro-batch of
 infra/configs/qwen3_4b.yaml (4 sequences of 4096 tokens, 512 anchors each, Qwen3-4B widths and
 vocabulary, the 5-layer DSpark drafter, bf16 autocast) runs the real training step on fake
-tensors (``pipeline.memory.fake_floats``: nothing is allocated) under PyTorch's MemTracker.
+tensors (``pipeline.memory_measure.fake_floats``: nothing is allocated) under PyTorch's MemTracker.
 
 Here rather than in tests/unit because the ~25 k traced ops take a minute of CPU; the unit tests
 (tests/unit/test_train_memory.py) check the same model against real tensors at reduced shapes.
@@ -12,7 +12,8 @@ from __future__ import annotations
 import pytest
 
 from pipeline.config import load_config
-from pipeline.memory import GB, estimate_for_config, measure_config_peak_fake
+from pipeline.memory import GB, estimate_for_config
+from pipeline.memory_measure import measure_config_peak_fake
 
 pytestmark = pytest.mark.slow
 

@@ -7,7 +7,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from drafters import BlockProposal, DSparkConfig, DSparkDrafter
+from drafters import BlockProposal, DrafterConfig, DSparkDrafter
+from drafters.registry import get_spec
 from tests.tiny import tiny_target
 
 
@@ -52,17 +53,15 @@ def bigram_table(model) -> torch.Tensor:
     return logits.argmax(-1)
 
 
-def _drafter_config(target, layer_ids, block_size, head_type, rank, drafter_type="dspark"):
-    tc = target.config
-    return DSparkConfig(
-        drafter_type=drafter_type, target_name_or_path="tiny-qwen3",
-        target_vocab_size=tc.vocab_size, target_hidden_size=tc.hidden_size,
-        target_layer_ids=list(layer_ids), block_size=block_size, num_hidden_layers=1,
-        hidden_size=tc.hidden_size, num_attention_heads=tc.num_attention_heads,
-        num_key_value_heads=tc.num_key_value_heads, head_dim=tc.head_dim,
-        intermediate_size=tc.intermediate_size, rms_norm_eps=tc.rms_norm_eps,
-        max_position_embeddings=512, head_type=head_type, markov_rank=rank,
-        confidence_head=drafter_type == "dspark", qk_norm=True)
+def _drafter_config(target, layer_ids, block_size, head_type, rank, drafter_type="dspark",
+                    num_layers=1):
+    spec = get_spec(drafter_type)
+    cfg = DrafterConfig(drafter_type=drafter_type, block_size=block_size,
+                        **{spec.layers_field: num_layers}, head_type=head_type, markov_rank=rank,
+                        confidence_head=spec.has_heads, qk_norm=True).for_target(
+        target.config, "tiny-qwen3", list(layer_ids))
+    cfg.target.max_position_embeddings = 512
+    return cfg
 
 
 @torch.no_grad()

@@ -2,7 +2,7 @@
 checkpoint that some rank did not finish writing, says which one it skipped and why, and a
 checkpoint named explicitly fails naming its directory.
 
-The fake checkpoints have the layout the writer produces (pipeline/train.py
+The fake checkpoints have the layout the writer produces (pipeline/train_state.py
 ``save_training_state``): each rank's files in its own directory, merged into the checkpoint
 directory the way Ray Train's upload merges them, ``train_state.json`` from
 ``train_state_bytes``, and the marker from ``write_marker`` over each rank's ``local_files``.
@@ -234,14 +234,14 @@ class _FakeEngine:
 
 def test_the_worker_side_writes_the_marker_last_and_resumes_the_newest_complete(
         store, monkeypatch):
-    """save_training_state and resume_checkpoint (pipeline/train.py) with Ray Train's calls
+    """save_training_state and resume_checkpoint (pipeline/train_state.py) with Ray Train's calls
     stood in for (one worker, a gloo group of one): the checkpoint is uploaded by report, then
     marked complete at the path Ray persisted it to; a restarted group continues from the newest
     complete checkpoint even when Ray Train hands it a newer, unmarked one."""
     import ray.train
     import torch.distributed as dist
 
-    from pipeline.train import resume_checkpoint, save_training_state
+    from pipeline.train_state import resume_checkpoint, save_training_state
 
     persisted, uploads = [], []
 

@@ -22,7 +22,8 @@ from safetensors.torch import load_file, save_file
 
 from drafters.draft_vocab import coverage, fingerprint, frequency_ranking, target_to_draft
 from drafters.losses import chunked_drafter_losses, drafter_losses, position_weights
-from drafters.modeling import WEIGHTS_NAME, DSparkDrafter
+from drafters.base import WEIGHTS_NAME
+from drafters.dspark import DSparkDrafter
 from serve.decoding import SpeculativeDecoder
 from serve.target_runner import TargetKV, TargetRunner
 from tests.tiny import tiny_drafter, tiny_target

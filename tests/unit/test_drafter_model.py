@@ -9,8 +9,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from drafters import DraftContextCache, DSparkConfig, DSparkDrafter, check_target_compatibility
-from drafters.modeling import WEIGHTS_NAME
+from drafters import DraftContextCache, DSparkDrafter, check_target_compatibility
+from drafters.base import WEIGHTS_NAME
+from drafters.config import BoundDrafterConfig
 from tests.tiny import tiny_drafter, tiny_target
 from tests.unit.helpers import blocks, randomize_heads
 
@@ -55,10 +56,10 @@ def test_forward_and_head_shapes(target, kind):
     assert logits.shape == (B * 3, K, v) and logits.dtype == torch.float32
     if kind == "dflash":
         assert conf is None
-        assert d.config.num_slots == K + 1 and d.config.prediction_offset == 1
+        assert d.config.num_block_inputs == K + 1 and d.config.anchor_slots == 1
     else:
         assert conf.shape == (B * 3, K) and conf.dtype == torch.float32
-        assert d.config.num_slots == K and d.config.prediction_offset == 0
+        assert d.config.num_block_inputs == K and d.config.anchor_slots == 0
 
 
 def test_dflash_has_no_heads(target):
@@ -259,7 +260,7 @@ def test_save_load_round_trip(target, kind, tmp_path):
     assert cfg["head_type"] == d.config.head_type
 
     loaded = DSparkDrafter.from_pretrained(tmp_path, emb, head)
-    assert loaded.config.to_dict() == d.config.to_dict()
+    assert loaded.config.model_dump() == d.config.model_dump()
     assert loaded.config.head_type == d.config.head_type
     assert loaded.config.calibration_temperatures == d.config.calibration_temperatures
     feats = _features(target, d)
@@ -330,7 +331,9 @@ def test_check_target_compatibility(target):
 
 def test_check_target_compatibility_rejects_negative_layer_ids(target):
     cfg = tiny_drafter(target).config
-    cfg.target_layer_ids = [-1, 3]
+    with pytest.raises(ValueError, match="ascending and >= 0"):  # a config never holds them
+        cfg.target.layer_ids = [-1, 3]
+    cfg.target = cfg.target.model_copy(update={"layer_ids": [-1, 3]})  # unvalidated, as if
     with pytest.raises(ValueError, match="layer ids"):
         check_target_compatibility(cfg, "tiny-qwen3", 96, 64, 6)
 
@@ -344,10 +347,13 @@ def test_drafter_rejects_mismatched_target_tensors(target):
 
 # ----------------------------------------------------------------------------- config validation
 def _cfg(**kw):
+    """A config from the flat config.json fields a checkpoint records."""
     base = dict(target_vocab_size=96, target_hidden_size=64, hidden_size=64, block_size=4,
-                num_attention_heads=4, num_key_value_heads=2, markov_rank=8)
+                num_attention_heads=4, num_key_value_heads=2, head_dim=16, markov_rank=8,
+                target_layer_ids=[1], intermediate_size=512, rms_norm_eps=1e-6,
+                rope_theta=10000.0, max_position_embeddings=4096)
     base.update(kw)
-    return DSparkConfig(**base)
+    return BoundDrafterConfig.from_json_dict(base)
 
 
 def test_config_defaults():
@@ -355,11 +361,11 @@ def test_config_defaults():
     assert c.loss_decay == 4.0  # paper: decay = gamma
     assert _cfg(loss_decay=4.0, block_size=7).loss_decay == 4.0
     assert _cfg(block_size=7).loss_decay == 7.0
-    assert c.head_dim == 16 and c.vocab_size == 96
+    assert c.head_dim == 16 and c.target_vocab_size == 96
     assert c.num_context_layers == 1
     assert _cfg(target_layer_ids=[1, 9, 17]).num_context_layers == 3
     ok = _cfg(drafter_type="dflash", head_type="none", confidence_head=False)
-    assert ok.num_slots == 5
+    assert ok.num_block_inputs == 5
 
 
 @pytest.mark.parametrize("kw, match", [

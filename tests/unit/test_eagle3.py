@@ -13,7 +13,7 @@ from safetensors.torch import load_file
 
 from drafters.eagle3 import Eagle3Drafter, Eagle3DraftState
 from drafters.loading import build_drafter, load_drafter
-from drafters.modeling import WEIGHTS_NAME, BlockProposal
+from drafters.base import WEIGHTS_NAME, BlockProposal
 from drafters.packing import pack_blocks, pack_dense
 from serve.decoding import SpeculativeDecoder
 from serve.target_runner import TargetKV, TargetRunner
@@ -31,8 +31,8 @@ def target():
 
 def _eagle3(target, block_size: int = K, num_layers: int = 1, seed: int = 0) -> Eagle3Drafter:
     torch.manual_seed(seed)
-    cfg = _drafter_config(target, LAYERS, block_size, "none", 16, drafter_type="eagle3")
-    cfg.num_hidden_layers = num_layers
+    cfg = _drafter_config(target, LAYERS, block_size, "none", 16, drafter_type="eagle3",
+                          num_layers=num_layers)
     d = build_drafter(cfg, target.get_input_embeddings().weight,
                       target.get_output_embeddings().weight)
     assert isinstance(d, Eagle3Drafter)
@@ -80,7 +80,7 @@ def _changed(a, b) -> bool:
 # ----------------------------------------------------------------------------- shapes, config
 def test_config_forward_and_logit_shapes(target):
     d = _eagle3(target)
-    assert d.config.num_slots == K and d.config.prediction_offset == 0
+    assert d.config.num_block_inputs == K and d.config.anchor_slots == 0
     v, h = target.config.vocab_size, target.config.hidden_size
     feats, ids = _data(target)
     anchors = torch.tensor([[1, 4, 9], [2, 5, 10]])
@@ -97,7 +97,8 @@ def test_config_forward_and_logit_shapes(target):
 
 @pytest.mark.parametrize("num_layers", [1, 2])
 def test_backward_through_pack_blocks_reaches_trainable_params_only(target, num_layers):
-    """The trainer's path: pack_blocks(min_anchor=1) -> forward -> draft_logits -> losses."""
+    """The trainer's path: the drafter's pack_blocks (the spec's min_anchor 1) -> forward ->
+    draft_logits -> losses."""
     d = _eagle3(target, num_layers=num_layers).train()
     emb_before = target.get_input_embeddings().weight.clone()
     feats, ids = _data(target, t=24)
@@ -107,8 +108,7 @@ def test_backward_through_pack_blocks_reaches_trainable_params_only(target, num_
         mask[3 + i:] = 1
         samples.append({"input_ids": ids[i], "loss_mask": mask, "context_hidden": feats[i],
                         "last_hidden": torch.randn(24, target.config.hidden_size)})
-    packed = pack_blocks(samples, num_anchors=5, block_size=K,
-                         generator=torch.Generator().manual_seed(0), min_anchor=1)
+    packed = d.pack_blocks(samples, 5, torch.Generator().manual_seed(0))
     hidden = d(packed)
     assert hidden.shape == (packed.num_blocks, K, target.config.hidden_size)
     logits, conf = d.draft_logits(hidden, packed.prev_tokens)
@@ -139,7 +139,7 @@ def test_forward_errors(target):
     with pytest.raises(ValueError, match="prev_tokens"):
         d(replace(packed, prev_tokens=packed.prev_tokens[:, :2]))
     cfg = _drafter_config(target, LAYERS, K, "none", 16, drafter_type="dflash")
-    with pytest.raises(ValueError, match="eagle3"):
+    with pytest.raises(ValueError, match="cannot build a dflash drafter"):
         Eagle3Drafter(cfg, d.embed_weight, d.lm_head_weight)
 
 
@@ -349,7 +349,7 @@ def test_inference_errors(target):
     with pytest.raises(ValueError, match="anchor tokens"):
         d.propose_block(state, ids[:, 5] + 1, torch.tensor([5]), 2, 0.0)
     for n in (0, K + 1):
-        with pytest.raises(ValueError, match="num_tokens"):
+        with pytest.raises(ValueError, match="num_draft_tokens"):
             d.propose_block(state, ids[:, 5], torch.tensor([5]), n, 0.0)
 
 
@@ -366,7 +366,7 @@ def test_save_load_round_trip_through_load_drafter(target, tmp_path):
 
     loaded = load_drafter(tmp_path, target, "tiny-qwen3")
     assert isinstance(loaded, Eagle3Drafter) and not loaded.training
-    assert loaded.config.to_dict() == d.config.to_dict()
+    assert loaded.config.model_dump() == d.config.model_dump()
     feats, ids = _data(target)
     anchors = torch.tensor([[2, 6], [1, 9]])
     with torch.no_grad():
@@ -424,18 +424,19 @@ def _scripted(drafter, prompt, continuation, vocab_size, calls):
     stop part-way, so extend_context gets chunks of every length."""
     original = drafter.propose_block
 
-    def propose_block(state, anchor_tokens, anchor_positions, num_tokens, temperature,
+    def propose_block(state, anchor_tokens, anchor_positions, num_draft_tokens, temperature,
                       generator=None, top_p=1.0):
         assert bool((torch.as_tensor(temperature) <= 0).all()), "scripted drafter is greedy only"
         pos = int(anchor_positions[0])
         calls.append(([k.clone() for k in state.keys], [v.clone() for v in state.values],
                       state.hidden.clone(), int(anchor_tokens[0]), pos))
-        original(state, anchor_tokens, anchor_positions, num_tokens, temperature, generator, top_p)
+        original(state, anchor_tokens, anchor_positions, num_draft_tokens, temperature, generator,
+                 top_p)
         i = pos - len(prompt)
-        toks = continuation[i + 1:i + 1 + num_tokens]
-        toks = toks + [0] * (num_tokens - len(toks))
+        toks = continuation[i + 1:i + 1 + num_draft_tokens]
+        toks = toks + [0] * (num_draft_tokens - len(toks))
         if len(calls) % 3 == 0:
-            j = len(calls) % num_tokens
+            j = len(calls) % num_draft_tokens
             toks[j] = (toks[j] + 1) % vocab_size
         return BlockProposal(torch.tensor([toks]), None, None)
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pipeline.train import _load_frozen_head_whole, load_frozen_head
+from drafters.target_weights import _load_frozen_head_whole, load_frozen_head
 
 
 @pytest.mark.parametrize("top_layers", [0, 2])

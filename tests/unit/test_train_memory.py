@@ -9,12 +9,12 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from drafters.config import DSparkConfig
+from drafters.config import BoundDrafterConfig
 from drafters.loading import build_drafter
 from pipeline.config import TrainConfig, load_config
 from pipeline.memory import (GB, StepShape, drafter_parameter_count, estimate_for_config,
-                             estimate_step_memory, measure_step_peak)
-from pipeline.train import training_objective
+                             estimate_step_memory)
+from pipeline.memory_measure import measure_step_peak
 
 # Qwen/Qwen3-4B's config.json (the fields the drafter and the memory model read)
 QWEN3_4B = SimpleNamespace(
@@ -43,16 +43,17 @@ SHAPES = {
 }
 
 
-def _drafter_config(p: dict) -> DSparkConfig:
+def _drafter_config(p: dict) -> BoundDrafterConfig:
+    """The drafter, written as the flat config.json fields a checkpoint records."""
     dspark = p["kind"] == "dspark"
-    return DSparkConfig(
+    return BoundDrafterConfig.from_json_dict(dict(
         drafter_type=p["kind"], target_name_or_path="tiny", target_vocab_size=p["vocab"],
         target_hidden_size=p["h"], target_layer_ids=[1, 3, 5], block_size=7,
         num_hidden_layers=p["layers"], hidden_size=p["h"], num_attention_heads=p["nh"],
         num_key_value_heads=p["nkv"], head_dim=p["hd"], intermediate_size=p["inter"],
-        rms_norm_eps=1e-6, max_position_embeddings=4096,
+        rms_norm_eps=1e-6, rope_theta=10000.0, max_position_embeddings=4096,
         head_type="markov" if dspark else "none", markov_rank=16, confidence_head=dspark,
-        qk_norm=True, draft_vocab_size=p["subset"])
+        qk_norm=True, draft_vocab_size=p["subset"]))
 
 
 def _step(p: dict):
@@ -89,7 +90,7 @@ def _step(p: dict):
 
 def _measure_and_predict(p: dict):
     model, optimizer, samples, tc = _step(p)
-    objective, weights = training_objective(model.config)
+    objective, weights = model.config.spec.training_objective(model.config)
     gens = [torch.Generator().manual_seed(10 + i) for i in range(len(samples))]
     measured = measure_step_peak(model, samples, tc, objective, weights, gens, optimizer)
     predicted = estimate_step_memory(model.config, measured.shape, precision=tc.precision,
@@ -173,10 +174,10 @@ def test_worst_case_shape_bounds_a_packed_batch():
 
 
 def test_fake_tensor_measurement_equals_the_real_one():
-    """pipeline.memory.fake_floats, which lets the slow test run the step at the qwen3_4b shapes
+    """pipeline.memory_measure.fake_floats, which lets the slow test run the step at the qwen3_4b shapes
     without allocating (tests/integration/test_train_memory_qwen3_4b.py), measures what real
     tensors measure."""
-    from pipeline.memory import fake_floats
+    from pipeline.memory_measure import fake_floats
 
     p = SHAPES["dspark_fp32"]
     real, _ = _measure_and_predict(p)

@@ -23,17 +23,18 @@ def exported(tmp_path_factory, tiny_target_dir):
     return root / "vllm"
 
 
-def _cfg(**vllm):
+def _cfg(engine: dict | None = None, **vllm):
     return ServeConfig.model_validate({"target": "Qwen/Qwen3-4B", "backend": "vllm",
-                                       "vllm": vllm})
+                                       "vllm": vllm, "engine": engine or {}})
 
 
 def test_the_export_becomes_vllms_speculative_config(exported):
     spec = speculative_config(_cfg(drafter_export=str(exported)))
     assert spec == {"model": str(exported), "method": "dspark", "num_speculative_tokens": 4,
                     "enable_adaptive_verification": True}
-    assert speculative_config(_cfg(drafter_export=str(exported), num_speculative_tokens=2,
-                                   adaptive_verification=False))["num_speculative_tokens"] == 2
+    capped = _cfg({"num_speculative_tokens": 2}, drafter_export=str(exported),
+                  adaptive_verification=False)
+    assert speculative_config(capped)["num_speculative_tokens"] == 2
     assert speculative_config(_cfg()) is None  # the target alone
 
 
@@ -72,4 +73,21 @@ def test_a_dflash_export_is_served_as_vllms_dflash(tmp_path, tiny_target_dir, fm
     spec = speculative_config(_cfg(drafter_export=str(tmp_path / fmt)))
     assert spec == {"model": str(tmp_path / fmt), "method": "dflash", "num_speculative_tokens": 4}
     with pytest.raises(ValueError, match="exceeds the 4 tokens"):
-        speculative_config(_cfg(drafter_export=str(tmp_path / fmt), num_speculative_tokens=5))
+        speculative_config(_cfg({"num_speculative_tokens": 5}, drafter_export=str(tmp_path / fmt)))
+
+
+def test_the_old_names_of_the_serving_cap_are_read_with_a_deprecation_message(exported):
+    """engine.num_draft_tokens and vllm.num_speculative_tokens are engine.num_speculative_tokens
+    now (one cap for both backends); both old and new set is refused."""
+    from serve.config import EngineConfig
+
+    with pytest.warns(DeprecationWarning, match="engine.num_speculative_tokens"):
+        assert EngineConfig(num_draft_tokens=3).num_speculative_tokens == 3
+    with pytest.raises(ValueError, match="old name"):
+        EngineConfig(num_draft_tokens=3, num_speculative_tokens=2)
+    with pytest.warns(DeprecationWarning, match="vllm.num_speculative_tokens is deprecated"):
+        old = _cfg(drafter_export=str(exported), num_speculative_tokens=2)
+    assert old.engine.num_speculative_tokens == 2
+    assert speculative_config(old)["num_speculative_tokens"] == 2
+    with pytest.raises(ValueError, match="set only the engine's"):
+        _cfg({"num_speculative_tokens": 3}, drafter_export=str(exported), num_speculative_tokens=2)

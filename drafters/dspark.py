@@ -1,0 +1,357 @@
+"""The DSpark drafter: a parallel KV-injection backbone drafts a block of block_size tokens in one
+pass, a sequential (Markov or RNN) head corrects each token by the one before, and a confidence
+head predicts each token's acceptance (DSpark paper section 3.1; SPEC section 2). The DFlash
+baseline (``drafters/dflash.py``) is this backbone without the heads.
+
+Shapes: B batch, T context length, A anchors (blocks) per sequence, S = ``config.num_block_inputs``
+block inputs (block_size for DSpark, block_size + 1 for DFlash), K = block_size prediction slots,
+H hidden size, m target layers, V vocab.
+
+The target's token embedding and LM head are shared and frozen: they are held as non-persistent
+buffers (``drafters/base.py``), so checkpoints carry only the drafter's own weights and the serving
+engine binds the target's tensors at load time.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .base import BlockProposal, DrafterBase
+from .heads import ConfidenceHead, MarkovHead, RNNHead
+from .layers import DrafterLayer, RMSNorm, RotaryEmbedding
+from .losses import position_weights
+from .packing import PackedBlocks
+from .spec import DrafterSpec
+
+if TYPE_CHECKING:
+    from .config import BoundDrafterConfig
+
+
+@dataclass
+class DraftContextCache:
+    """Per-layer context keys/values of the committed prefix (positions 0..length-1).
+
+    keys[i], values[i]: [B, nkv, C, hd] with RoPE applied. Context features of a position never
+    change once the target has processed it, so the cache only grows (by accepted tokens).
+    """
+
+    keys: list = field(default_factory=list)
+    values: list = field(default_factory=list)
+
+    @property
+    def length(self) -> int:
+        return 0 if not self.keys else self.keys[0].shape[2]
+
+
+
+class DSparkDrafter(DrafterBase):
+    """DSpark drafter (and, through :class:`~drafters.dflash.DFlashDrafter`, DFlash's).
+
+    Args:
+        config: a :class:`~drafters.config.BoundDrafterConfig`.
+        embed_weight: the target's input embedding, [V, H] (frozen, shared).
+        lm_head_weight: the target's LM head, [V, H] (frozen, shared).
+    Raises:
+        ValueError: the tensors do not match the config's vocabulary / hidden size.
+    """
+
+    def __init__(self, config: BoundDrafterConfig, embed_weight: torch.Tensor,
+                 lm_head_weight: torch.Tensor, draft_vocab=None):
+        super().__init__(config, embed_weight, lm_head_weight, draft_vocab)
+        h = config.hidden_size
+        n = config.draft_vocab_len
+        n_in = n + 1 if config.draft_vocab_size else n  # + "previous token outside the subset"
+        m_h = config.num_context_layers * config.target_hidden_size
+        self.context_proj = nn.Linear(m_h, h, bias=False)  # W_c of Eq. 2
+        self.context_norm = RMSNorm(h, config.rms_norm_eps)
+        self.mask_embedding = nn.Parameter(torch.randn(h) * float(embed_weight.float().std()))
+        self.layers = nn.ModuleList(DrafterLayer(config) for _ in range(config.num_hidden_layers))
+        self.norm = RMSNorm(h, config.rms_norm_eps)
+        self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta)
+        if config.head_type == "markov":
+            self.head = MarkovHead(n_in, config.markov_rank, n)
+        elif config.head_type == "rnn":
+            self.head = RNNHead(n_in, config.markov_rank, h, n)
+        else:
+            self.head = None
+        self.confidence = ConfidenceHead(h, config.markov_rank) if config.confidence_head else None
+
+    @torch.no_grad()
+    def init_from_target(self, layer_states: list[dict], norm_state: dict) -> None:
+        """Start the backbone from the target's last decoder layers instead of random weights.
+
+        The drafter layers take the weights of the target's last ``num_hidden_layers`` decoder
+        layers (same parameter names and shapes: Llama / Qwen3 layers), the final norm the
+        target's (the frozen LM head expects its output), and W_c starts as the identity on the
+        deepest selected target layer with the first copied layer's input norm as the context
+        norm, so that the first drafter layer's context keys/values equal that target layer's
+        keys/values when the deepest feature layer feeds it (not when the drafter has q/k norms
+        the target's layers lack, ``drafter.qk_norm`` on a Llama target: those keep their own
+        values and normalise the copied keys). The mask embedding is unchanged.
+
+        Args:
+            layer_states: ``num_hidden_layers`` state dicts of target decoder layers (first = the
+                lowest copied layer).
+            norm_state: the target's final norm state dict.
+        Raises:
+            ValueError: wrong number of layers; RuntimeError: names or shapes do not match.
+        """
+        if len(layer_states) != len(self.layers):
+            raise ValueError(f"init_from_target needs {len(self.layers)} layer states, got "
+                             f"{len(layer_states)}")
+        for layer, state in zip(self.layers, layer_states):
+            own = layer.state_dict()
+            state = {k: v.to(own[k].dtype) for k, v in state.items()
+                     if not k.endswith("rotary_emb.inv_freq")}
+            # q/k norms the target's layers lack (drafter.qk_norm on a Llama target) keep their
+            # own values (1 in a fresh drafter)
+            missing = {k for k in own if k not in state and k.endswith(("q_norm.weight",
+                                                                       "k_norm.weight"))}
+            layer.load_state_dict({**state, **{k: own[k] for k in missing}}, strict=True)
+        self.norm.load_state_dict({k: v.float() for k, v in norm_state.items()})
+        h = self.config.hidden_size
+        w = self.context_proj.weight
+        w.zero_()
+        w[:, -self.config.target_hidden_size:][:, :h] += torch.eye(h, dtype=w.dtype)
+        self.context_norm.weight.copy_(self.layers[0].input_layernorm.weight)
+
+    # ------------------------------------------------------------------ backbone
+    def context_states(self, context_features: torch.Tensor) -> torch.Tensor:
+        """H_ctx = RMSNorm(W_c [h_l1; ...; h_lm]) (Eq. 2): [B, T, m*H_t] -> [B, T, H]."""
+        return self.context_norm(self.context_proj(context_features.to(self.context_proj.weight.dtype)))
+
+    def block_inputs(self, anchor_tokens: torch.Tensor) -> torch.Tensor:
+        """Anchor embedding followed by S-1 mask embeddings: int64 [...] -> [..., S, H]."""
+        anchor = F.embedding(anchor_tokens, self.embed_weight).to(self.mask_embedding.dtype)
+        masks = self.mask_embedding.expand(*anchor_tokens.shape, self.config.num_block_inputs - 1, -1)
+        return torch.cat((anchor.unsqueeze(-2), masks), dim=-2)
+
+    def forward(self, packed: PackedBlocks) -> torch.Tensor:
+        """Training forward over anchor-bounded packed blocks (teacher forcing; SPEC 3).
+
+        A query of the block at anchor position p sees its own sequence's context positions < p
+        and every slot of its own block (bidirectional inside the block), never another block or
+        sequence (``drafters/packing.py``). RoPE positions are the context positions and
+        p..p+S-1 for the block (SPEC 2).
+
+        Args:
+            packed: a :class:`~drafters.packing.PackedBlocks` (N blocks, Nc context rows).
+        Returns:
+            hidden states of the prediction slots, [N, K, H] (after the final norm).
+        """
+        ctx = self.context_states(packed.context_features)  # [Nc, H]
+        ctx_rope = self.rotary(packed.context_positions[None], ctx.dtype)
+        q_pos = packed.anchor_positions[:, None] + torch.arange(
+            self.config.num_block_inputs, device=ctx.device)  # [N, S]
+        block_rope = self.rotary(q_pos, ctx.dtype)
+        hidden = self.block_inputs(packed.anchor_tokens)  # [N, S, H]
+        for layer in self.layers:
+            ctx_kv = layer.self_attn.project_packed_context(ctx, *ctx_rope)
+            hidden = layer(hidden, block_rope, ctx_kv, packed=packed)
+        off = self.config.anchor_slots
+        return self.norm(hidden)[:, off:off + self.config.block_size]
+
+    # ------------------------------------------------------------------ heads
+    def head_features(self, hidden: torch.Tensor, prev_tokens: torch.Tensor):
+        """Teacher-forced sequential-head features and confidence logits, without any
+        vocabulary-sized tensor (the trainer turns rows into logits chunk by chunk).
+
+        Args:
+            hidden: [N, K, H] prediction-slot states.
+            prev_tokens: int64 [N, K], x_{k-1} of each slot (x_0 = anchor), target ids.
+        Returns:
+            (features [N, K, r] or None without a sequential head, confidence logits fp32 [N, K]
+            or None).
+        """
+        if self.head is None:
+            return None, None
+        feat, prev_emb = self.head.features(hidden, self.to_draft_ids(prev_tokens))
+        conf = self.confidence(hidden, prev_emb) if self.confidence is not None else None
+        return feat, conf
+
+    def logits_from(self, hidden: torch.Tensor, features: torch.Tensor | None) -> torch.Tensor:
+        """U_k + B_k (Eq. 4) from slot states [..., H] and head features [..., r] (or None):
+        fp32 [..., N]."""
+        logits = self.draft_head(hidden)
+        return logits if features is None else logits + self.head.w2(features).float()
+
+    def draft_logits(self, hidden: torch.Tensor, prev_tokens: torch.Tensor):
+        """Teacher-forced corrected draft logits and confidence logits (dense; small shapes).
+
+        Args:
+            hidden: [N, K, H] prediction-slot states.
+            prev_tokens: int64 [N, K], x_{k-1} of each slot (x_0 = anchor), ground truth.
+        Returns:
+            (logits fp32 [N, K, N_d] = U_k + B_k (Eq. 4) over the draft vocabulary, confidence
+            logits fp32 [N, K] or None).
+        """
+        feat, conf = self.head_features(hidden, prev_tokens)
+        return self.logits_from(hidden, feat), conf
+
+    # ------------------------------------------------------------------ inference
+    # Inference protocol shared by every drafter (DSpark, DFlash, Eagle3) and used by the
+    # speculative engine: new_draft_state -> extend_context (committed positions) ->
+    # propose_block (one block from the anchor), repeated every round.
+    def new_draft_state(self) -> DraftContextCache:
+        """An empty per-request draft state (the context K/V cache)."""
+        return DraftContextCache()
+
+    @torch.no_grad()
+    def extend_context(self, cache: DraftContextCache, context_features: torch.Tensor,
+                       positions: torch.Tensor, next_tokens: torch.Tensor | None = None) -> None:
+        """Append committed positions to the context cache.
+
+        Args:
+            context_features: [B, n, m*H_t] target features of the new positions.
+            positions: int64 [B, n], consecutive and starting at ``cache.length``.
+            next_tokens: int64 [B, n], the token after each position (unused here; Eagle3 pairs
+                each target state with it).
+        """
+        ctx = self.context_states(context_features)
+        rope = self.rotary(positions, ctx.dtype)
+        for i, layer in enumerate(self.layers):
+            k, v = layer.self_attn.project_kv(ctx, *rope)
+            if len(cache.keys) <= i:
+                cache.keys.append(k)
+                cache.values.append(v)
+            else:
+                cache.keys[i] = torch.cat((cache.keys[i], k), dim=2)
+                cache.values[i] = torch.cat((cache.values[i], v), dim=2)
+
+    @torch.no_grad()
+    def block_hidden(self, cache: DraftContextCache, anchor_tokens: torch.Tensor,
+                     anchor_positions: torch.Tensor) -> torch.Tensor:
+        """Backbone pass for one block per sequence: anchor_tokens, anchor_positions int64 [B]
+        -> prediction-slot states [B, K, H]. The cache must hold exactly positions < anchor."""
+        s = self.config.num_block_inputs
+        dev = anchor_tokens.device
+        hidden = self.block_inputs(anchor_tokens)  # [B, S, H]
+        rope = self.rotary(anchor_positions[:, None] + torch.arange(s, device=dev), hidden.dtype)
+        for i, layer in enumerate(self.layers):
+            hidden = layer(hidden, rope, (cache.keys[i], cache.values[i]), None)
+        off = self.config.anchor_slots
+        return self.norm(hidden)[:, off:off + self.config.block_size]
+
+    @torch.no_grad()
+    def propose_block(self, cache: DraftContextCache, anchor_tokens: torch.Tensor,
+                      anchor_positions: torch.Tensor, num_draft_tokens: int, temperature,
+                      generator=None, top_p=1.0) -> BlockProposal:
+        """Draft ``num_draft_tokens`` tokens after the anchors: :meth:`block_hidden` then
+        :meth:`propose`. anchor_tokens, anchor_positions: int64 [B]; the cache must hold exactly
+        the positions < anchor."""
+        hidden = self.block_hidden(cache, anchor_tokens, anchor_positions)
+        return self.propose(hidden, anchor_tokens, num_draft_tokens, temperature, generator, top_p)
+
+    @torch.no_grad()
+    def propose(self, hidden: torch.Tensor, anchor_tokens: torch.Tensor,
+                max_num_draft_tokens: int, temperature, generator=None, top_p=1.0,
+                num_draft_tokens: torch.Tensor | None = None) -> BlockProposal:
+        """Sample a block left to right from p_k = softmax((U_k + B_k(x_{k-1})) / T) (Eq. 4).
+
+        Args:
+            hidden: [B, K, H] from :meth:`block_hidden`.
+            anchor_tokens: int64 [B], x_0.
+            max_num_draft_tokens: how many draft tokens to sample (<= K).
+            temperature: float or fp32 [B]; <= 0 means greedy (argmax), otherwise the sampling
+                temperature, which must be the one the target is verified at (SPEC 5).
+            generator: RNG, or one per row.
+            top_p: float or fp32 [B], nucleus filter applied to the draft distribution too.
+            num_draft_tokens: int64 [B] or None; row b samples only its first
+                num_draft_tokens[b] tokens
+                (the rest are argmax fillers that draw no randomness and must not be verified).
+        Returns:
+            a :class:`BlockProposal` with ``max_num_draft_tokens`` target-id tokens (``probs`` over the target
+            vocabulary, None when every row is greedy).
+        """
+        from .sampling import sample_rows
+
+        b = hidden.shape[0]
+        base = self.draft_head(hidden[:, :max_num_draft_tokens])
+        state = self.head.init_state(b, hidden.device, hidden.dtype) if self.head else None
+        prev = self.to_draft_ids(anchor_tokens)
+        tokens, probs, confs = [], [], []
+        all_greedy = bool((torch.as_tensor(temperature) <= 0).all())
+        for k in range(max_num_draft_tokens):
+            logits = base[:, k]
+            if self.head is not None:
+                bias, prev_emb, state = self.head.step(state, hidden[:, k], prev)
+                logits = logits + bias.float()
+                if self.confidence is not None:
+                    confs.append(self.confidence(hidden[:, k], prev_emb))
+            if all_greedy:  # argmax only: no distribution is needed to verify greedy drafts
+                tok = logits.argmax(-1)
+            else:
+                active = None if num_draft_tokens is None else num_draft_tokens > k
+                tok, p = sample_rows(logits, temperature, top_p, generator, active, slot=k,
+                                     target_ids=self.d2t)
+                probs.append(p)
+            tokens.append(tok)
+            prev = tok
+        return BlockProposal(
+            tokens=self.to_target_ids(torch.stack(tokens, 1)),
+            probs=None if all_greedy else self.to_target_probs(torch.stack(probs, 1)),
+            confidence_logits=torch.stack(confs, 1) if confs else None,
+        )
+
+    @torch.no_grad()
+    def propose_block_batch(self, states: list[DraftContextCache], anchor_tokens: torch.Tensor,
+                            anchor_positions: torch.Tensor, max_num_draft_tokens: int,
+                            temperature, generator=None, top_p=1.0,
+                            num_draft_tokens: torch.Tensor | None = None) -> BlockProposal:
+        """One batched drafter call for many requests with context caches of different lengths
+        (continuous batching): the caches are left-padded into one [R, nkv, C_max, hd] tensor per
+        layer with a key-padding mask.
+
+        Args:
+            states: R per-request caches; state r must hold exactly positions < anchor_positions[r].
+            anchor_tokens, anchor_positions: int64 [R].
+            max_num_draft_tokens: draft length of the longest row.
+            temperature, top_p: float or fp32 [R]; generator: one per row (list) or shared.
+            num_draft_tokens: int64 [R], each row's own draft length (see :meth:`propose`).
+        Returns:
+            a :class:`BlockProposal` over the R rows.
+        """
+        r, s = len(states), self.config.num_block_inputs
+        lengths = [st.length for st in states]
+        c_max = max(lengths)
+        dev = anchor_tokens.device
+        hidden = self.block_inputs(anchor_tokens)  # [R, S, H]
+        rope = self.rotary(anchor_positions[:, None] + torch.arange(s, device=dev), hidden.dtype)
+        # key-padding mask [R, 1, S, C_max + S]: left padding is invisible, the block is visible
+        valid = torch.arange(c_max, device=dev)[None, :] >= (c_max - torch.tensor(lengths, device=dev))[:, None]
+        mask = torch.cat((valid, torch.ones(r, s, dtype=torch.bool, device=dev)), dim=1)
+        mask = mask[:, None, None, :].expand(r, 1, s, c_max + s)
+        for i, layer in enumerate(self.layers):
+            keys = torch.zeros(r, *states[0].keys[i].shape[1:2], c_max, states[0].keys[i].shape[-1],
+                               dtype=hidden.dtype, device=dev)
+            values = torch.zeros_like(keys)
+            for j, st in enumerate(states):  # [1, nkv, C_j, hd] -> right-aligned row j
+                keys[j, :, c_max - lengths[j]:] = st.keys[i][0]
+                values[j, :, c_max - lengths[j]:] = st.values[i][0]
+            hidden = layer(hidden, rope, (keys, values), mask)
+        off = self.config.anchor_slots
+        hidden = self.norm(hidden)[:, off:off + self.config.block_size]
+        return self.propose(hidden, anchor_tokens, max_num_draft_tokens, temperature, generator,
+                            top_p, num_draft_tokens)
+
+
+def block_position_weights(config: BoundDrafterConfig) -> torch.Tensor:
+    """w_k = exp(-(k-1)/loss_decay) over the block (Eq. 9-12): fp32 [block_size]."""
+    return position_weights(config.block_size, config.loss_decay)
+
+
+def _exporters() -> dict:
+    from .export import dspark as export
+
+    return export.EXPORTERS
+
+
+SPEC = DrafterSpec(
+    name="dspark", title="DSpark", model_class=DSparkDrafter, objective="dspark",
+    step_weights=block_position_weights, has_heads=True, target_layer_init=True,
+    exporters=_exporters(), vllm_method="dspark", vllm_architectures=("Qwen3DSparkModel",))

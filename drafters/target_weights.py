@@ -1,0 +1,99 @@
+"""The target's tensors a drafter is bound to, read without loading the whole target: the
+embedding and LM head (and, for ``init: target_layers``, the last decoder layers and the final
+norm), fp32 on CPU. Training (``pipeline/train_worker.py``) and export (``drafters/export``) read
+the target through here; the serving engine loads the whole target
+(``serve/target_loading.py``).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+
+def load_frozen_head(target_name: str, top_layers: int = 0):
+    """(target config, embedding [V, H], LM head [V, H]) of the target, fp32 on CPU; with
+    ``top_layers`` > 0 also (state dicts of the last ``top_layers`` decoder layers, the final
+    norm's state dict) for :meth:`drafters.dspark.DSparkDrafter.init_from_target`.
+
+    Only those tensors are read, from the checkpoint's safetensors files (a 4B target's worker
+    reads ~1.6 GB, not 16 GB of fp32 weights); a checkpoint in another format or with other
+    tensor names is loaded whole with ``from_pretrained`` instead.
+    """
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(target_name)
+    tensors = _read_target_tensors(target_name, config, top_layers)
+    if tensors is None:
+        return _load_frozen_head_whole(target_name, top_layers)
+    emb = tensors["model.embed_tokens.weight"]
+    head = tensors.get("lm_head.weight", emb)  # tied embeddings: the LM head is the embedding
+    if not top_layers:
+        return config, emb, head
+    first = config.num_hidden_layers - top_layers
+    layers = [{k[len(f"model.layers.{i}."):]: v for k, v in tensors.items()
+               if k.startswith(f"model.layers.{i}.")}
+              for i in range(first, config.num_hidden_layers)]
+    norm = {k[len("model.norm."):]: v for k, v in tensors.items() if k.startswith("model.norm.")}
+    return config, emb, head, (layers, norm)
+
+
+def _read_target_tensors(target_name: str, config, top_layers: int) -> dict | None:
+    """The embedding, LM head (if untied), final norm and last ``top_layers`` decoder layers as
+    fp32 CPU tensors, read by name from the target's safetensors files; None when the checkpoint
+    has no safetensors or names them differently."""
+    from safetensors import safe_open
+
+    files = _safetensors_files(target_name)
+    if not files:
+        return None
+    first = config.num_hidden_layers - top_layers
+    wanted = ["model.embed_tokens.", "model.norm.", "lm_head."] + [
+        f"model.layers.{i}." for i in range(first, config.num_hidden_layers)]
+    out = {}
+    for path in files:
+        with safe_open(path, framework="pt") as fh:
+            for key in fh.keys():
+                if any(key.startswith(w) for w in wanted):
+                    out[key] = fh.get_tensor(key).to(torch.float32)
+    tied = getattr(config, "tie_word_embeddings", False)
+    if "model.embed_tokens.weight" not in out or ("lm_head.weight" not in out and not tied) or (
+            top_layers and not any(k.startswith(f"model.layers.{first}.") for k in out)):
+        return None
+    return out
+
+
+def _safetensors_files(target_name: str) -> list[str]:
+    """Local paths of a target's safetensors shards (a directory or a Hub name already in the
+    local cache / downloadable); [] if there are none."""
+    from transformers.utils import cached_file
+
+    for index in ("model.safetensors.index.json", "model.safetensors"):
+        try:
+            path = cached_file(target_name, index, _raise_exceptions_for_missing_entries=False)
+        except OSError:
+            path = None
+        if not path:
+            continue
+        if index == "model.safetensors":
+            return [path]
+        shards = sorted(set(json.loads(Path(path).read_text())["weight_map"].values()))
+        return [cached_file(target_name, shard) for shard in shards]
+    return []
+
+
+def _load_frozen_head_whole(target_name: str, top_layers: int):
+    """:func:`load_frozen_head` through ``from_pretrained`` (every weight, fp32)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(target_name, dtype=torch.float32)
+    emb = model.get_input_embeddings().weight.detach().clone()
+    head = model.get_output_embeddings().weight.detach().clone()
+    if not top_layers:
+        return model.config, emb, head
+    layers = [{k: v.detach().clone() for k, v in layer.state_dict().items()}
+              for layer in model.model.layers[-top_layers:]]
+    norm = {k: v.detach().clone() for k, v in model.model.norm.state_dict().items()}
+    return model.config, emb, head, (layers, norm)

@@ -1,0 +1,351 @@
+"""Train stage, the Ray Train worker: builds the drafter from its config, wraps it in DeepSpeed
+(ZeRO-1/2) and trains on its slice of every global batch of the target cache (SPEC section 3).
+
+Workers receive only O(H) hidden states from the cache; target probabilities are recomputed on the
+worker from ``last_hidden`` through the frozen LM head and only at supervised rows (never V-sized
+tensors in the cache or on the wire). The driver is ``pipeline/train.py``; checkpoints
+``pipeline/train_state.py``.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+
+from typing import TYPE_CHECKING
+
+from .train_data import plateau_reached
+
+if TYPE_CHECKING:
+    from .config import TrainConfig
+
+logger = logging.getLogger(__name__)
+PREFETCH_MICRO_BATCHES = 4  # micro-batches each worker reads ahead of its training loop
+
+
+def lr_lambda(total_steps: int, warmup_ratio: float):
+    """Linear warm-up over ``warmup_ratio`` of the steps, then cosine to 0 (SPEC 3)."""
+    warmup = max(1, int(round(total_steps * warmup_ratio))) if warmup_ratio > 0 else 0
+
+    def fn(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        progress = (step - warmup) / max(1, total_steps - warmup)
+        return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
+
+    return fn
+
+
+def deepspeed_config(tc: TrainConfig, world_size: int) -> dict:
+    accum = tc.global_batch_size // (tc.micro_batch_size * world_size)
+    cfg = {
+        "train_batch_size": tc.global_batch_size,
+        "train_micro_batch_size_per_gpu": tc.micro_batch_size,
+        "gradient_accumulation_steps": accum,
+        "gradient_clipping": tc.grad_clip,
+        "zero_optimization": {"stage": tc.zero_stage},
+        "optimizer": {"type": "AdamW", "params": {"lr": tc.lr, "betas": [0.9, 0.95],
+                                                  "eps": 1e-8, "weight_decay": tc.weight_decay,
+                                                  "torch_adam": True}},
+        "steps_per_print": 10**9,
+    }
+    # bf16 runs as autocast around the forward (train_loop_per_worker): the weights, gradients and
+    # optimizer state stay fp32 (SPEC 3: bf16 with fp32 master weights) on CPU and GPU alike. On
+    # CUDA, DeepSpeed's engine.forward re-enters autocast(enabled=False) unless its own
+    # torch_autocast section asks for bf16, which would silently run the backbone in fp32.
+    if tc.precision == "bf16" and tc.use_gpu:
+        cfg["torch_autocast"] = {"enabled": True, "dtype": "bfloat16"}
+    return cfg
+
+
+def batch_losses(model, samples: list[dict], tc: TrainConfig, objective: str, weights, device,
+                 generators) -> dict:
+    """Pack ``samples``, run the drafter and return
+    :func:`drafters.losses.chunked_drafter_losses`.
+
+    Target probabilities come from the cached O(H) ``last_hidden`` through the frozen LM head,
+    only at supervised rows and one chunk of rows at a time (SPEC 3: never V-sized tensors on the
+    wire; no [rows, V] tensor lives longer than a chunk).
+    """
+    import torch
+
+    from drafters.losses import chunked_drafter_losses
+
+    module = getattr(model, "module", model)  # DeepSpeed engine or the bare drafter
+    pb = module.pack_blocks(samples, tc.num_anchors, generators).to(device)
+    valid = pb.label_valid
+    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=tc.precision == "bf16"):
+        hidden = model(pb)
+        feat, conf = module.head_features(hidden, pb.prev_tokens)
+        hidden_rows = hidden[valid]
+        feat_rows = None if feat is None else feat[valid]
+        target_rows = pb.target_hidden[valid]
+        head_w = module.lm_head_weight
+
+        def draft_logits(idx):
+            return module.logits_from(hidden_rows[idx], None if feat_rows is None else feat_rows[idx])
+
+        def target_logits(idx):
+            return torch.nn.functional.linear(target_rows[idx].to(head_w.dtype), head_w).float()
+
+        return chunked_drafter_losses(draft_logits, target_logits, pb.labels, valid, weights, conf,
+                                      tuple(tc.loss_weights), objective=objective,
+                                      draft_vocab=module.d2t, chunk_rows=tc.loss_chunk_rows)
+
+
+METRIC_KEYS = ("loss", "ce", "tv", "conf", "soft_ce", "tau", "draft_vocab_coverage")
+
+
+def reduce_metrics(outs: list[dict], block_size: int, prefix: str = "", device=None) -> dict:
+    """Mean of per-micro-batch metrics over micro-batches and all workers (all-reduce on
+    ``device``: NCCL reduces only GPU tensors, gloo CPU ones)."""
+    import torch
+    import torch.distributed as dist
+
+    vec = torch.zeros(len(METRIC_KEYS) + block_size + 1)
+    for o in outs:
+        vec[:len(METRIC_KEYS)] += torch.stack([o[k].detach().float().cpu() for k in METRIC_KEYS])
+        vec[len(METRIC_KEYS):-1] += o["accept_rate"].detach().float().cpu()
+        vec[-1] += 1
+    if dist.is_available() and dist.is_initialized():
+        vec = vec.to(device or "cpu")
+        dist.all_reduce(vec)
+        vec = vec.cpu()
+    vec = vec / vec[-1].clamp(min=1)
+    out = {f"{prefix}{k}": float(vec[i]) for i, k in enumerate(METRIC_KEYS)}
+    out.update({f"{prefix}accept_rate@{k + 1}": float(vec[len(METRIC_KEYS) + k])
+                for k in range(block_size)})
+    return out
+
+
+def train_loop_per_worker(loop_cfg: dict) -> None:
+    """Ray Train worker: builds the drafter, wraps it in DeepSpeed, trains on its slice of every
+    global batch, evaluates on the held-out split every ``eval_every`` steps, checkpoints every
+    ``checkpoint_every`` steps, and resumes from ``resume_checkpoint`` when given."""
+    os.environ.setdefault("TORCH_EXTENSIONS_DIR", loop_cfg["torch_extensions_dir"])
+    # wandb writes only under the run directory and stays quiet (offline mode opens no connection)
+    os.environ["WANDB_DIR"] = loop_cfg["wandb_dir"]
+    os.environ["WANDB_SILENT"] = "true"
+    import deepspeed
+    import ray.train
+    import torch
+
+    from drafters.loading import build_drafter
+    from drafters.target_weights import load_frozen_head
+
+    from .train_data import CacheRowIndex, CacheRowReader, row_generator, worker_plan
+    from .train_state import (load_training_log, load_training_state, resume_checkpoint,
+                              save_training_state)
+
+    # the typed config sections, as the driver validated them (pickled by Ray, not re-parsed)
+    tc, dsec = loop_cfg["train"], loop_cfg["drafter"]
+    ctx = ray.train.get_context()
+    rank, world = ctx.get_world_rank(), ctx.get_world_size()
+    if tc.num_threads:
+        torch.set_num_threads(tc.num_threads)
+    torch.manual_seed(tc.seed)
+    device = torch.device("cuda", ctx.get_local_rank()) if tc.use_gpu else torch.device("cpu")
+
+    from_target = dsec.init == "target_layers"
+    target_cfg, emb, head, *top = load_frozen_head(
+        loop_cfg["target"], dsec.num_hidden_layers if from_target else 0)
+    dcfg = dsec.for_target(target_cfg, loop_cfg["target"], loop_cfg["layer_ids"])
+    model = build_drafter(dcfg, emb, head, loop_cfg.get("draft_vocab"))
+    if from_target and not loop_cfg.get("init_from") and not loop_cfg["resume_from"]:
+        model.init_from_target(*top[0])
+    if loop_cfg.get("init_from"):
+        init_weights(model, loop_cfg["init_from"])
+    model = model.to(device)
+    total_steps = loop_cfg["total_steps"]
+    engine, _, _, _ = deepspeed.initialize(
+        model=model, model_parameters=[p for p in model.parameters() if p.requires_grad],
+        config=deepspeed_config(tc, world),
+        lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(
+            opt, lr_lambda(total_steps, tc.warmup_ratio)))
+    objective, weights = dcfg.spec.training_objective(dcfg)
+    weights = weights.to(device)
+    step = 0
+    restored = resume_checkpoint(loop_cfg)
+    history = []
+    if restored is not None:
+        with restored.as_directory() as ckpt_dir:
+            step = load_training_state(engine, ckpt_dir)
+            history = load_training_log(ckpt_dir, step)
+
+    hidden, m = loop_cfg["hidden_size"], len(loop_cfg["layer_ids"])
+    so = loop_cfg["storage_options"]
+    train_index = CacheRowIndex(loop_cfg["cache_dir"], loop_cfg["manifest"], "train", so)
+    reader = CacheRowReader(train_index, hidden, m)
+    heldout_rows = heldout_reader = None
+    if tc.eval_every and loop_cfg["manifest"]["splits"].get("heldout", {}).get("rows"):
+        h_index = CacheRowIndex(loop_cfg["cache_dir"], loop_cfg["manifest"], "heldout", so)
+        heldout_reader = CacheRowReader(h_index, hidden, m)
+        heldout_rows = list(range(min(h_index.num_rows, tc.eval_rows)))[rank::world]
+
+    run = bar = None
+    if rank == 0 and loop_cfg["wandb"]["mode"] != "disabled":
+        import wandb
+
+        # one W&B run per run directory: resumes and later stages log into it (pipeline/tracking.py)
+        manifest = loop_cfg["manifest"]
+        run = wandb.init(project=loop_cfg["wandb"]["project"], entity=loop_cfg["wandb"]["entity"],
+                         mode=loop_cfg["wandb"]["mode"], dir=loop_cfg["wandb_dir"],
+                         id=loop_cfg["wandb_run_id"], resume="allow", job_type="train",
+                         name=loop_cfg["run_name"],
+                         config={"train": tc.model_dump(), "drafter": dsec.model_dump(),
+                                 "target": loop_cfg["target"], "layer_ids": loop_cfg["layer_ids"],
+                                 "cache_manifest": {k: manifest.get(k) for k in (
+                                     "target", "layer_ids", "splits", "max_length",
+                                     "template_sha256", "draft_vocab_coverage")},
+                                 "draft_vocab_size": len(loop_cfg["draft_vocab"] or [])})
+    if rank == 0:
+        from tqdm import tqdm
+
+        bar = tqdm(total=total_steps, initial=step, desc="train", unit="step", mininterval=5)
+
+    def heldout_metrics() -> dict:
+        engine.eval()
+        outs = []
+        with torch.no_grad():
+            for i in range(0, len(heldout_rows), tc.micro_batch_size):
+                rows = heldout_rows[i:i + tc.micro_batch_size]
+                gens = [row_generator(tc.seed, -1, r) for r in rows]
+                outs.append(batch_losses(engine, heldout_reader.read(rows), tc, objective,
+                                         weights, device, gens))
+        engine.train()
+        return reduce_metrics(outs, dcfg.block_size, prefix="heldout_", device=device)
+
+    per_epoch = loop_cfg["steps_per_epoch"]
+    last = {"step": step}
+    if history and history[-1].get("plateau"):  # a finished run: report its state once more
+        total_steps = step
+        save_training_state(engine, step, world, history, history[-1], loop_cfg)
+    skipped, bad_in_a_row = (history[-1].get("skipped_steps", 0) if history else 0), 0
+    # times this run continued from a checkpoint (a worker-group restart or a re-run's resume)
+    resumes = history[-1].get("resumes", 0) + 1 if restored is not None and history else 0
+    # every micro-batch this worker will read, in order; the reader works PREFETCH_MICRO_BATCHES
+    # ahead of the loop without changing what a step sees (pipeline/train_data.py)
+    micro_per_step = tc.global_batch_size // world // tc.micro_batch_size
+    stream = reader.prefetch(worker_plan(train_index, tc.seed, step, total_steps, per_epoch,
+                                         tc.global_batch_size, tc.micro_batch_size, rank, world),
+                             depth=PREFETCH_MICRO_BATCHES)
+    while step < total_steps:
+        epoch = step // per_epoch
+        outs, bad = [], False
+        for _ in range(micro_per_step):
+            rows, samples = next(stream)
+            gens = [row_generator(tc.seed, epoch, r) for r in rows]
+            out = batch_losses(engine, samples, tc, objective, weights, device, gens)
+            loss = out["loss"]
+            if not finite_on_all_workers(loss, device):
+                # every worker still runs backward and step, so DeepSpeed's gradient all-reduce
+                # stays in lock-step; the zero loss adds nothing to the accumulated gradients
+                bad, loss = True, zero_loss(engine)
+            else:
+                outs.append(out)
+            engine.backward(loss)
+            if bad and engine.is_gradient_accumulation_boundary():
+                skip_update(engine)
+            engine.step()
+        step += 1
+        if bad:
+            skipped, bad_in_a_row = skipped + 1, bad_in_a_row + 1
+            logger.warning("step %d: non-finite loss on some worker, update skipped (%d in a "
+                           "row, %d in all)", step, bad_in_a_row, skipped)
+            if bad_in_a_row > tc.max_bad_steps:
+                raise NonFiniteLossError(
+                    f"{bad_in_a_row} consecutive optimizer steps (last: {step}) had a non-finite "
+                    f"loss, more than train.max_bad_steps = {tc.max_bad_steps}: check the cache "
+                    "for NaN/inf features and the learning rate; the checkpoints written before "
+                    "are intact")
+        else:
+            bad_in_a_row = 0
+        last = {"step": step, "epoch": epoch, "lr": engine.get_lr()[0], "skipped_steps": skipped,
+                "resumes": resumes,
+                **reduce_metrics(outs, dcfg.block_size, device=device)}
+        if heldout_rows is not None and (step % tc.eval_every == 0 or step == total_steps):
+            last.update(heldout_metrics())
+        history.append(last)
+        if plateau_reached(history, tc.plateau_patience, tc.plateau_min_delta):
+            last["plateau"] = True  # recorded in the log: a re-run does not train on
+            logger.info("step %d: held-out tau has not improved by %.3f for %d evaluations: "
+                        "stopping at the plateau", step, tc.plateau_min_delta, tc.plateau_patience)
+            total_steps = step
+        if rank == 0:
+            if run is not None and (step % tc.log_every == 0 or step == total_steps):
+                run.log(last, step=step)
+            bar.update(1)
+            bar.set_postfix(loss=f"{last['loss']:.3f}", tau=f"{last['tau']:.2f}")
+        if step == total_steps or (tc.checkpoint_every and step % tc.checkpoint_every == 0):
+            save_training_state(engine, step, world, history, last, loop_cfg)
+    stream.close()
+    reader.close()
+    if heldout_reader is not None:
+        heldout_reader.close()
+    if bar is not None:
+        bar.close()
+    if run is not None:
+        run.finish()
+
+
+class NonFiniteLossError(RuntimeError):
+    """More consecutive optimizer steps had a non-finite loss than ``train.max_bad_steps``."""
+
+
+def finite_on_all_workers(loss, device) -> bool:
+    """True when ``loss`` (scalar tensor) is finite on every worker (all-reduce MIN over the
+    workers; a single process just checks its own), so all workers take the same branch."""
+    import torch
+    import torch.distributed as dist
+
+    ok = torch.isfinite(loss.detach()).to(torch.float32).reshape(1)
+    if dist.is_available() and dist.is_initialized():
+        ok = ok.to(device)
+        dist.all_reduce(ok, op=dist.ReduceOp.MIN)
+    return bool(ok.item() > 0)
+
+
+def zero_loss(engine):
+    """A loss of exactly 0 connected to every trainable parameter: its backward adds zero
+    gradients, which keeps DeepSpeed's micro-step count and gradient all-reduce in step on all
+    workers when one micro-batch's loss is unusable."""
+    params = [p for p in engine.module.parameters() if p.requires_grad]
+    return sum(p.sum() for p in params) * 0.0
+
+
+def skip_update(engine) -> None:
+    """Make the coming optimizer step leave the parameters unchanged: the learning rate is 0 for
+    this one step (the LR scheduler, stepped right after, restores it). The step still counts in
+    the schedule, and AdamW's moments see the step's finite micro-batches: a skipped step differs
+    from no step by that moment update only."""
+    for group in engine.optimizer.param_groups:
+        group["lr"] = 0.0
+
+
+def init_weights(model, path: str) -> None:
+    """Start new training from an existing drafter's weights (not a resume: optimizer, schedule
+    and data position start fresh).
+
+    Raises:
+        ValueError: the checkpoint's architecture differs from the configured drafter.
+    """
+    from safetensors.torch import load_file
+
+    from drafters.base import WEIGHTS_NAME
+    from drafters.config import DrafterCheckpointError
+    from drafters.loading import check_checkpoint
+
+    src = check_checkpoint(path)
+    keys = ("drafter_type", "hidden_size", "num_hidden_layers", "block_size", "head_type",
+            "markov_rank", "target_layer_ids", "target_vocab_size")
+    diff = [f"{k}: {getattr(src, k)} != {getattr(model.config, k)}" for k in keys
+            if getattr(src, k) != getattr(model.config, k)]
+    if diff:
+        raise ValueError(f"train.init_from {path} does not match the configured drafter: "
+                         + "; ".join(diff))
+    try:
+        model.load_state_dict(load_file(os.path.join(path, WEIGHTS_NAME)), strict=True)
+    except RuntimeError as err:  # missing tensors or other shapes
+        raise DrafterCheckpointError(f"train.init_from {os.path.join(path, WEIGHTS_NAME)}: "
+                                     f"{str(err).strip()}") from err
