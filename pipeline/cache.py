@@ -28,7 +28,7 @@ import pyarrow.compute  # noqa: F401  (pa.compute)
 import pyarrow.parquet as pq
 
 from . import storage
-from .config import DEFAULT_ROW_GROUP_BYTES, MAX_COLUMN_BYTES
+from .config import DEFAULT_FORWARD_BATCH_TOKENS, DEFAULT_ROW_GROUP_BYTES, MAX_COLUMN_BYTES
 from .plan import bytes_per_token
 
 logger = logging.getLogger(__name__)
@@ -389,7 +389,8 @@ class CacheWriterUDF:
 
     def __init__(self, target: str, dtype: str, layer_ids: list[int], template_kwargs: dict,
                  max_length: int, min_supervised: int, rows_per_row_group: int,
-                 num_threads: int | None, storage_options: dict, forward_batch_tokens: int = 8192,
+                 num_threads: int | None, storage_options: dict,
+                 forward_batch_tokens: int = DEFAULT_FORWARD_BATCH_TOKENS,
                  retry_base_delay_s: float = 2.0,
                  row_group_bytes: int = DEFAULT_ROW_GROUP_BYTES):
         import torch
@@ -646,7 +647,7 @@ def run_cache_split(conversations: list[dict] | str, split_dir: str, *, target: 
                     min_supervised: int, rows_per_shard: int, rows_per_row_group: int,
                     num_actors: int, cpus_per_actor: float, gpus_per_actor: float,
                     num_threads: int | None, storage_options: dict,
-                    forward_batch_tokens: int = 8192,
+                    forward_batch_tokens: int = DEFAULT_FORWARD_BATCH_TOKENS,
                     row_group_bytes: int = DEFAULT_ROW_GROUP_BYTES) -> list[dict]:
     """Write the missing shards of one split; return every shard's summary (in shard order).
 

@@ -160,6 +160,7 @@ class GenerateConfig(Strict):
 # binary column, or one value, holds at most MAX_COLUMN_BYTES; row groups default to far less
 MAX_COLUMN_BYTES = 2**31 - 2**26
 DEFAULT_ROW_GROUP_BYTES = 2**29  # 512 MiB
+DEFAULT_FORWARD_BATCH_TOKENS = 8192  # padded tokens per batched target forward of the cache stage
 
 
 class CacheConfig(Strict):
@@ -173,7 +174,8 @@ class CacheConfig(Strict):
                                  "Parquet row group; a larger sample goes alone. Bounds the "
                                  "writer's and each training reader's memory and keeps every "
                                  "column under Arrow binary's 2 GiB.")
-    forward_batch_tokens: int = Field(8192, ge=1, description="Padded tokens per target forward: "
+    forward_batch_tokens: int = Field(DEFAULT_FORWARD_BATCH_TOKENS, ge=1, description="Padded "
+                                      "tokens per target forward: "
                                       "the samples of a row group go through the target in "
                                       "batches of similar length up to this many tokens "
                                       "(a longer sample goes alone; 1 = one sample per forward).")

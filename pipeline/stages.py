@@ -16,7 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from . import ray_logs, storage
-from .config import DEFAULT_ROW_GROUP_BYTES, PipelineConfig, VllmGenerateConfig, dump_config
+from .config import (DEFAULT_FORWARD_BATCH_TOKENS, DEFAULT_ROW_GROUP_BYTES, PipelineConfig,
+                     VllmGenerateConfig, dump_config)
 
 logger = logging.getLogger(__name__)
 SPLITS = ("train", "heldout")
@@ -148,7 +149,8 @@ ADDED_LATER = [("drafter", "qk_norm", None), ("engine", "kv_cache_memory_gib", 2
                ("generate", "backend", "hf"), ("generate", "max_num_requests", 128),
                ("generate", "kv_cache_memory_gib", 4.0),
                ("generate", "vllm", VllmGenerateConfig().model_dump(mode="json")),
-               ("cache", "forward_batch_tokens", 8192), ("train", "placement_strategy", "PACK"),
+               ("cache", "forward_batch_tokens", DEFAULT_FORWARD_BATCH_TOKENS),
+               ("train", "placement_strategy", "PACK"),
                ("cache", "row_group_bytes", DEFAULT_ROW_GROUP_BYTES),
                ("train", "max_train_rows", None), ("train", "plateau_patience", None),
                ("train", "plateau_min_delta", 0.01)]

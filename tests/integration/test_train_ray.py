@@ -8,11 +8,12 @@ import json
 
 import pytest
 
+from drafters.config import DrafterConfig
 from drafters.loading import load_drafter
 from pipeline import storage
 from pipeline.cache import build_manifest, run_cache_split
 from pipeline.checkpoints import MARKER, inspect_checkpoint
-from pipeline.config import DrafterSection, TrainConfig
+from pipeline.config import TrainConfig
 from serve.target_loading import load_target
 from pipeline.train import run_train
 
@@ -44,7 +45,7 @@ def _train(tiny_cache, tiny_target_dir, out_dir, drafter=None, **train):
     base = dict(num_workers=2, num_threads=1, micro_batch_size=2, global_batch_size=4, lr=3e-3,
                 warmup_ratio=0.1, num_anchors=16)
     tc = TrainConfig(**{**base, **train})
-    dc = DrafterSection(num_layers=1, block_size=4, markov_rank=16, **(drafter or {}))
+    dc = DrafterConfig(num_layers=1, block_size=4, markov_rank=16, **(drafter or {}))
     result = run_train(cache_dir=cache_dir, manifest=manifest, out_dir=out_dir,
                        target=str(tiny_target_dir), layer_ids=[1, 3], drafter=dc, train=tc,
                        wandb_cfg=WANDB, storage_options={}, run_name="t")
@@ -117,7 +118,7 @@ def test_a_damaged_shard_is_named_before_training_starts(tmp_path, tiny_cache, t
     data[len(data) // 2] ^= 0xFF
     path.write_bytes(bytes(data))
     tc = TrainConfig(num_workers=1, num_threads=1, micro_batch_size=2, global_batch_size=2)
-    dc = DrafterSection(num_layers=1, block_size=4, markov_rank=16)
+    dc = DrafterConfig(num_layers=1, block_size=4, markov_rank=16)
     with pytest.raises(CorruptShardError, match=shard):
         run_train(cache_dir=str(damaged), manifest=manifest, out_dir=tmp_path / "train",
                   target=str(tiny_target_dir), layer_ids=[1, 3], drafter=dc, train=tc,
