@@ -37,7 +37,7 @@ logger = logging.getLogger(__name__)
 MARKER = "checkpoint_complete.json"
 STATE = "train_state.json"
 MARKER_FORMAT = "dspark-train-checkpoint/v1"
-# rank 0's files in a checkpoint from before completion markers (pipeline/train.py has always
+# rank 0's files in a checkpoint from before completion markers (the trainer has always
 # saved the DeepSpeed state under the tag "state")
 LEGACY_REQUIRED = ("drafter/config.json", "drafter/model.safetensors", "deepspeed/latest",
                    "deepspeed/state/mp_rank_00_model_states.pt")
