@@ -154,6 +154,9 @@ ADDED_LATER = [("drafter", "qk_norm", None), ("engine", "kv_cache_memory_gib", 2
                ("cache", "row_group_bytes", DEFAULT_ROW_GROUP_BYTES),
                ("train", "max_train_rows", None), ("train", "plateau_patience", None),
                ("train", "plateau_min_delta", 0.01)]
+# config fields renamed after run directories existed: fingerprinted under their old names, so
+# runs made before the rename still count as complete
+RENAMED = [("engine", "num_speculative_tokens", "num_draft_tokens")]
 
 
 def stage_fingerprint(cfg: PipelineConfig, name: str) -> str:
@@ -164,6 +167,9 @@ def stage_fingerprint(cfg: PipelineConfig, name: str) -> str:
     for section, key, default in ADDED_LATER:  # at their defaults, as if absent
         if dumped.get(section, {}).get(key, object()) == default:
             del dumped[section][key]
+    for section, key, old in RENAMED:
+        if key in dumped.get(section, {}):
+            dumped[section][old] = dumped[section].pop(key)
     return hashlib.sha256(json.dumps({s: dumped[s] for s in sections},
                                      sort_keys=True).encode()).hexdigest()
 
