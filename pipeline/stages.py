@@ -126,6 +126,11 @@ def ensure_ray(cfg: PipelineConfig) -> None:
     # the memory-issue detector warns every 30 s about model-holding actors; the stages size
     # their actors explicitly, so the warning is noise here
     ctx.issue_detectors_config.detectors = []
+    # a generate or cache batch may legitimately run longer than Ray Data's 30-minute
+    # no-progress limit (1,024 answers of 512 tokens on two cores took > 30 min and the stage
+    # was failed with ExecutionTimeoutError); the stages' own retries and resume handle failures
+    if "RAY_DATA_EXECUTION_NO_PROGRESS_TIMEOUT_S" not in os.environ:
+        ctx.execution_no_progress_timeout_s = -1
     _ray_started = True
 
 
