@@ -62,3 +62,30 @@ def test_unreadable_and_malformed_files(tmp_path):
     empty.write_text("run_dir: x\n")
     with pytest.raises(ConfigError, match="target: Field required"):
         load_config(empty)
+
+
+def test_renamed_engine_field_keeps_run_fingerprints():
+    """engine.num_draft_tokens became engine.num_speculative_tokens: an eval stage completed
+    before the rename still counts as complete, and the old name still reads (deprecated)."""
+    import hashlib
+    import json
+
+    from pipeline.config import STAGES
+    from pipeline.stages import ADDED_LATER, STAGE_INPUTS, stage_fingerprint
+
+    quickstart = ROOT / "infra" / "configs" / "quickstart.yaml"
+    cfg = load_config(quickstart)
+    dumped = cfg.model_dump(mode="json")
+    for section, key, default in ADDED_LATER:
+        if dumped.get(section, {}).get(key, object()) == default:
+            del dumped[section][key]
+    dumped["engine"]["num_draft_tokens"] = dumped["engine"].pop("num_speculative_tokens")
+    sections = [s for st in STAGES for s in STAGE_INPUTS[st]]
+    before = hashlib.sha256(json.dumps({s: dumped[s] for s in sections},
+                                       sort_keys=True).encode()).hexdigest()
+    assert stage_fingerprint(cfg, "eval") == before
+    capped = load_config(quickstart, ["engine.num_speculative_tokens=3"])
+    assert stage_fingerprint(capped, "eval") != before
+    with pytest.warns(DeprecationWarning, match="engine.num_draft_tokens is deprecated"):
+        old = load_config(quickstart, ["engine.num_draft_tokens=3"])
+    assert stage_fingerprint(old, "eval") == stage_fingerprint(capped, "eval")
