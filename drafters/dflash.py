@@ -11,6 +11,7 @@ count block_size + 1 (``drafters/export/dflash.py``).
 from __future__ import annotations
 
 from .dspark import DSparkDrafter, block_position_weights
+from .export.dflash import EXPORTERS
 from .spec import DrafterSpec
 
 
@@ -20,13 +21,7 @@ class DFlashDrafter(DSparkDrafter):
     confidence head (the config rejects heads for this type)."""
 
 
-def _exporters() -> dict:
-    from .export import dflash as export
-
-    return export.EXPORTERS
-
-
 SPEC = DrafterSpec(
     name="dflash", title="DFlash", model_class=DFlashDrafter, objective="ce",
     step_weights=block_position_weights, anchor_slots=1, target_layer_init=True,
-    exporters=_exporters(), vllm_method="dflash", vllm_architectures=("DFlashDraftModel",))
+    exporters=EXPORTERS, vllm_method="dflash", vllm_architectures=("DFlashDraftModel",))

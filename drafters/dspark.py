@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .base import BlockProposal, DrafterBase
+from .export.dspark import EXPORTERS
 from .heads import ConfidenceHead, MarkovHead, RNNHead
 from .layers import DrafterLayer, RMSNorm, RotaryEmbedding
 from .losses import position_weights
@@ -345,13 +346,7 @@ def block_position_weights(config: BoundDrafterConfig) -> torch.Tensor:
     return position_weights(config.block_size, config.loss_decay)
 
 
-def _exporters() -> dict:
-    from .export import dspark as export
-
-    return export.EXPORTERS
-
-
 SPEC = DrafterSpec(
     name="dspark", title="DSpark", model_class=DSparkDrafter, objective="dspark",
     step_weights=block_position_weights, has_heads=True, target_layer_init=True,
-    exporters=_exporters(), vllm_method="dspark", vllm_architectures=("Qwen3DSparkModel",))
+    exporters=EXPORTERS, vllm_method="dspark", vllm_architectures=("Qwen3DSparkModel",))

@@ -35,6 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .base import BlockProposal, DrafterBase
+from .export.eagle3 import EXPORTERS
 from .layers import KVInjectionAttention, RMSNorm, RotaryEmbedding, SwiGLU
 from .losses import eagle3_step_weights
 from .packing import PackedBlocks
@@ -426,14 +427,8 @@ class Eagle3Drafter(DrafterBase):
                              confidence_logits=None)
 
 
-def _exporters() -> dict:
-    from .export import eagle3 as export
-
-    return export.EXPORTERS
-
-
 SPEC = DrafterSpec(
     name="eagle3", title="Eagle3", model_class=Eagle3Drafter, objective="soft_ce",
     step_weights=lambda config: eagle3_step_weights(config.block_size), min_anchor=1,
-    layers_field="eagle3_num_layers", drafts_whole_block=False, exporters=_exporters(),
+    layers_field="eagle3_num_layers", drafts_whole_block=False, exporters=EXPORTERS,
     vllm_method="eagle3", vllm_architectures=("Eagle3",))
