@@ -282,7 +282,7 @@ def estimate_step_memory(cfg: BoundDrafterConfig, shape: StepShape, *, precision
     # autocast's bf16 copies of the layer weights, kept by the matmuls for backward
     weight_copies = (BF16_BYTES * layers * (2 * h * nh * hd + 2 * h * nkv * hd + 3 * h * inter)
                      if cast else 0)
-    parts = {"block_tokens": tokens * (layers * per_token_layer + rope + 8 * h),  # + final norm
+    parts = {"block_inputs": tokens * (layers * per_token_layer + rope + 8 * h),  # + final norm
              "context_rows": nc * per_context_row, "block_slots": slots * per_slot,
              "supervised_rows": rows * per_row, "weight_copies": weight_copies}
     kept = sum(parts.values())

@@ -157,7 +157,7 @@ def test_qwen3_4b_micro_batch_fits_80gb_with_headroom():
     assert est.total <= (1 - HEADROOM) * DEVICE_BYTES, est.as_dict()
     # what dominates: the backbone's kept activations, then the loss chunk in backward
     assert est.peak_moment == "loss_backward"
-    assert est.parts["block_tokens"] > est.model_states
+    assert est.parts["block_inputs"] > est.model_states
 
 
 def test_worst_case_shape_bounds_a_packed_batch():
