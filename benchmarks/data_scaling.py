@@ -52,11 +52,11 @@ def domain_metrics(ctx, drafter_dir: Path, rows_per_batch: int = 8) -> dict:
     import torch
 
     from drafters.loading import load_drafter
-    from pipeline.cache import read_manifest
+    from pipeline.cache_format import read_manifest
     from pipeline.prompts import read_jsonl
     from pipeline.train_worker import batch_losses, reduce_metrics
     from pipeline.train_data import CacheRowIndex, CacheRowReader, row_generator
-    from serve.target_loading import load_target
+    from serve.engine.target_loading import load_target
 
     cfg = ctx.cfg
     manifest = read_manifest(ctx.cache_dir, cfg.storage_options)
@@ -87,7 +87,7 @@ def domain_metrics(ctx, drafter_dir: Path, rows_per_batch: int = 8) -> dict:
 
 def train_point(base_cfg_path: str, sets: list[str], rows: int | None, args) -> dict:
     """Train (or reuse) one point; returns its row, token and metric summary."""
-    from pipeline.cache import read_manifest
+    from pipeline.cache_format import read_manifest
     from pipeline.train_data import subset_manifest
 
     label = "all" if rows is None else str(rows)

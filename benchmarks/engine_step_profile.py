@@ -1,6 +1,6 @@
 """Where a decode step's time goes at high concurrency: the DSpark policy against no speculation.
 
-The engine (``serve.builder``, the same one the Ray Serve app runs, no HTTP) is given B requests
+The engine (``serve.engine.builder``, the same one the Ray Serve app runs, no HTTP) is given B requests
 (B = 64 by default) of the serve_load prompt mix at temperature 1 (``--temperature``); after the prefills and a
 warm-up, S decode steps are timed per policy, the policies alternating R times. Each timed span
 also runs under cProfile, whose cumulative times split a step into: the target forward, the
@@ -52,10 +52,10 @@ def run_arm(models, scheduler: str, prompts: list[str], args) -> dict:
     ``request_tokens`` each request ends after that many tokens and a new one (the next prompt)
     takes its place before the next step, as under serving load (prefills, drafter contexts of
     new requests and their first plans fall inside the timed steps)."""
-    from serve.builder import build_engine
-    from serve.chat import render_prompt_ids
-    from serve.config import EngineConfig
-    from serve.requests import EngineRequest, SamplingParams
+    from serve.engine.builder import build_engine
+    from serve.engine.chat import render_prompt_ids
+    from serve.engine.config import EngineConfig
+    from serve.engine.requests import EngineRequest, SamplingParams
 
     engine = build_engine(models, EngineConfig(
         scheduler=scheduler, max_num_requests=args.batch, max_waiting=args.batch,
@@ -124,7 +124,7 @@ def main() -> int:
     args = ap.parse_args()
     import torch
 
-    from serve.builder import load_models
+    from serve.engine.builder import load_models
 
     models = load_models(args.target, args.dtype, args.drafter)
     prompts = load_prompts(ROOT / "infra" / "datasets" / "eval", 16, 0)

@@ -54,7 +54,7 @@ def policy_engine(name: str) -> dict:
     """
     from pydantic import ValidationError
 
-    from serve.config import EngineConfig
+    from serve.engine.config import EngineConfig
 
     base, _, override = name.partition("-")
     field, eq, value = override.partition("=")
@@ -91,7 +91,7 @@ async def one_request(client, url: str, model: str, prompt: str, max_tokens: int
                       seed: int | None = None, temperature: float = 1.0):
     """Stream one chat completion; returns (ttft_s, total_s, completion_tokens, decode_s).
     Unseeded by default, as most production traffic is: a seeded request samples load-invariantly
-    (``serve.config.EngineConfig.seeded_sampling``), which accepts less."""
+    (``serve.engine.config.EngineConfig.seeded_sampling``), which accepts less."""
     body = {"model": model, "messages": [{"role": "user", "content": prompt}],
             "max_tokens": max_tokens, "temperature": temperature, "stream": True,
             "stream_options": {"include_usage": True}}

@@ -7,7 +7,7 @@ prompt (prompt i starts at arm i mod n) so machine drift hits every arm alike:
   two per (dataset, temperature) is the baseline every ``speedup_vs_generate`` is taken against;
 - ``engine_target_only``: this project's engine without a drafter;
 - ``dspark``: the calibrated DSpark drafter with the dspark scheduler (Algorithm 1 over SPS(B))
-  and the goodput planner (drafts only where its profiled cost pays, ``serve/draft_planner.py``);
+  and the goodput planner (drafts only where its profiled cost pays, ``serve/engine/draft_planner.py``);
 - ``dspark_lookup``: the same, with prompt-lookup drafts as a second, free source the planner
   picks per request and round (``engine.prompt_lookup_max_ngram``);
 - ``dspark_unplanned``: the dspark scheduler drafting gamma tokens every round (no planner);
@@ -68,9 +68,9 @@ class Arms:
         import torch
 
         from drafters.loading import load_drafter
-        from serve.builder import build_engine, load_models
-        from serve.config import EngineConfig
-        from serve.target_loading import DTYPES
+        from serve.engine.builder import build_engine, load_models
+        from serve.engine.config import EngineConfig
+        from serve.engine.target_loading import DTYPES
 
         self.dtype = dtype
         self.models = {}
@@ -83,7 +83,7 @@ class Arms:
                 continue
             self.gamma = m.drafter.config.block_size
             # one request at a time, seeded for paired arms: rejection sampling, as unseeded
-            # production requests get it (serve.config.EngineConfig.seeded_sampling)
+            # production requests get it (serve.engine.config.EngineConfig.seeded_sampling)
             one = dict(max_num_requests=1, max_batch_tokens=max_batch_tokens,
                        seeded_sampling="rejection")
             configs = {
@@ -116,7 +116,7 @@ class Arms:
     def run(self, arm: str, ids: list[int], max_new: int, temperature: float, seed: int,
             dtype: str | None = None) -> dict:
         from pipeline.baselines import hf_generate
-        from serve.requests import EngineRequest, SamplingParams
+        from serve.engine.requests import EngineRequest, SamplingParams
 
         dtype = dtype or self.dtype
         if arm in PLAIN or arm == "prompt_lookup":
@@ -153,8 +153,8 @@ def train_eagle3(config: str, overrides: list[str]) -> str:
 
 def summarize(results: list[dict], gamma: int) -> dict:
     """Tokens/s over all prompts of a cell, and the engine's round statistics over the rounds
-    that verified at least one draft token (``serve.metrics.SpecDecodeStats`` definitions)."""
-    from serve.metrics import SpecDecodeStats
+    that verified at least one draft token (``serve.engine.metrics.SpecDecodeStats`` definitions)."""
+    from serve.engine.metrics import SpecDecodeStats
 
     tokens = sum(len(r["tokens"]) for r in results)
     seconds = sum(r["seconds"] for r in results)
@@ -290,7 +290,7 @@ def main() -> int:
         return 2
     import torch
 
-    from serve.chat import render_prompt_ids
+    from serve.engine.chat import render_prompt_ids
 
     torch.set_num_threads(args.threads)
     ctx = StageContext.create(cfg)

@@ -59,7 +59,7 @@ def worker(args) -> dict:
 
     from drafters.loading import build_drafter
     from drafters.target_weights import load_frozen_head
-    from pipeline.cache import read_manifest
+    from pipeline.cache_format import read_manifest
     from pipeline.config import load_config
     from pipeline.stages import StageContext
     from pipeline.train import select_draft_vocab

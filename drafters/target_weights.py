@@ -1,8 +1,10 @@
-"""The target's tensors a drafter is bound to, read without loading the whole target: the
-embedding and LM head (and, for ``init: target_layers``, the last decoder layers and the final
-norm), fp32 on CPU. Training (``pipeline/train_worker.py``) and export (``drafters/export``) read
-the target through here; the serving engine loads the whole target
-(``serve/target_loading.py``).
+"""The one target loader: a target resolved by HF hub name or local directory, as its config
+(:func:`load_target_config`), the whole frozen model (:func:`load_target`: the serving engine,
+generation, the cache stage, calibration and evaluation, through ``serve.engine.target_loading``),
+or only the tensors a drafter is bound to (:func:`load_frozen_head`: the embedding and LM head
+and, for ``init: target_layers``, the last decoder layers and the final norm, fp32 on CPU,
+without loading the whole target: training, ``pipeline/train_worker.py``, and export,
+``drafters/export``).
 """
 
 from __future__ import annotations
@@ -11,6 +13,45 @@ import json
 from pathlib import Path
 
 import torch
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def load_target_config(name_or_path: str):
+    """The target's HF config (``AutoConfig.from_pretrained``).
+
+    Raises:
+        FileNotFoundError: nothing loadable at ``name_or_path`` (message names it).
+    """
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(name_or_path)
+    except (OSError, ValueError) as err:
+        raise FileNotFoundError(f"unknown target model {name_or_path!r}: {err}") from err
+
+
+def load_target(name_or_path: str, dtype: str = "float32"):
+    """Load the frozen target model (eval mode, no grad) with ``from_pretrained``.
+
+    Args:
+        name_or_path: HF hub name or local directory.
+        dtype: ``float32``, ``bfloat16`` or ``float16``.
+    Raises:
+        FileNotFoundError: nothing loadable at ``name_or_path`` (message names it).
+        ValueError: unknown dtype.
+    """
+    from transformers import AutoModelForCausalLM
+
+    if dtype not in DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; choose one of {sorted(DTYPES)}")
+    try:
+        model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=DTYPES[dtype])
+    except (OSError, ValueError) as err:
+        raise FileNotFoundError(f"cannot load target model {name_or_path!r}: {err}") from err
+    model.eval()
+    model.requires_grad_(False)
+    return model
 
 
 def load_frozen_head(target_name: str, top_layers: int = 0):
@@ -22,9 +63,7 @@ def load_frozen_head(target_name: str, top_layers: int = 0):
     reads ~1.6 GB, not 16 GB of fp32 weights); a checkpoint in another format or with other
     tensor names is loaded whole with ``from_pretrained`` instead.
     """
-    from transformers import AutoConfig
-
-    config = AutoConfig.from_pretrained(target_name)
+    config = load_target_config(target_name)
     tensors = _read_target_tensors(target_name, config, top_layers)
     if tensors is None:
         return _load_frozen_head_whole(target_name, top_layers)
@@ -86,9 +125,7 @@ def _safetensors_files(target_name: str) -> list[str]:
 
 def _load_frozen_head_whole(target_name: str, top_layers: int):
     """:func:`load_frozen_head` through ``from_pretrained`` (every weight, fp32)."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(target_name, dtype=torch.float32)
+    model = load_target(target_name, "float32")
     emb = model.get_input_embeddings().weight.detach().clone()
     head = model.get_output_embeddings().weight.detach().clone()
     if not top_layers:

@@ -4,7 +4,7 @@ speculative method a user would try first (Saxena 2023; transformers "assisted g
 
 Sampling settings mirror the engine's: greedy at temperature 0, else pure temperature sampling
 (top_k and top_p disabled, so the model's ``generation_config`` defaults do not change the
-distribution); generation stops at the first of the shared EOS ids (``serve.target_loading.eos_token_ids``).
+distribution); generation stops at the first of the shared EOS ids (``serve.engine.target_loading.eos_token_ids``).
 """
 
 from __future__ import annotations

@@ -36,10 +36,10 @@ def collect_rounds(*, target: str, dtype: str, drafter_dir: str, template_kwargs
     import torch
     from tqdm import tqdm
 
-    from serve.builder import load_models
-    from serve.chat import render_prompt_ids
-    from serve.decoding import SpeculativeDecoder
-    from serve.profiling import device_name
+    from serve.engine.builder import load_models
+    from serve.engine.chat import render_prompt_ids
+    from serve.engine.decoding import SpeculativeDecoder
+    from serve.engine.profiling import device_name
 
     if num_threads:
         torch.set_num_threads(num_threads)

@@ -15,7 +15,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from drafters.config import DrafterConfig
-from serve.config import EngineConfig
+from serve.engine.config import EngineConfig
 
 Dtype = Literal["float32", "bfloat16", "float16"]
 
@@ -156,7 +156,7 @@ class GenerateConfig(Strict):
                                      description="Engines of backend vllm (read only there).")
 
 
-# Limits of the cache's row groups (why: pipeline/cache.py, above row_group_sizes): one Arrow
+# Limits of the cache's row groups (why: pipeline/cache_writer.py, above row_group_sizes): one Arrow
 # binary column, or one value, holds at most MAX_COLUMN_BYTES; row groups default to far less
 MAX_COLUMN_BYTES = 2**31 - 2**26
 DEFAULT_ROW_GROUP_BYTES = 2**29  # 512 MiB
@@ -322,9 +322,6 @@ class WandbConfig(Strict):
     project: str = "dspark-ray"
     entity: str | None = None
     mode: Literal["offline", "online", "disabled"] = "offline"
-
-
-STAGES = ("prompts", "generate", "cache", "train", "calibrate", "eval")
 
 
 class PipelineConfig(Strict):

@@ -65,11 +65,11 @@ def load_eval_prompts(path: Path, count: int, seed: int) -> list[str]:
 def summarize(records: list[dict], gamma: int, sts_temperatures: list[float] | None = None) -> dict:
     """Aggregate per-prompt records of one (dataset, sampling temperature) cell.
 
-    ``records[i]["spec_rounds"]`` are the engine's :class:`serve.engine.RoundRecord` s; tau,
-    accept_rate@k and conditional acceptance come from :class:`serve.metrics.SpecDecodeStats`
+    ``records[i]["spec_rounds"]`` are the engine's :class:`serve.engine.core.RoundRecord` s; tau,
+    accept_rate@k and conditional acceptance come from :class:`serve.engine.metrics.SpecDecodeStats`
     (one definition). ``sts_temperatures`` are the drafter's calibration temperatures T_1..T_gamma
     (None = uncalibrated)."""
-    from serve.metrics import SpecDecodeStats
+    from serve.engine.metrics import SpecDecodeStats
 
     # rounds that verified nothing (the scheduler or planner declined, the budget's last token,
     # beyond the drafter's context) are plain target steps and say nothing about the drafter
@@ -166,7 +166,7 @@ def evaluate(*, target: str, dtype: str, drafter_dir: str, template_kwargs: dict
         datasets: dataset name -> prompts (first user turns).
         speed_baseline: also decode with plain ``generate`` (in ``baseline_dtype``) to measure the
             speed-up (doubles the time).
-        engine: ``serve.config.EngineConfig`` of the speculative engine (its scheduler); None =
+        engine: ``serve.engine.config.EngineConfig`` of the speculative engine (its scheduler); None =
             fixed gamma-token verification.
         drafter_dir: local directory or URL (``s3://``, read with ``storage_options``; fetched
             on the node this runs on).
@@ -181,11 +181,11 @@ def evaluate(*, target: str, dtype: str, drafter_dir: str, template_kwargs: dict
     import torch
     from tqdm import tqdm
 
-    from serve.builder import load_models
-    from serve.chat import render_prompt_ids
-    from serve.decoding import SpeculativeDecoder
-    from serve.profiling import PROFILE_NAME
-    from serve.target_loading import load_target
+    from serve.engine.builder import load_models
+    from serve.engine.chat import render_prompt_ids
+    from serve.engine.decoding import SpeculativeDecoder
+    from serve.engine.profiling import PROFILE_NAME
+    from serve.engine.target_loading import load_target
 
     from .baselines import hf_generate
 
@@ -233,7 +233,7 @@ def evaluate(*, target: str, dtype: str, drafter_dir: str, template_kwargs: dict
                                                  drafter.config.calibration_temperatures)
     bar.close()
     # the SPS(B) profile the engine measured or reused, for the engine files the eval stage
-    # writes (serve/engine_files.py): read here because a remote drafter's local copy (where the
+    # writes (serve/engine/engine_files.py): read here because a remote drafter's local copy (where the
     # profile is stored) lives on this task's node only
     profile = Path(models.drafter_dir or "") / PROFILE_NAME
     stored = json.loads(profile.read_text()) if models.drafter_dir and profile.is_file() else None

@@ -62,7 +62,7 @@ class GenerateUDF:
                  num_threads: int | None, max_prompt_tokens: int, seed: int):
         import torch
 
-        from serve.target_loading import eos_token_ids, load_target, load_tokenizer
+        from serve.engine.target_loading import eos_token_ids, load_target, load_tokenizer
 
         if num_threads:
             torch.set_num_threads(num_threads)
@@ -138,7 +138,7 @@ class GenerateUDF:
         return texts, reasons, [""] * len(texts)
 
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, list]:
-        from serve.chat import render_prompt_ids
+        from serve.engine.chat import render_prompt_ids
 
         ids = [str(x) for x in batch["id"]]
         turns = [json.loads(m) for m in batch["messages"]]

@@ -1,11 +1,11 @@
 """Generate stage on the project's own engine (``generate.backend: engine``): the regeneration of
-``generate.py`` decoded by :class:`serve.engine.SpecEngine` in target-only mode, the continuous
+``generate.py`` decoded by :class:`serve.engine.core.SpecEngine` in target-only mode, the continuous
 batching engine that serving and evaluation run.
 
 What differs from the hf backend is only how the answers of one Ray Data batch are decoded: the
 engine keeps ``generate.max_num_requests`` sequences in flight, a finished one's KV slot takes the
 next prompt at once (no padding, no batch waiting for its longest answer), and single-token decode
-rows attend together in one batched product (``serve/kv_pool.py``). Rows, conversation walk,
+rows attend together in one batched product (``serve/engine/kv_pool.py``). Rows, conversation walk,
 prompts, EOS set, answer cutting (:func:`pipeline.generate.finish_answer`), resume by id and the
 error file are the hf backend's (the same :class:`pipeline.generate.GenerateUDF` walk and
 :func:`pipeline.generate.run_generate` writer).
@@ -46,8 +46,8 @@ class EngineGenerateUDF(GenerateUDF):
                  max_num_requests: int, kv_cache_memory_gib: float):
         import torch
 
-        from serve.builder import build_engine, load_models
-        from serve.config import EngineConfig
+        from serve.engine.builder import build_engine, load_models
+        from serve.engine.config import EngineConfig
 
         if num_threads:
             torch.set_num_threads(num_threads)
@@ -79,8 +79,8 @@ class EngineGenerateUDF(GenerateUDF):
             errors, "" = none: a row the engine refused or failed has its error here and the
             others are unaffected).
         """
-        from serve.errors import RequestError
-        from serve.requests import EngineRequest, SamplingParams
+        from serve.engine.errors import RequestError
+        from serve.engine.requests import EngineRequest, SamplingParams
 
         s = self.sampling
         tokens: list[list[int]] = [[] for _ in prompts]

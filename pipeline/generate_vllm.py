@@ -3,14 +3,14 @@ through a ``ray.data.llm`` processor, for GPU clusters.
 
 The same conversation walk, prompts, sampling and rows as the hf backend:
 
-* prompts are rendered by :func:`serve.chat.render_prompt_ids` (the target's chat template with
+* prompts are rendered by :func:`serve.engine.chat.render_prompt_ids` (the target's chat template with
   ``target.chat_template_kwargs``, no extra special tokens), the function the hf backend and the
   cache stage use, in a CPU actor pool ahead of the engines. Ray's own chat-template and tokenize
   stages are off: they tokenize with the tokenizer's special tokens (a second BOS on templates
   that write one) and know no ``max_prompt_tokens``;
 * ``generate.sampling`` maps one to one onto ``vllm.SamplingParams`` (:func:`sampling_params`),
   stopping on the end tokens serving and the hf backend stop on
-  (:func:`serve.target_loading.eos_token_ids`);
+  (:func:`serve.engine.target_loading.eos_token_ids`);
 * answers are cut and decoded by :func:`pipeline.generate.finish_answer` in a CPU actor pool
   after the engines (Ray's detokenize stage off, vLLM's ``detokenize`` off);
 * rows go to the same ``<split>.jsonl`` / ``errors.jsonl`` with the same fields, fsynced per
@@ -121,7 +121,7 @@ def target_end_tokens(target: str) -> list[int]:
 
     from transformers import AutoConfig, GenerationConfig
 
-    from serve.target_loading import eos_token_ids, load_tokenizer
+    from serve.engine.target_loading import eos_token_ids, load_tokenizer
 
     try:
         gen = GenerationConfig.from_pretrained(target)
@@ -142,14 +142,14 @@ class RenderPromptUDF:
     """
 
     def __init__(self, target: str, template_kwargs: dict, max_prompt_tokens: int):
-        from serve.target_loading import load_tokenizer
+        from serve.engine.target_loading import load_tokenizer
 
         self.tokenizer = load_tokenizer(target)
         self.template_kwargs = template_kwargs
         self.max_prompt_tokens = max_prompt_tokens
 
     def __call__(self, batch: dict) -> dict:
-        from serve.chat import render_prompt_ids
+        from serve.engine.chat import render_prompt_ids
 
         prompts, errors = [], []
         for raw in batch["messages"]:
@@ -172,7 +172,7 @@ class DecodeAnswerUDF:
     the row succeeded), with the hf backend's messages."""
 
     def __init__(self, target: str, end_ids: list[int]):
-        from serve.target_loading import load_tokenizer
+        from serve.engine.target_loading import load_tokenizer
 
         self.tokenizer = load_tokenizer(target)
         self.end_ids = set(end_ids)

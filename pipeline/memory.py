@@ -359,7 +359,7 @@ def estimate_for_config(cfg, target_config) -> MemoryEstimate:
 def bound_drafter_config(cfg, target_config) -> BoundDrafterConfig:
     """The drafter a pipeline config trains, bound to its target (layer ids as the cache stage
     picks them)."""
-    from serve.target_loading import default_layer_ids
+    from serve.engine.target_loading import default_layer_ids
 
     layer_ids = cfg.target.layer_ids or default_layer_ids(target_config.num_hidden_layers,
                                                           cfg.target.num_context_layers)

@@ -4,7 +4,7 @@ Ray Train (v2) starts a detached ``PlacementGroupCleaner`` actor beside every tr
 a second it asks the State API whether the train controller is still alive, so that it can remove
 the run's placement group if the controller dies while the cluster lives on
 (``ray/train/v2/_internal/execution/controller/placement_group_cleaner.py``). The State API is
-served by the dashboard, and the local Ray of :func:`pipeline.stages.ensure_ray` starts without
+served by the dashboard, and the local Ray of :func:`pipeline.stage_context.ensure_ray` starts without
 one (``include_dashboard=False``: the full dashboard costs ~1 GB of memory in ten module
 processes, on a machine the pipeline needs for its models). So every poll fails and the cleaner
 logs ``Failed to query Ray Train Controller actor state. State API may be temporarily unavailable.

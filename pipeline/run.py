@@ -30,7 +30,7 @@ import os  # noqa: E402
 import time  # noqa: E402
 
 from pipeline import stages, storage  # noqa: E402
-from pipeline.config import STAGES, ConfigError, load_config  # noqa: E402
+from pipeline.config import ConfigError, load_config  # noqa: E402
 from pipeline.generate_vllm import VllmNotInstalledError  # noqa: E402
 from pipeline.train import TrainingFailedError  # noqa: E402
 
@@ -41,8 +41,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", required=True, help="pipeline YAML (see infra/configs/)")
-    parser.add_argument("--stages", default=",".join(STAGES),
-                        help=f"comma-separated subset of {','.join(STAGES)} (run in that order)")
+    names = stages.STAGE_NAMES
+    parser.add_argument("--stages", default=",".join(names),
+                        help=f"comma-separated subset of {','.join(names)} (run in that order)")
     parser.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE",
                         help="override a config field (repeatable; value parsed as YAML)")
     parser.add_argument("--force", action="append", default=[], metavar="STAGE",
@@ -63,11 +64,12 @@ def main(argv: list[str] | None = None) -> int:
         print(err, file=sys.stderr)
         return 2
     wanted = [s.strip() for s in args.stages.split(",") if s.strip()]
-    unknown = [s for s in wanted + args.force if s not in STAGES]
+    unknown = [s for s in wanted + args.force if s not in stages.STAGE_NAMES]
     if unknown:
-        print(f"unknown stage(s) {unknown}; choose from {list(STAGES)}", file=sys.stderr)
+        print(f"unknown stage(s) {unknown}; choose from {list(stages.STAGE_NAMES)}",
+              file=sys.stderr)
         return 2
-    ordered = [s for s in STAGES if s in wanted]
+    ordered = [s for s in stages.STAGE_NAMES if s in wanted]
     started = time.time()
     try:
         ctx = stages.StageContext.create(cfg)
@@ -82,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
             logger.info("repair: %d damaged shard(s) removed%s", len(damaged),
                         f", rewritten by the cache stage: {damaged}" if damaged else "")
             if damaged and "cache" not in ordered:
-                ordered = [s for s in STAGES if s in ordered or s == "cache"]
+                ordered = [s for s in stages.STAGE_NAMES if s in ordered or s == "cache"]
         for name in ordered:
             stages.run_stage(ctx, name, force=name in args.force)
     except (ConfigError, FileNotFoundError, ConnectionError, PermissionError, ValueError,

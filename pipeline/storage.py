@@ -1,6 +1,6 @@
 """Filesystems: local paths and ``s3://`` URLs (through s3fs, wrapped for pyarrow).
 
-Relative local paths in configs resolve against the project root (``serve.paths``, re-exported
+Relative local paths in configs resolve against the project root (``serve.engine.paths``, re-exported
 here as ``storage.resolve`` for the pipeline's stages).
 """
 
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pyarrow.fs as pafs
 
-from serve.paths import is_url, local_copy, project_root, resolve  # noqa: F401  (the pipeline's path API)
+from serve.engine.paths import is_url, local_copy, project_root, resolve  # noqa: F401  (the pipeline's path API)
 
 logger = logging.getLogger(__name__)
 

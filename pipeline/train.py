@@ -55,7 +55,7 @@ def run_train(*, cache_dir: str, manifest: dict, out_dir: Path, target: str, lay
 
         check_checkpoint(storage.resolve(train.init_from))
     if train.verify_cache:  # a damaged shard is named now, before any worker starts
-        from .cache import verify_shard
+        from .cache_format import verify_shard
 
         for split, info in manifest["splits"].items():
             for shard in info.get("shards", []):

@@ -28,7 +28,7 @@ from typing import Iterable, Iterator
 import numpy as np
 
 from . import storage
-from .cache import BYTE_COLUMNS, CorruptShardError, decode_columns
+from .cache_format import BYTE_COLUMNS, CorruptShardError, decode_columns
 
 
 @dataclass(frozen=True)
@@ -130,7 +130,7 @@ class ArrowRowGroup:
         return data[off[j]:off[j + 1]]
 
     def decode(self, i: int, hidden_size: int, num_context_layers: int) -> dict:
-        """Row ``i`` decoded by :func:`pipeline.cache.decode_columns` (fresh tensors).
+        """Row ``i`` decoded by :func:`pipeline.cache_format.decode_columns` (fresh tensors).
 
         Raises:
             CorruptShardError: byte sizes disagree with ``num_tokens`` (sample named).
@@ -152,7 +152,7 @@ class CacheRowReader:
 
     Args:
         index: a :class:`CacheRowIndex`.
-        hidden_size, num_context_layers: to decode rows (:func:`pipeline.cache.decode_columns`).
+        hidden_size, num_context_layers: to decode rows (:func:`pipeline.cache_format.decode_columns`).
         cached_groups: how many row groups (Arrow tables) to keep (LRU); at least the epoch
             order's shuffle window (4) so that every row group is read once per epoch.
         io_threads: row groups read concurrently (I/O and decompression release the GIL).
@@ -239,7 +239,7 @@ class CacheRowReader:
         return out
 
     def read(self, rows: list[int]) -> list[dict]:
-        """Decoded samples (see :func:`pipeline.cache.decode_columns`) of the given global row
+        """Decoded samples (see :func:`pipeline.cache_format.decode_columns`) of the given global row
         ids, in the given order, each with ``row_id``.
 
         Raises:

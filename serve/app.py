@@ -2,7 +2,7 @@
 
 The only module of ``serve`` that imports Ray (STYLE section 2, item 1). Each replica loads the
 target, its tokenizer and the drafter, profiles SPS(B) when the scheduler needs it (SPEC 6), and
-drives one :class:`serve.engine.SpecEngine` through :class:`serve.async_engine.AsyncSpecEngine`
+drives one :class:`serve.engine.core.SpecEngine` through :class:`serve.async_engine.AsyncSpecEngine`
 (the one decoding loop every caller shares, STYLE item 8).
 
 Start it from a Ray Serve config file (``applications[].import_path: serve.app:build_app``, the
@@ -12,7 +12,7 @@ Start it from a Ray Serve config file (``applications[].import_path: serve.app:b
 
 or from Python: ``serve.start(http_options=...); serve.run(build_app({...}))``.
 
-Routes (OpenAI API reference; bodies in :mod:`serve.openai_protocol`):
+Routes (OpenAI API reference; bodies in :mod:`serve.openai_protocol` and :mod:`serve.openai_responses`):
 
 * ``POST /v1/completions``, ``POST /v1/chat/completions``: JSON, or server-sent events
   (``data: {chunk}\\n\\n`` ... ``data: [DONE]\\n\\n``) with ``"stream": true``. Chat messages are
@@ -30,7 +30,7 @@ refused, never queued without bound), 503 ``engine_dead``. A client that disconn
 request in the engine.
 
 Metrics (``ray.serve.metrics``, exported to Prometheus by Ray; names get Ray's ``ray_`` prefix and
-counters a ``_total`` suffix): see :class:`ServeMetrics`.
+counters a ``_total`` suffix): see :class:`serve.app_metrics.ServeMetrics`.
 """
 
 import asyncio
@@ -42,22 +42,21 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from ray import serve
-from ray.serve import metrics as serve_metrics
 from ray.serve.deployment import Application
 from starlette.exceptions import HTTPException
 
-from .async_engine import (AsyncSpecEngine, EngineSnapshot, RequestStream, copy_stats,
-                           rounds_by_verified_length, stats_delta)
+from .app_metrics import RequestTimer, ServeMetrics
+from .async_engine import AsyncSpecEngine, RequestStream, copy_stats
 from .config import ServeConfig, _is_path
-from .detokenize import token_bytes
-from .errors import EngineDeadError, RequestError
-from .metrics import SpecDecodeStats
-from .openai_protocol import (SSE_DONE, APIError, AssistantMessage, ChatChoice, ChatChunkChoice,
-                              ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse,
-                              CompletionChoice, CompletionRequest, CompletionResponse,
-                              DeltaMessage, ModelCard, ModelList, Usage, chat_logprobs,
-                              completion_logprobs, new_id, now_s, sse, validation_error)
-from .requests import EngineRequest, RequestOutput, SamplingParams
+from .engine.detokenize import token_bytes
+from .engine.errors import EngineDeadError, RequestError
+from .engine.requests import EngineRequest, SamplingParams
+from .openai_protocol import (APIError, ChatCompletionRequest, CompletionRequest, dead_error,
+                              request_error, validation_error)
+from .openai_responses import (SSE_DONE, AssistantMessage, ChatChoice, ChatChunkChoice,
+                               ChatCompletionChunk, ChatCompletionResponse, CompletionChoice,
+                               CompletionResponse, DeltaMessage, ModelCard, ModelList, Usage,
+                               chat_logprobs, completion_logprobs, new_id, now_s, sse)
 
 logger = logging.getLogger(__name__)
 
@@ -79,8 +78,8 @@ def load_engine(cfg: ServeConfig):
     """
     import torch
 
-    from .builder import build_engine, load_models
-    from .paths import resolve
+    from .engine.builder import build_engine, load_models
+    from .engine.paths import resolve
 
     if cfg.num_threads:
         torch.set_num_threads(cfg.num_threads)
@@ -98,144 +97,6 @@ def load_engine(cfg: ServeConfig):
     if engine.sps is not None:
         logger.info("SPS(B) and drafter cost ready in %.1f s", time.perf_counter() - start)
     return engine
-
-
-# ------------------------------------------------------------------------------------- metrics
-TTFT_BUCKETS_S = [0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120]
-LATENCY_BUCKETS_S = [0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160, 320, 640]
-TPOT_BUCKETS_S = [0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1, 2.5]
-TOKEN_BUCKETS = [1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384]
-
-
-class ServeMetrics:
-    """Replica metrics through ``ray.serve.metrics`` (deployment/replica/application tags added by
-    Serve; Prometheus names get Ray's ``ray_`` prefix). Engine counters are exported as
-    differences of :class:`EngineSnapshot` taken periodically on the replica's event loop, so the
-    engine thread never touches a metric. ``infra/grafana/dspark_serve.json`` charts them.
-
-    Speculative decoding under vLLM's names (``vllm:`` becomes ``vllm_``: Ray metric names cannot
-    hold a colon): ``vllm_spec_decode_num_drafts`` (rounds that proposed drafts),
-    ``vllm_spec_decode_num_draft_tokens`` (draft tokens sent to verification: vLLM verifies every
-    draft token, DSpark's scheduler may verify fewer than it drafted),
-    ``vllm_spec_decode_num_accepted_tokens`` and ``vllm_spec_decode_num_accepted_tokens_per_pos``
-    (tag ``position``, 0-based as vLLM's); acceptance rate = accepted / draft tokens.
-    DSpark's own: ``dspark_drafted_tokens`` (all proposed), ``dspark_committed_tokens`` (bonus
-    included), ``dspark_rounds``, ``dspark_engine_steps``, ``dspark_failed_requests``,
-    ``dspark_verified_tokens_per_position`` (tag ``position``, 1-based; accepted / verified per
-    position = accept_rate@k over the rounds verifying k, SPEC 5), histogram
-    ``dspark_verification_budget_tokens`` (l_r per request per step, SPEC 6; buckets at k + 0.5).
-    Request level (vLLM's names): ``vllm_e2e_request_latency_seconds``,
-    ``vllm_time_to_first_token_seconds``, ``vllm_time_per_output_token_seconds`` (after the first
-    token), ``vllm_request_prompt_tokens``, ``vllm_request_generation_tokens``,
-    ``vllm_request_success`` (Prometheus: ``ray_vllm_request_success_total``, tag
-    ``finished_reason``: stop, length, abort, error).
-    Gauges: ``dspark_num_waiting_requests``, ``dspark_num_running_requests``,
-    ``dspark_engine_alive`` (1/0). Every tag takes a bounded set of values (no free-form user
-    label).
-
-    Ray 2.60's OpenTelemetry recorder reports a histogram's ``_sum`` from bucket midpoints, so
-    read the bucket counts (exact), not ``_sum / _count``.
-    """
-
-    COUNTERS = {"drafted_rounds": "vllm_spec_decode_num_drafts",
-                "verified_tokens": "vllm_spec_decode_num_draft_tokens",
-                "accepted_tokens": "vllm_spec_decode_num_accepted_tokens",
-                "drafted_tokens": "dspark_drafted_tokens",
-                "committed_tokens": "dspark_committed_tokens",
-                "rounds": "dspark_rounds", "steps": "dspark_engine_steps",
-                "failed_requests": "dspark_failed_requests"}
-    FINISH_REASONS = ("stop", "length", "abort", "error")
-
-    def __init__(self, gamma: int):
-        m = serve_metrics
-        self.counters = {field: m.Counter(name, description=f"SpecDecodeStats.{field} (raw).")
-                         for field, name in self.COUNTERS.items()}
-        self.accepted_pos = m.Counter("vllm_spec_decode_num_accepted_tokens_per_pos",
-                                      tag_keys=("position",),
-                                      description="Accepted draft tokens at position k (0-based).")
-        self.verified_pos = m.Counter("dspark_verified_tokens_per_position", tag_keys=("position",),
-                                      description="Rounds that verified draft position k (1-based).")
-        self.budget = m.Histogram("dspark_verification_budget_tokens",
-                                  description="Draft tokens verified per request per step.",
-                                  boundaries=[k + 0.5 for k in range(max(gamma, 1) + 1)])
-        self.e2e = m.Histogram("vllm_e2e_request_latency_seconds", boundaries=LATENCY_BUCKETS_S,
-                               description="Request arrival to its last token (s).")
-        self.ttft = m.Histogram("vllm_time_to_first_token_seconds", boundaries=TTFT_BUCKETS_S,
-                                description="Request arrival to first token (s).")
-        self.tpot = m.Histogram("vllm_time_per_output_token_seconds", boundaries=TPOT_BUCKETS_S,
-                                description="Seconds per output token after the first.")
-        self.prompt_tokens = m.Histogram("vllm_request_prompt_tokens", boundaries=TOKEN_BUCKETS,
-                                         description="Prompt tokens per request.")
-        self.generation_tokens = m.Histogram("vllm_request_generation_tokens",
-                                             boundaries=TOKEN_BUCKETS,
-                                             description="Generated tokens per request.")
-        self.finished = m.Counter("vllm_request_success", tag_keys=("finished_reason",),
-                                  description="Finished requests by finish reason.")
-        self.waiting = m.Gauge("dspark_num_waiting_requests", description="Engine queue length.")
-        self.running = m.Gauge("dspark_num_running_requests", description="Requests decoding.")
-        self.alive = m.Gauge("dspark_engine_alive", description="1 while the engine is healthy.")
-        self._prev = SpecDecodeStats()
-        self.exported = SpecDecodeStats()  # totals pushed so far (for /health and tests)
-
-    def update(self, snap: EngineSnapshot) -> None:
-        """Push the counter increments since the previous call and set the gauges."""
-        delta = stats_delta(self._prev, snap.stats)
-        self._prev = snap.stats
-        for field, counter in self.counters.items():
-            value = getattr(delta, field)
-            if value > 0:
-                counter.inc(value)
-        for k, (v, a) in enumerate(zip(delta.verified_per_position, delta.accepted_per_position)):
-            if v > 0:
-                self.verified_pos.inc(v, tags={"position": str(k + 1)})
-            if a > 0:
-                self.accepted_pos.inc(a, tags={"position": str(k)})
-        for length, count in rounds_by_verified_length(delta).items():
-            for _ in range(count):
-                self.budget.observe(length)
-        self.waiting.set(snap.num_waiting)
-        self.running.set(snap.num_running)
-        self.alive.set(0 if snap.dead else 1)
-        self.exported = copy_stats(snap.stats)
-
-
-class _RequestTimer:
-    """Request-level metrics of one request, measured on the event loop."""
-
-    def __init__(self, metrics: ServeMetrics, num_prompt_tokens: int, arrival_s: float):
-        self.metrics, self.arrival_s = metrics, arrival_s
-        self.num_prompt_tokens = num_prompt_tokens
-        self.first_s: float | None = None
-        self.first_tokens = 0
-        self.last_s = arrival_s
-        self.done = False
-
-    def observe(self, out: RequestOutput) -> None:
-        now = time.perf_counter()
-        if out.new_token_ids and self.first_s is None:
-            self.first_s, self.first_tokens = now, out.num_generated_tokens
-            self.metrics.ttft.observe(now - self.arrival_s)
-        self.last_s = now
-
-    def finish(self, last: RequestOutput | None, reason: str | None = None) -> None:
-        """Record the finished request once; ``reason`` overrides (a client that went away is an
-        abort, a failed request an error)."""
-        if self.done:
-            return
-        self.done = True
-        reason = reason or (last.finish_reason if last is not None and last.finished else "abort")
-        if reason not in ServeMetrics.FINISH_REASONS:
-            reason = "error"
-        m = self.metrics
-        m.finished.inc(1, tags={"finished_reason": reason})
-        m.prompt_tokens.observe(self.num_prompt_tokens)
-        m.generation_tokens.observe(last.num_generated_tokens if last is not None else 0)
-        m.e2e.observe(self.last_s - self.arrival_s)
-        if last is None or self.first_s is None:
-            return
-        tokens, seconds = last.num_generated_tokens - self.first_tokens, self.last_s - self.first_s
-        if tokens > 0 and seconds > 0:
-            m.tpot.observe(seconds / tokens)
 
 
 # ---------------------------------------------------------------------------------------- app
@@ -273,21 +134,6 @@ async def _internal_error(request: Request, exc: Exception):
     """A bug, not the client's fault: 500 with the JSON error body (Starlette still logs it)."""
     err = APIError(500, f"internal error: {type(exc).__name__}", code="internal_error")
     return JSONResponse(err.body(), status_code=500)
-
-
-def _request_error(err: RequestError, chat: bool) -> APIError:
-    """Map an engine :class:`RequestError` to its OpenAI error (status kept)."""
-    param = err.field
-    if param == "prompt" and chat:
-        param = "messages"
-    code = {413: "context_length_exceeded", 429: "queue_full",
-            500: "request_failed"}.get(err.status, "invalid_value")
-    headers = {"Retry-After": "1"} if err.status == 429 else None
-    return APIError(err.status, str(err), param=param, code=code, headers=headers)
-
-
-def _dead_error(err: EngineDeadError) -> APIError:
-    return APIError(503, f"the engine is dead: {err}", code="engine_dead")
 
 
 @serve.deployment(name="SpecServer", health_check_period_s=10, health_check_timeout_s=30,
@@ -366,7 +212,7 @@ class SpecServer:
         try:
             self.engine.check_health()
         except EngineDeadError as err:
-            raise _dead_error(err) from err
+            raise dead_error(err) from err
         snap = self.engine.snapshot()
         return {"status": "ok", "model": self.model_name, "num_waiting": snap.num_waiting,
                 "num_running": snap.num_running, "num_finished": snap.num_finished,
@@ -398,7 +244,7 @@ class SpecServer:
         """OpenAI ``POST /v1/chat/completions`` rendered with the chat template (one choice)."""
         arrival_s = time.perf_counter()
         self._check_model(body.model)
-        from .chat import render_prompt_ids
+        from .engine.chat import render_prompt_ids
 
         try:
             prompt_ids = render_prompt_ids(self.tokenizer, body.template_messages(),
@@ -443,10 +289,10 @@ class SpecServer:
                 return_spec_details=bool(body.return_spec_details),
                 min_tokens_per_s=body.min_tokens_per_s))
         except RequestError as err:
-            raise _request_error(err, chat) from err
+            raise request_error(err, chat) from err
         except EngineDeadError as err:
-            raise _dead_error(err) from err
-        timer = _RequestTimer(self.metrics, len(prompt_ids), arrival_s)
+            raise dead_error(err) from err
+        timer = RequestTimer(self.metrics, len(prompt_ids), arrival_s)
         created = now_s()
         if body.stream:
             events = (self._chat_events if chat else self._completion_events)(
@@ -472,7 +318,7 @@ class SpecServer:
                                       if wants else None)],
             spec_details=last.spec_details).model_dump()
 
-    async def _collect(self, stream: RequestStream, timer: _RequestTimer, chat: bool):
+    async def _collect(self, stream: RequestStream, timer: RequestTimer, chat: bool):
         """All of a request's text, its last output and its token logprobs (when asked); a
         cancelled handler (client gone) aborts it."""
         pieces, last, logprobs = [], None, []
@@ -483,10 +329,10 @@ class SpecServer:
                 logprobs += out.logprobs or []
                 last = out
         except EngineDeadError as err:
-            raise _dead_error(err) from err
+            raise dead_error(err) from err
         except RequestError as err:  # this request failed alone inside the engine
             timer.finish(last, "error")
-            raise _request_error(err, chat) from err
+            raise request_error(err, chat) from err
         finally:
             stream.abort()  # no-op once finished
             timer.finish(last)
@@ -497,7 +343,7 @@ class SpecServer:
         return self.tokenizer.decode([token_id])
 
     async def _chat_events(self, stream: RequestStream, request_id: str, created: int,
-                           include_usage: bool, timer: _RequestTimer):
+                           include_usage: bool, timer: RequestTimer):
         def chunk(delta: DeltaMessage, finish_reason=None, usage=None, choices=True,
                   logprobs=None, spec_details=None):
             return sse(ChatCompletionChunk(
@@ -525,18 +371,18 @@ class SpecServer:
                             usage=Usage.of(stream.num_prompt_tokens, last.num_generated_tokens))
             yield SSE_DONE
         except EngineDeadError as err:
-            yield sse(_dead_error(err).body())
+            yield sse(dead_error(err).body())
             yield SSE_DONE
         except RequestError as err:  # this request failed alone: an error event, then done
             timer.finish(last, "error")
-            yield sse(_request_error(err, True).body())
+            yield sse(request_error(err, True).body())
             yield SSE_DONE
         finally:
             stream.abort()  # client gone (cancelled / closed generator): free the engine slot
             timer.finish(last)
 
     async def _completion_events(self, stream: RequestStream, request_id: str, created: int,
-                                 include_usage: bool, timer: _RequestTimer):
+                                 include_usage: bool, timer: RequestTimer):
         def chunk(text: str, finish_reason=None, usage=None, choices=True, logprobs=None,
                   spec_details=None):
             return sse(CompletionResponse(
@@ -562,11 +408,11 @@ class SpecServer:
                             usage=Usage.of(stream.num_prompt_tokens, last.num_generated_tokens))
             yield SSE_DONE
         except EngineDeadError as err:
-            yield sse(_dead_error(err).body())
+            yield sse(dead_error(err).body())
             yield SSE_DONE
         except RequestError as err:
             timer.finish(last, "error")
-            yield sse(_request_error(err, False).body())
+            yield sse(request_error(err, False).body())
             yield SSE_DONE
         finally:
             stream.abort()

@@ -1,4 +1,4 @@
-"""An asyncio front end for one :class:`serve.engine.SpecEngine` (no Ray; the Serve app and any
+"""An asyncio front end for one :class:`serve.engine.core.SpecEngine` (no Ray; the Serve app and any
 other asyncio server use it).
 
 The engine is single-threaded by contract (vLLM v1's ``EngineCore`` busy loop plus
@@ -37,10 +37,10 @@ import time
 from dataclasses import dataclass
 from typing import AsyncIterator
 
-from .errors import EngineDeadError, RequestError
+from .engine.errors import EngineDeadError, RequestError
 from .heap import HeapTrimmer
-from .metrics import SpecDecodeStats
-from .requests import EngineRequest, RequestOutput
+from .engine.metrics import SpecDecodeStats
+from .engine.requests import EngineRequest, RequestOutput
 
 logger = logging.getLogger(__name__)
 

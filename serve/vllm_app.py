@@ -16,7 +16,7 @@ import json
 from pathlib import Path
 
 from .config import ServeConfig, _is_path
-from .paths import resolve
+from .engine.paths import resolve
 
 
 def speculative_config(cfg: ServeConfig) -> dict | None:

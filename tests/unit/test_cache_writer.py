@@ -1,4 +1,4 @@
-"""The cache writer (pipeline/cache.py, pipeline/storage.py): shards stream row group by row group
+"""The cache writer (pipeline/cache.py, cache_writer.py, pipeline/storage.py): shards stream row group by row group
 to a temporary that becomes visible only when complete, a failure leaves nothing behind, the hidden
 states are stored without dictionary encoding, transient store errors are retried with backoff,
 and batched target forwards give the rows a per-sample forward gives."""
@@ -14,8 +14,11 @@ import pytest
 import torch
 
 from pipeline import storage
-from pipeline.cache import (SCHEMA, CacheWriterUDF, ShardWriter, length_batches,
-                            row_group_sizes, supervised_token_counts, write_shard)
+from pipeline.cache import CacheTarget, CacheWriterUDF, length_batches
+from pipeline.cache_format import SCHEMA
+from pipeline.cache_writer import (ShardWriter, row_group_sizes, supervised_token_counts,
+                                   write_shard)
+from pipeline.config import CacheConfig
 
 
 def _rows(n: int, t: int = 40, width: int = 64) -> list[dict]:
@@ -147,8 +150,10 @@ def test_length_batches_cover_every_sample_once_within_the_token_budget():
 def test_batched_forwards_give_the_rows_of_per_sample_forwards(tiny_target_dir, tmp_path):
     """Samples of mixed lengths forwarded right-padded in one batch: each row equals the row of
     its own forward (to bf16 rounding) and rows keep the conversations' order."""
-    udf = CacheWriterUDF(str(tiny_target_dir), "float32", [1, 3], {}, 256, 5, 4, 1, {},
-                         forward_batch_tokens=1 << 20)
+    udf = CacheWriterUDF(CacheTarget(str(tiny_target_dir), "float32", [1, 3], {}),
+                         CacheConfig(max_length=256, min_supervised_tokens=5,
+                                     rows_per_row_group=4, num_threads=1,
+                                     forward_batch_tokens=1 << 20), {})
     convs = [{"id": f"c{i}", "messages": [
         {"role": "user", "content": "Tell me something " + "long " * (3 * i)},
         {"role": "assistant", "content": f"Here it is: {'more words ' * (5 * i + 2)}done."}]}
@@ -219,7 +224,8 @@ def test_shards_are_cut_from_id_sorted_lines_and_fingerprinted_as_before():
 def test_rows_table_matches_the_dict_rows_and_sliced_tables_count_right(tmp_path):
     import pyarrow as pa
 
-    from pipeline.cache import bf16_array, rows_table
+    from pipeline.cache_format import bf16_array
+    from pipeline.cache_writer import rows_table
 
     torch.manual_seed(0)
     samples = [{"sample_id": f"s{i}", "domain": "d", "input_ids": list(range(5 + i)),

@@ -2,7 +2,7 @@
 
 import pytest
 
-from serve.chat import ChatTemplateError, render_prompt_ids, tokenize_conversation
+from serve.engine.chat import ChatTemplateError, render_prompt_ids, tokenize_conversation
 
 KW = {"enable_thinking": False}
 
@@ -75,7 +75,7 @@ def test_qwen3_style_template_supervises_every_turn_as_serving_renders_it(smollm
     no multi-turn conversation is dropped."""
     import copy
 
-    from serve.chat import tokenize_conversation_samples
+    from serve.engine.chat import tokenize_conversation_samples
 
     tok = copy.deepcopy(smollm2_tokenizer)
     tok.chat_template = QWEN3_STYLE

@@ -13,7 +13,7 @@ import random
 
 import pytest
 
-from serve.detokenize import (MAX_PENDING_TOKENS, DetokenizeResult, IncrementalDetokenizer,
+from serve.engine.detokenize import (MAX_PENDING_TOKENS, DetokenizeResult, IncrementalDetokenizer,
                               token_bytes)
 
 FFFD = "\ufffd"
@@ -405,7 +405,7 @@ def test_byte_level_token_bytes_concatenate_to_the_texts_utf8(tok):
         from transformers.convert_slow_tokenizer import bytes_to_unicode
     except ImportError:
         return
-    from serve.detokenize import _BYTE_OF_CHAR
+    from serve.engine.detokenize import _BYTE_OF_CHAR
 
     assert _BYTE_OF_CHAR == {c: b for b, c in bytes_to_unicode().items()}
 

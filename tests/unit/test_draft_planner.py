@@ -1,14 +1,14 @@
-"""The goodput planner (serve/draft_planner.py) and prompt-lookup candidates (serve/lookup.py):
+"""The goodput planner (serve/engine/draft_planner.py) and prompt-lookup candidates (serve/engine/lookup.py):
 cost-table lookups, acceptance estimates, which requests are drafted for and from which source."""
 
 from __future__ import annotations
 
 import pytest
 
-from serve.draft_planner import (AcceptanceEstimate, DraftCostTable, RequestOptions,
+from serve.engine.draft_planner import (AcceptanceEstimate, DraftCostTable, RequestOptions,
                                  expected_accepted, plan_drafts)
-from serve.lookup import NgramIndex
-from serve.scheduler import SPSTable
+from serve.engine.lookup import NgramIndex
+from serve.engine.scheduler import SPSTable
 
 FLAT = SPSTable.from_measurements({1: 100.0, 16: 96.0})  # a CPU-like flat curve: 10 ms a step
 

@@ -24,8 +24,8 @@ from drafters.draft_vocab import coverage, fingerprint, frequency_ranking, targe
 from drafters.losses import chunked_drafter_losses, drafter_losses, position_weights
 from drafters.base import WEIGHTS_NAME
 from drafters.dspark import DSparkDrafter
-from serve.decoding import SpeculativeDecoder
-from serve.target_runner import TargetKV, TargetRunner
+from serve.engine.decoding import SpeculativeDecoder
+from serve.engine.target_runner import TargetKV, TargetRunner
 from tests.tiny import tiny_drafter, tiny_target
 from tests.unit.helpers import greedy_reference, permuted_target, randomize_heads
 from tests.unit.test_speculative_lossless import _exact_first_tokens, _pooled_chisquare
@@ -48,7 +48,8 @@ def test_frequency_ranking_and_coverage():
 
 
 def test_cache_counts_supervised_tokens_into_the_manifest():
-    from pipeline.cache import build_manifest, supervised_token_counts
+    from pipeline.cache_format import build_manifest
+    from pipeline.cache_writer import supervised_token_counts
 
     rec = lambda ids, mask: {"input_ids": np.asarray(ids, "<i4").tobytes(),
                              "loss_mask": np.asarray(mask, np.uint8).tobytes()}

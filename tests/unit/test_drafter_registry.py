@@ -116,8 +116,8 @@ def _samples(target, n=4, prompt_len=6, new_tokens=34, seed=0):
 def test_a_drafter_defined_here_trains_saves_loads_and_verifies_losslessly(registered, tmp_path):
     from pipeline.config import PipelineConfig, TrainConfig
     from pipeline.train_worker import batch_losses
-    from serve.decoding import SpeculativeDecoder
-    from serve.target_runner import TargetRunner
+    from serve.engine.decoding import SpeculativeDecoder
+    from serve.engine.target_runner import TargetRunner
 
     # configured like any type: the pipeline's drafter section validates it through the registry
     cfg = PipelineConfig.model_validate({
@@ -171,7 +171,7 @@ def test_a_drafter_defined_here_trains_saves_loads_and_verifies_losslessly(regis
 def test_a_format_the_type_has_no_exporter_for_is_refused_by_name(registered, tmp_path,
                                                                    tiny_target_dir):
     from drafters.export import ExportError, export
-    from serve.target_loading import load_target
+    from serve.engine.target_loading import load_target
 
     target = load_target(str(tiny_target_dir))
     cfg = DrafterConfig(drafter_type="last_feature", block_size=2, head_type="none",

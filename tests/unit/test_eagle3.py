@@ -15,8 +15,8 @@ from drafters.eagle3 import Eagle3Drafter, Eagle3DraftState
 from drafters.loading import build_drafter, load_drafter
 from drafters.base import WEIGHTS_NAME, BlockProposal
 from drafters.packing import pack_blocks, pack_dense
-from serve.decoding import SpeculativeDecoder
-from serve.target_runner import TargetKV, TargetRunner
+from serve.engine.decoding import SpeculativeDecoder
+from serve.engine.target_runner import TargetKV, TargetRunner
 from tests.tiny import tiny_drafter, tiny_target
 from tests.unit.helpers import _drafter_config, greedy_reference, permuted_target
 

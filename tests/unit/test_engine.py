@@ -11,14 +11,14 @@ import numpy as np
 import pytest
 import torch
 
-from serve.config import EngineConfig
-from serve.draft_planner import DraftCostTable
-from serve.engine import SpecEngine
-from serve.errors import RequestError
-from serve.profiling import batch_grid, load_or_profile, profile_sps
-from serve.requests import EngineRequest, SamplingParams
-from serve.scheduler import SPSTable
-from serve.target_runner import TargetRunner
+from serve.engine.config import EngineConfig
+from serve.engine.draft_planner import DraftCostTable
+from serve.engine.core import SpecEngine
+from serve.engine.errors import RequestError
+from serve.engine.profiling import batch_grid, load_or_profile, profile_sps
+from serve.engine.requests import EngineRequest, SamplingParams
+from serve.engine.scheduler import SPSTable
+from serve.engine.target_runner import TargetRunner
 from tests.tiny import tiny_drafter, tiny_target
 from tests.unit.helpers import (greedy_reference, oracle_drafter, permuted_target,
                                 randomize_heads, scripted_drafter)
@@ -431,7 +431,7 @@ def test_one_request_failing_in_its_own_processing_never_harms_the_others(varied
     request with an error output (finish_reason "error", HTTP 500 RequestFailedError); the other
     requests of the same batch finish with the target's exact greedy output, and the engine keeps
     serving new requests."""
-    from serve.errors import RequestFailedError
+    from serve.engine.errors import RequestFailedError
 
     d = oracle_drafter(varied_target, corrupted_table, "markov", 4)
     engine = _engine(varied_target, d, "fixed", max_num_requests=4)
@@ -603,9 +603,9 @@ def engine_rounds_verified_blocks(drafter, target, prompt) -> int:
 def test_speed_floors_add_verification_losslessly_and_gate_admission(varied_target,
                                                                      corrupted_table):
     """With a per-user speed floor above what the throughput plan gives, requests verify more
-    (serve.scheduler.hold_speed_floors) and greedy output stays the target's; admission waits
+    (serve.engine.scheduler.hold_speed_floors) and greedy output stays the target's; admission waits
     while the measured speed, rescaled to one more request, would break a floor."""
-    from serve.admission import Pace
+    from serve.engine.admission import Pace
 
     d = randomize_heads(oracle_drafter(varied_target, corrupted_table, "markov", 4))
     g = torch.Generator().manual_seed(3)

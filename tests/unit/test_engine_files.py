@@ -1,4 +1,4 @@
-"""Engine files (serve/engine_files.py): STS temperatures and SPS(B) in SGLang's and
+"""Engine files (serve/engine/engine_files.py): STS temperatures and SPS(B) in SGLang's and
 TensorRT-LLM's formats, and this project's loader refusing a file measured for something else.
 
 Neither engine is installed here (SGLang's parsers need msgspec and the sglang package,
@@ -37,10 +37,10 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from serve.engine_files import (EngineFileError, EngineFileMismatch, drafter_facts,
+from serve.engine.engine_files import (EngineFileError, EngineFileMismatch, drafter_facts,
                                 load_engine_file, main, write_engine_files)
-from serve.profiling import load_or_profile
-from serve.target_runner import TargetRunner
+from serve.engine.profiling import load_or_profile
+from serve.engine.target_runner import TargetRunner
 from tests.tiny import tiny_drafter, tiny_target
 
 GAMMA = 4
@@ -311,7 +311,7 @@ def test_cli_export_and_check(exported, tmp_path, capsys):
 
 
 def test_the_eval_stage_exports_beside_its_report(exported, tmp_path):
-    from pipeline.stages import export_engine_files
+    from pipeline.model_stages import export_engine_files
 
     ctx = SimpleNamespace(run_dir=exported.root, cfg=SimpleNamespace(storage_options={}),
                           drafter_location=lambda stage: str(exported.drafter))

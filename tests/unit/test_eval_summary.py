@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from pipeline.evaluate import domain_summary, render_report_md, summarize
-from serve.engine import RoundRecord
+from serve.engine.core import RoundRecord
 
 # the engine's round records: drafted, verified l, accepted n, committed, draft_s, verify_s, logits
 ROUNDS = [RoundRecord(3, 3, 1, 2, 0.01, 0.02, [2.0, 0.0, -2.0]),
@@ -66,7 +66,7 @@ def test_domains_and_report():
 def test_spec_decode_stats_define_accept_rate_and_conditional_acceptance_once():
     """accept_rate@k is prefix survival among rounds verifying >= k; conditional acceptance divides
     by the rounds that reached k (k-1 accepted). A round verifying 3 and accepting 1 reaches k=2."""
-    from serve.metrics import SpecDecodeStats
+    from serve.engine.metrics import SpecDecodeStats
 
     stats = SpecDecodeStats()
     for r in ROUNDS:

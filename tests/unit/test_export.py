@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import load_file
 
 from drafters.export import ExportError, choose_mask_token, export, main
-from serve.target_loading import load_target
+from serve.engine.target_loading import load_target
 from tests.tiny import tiny_drafter
 
 

@@ -11,14 +11,13 @@ import importlib.util
 import json
 import shutil
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 
 from pipeline import generate_vllm as gv
 from pipeline.config import ConfigError, SamplingConfig, VllmGenerateConfig, load_config
 from pipeline.generate import finish_answer, next_user_turn
-from pipeline.stages import ADDED_LATER, STAGE_INPUTS, preflight, stage_fingerprint
+from pipeline.stages import ADDED_LATER, StageContext, preflight, stage_fingerprint
 
 ROOT = Path(__file__).resolve().parents[2]
 QUICKSTART = ROOT / "infra" / "configs" / "quickstart.yaml"
@@ -94,7 +93,7 @@ def test_missing_vllm_is_reported_before_any_stage_runs(tmp_path, monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec",
                         lambda name, *a: None if name == "vllm" else real(name, *a))
     cfg = load_config(QWEN)
-    ctx = SimpleNamespace(cfg=cfg, run_dir=tmp_path, cache_dir=str(tmp_path / "cache"))
+    ctx = StageContext(cfg, tmp_path, target="-", layer_ids=[], cache_dir=str(tmp_path / "cache"))
     with pytest.raises(gv.VllmNotInstalledError) as err:
         preflight(ctx, ["prompts", "generate"], forced=[])
     assert "generate.backend 'vllm'" in str(err.value) and "pip install 'ray[llm]" in str(err.value)
@@ -111,7 +110,7 @@ def test_configs_without_the_backend_fields_keep_their_fingerprints():
     dumped = cfg.model_dump(mode="json")
     for key in ("backend", "vllm", "max_num_requests", "kv_cache_memory_gib"):
         del dumped["generate"][key]  # the generate section as it was dumped before them
-    sections = STAGE_INPUTS["prompts"] + STAGE_INPUTS["generate"]
+    sections = ["prompts", "storage_options", "target", "generate", "seed"]  # as they were read
     before = hashlib.sha256(json.dumps({s: dumped[s] for s in sections},
                                        sort_keys=True).encode()).hexdigest()
     assert stage_fingerprint(cfg, "generate") == before
@@ -138,7 +137,7 @@ def test_conversation_walk_and_answer_end_shared_by_both_backends(smollm2_tokeni
 
 
 def test_end_tokens_read_from_the_target_files_match_the_hf_backend(tiny_target_dir, tmp_path):
-    from serve.target_loading import eos_token_ids, load_target, load_tokenizer
+    from serve.engine.target_loading import eos_token_ids, load_target, load_tokenizer
 
     target = tmp_path / "two_end_tokens"
     shutil.copytree(tiny_target_dir, target)
@@ -160,9 +159,8 @@ def test_train_fields_added_this_release_keep_train_fingerprints():
         del dumped["train"][key]
     for key in ("backend", "vllm", "max_num_requests", "kv_cache_memory_gib"):
         del dumped["generate"][key]
-    from pipeline.config import STAGES
-
-    sections = [s for st in STAGES[:STAGES.index("train") + 1] for s in STAGE_INPUTS[st]]
+    sections = ["prompts", "storage_options", "target", "generate", "seed", "cache", "drafter",
+                "train"]  # what the stages up to train read, written out as they were
     for section, key, default in ADDED_LATER:  # older additions, as the fingerprint drops them
         if section not in ("train", "generate") and dumped[section].get(key) == default:
             del dumped[section][key]

@@ -15,8 +15,8 @@ from scipy.stats import chi2_contingency
 
 from pipeline.generate import GenerateUDF, run_generate
 from pipeline.generate_engine import EngineGenerateUDF, answer_seed
-from serve.chat import render_prompt_ids
-from serve.target_loading import load_target
+from serve.engine.chat import render_prompt_ids
+from serve.engine.target_loading import load_target
 
 SAMPLING = {"temperature": 1.0, "top_p": 0.95, "top_k": 20, "max_new_tokens": 3}
 N = 400  # answers per arm

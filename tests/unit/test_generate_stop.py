@@ -12,7 +12,7 @@ import torch
 
 from pipeline.generate import GenerateUDF
 from pipeline.generate_engine import EngineGenerateUDF
-from serve.target_loading import eos_token_ids, load_target, load_tokenizer
+from serve.engine.target_loading import eos_token_ids, load_target, load_tokenizer
 from tests.unit.helpers import greedy_reference
 
 

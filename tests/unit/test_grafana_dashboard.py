@@ -12,8 +12,9 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def exported_names() -> set[str]:
-    """Prometheus names of the metrics serve/app.py defines (parsed, not imported: no Ray)."""
-    src = (ROOT / "serve" / "app.py").read_text()
+    """Prometheus names of the metrics serve/app_metrics.py defines (parsed, not imported: no
+    Ray)."""
+    src = (ROOT / "serve" / "app_metrics.py").read_text()
     names = set()
     for kind, name in re.findall(r'm\.(Counter|Histogram|Gauge)\(\s*"(\w+)"', src):
         base = f"ray_{name}"

@@ -1,4 +1,4 @@
-"""The target's KV pool (serve/kv_pool.py, serve/target_runner.py): in-place slots give the same
+"""The target's KV pool (serve/engine/kv_pool.py, serve/engine/target_runner.py): in-place slots give the same
 logits and layer features as a plain forward over the whole sequence, for batches of requests at
 different lengths, across uncommitted (rejected) positions and pool growth; slots are freed with
 their requests; chunked prefill decodes exactly as one-shot prefill and lets running requests
@@ -11,10 +11,10 @@ import gc
 import pytest
 import torch
 
-from serve.config import EngineConfig
-from serve.engine import SpecEngine
-from serve.requests import EngineRequest, SamplingParams
-from serve.target_runner import TargetKV, TargetRunner
+from serve.engine.config import EngineConfig
+from serve.engine.core import SpecEngine
+from serve.engine.requests import EngineRequest, SamplingParams
+from serve.engine.target_runner import TargetKV, TargetRunner
 from tests.tiny import tiny_drafter, tiny_target
 
 LAYERS = [1, 3, 5]  # 5 is the last layer of the tiny target
@@ -58,7 +58,7 @@ def test_batched_slots_match_a_plain_forward_over_each_sequence(model):
 
 
 def test_which_single_token_requests_are_attended_together():
-    from serve.kv_pool import batched_single_tokens
+    from serve.engine.kv_pool import batched_single_tokens
 
     assert batched_single_tokens([0, 1, 2, 3], [100] * 4, [1] * 4) == [0, 1, 2, 3]
     # one long request would make every row attend 1,000 positions: it goes alone
@@ -70,10 +70,10 @@ def test_which_single_token_requests_are_attended_together():
 @pytest.mark.parametrize("order", ["slot order", "reversed"])
 def test_single_token_requests_attended_together_match_a_plain_forward(model, order, monkeypatch):
     """Decode steps where most requests run one token (attended together in one batched product
-    over a slot range, serve/kv_pool.py: SingleTokenRows) beside a multi-token one, with a freed
+    over a slot range, serve/engine/kv_pool.py: SingleTokenRows) beside a multi-token one, with a freed
     slot inside the range, give each request the logits and features of a plain forward; also
     when the pass lists the requests in another order than their slots (reused slots)."""
-    import serve.kv_pool as kv_pool
+    import serve.engine.kv_pool as kv_pool
 
     monkeypatch.setattr(kv_pool, "PER_REQUEST_COST", 1e9)  # every single-token request batched
     runner = TargetRunner(model, LAYERS)
@@ -222,8 +222,8 @@ def test_a_small_kv_budget_shortens_the_model_length_instead_of_growing(model):
     """When max_num_requests slots of max_model_len do not fit engine.kv_cache_memory_gib, the
     slots hold fewer positions and the engine's model length shrinks to match: a longer request
     is refused (413) rather than growing the pool."""
-    from serve.errors import RequestError
-    from serve.kv_pool import SlotKVPool
+    from serve.engine.errors import RequestError
+    from serve.engine.kv_pool import SlotKVPool
 
     runner = TargetRunner(model, [1, 3])
     cfg = model.config
@@ -273,7 +273,7 @@ def test_a_released_cache_cannot_write_into_its_old_slot(model):
 
 
 def test_a_budget_too_small_for_a_useful_model_length_is_refused(model):
-    from serve.kv_pool import SlotKVPool
+    from serve.engine.kv_pool import SlotKVPool
 
     cfg = model.config
     per_position = SlotKVPool.bytes_per_position(cfg.num_hidden_layers, cfg.num_key_value_heads,

@@ -8,11 +8,12 @@ import json
 import pytest
 from pydantic import ValidationError
 
-from serve.openai_protocol import (APIError, AssistantMessage, ChatChoice, ChatChunkChoice,
-                                   ChatCompletionChunk, ChatCompletionRequest,
-                                   ChatCompletionResponse, CompletionChoice, CompletionRequest,
-                                   CompletionResponse, DeltaMessage, ModelCard, ModelList, Usage,
-                                   from_validation_error, sse)
+from serve.openai_protocol import (APIError, ChatCompletionRequest, CompletionRequest,
+                                   from_validation_error)
+from serve.openai_responses import (AssistantMessage, ChatChoice, ChatChunkChoice,
+                                    ChatCompletionChunk, ChatCompletionResponse, CompletionChoice,
+                                    CompletionResponse, DeltaMessage, ModelCard, ModelList, Usage,
+                                    sse)
 
 MSG = [{"role": "user", "content": "hi"}]
 
@@ -133,8 +134,8 @@ def test_logprobs_requests_and_responses_parse_with_the_official_client_types():
     from openai.types import completion as completion_types
     from openai.types.chat import chat_completion as chat_types
 
-    from serve.openai_protocol import chat_logprobs, completion_logprobs
-    from serve.requests import TokenLogprob
+    from serve.openai_responses import chat_logprobs, completion_logprobs
+    from serve.engine.requests import TokenLogprob
 
     chat = ChatCompletionRequest.model_validate({"model": "m", "messages": MSG, "logprobs": True,
                                                  "top_logprobs": 2})
@@ -171,8 +172,8 @@ def test_logprobs_entries_keep_raw_bytes_and_every_alternative():
     U+FFFD for a piece of a character) and alternatives with equal texts stay separate entries;
     legacy completions key alternatives by text (vLLM's format), so those share a key holding the
     likelier logprob."""
-    from serve.openai_protocol import chat_logprobs, completion_logprobs
-    from serve.requests import TokenLogprob
+    from serve.openai_responses import chat_logprobs, completion_logprobs
+    from serve.engine.requests import TokenLogprob
 
     text = {1: "\ufffd", 2: "\ufffd", 3: "\ufffd", 4: "x"}.__getitem__
     raw = {1: b"\xe6\x97", 2: b"\xa5", 3: b"\x80", 4: b"x"}.__getitem__

@@ -7,7 +7,7 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from serve.rejection import verify_greedy, verify_sampled
+from serve.engine.rejection import verify_greedy, verify_sampled
 
 
 def _onehot_logits(tokens, v=6):

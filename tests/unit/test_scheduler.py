@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 import torch
 
-from serve.scheduler import (
+from serve.engine.scheduler import (
     ScheduleResult,
     SPSTable,
     async_schedule,
@@ -33,7 +33,7 @@ from serve.scheduler import (
     prefix_survival,
     static_threshold_schedule,
 )
-from serve.scheduler_registry import SCHEDULER_NAMES, make_scheduler
+from serve.engine.scheduler_registry import SCHEDULER_NAMES, make_scheduler
 
 # ---- SPSTable -----------------------------------------------------------------------------------
 

@@ -1,6 +1,6 @@
 """Seeded requests are reproducible whatever the server is doing (issue 24): with a drafter
 loaded, a seeded request samples each output position by the Gumbel-max trick with noise keyed by
-(seed, position) (``drafters.sampling.PositionNoise``, ``serve.rejection.verify_coupled``), so its
+(seed, position) (``drafters.sampling.PositionNoise``, ``serve.engine.rejection.verify_coupled``), so its
 text does not depend on the drafting plan, the scheduler or the other requests; it stays a sample
 of the target's distribution (the chi-square tests in ``test_engine.py`` run seeded requests)."""
 
@@ -12,8 +12,8 @@ import torch
 from scipy.stats import chisquare
 
 from drafters.sampling import PositionNoise, gumbel_argmax
-from serve.rejection import verify_coupled
-from serve.requests import EngineRequest, SamplingParams
+from serve.engine.rejection import verify_coupled
+from serve.engine.requests import EngineRequest, SamplingParams
 from tests.unit.helpers import oracle_drafter, permuted_target, randomize_heads
 from tests.unit.test_engine import _engine, _run
 from tests.unit.test_speculative_lossless import corrupted_table  # noqa: F401 - a fixture

@@ -90,10 +90,10 @@ def client(tok, cycle, tied):
     from starlette.testclient import TestClient
 
     from serve import app as serve_app
-    from serve.chat import render_prompt_ids
-    from serve.config import EngineConfig
-    from serve.engine import SpecEngine
-    from serve.target_runner import TargetRunner
+    from serve.engine.chat import render_prompt_ids
+    from serve.engine.config import EngineConfig
+    from serve.engine.core import SpecEngine
+    from serve.engine.target_runner import TargetRunner
 
     starts = {tok.encode(PROMPT)[-1], render_prompt_ids(tok, MESSAGES, {})[-1]}
     assert not starts & set(cycle)
@@ -265,11 +265,11 @@ def test_a_top_k_beyond_the_vocabulary_keeps_every_token(client, tok):
 def test_the_engine_reads_any_top_k_beyond_the_vocabulary_as_no_limit():
     """Below HTTP too (evaluation and calibration call the engine directly): 2**63 failed the
     request in prefill (int64 overflow). A seed beyond int64 is refused naming it."""
-    from serve.config import EngineConfig
-    from serve.engine import SpecEngine
-    from serve.errors import RequestError
-    from serve.requests import EngineRequest, SamplingParams
-    from serve.target_runner import TargetRunner
+    from serve.engine.config import EngineConfig
+    from serve.engine.core import SpecEngine
+    from serve.engine.errors import RequestError
+    from serve.engine.requests import EngineRequest, SamplingParams
+    from serve.engine.target_runner import TargetRunner
     from tests.unit.helpers import permuted_target
 
     engine = SpecEngine(TargetRunner(permuted_target(), [1, 3]), None, [],

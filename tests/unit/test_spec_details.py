@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from serve.metrics import request_spec_details
-from serve.requests import EngineRequest, SamplingParams
+from serve.engine.metrics import request_spec_details
+from serve.engine.requests import EngineRequest, SamplingParams
 from tests.unit.helpers import oracle_drafter, permuted_target, randomize_heads
 from tests.unit.test_engine import _engine
 from tests.unit.test_speculative_lossless import corrupted_table  # noqa: F401 - a fixture

@@ -12,8 +12,8 @@ import torch
 from scipy.stats import chisquare
 
 from drafters import DraftContextCache
-from serve.decoding import SpeculativeDecoder
-from serve.target_runner import TargetKV, TargetRunner
+from serve.engine.decoding import SpeculativeDecoder
+from serve.engine.target_runner import TargetKV, TargetRunner
 from tests.tiny import tiny_drafter, tiny_target
 from tests.unit.helpers import (bigram_table, greedy_reference, oracle_drafter, permuted_target,
                                 randomize_heads, scripted_drafter)

@@ -13,7 +13,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from pipeline.cache import SCHEMA, CorruptShardError, decode_row
+from pipeline.cache_format import CorruptShardError, SCHEMA, decode_row
 from pipeline.train_data import (ArrowRowGroup, CacheRowIndex, CacheRowReader, worker_micro_batches,
                                  worker_plan)
 

@@ -8,7 +8,7 @@ import pytest
 
 from drafters.export import export
 from serve.config import ServeConfig
-from serve.target_loading import load_target
+from serve.engine.target_loading import load_target
 from serve.vllm_app import speculative_config
 from tests.tiny import tiny_drafter
 
@@ -79,7 +79,7 @@ def test_a_dflash_export_is_served_as_vllms_dflash(tmp_path, tiny_target_dir, fm
 def test_the_old_names_of_the_serving_cap_are_read_with_a_deprecation_message(exported):
     """engine.num_draft_tokens and vllm.num_speculative_tokens are engine.num_speculative_tokens
     now (one cap for both backends); both old and new set is refused."""
-    from serve.config import EngineConfig
+    from serve.engine.config import EngineConfig
 
     with pytest.warns(DeprecationWarning, match="engine.num_speculative_tokens"):
         assert EngineConfig(num_draft_tokens=3).num_speculative_tokens == 3

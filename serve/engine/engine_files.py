@@ -1,8 +1,8 @@
 """Engine files that travel with a drafter: the fitted STS temperatures and the profiled SPS(B)
 table in SGLang's and TensorRT-LLM's formats, each with the model and hardware it was measured on.
 
-    python -m serve.engine_files export DRAFTER_DIR DST [--sps-profile FILE] [--report FILE]
-    python -m serve.engine_files check FILE --drafter DRAFTER_DIR [--dtype bfloat16] [--device cpu]
+    python -m serve.engine.engine_files export DRAFTER_DIR DST [--sps-profile FILE] [--report FILE]
+    python -m serve.engine.engine_files check FILE --drafter DRAFTER_DIR [--dtype bfloat16] [--device cpu]
 
 ``DST`` gets ``sglang/{sts_calibration,sps_table}.json``, ``trtllm/{sts_calibration,
 sps_cost_table}.json`` and a README naming the flags. The formats were read from the engines'
@@ -32,7 +32,7 @@ loaders (field names, units, indexing); nothing here imports them:
   ``llm_args.py`` has no confidence fields at all. ``confidence_calibration_path`` /
   ``confidence_cost_table_path`` were not found upstream.
 
-What the SPS files hold: this project's SPS(B) (``serve/profiling.py``), the target's batched
+What the SPS files hold: this project's SPS(B) (``serve/engine/profiling.py``), the target's batched
 verification pass alone, written for every B = 1..max_tokens (interpolated between measured
 sizes exactly as this engine does), so both engines' lookups reproduce it. The drafter's own cost
 (``draft_cost_profile.json``) is not in them. Every file carries ``provenance``; this project's
@@ -177,8 +177,8 @@ def _readme(written: dict[str, str], skipped: dict[str, str], facts: dict) -> st
     g = facts["gamma"]
     lines = [f"# Engine files for the drafter at {facts['drafter_path']}", "",
              f"Target {facts['target_model']}, gamma {g} (verify window {g + 1}); written by "
-             "`python -m serve.engine_files` (dspark-ray). Each file's `provenance` says what it "
-             "was measured on; `python -m serve.engine_files check FILE --drafter DIR` refuses a "
+             "`python -m serve.engine.engine_files` (dspark-ray). Each file's `provenance` says what it "
+             "was measured on; `python -m serve.engine.engine_files check FILE --drafter DIR` refuses a "
              "file measured for another model, gamma, device or dtype.", ""]
     lines += [f"- `{name}`" for name in sorted(written)]
     lines += [f"- not written: {name}: {why}" for name, why in sorted(skipped.items())]
@@ -381,7 +381,7 @@ def load_engine_file(path: str | Path, *, target_model: str | None = None,
 
 # ----------------------------------------------------------------------------- CLI
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m serve.engine_files",
+    parser = argparse.ArgumentParser(prog="python -m serve.engine.engine_files",
                                      description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     ex = sub.add_parser("export", help="write the SGLang and TensorRT-LLM files")

@@ -106,11 +106,11 @@ class SamplingParams:
 
 @dataclass
 class EngineRequest:
-    """A request handed to :meth:`serve.engine.SpecEngine.add_request`.
+    """A request handed to :meth:`serve.engine.core.SpecEngine.add_request`.
 
     prompt_ids: the rendered prompt (chat template already applied), non-empty.
     return_spec_details: attach the request's speculation summary to its finished output
-    (:func:`serve.metrics.request_spec_details`).
+    (:func:`serve.engine.metrics.request_spec_details`).
     """
 
     request_id: str
@@ -142,5 +142,5 @@ class RequestOutput:
     error: RequestError | None = None
     logprobs: list[TokenLogprob] | None = None  # one per new token, when the request asked
     # on the finished output of a request that asked (return_spec_details): its speculation
-    # summary, serve.metrics.request_spec_details
+    # summary, serve.engine.metrics.request_spec_details
     spec_details: dict | None = None

@@ -1,7 +1,7 @@
 """Verification of one request's round against the target (SPEC 5, step 5): the request's target
 distribution (temperature, min_p, top_k, top_p; min_tokens masking), lossless acceptance of its
 draft (greedy, rejection sampling, or position-keyed coupled noise for a seeded request:
-``serve/rejection.py``), the first token after its prompt, and the logprobs it asked for.
+``serve/engine/rejection.py``), the first token after its prompt, and the logprobs it asked for.
 
 Shapes: l draft tokens, V the target's vocabulary.
 """

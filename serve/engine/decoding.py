@@ -1,6 +1,6 @@
 """One request at a time through the speculative engine: the offline entry point used by
 evaluation and calibration (SPEC section 5). There is no second decoding loop: this is
-:class:`serve.engine.SpecEngine` with a single request (a fixed verification length by default,
+:class:`serve.engine.core.SpecEngine` with a single request (a fixed verification length by default,
 or any scheduler given as an engine config), and a verification length of zero is plain
 target-only decoding through the same path.
 """
@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 from .builder import LoadedModels, build_engine
 from .config import EngineConfig
-from .engine import RoundRecord, SpecEngine
+from .core import RoundRecord, SpecEngine
 from .requests import EngineRequest, SamplingParams
 from .scheduler_registry import NEEDS_SPS
 from .target_runner import TargetRunner
@@ -98,7 +98,7 @@ class SpeculativeDecoder:
             num_draft_tokens: tokens verified per round; None = the drafter's gamma, 0 = target
                 only.
         Raises:
-            serve.errors.RequestError (a ValueError): empty prompt or max_new_tokens < 1.
+            serve.engine.errors.RequestError (a ValueError): empty prompt or max_new_tokens < 1.
         """
         req = EngineRequest("offline", list(prompt_ids),
                             SamplingParams(max_tokens=max_new_tokens, temperature=temperature,

@@ -5,7 +5,7 @@ Every scheduler here is a pure function of per-request confidences: no model, no
 inputs are never mutated. It returns one int l_r in [0, gamma_r] per request, where gamma_r is the
 number of draft tokens request r proposed (rows may have different lengths, including 0). A step
 then verifies B = sum_r (1 + l_r) tokens: every request's anchor plus its l_r draft tokens. The
-engine finds them by name in ``serve/scheduler_registry.py``; SPS(B) is ``serve/sps.py``.
+engine finds them by name in ``serve/engine/scheduler_registry.py``; SPS(B) is ``serve/engine/sps.py``.
 
 Terms and units (SPEC 0):
 - c_{r,j} in [0, 1]: calibrated confidence that draft token j of request r survives verification

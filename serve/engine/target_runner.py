@@ -2,7 +2,7 @@
 that return next-token logits and, when a drafter needs them, the selected layers' hidden states.
 
 Continuous batching without copies: every request's keys and values live in its own slot of a
-preallocated pool (``serve/kv_pool.py``), written in place at the request's positions, so requests
+preallocated pool (``serve/engine/kv_pool.py``), written in place at the request's positions, so requests
 join and leave between steps and one forward pass verifies every request's variable-length block at
 its own positions. The new tokens of all requests are packed into one row (no padding: a request
 verifying a long block does not make the others pay for it); attention runs per request over a
@@ -162,7 +162,7 @@ class TargetRunner:
                   for i in self.layer_ids] if with_features else [])
         try:
             # the 1x1 4-D mask makes transformers skip building a [1, 1, T, L] mask: the
-            # per-request causal masks live in the step cache (serve/kv_pool.py)
+            # per-request causal masks live in the step cache (serve/engine/kv_pool.py)
             out = self.model(input_ids=ids, attention_mask=self._no_mask, position_ids=positions,
                              cache=PooledStepCache(pool, slots, lengths, counts), use_cache=True,
                              logits_to_keep=keep_idx)

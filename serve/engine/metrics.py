@@ -84,7 +84,7 @@ def request_spec_details(rounds) -> dict:
     ``spec_accept_histogram`` meta info), computed with the engine-wide counters' definitions.
 
     Args:
-        rounds: the request's round records in order (``serve.engine.RoundRecord``: drafted,
+        rounds: the request's round records in order (``serve.engine.core.RoundRecord``: drafted,
             verified, accepted, committed, source), one per target pass after its first token.
     Returns:
         a JSON-ready dict: ``rounds`` (target passes after the first token), ``drafted_rounds``,

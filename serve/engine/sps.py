@@ -1,6 +1,6 @@
 """The hardware profile the goodput schedulers read: SPS(B), target engine steps per second at a
 verification batch of B tokens (DSpark paper section 3.2.2; SPEC 6). Measured by
-``serve/profiling.py``, read by ``serve/scheduler.py`` and ``serve/draft_planner.py``.
+``serve/engine/profiling.py``, read by ``serve/engine/scheduler.py`` and ``serve/engine/draft_planner.py``.
 """
 
 from __future__ import annotations

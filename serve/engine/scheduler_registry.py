@@ -2,7 +2,7 @@
 it is built and what the engine asks of it (whether it reads confidences, confidences of two steps
 earlier, an SPS(B) table, and whether it speculates at all). Configs validate names against
 :data:`SCHEDULER_NAMES`; the engine, the builder and the profiler read the entry's flags, never
-the name. A new policy is a pure function in ``serve/scheduler.py`` plus one line here.
+the name. A new policy is a pure function in ``serve/engine/scheduler.py`` plus one line here.
 """
 
 from __future__ import annotations
@@ -155,7 +155,7 @@ def scheduler_for(name: str, **available: Any) -> NamedScheduler:
     missing = sorted(p for p in entry.required if available.get(p) is None)
     if missing:
         raise ValueError(f"scheduler {name!r} needs {', '.join(missing)}"
-                         + (" (an SPS(B) table: serve/profiling.py)" if "sps" in missing else ""))
+                         + (" (an SPS(B) table: serve/engine/profiling.py)" if "sps" in missing else ""))
     params = {k: v for k, v in available.items()
               if k in entry.required or (k in entry.optional and v is not None)}
     return make_scheduler(name, **params)

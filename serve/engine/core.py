@@ -3,21 +3,21 @@
 One engine serves every caller: the Ray Serve app, offline evaluation and the benchmarks all drive
 :meth:`SpecEngine.step`. A step:
 
-1. **admits** waiting requests (``serve/admission.py``) and takes their next prompt chunks under a
-   token budget (chunked prefill, ``serve/prefill.py``); the chunks run in the same packed target
+1. **admits** waiting requests (``serve/engine/admission.py``) and takes their next prompt chunks under a
+   token budget (chunked prefill, ``serve/engine/prefill.py``); the chunks run in the same packed target
    pass as step 4, and when a prompt is complete its first token, the anchor, is sampled;
-2. **plans** each running request's row of the :class:`~serve.step_plan.StepPlan`: the most it
+2. **plans** each running request's row of the :class:`~serve.engine.step_plan.StepPlan`: the most it
    may verify, and whether the drafter drafts for it and how deep or it verifies a free
-   prompt-lookup draft instead (``serve/step_plan.py`` over ``serve/draft_planner.py``), so that
+   prompt-lookup draft instead (``serve/engine/step_plan.py`` over ``serve/engine/draft_planner.py``), so that
    the drafter's cost is paid only where it raises the step's tokens/s;
-3. **proposes**: the drafter drafts those rows in one batched call (``serve/drafting.py``), its
-   confidence logits become calibrated c_k, and the scheduler (``serve/scheduler_registry.py``)
+3. **proposes**: the drafter drafts those rows in one batched call (``serve/engine/drafting.py``), its
+   confidence logits become calibrated c_k, and the scheduler (``serve/engine/scheduler_registry.py``)
    sets each row's verification length l_r;
 4. **verifies** [anchor, x_1..x_{l_r}] of every request in one packed target forward pass (the
    prompt chunks of step 1 ride in it) and rejection-samples each request with its own
-   temperature, top_p and RNG, losslessly (``serve/verification.py``);
+   temperature, top_p and RNG, losslessly (``serve/engine/verification.py``);
 5. **commits** accepted + 1 tokens, applies EOS / stop tokens / stop strings / max_tokens exactly
-   (``serve/commit.py``), and keeps only the committed positions in the request's target and
+   (``serve/engine/commit.py``), and keeps only the committed positions in the request's target and
    drafter caches.
 
 Requests join and leave between steps; a finished or aborted request's caches are dropped.
@@ -64,7 +64,7 @@ class SpecEngine:
         config: :class:`EngineConfig`.
         tokenizer: for output text and stop strings (None: token ids only).
         sps: the SPS(B) table the dspark and async schedulers need.
-        draft_cost: the drafter's profiled cost (``serve.profiling.engine_profiles``) for goodput
+        draft_cost: the drafter's profiled cost (``serve.engine.profiling.engine_profiles``) for goodput
             planning; None = drafting counts as free (the planner still skips requests Algorithm
             1 would not verify).
     Raises:
@@ -190,7 +190,7 @@ class SpecEngine:
         return own if own is not None else self.config.min_tokens_per_s
 
     def _floors_allow_one_more(self) -> bool:
-        """Admission under speed floors (:meth:`serve.admission.Pace.allows_one_more`) for the
+        """Admission under speed floors (:meth:`serve.engine.admission.Pace.allows_one_more`) for the
         running requests and the next waiting one."""
         floors = [f for f in map(self._floor, (*self.running, *self.prefilling, self.waiting[0]))
                   if f is not None]

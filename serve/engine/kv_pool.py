@@ -16,7 +16,7 @@ grows it, and a growing resident size means a leak elsewhere. A pool used outsid
 (tests, profiling) doubles its slots or capacity when a pass needs more room (an amortised copy,
 never a per-step one; counted in :attr:`SlotKVPool.reallocations`).
 A slot returns to the pool the moment its request finishes, fails or is aborted
-(:meth:`serve.target_runner.TargetKV.release`), and at the latest when its cache object is
+(:meth:`serve.engine.target_runner.TargetKV.release`), and at the latest when its cache object is
 garbage-collected.
 
 Shapes: R requests in a pass, n_j new tokens of request j, packed into one row of T = sum n_j

@@ -1,4 +1,6 @@
-"""Loading the target model and tokenizer, and materialising a GGUF-packaged target once.
+"""The target as the engine uses it: its tokenizer, EOS ids and default context layers, and
+materialising a GGUF-packaged target once. The model itself is loaded by the one target loader,
+:func:`drafters.target_weights.load_target` (re-exported here).
 
 Everything downstream loads the target with ``from_pretrained(name_or_path)``; a cluster user writes
 ``Qwen/Qwen3-4B`` there. The quickstart target, SmolLM2-135M-Instruct, ships only as a Q4_1 GGUF
@@ -15,11 +17,11 @@ import shutil
 import tempfile
 from pathlib import Path
 
-import torch
+from drafters.target_weights import DTYPES, load_target, load_target_config  # noqa: F401
 
 logger = logging.getLogger(__name__)
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# load_target / load_target_config / DTYPES: the one target loader (drafters/target_weights.py),
+# re-exported here for the engine's callers
 
 
 def find_packaged_file(package: str, filename: str) -> Path:
@@ -68,7 +70,7 @@ def materialize_gguf_target(output_dir: str | os.PathLike, package: str, filenam
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
         model = AutoModelForCausalLM.from_pretrained(
-            str(gguf_path.parent), gguf_file=gguf_path.name, dtype=torch.float32)
+            str(gguf_path.parent), gguf_file=gguf_path.name, dtype=DTYPES["float32"])
         quantizer = getattr(model, "hf_quantizer", None)
         if quantizer is not None:  # weights are already de-quantized; transformers 5 needs this
             quantizer.remove_quantization_config(model)
@@ -99,29 +101,6 @@ def load_tokenizer(name_or_path: str):
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
-
-
-def load_target(name_or_path: str, dtype: str = "float32"):
-    """Load the frozen target model (eval mode, no grad) with ``from_pretrained``.
-
-    Args:
-        name_or_path: HF hub name or local directory.
-        dtype: ``float32``, ``bfloat16`` or ``float16``.
-    Raises:
-        FileNotFoundError: nothing loadable at ``name_or_path`` (message names it).
-        ValueError: unknown dtype.
-    """
-    from transformers import AutoModelForCausalLM
-
-    if dtype not in DTYPES:
-        raise ValueError(f"unknown dtype {dtype!r}; choose one of {sorted(DTYPES)}")
-    try:
-        model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=DTYPES[dtype])
-    except (OSError, ValueError) as err:
-        raise FileNotFoundError(f"cannot load target model {name_or_path!r}: {err}") from err
-    model.eval()
-    model.requires_grad_(False)
-    return model
 
 
 def eos_token_ids(tokenizer, model) -> list[int]:

@@ -2,12 +2,12 @@
 
 At engine start-up the target's batched forward pass is timed over the batch-token sizes the
 engine can run (several requests, each with a cached context, verifying blocks of gamma + 1
-tokens). The measurements become an :class:`serve.scheduler.SPSTable` and are stored as JSON next
+tokens). The measurements become an :class:`serve.engine.scheduler.SPSTable` and are stored as JSON next
 to the drafter checkpoint together with a fingerprint of the hardware, software and model; a
 stored profile is reused only when the fingerprint matches, otherwise the target is re-profiled.
 
 CLI (prints the table):
-    python -m serve.profiling --target PATH --dtype bfloat16 --max-batch-tokens 64
+    python -m serve.engine.profiling --target PATH --dtype bfloat16 --max-batch-tokens 64
 """
 
 from __future__ import annotations
@@ -153,7 +153,7 @@ def load_or_profile(runner: TargetRunner, directory: str | Path | None, max_toke
     measured = profile_sps(runner, max_tokens, block_tokens, repeats=repeats)
     table = SPSTable.from_measurements(measured)
     logger.info("profiled SPS(B) for B <= %d in %.1f s", max_tokens, time.perf_counter() - start)
-    # block_tokens and measured_at are provenance for the engine files (serve/engine_files.py)
+    # block_tokens and measured_at are provenance for the engine files (serve/engine/engine_files.py)
     _store(path, {"fingerprint": fingerprint, "max_tokens": max_tokens,
                   "block_tokens": block_tokens,
                   "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
@@ -191,7 +191,7 @@ def profile_draft_cost(drafter, max_rows: int, context_len: int = 128, repeats: 
         context_len: committed positions already in each request's draft context.
         repeats: timed calls per point (median kept, after one warm-up).
     Returns:
-        a :class:`serve.draft_planner.DraftCostTable` in seconds.
+        a :class:`serve.engine.draft_planner.DraftCostTable` in seconds.
     """
     cfg = drafter.config
     param = next(drafter.parameters())

@@ -1,7 +1,7 @@
 """The one way to build the speculative engine: load the target, tokenizer and drafter, wrap the
 target in a runner, profile what the scheduler needs, and construct :class:`SpecEngine`.
 
-The Ray Serve app, offline evaluation and calibration (through ``serve.decoding``) and the
+The Ray Serve app, offline evaluation and calibration (through ``serve.engine.decoding``) and the
 benchmarks all go through here, so an engine built anywhere is built the same way.
 """
 
@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .config import EngineConfig
-from .engine import SpecEngine
+from .core import SpecEngine
 from .paths import local_copy
 from .scheduler_registry import scheduler_entry
 from .target_runner import TargetRunner
@@ -41,7 +41,7 @@ def load_models(target: str, dtype: str, drafter_dir: str | None = None, *,
         target: model name or local directory.
         dtype: "float32", "bfloat16" or "float16" (target and drafter).
         drafter_dir: drafter checkpoint directory (local, or a URL such as ``s3://...`` that is
-            downloaded to this node first: ``serve.paths.local_copy``), or None.
+            downloaded to this node first: ``serve.engine.paths.local_copy``), or None.
         allow_name_mismatch: accept a drafter whose recorded target has another name.
         device: "cpu", "cuda", ...; None = CUDA when visible, else CPU.
         storage_options: s3fs options for a URL ``drafter_dir``.
@@ -72,7 +72,7 @@ def build_engine(models: LoadedModels, config: EngineConfig, *, drafter=None,
                  profile_dir: str | Path | None = None, tokenizer: bool = True) -> SpecEngine:
     """A :class:`SpecEngine` over ``models`` with ``config``: SPS(B) and the drafter cost are
     loaded from ``profile_dir`` (default: the drafter's directory) or profiled there when the
-    scheduler needs them (``serve.profiling.engine_profiles``).
+    scheduler needs them (``serve.engine.profiling.engine_profiles``).
 
     Args:
         models: from :func:`load_models`.

@@ -1,0 +1,124 @@
+"""The data stages: prompts (validate and split), generate (the target regenerates every
+assistant turn), cache (one target forward per sample into the Parquet target cache)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+
+from . import storage
+from .stage_context import SPLITS, StageContext, ensure_ray
+
+logger = logging.getLogger(__name__)
+
+
+def stage_prompts(ctx: StageContext) -> dict:
+    from .prompts import load_prompts, write_jsonl
+
+    cfg = ctx.cfg.prompts
+    sources = [(storage.resolve(s.path), s.max_rows) for s in cfg.sources]
+    split = load_prompts(sources, cfg.heldout_fraction, cfg.seed, ctx.cfg.storage_options)
+    out = ctx.stage_dir("prompts")
+    write_jsonl(str(out / "train.jsonl"), split.train)
+    write_jsonl(str(out / "heldout.jsonl"), split.heldout)
+    write_jsonl(str(out / "errors.jsonl"), split.errors)
+    if not split.train:
+        raise ValueError(f"no valid training prompts in {sources} (see {out / 'errors.jsonl'})")
+    return {"train": len(split.train), "heldout": len(split.heldout), "errors": len(split.errors)}
+
+
+def stage_generate(ctx: StageContext) -> dict:
+    from tqdm import tqdm
+
+    from .generate import run_generate
+    from .prompts import read_jsonl
+
+    ensure_ray(ctx.cfg)
+    g = ctx.cfg.generate
+    out = ctx.stage_dir("generate")
+    if g.backend == "vllm":
+        from .generate_vllm import run_generate_vllm
+
+        splits = {split: (read_jsonl(str(ctx.run_dir / "prompts" / f"{split}.jsonl")),
+                          out / f"{split}.jsonl") for split in SPLITS}
+        with tqdm(total=sum(len(rows) for rows, _ in splits.values()), desc="generate (vllm)",
+                  unit="prompt", mininterval=5) as bar:
+            return run_generate_vllm(
+                splits, out / "errors.jsonl", target=ctx.target, dtype=ctx.cfg.target.dtype,
+                sampling=g.sampling.model_dump(),
+                template_kwargs=ctx.cfg.target.chat_template_kwargs,
+                max_prompt_tokens=g.max_prompt_tokens, seed=ctx.cfg.seed, vllm=g.vllm,
+                progress=bar)
+    udf, udf_kwargs = None, None
+    if g.backend == "engine":
+        from .generate_engine import EngineGenerateUDF
+
+        udf = EngineGenerateUDF
+        udf_kwargs = {"max_num_requests": g.max_num_requests,
+                      "kv_cache_memory_gib": g.kv_cache_memory_gib}
+    summary = {}
+    for split in SPLITS:
+        rows = read_jsonl(str(ctx.run_dir / "prompts" / f"{split}.jsonl"))
+        with tqdm(total=len(rows), desc=f"generate {split}", unit="prompt", mininterval=5) as bar:
+            counts = run_generate(
+                rows, out / f"{split}.jsonl", out / "errors.jsonl", target=ctx.target,
+                dtype=ctx.cfg.target.dtype, sampling=g.sampling.model_dump(),
+                template_kwargs=ctx.cfg.target.chat_template_kwargs, batch_size=g.batch_size,
+                num_actors=g.num_actors, cpus_per_actor=g.cpus_per_actor,
+                gpus_per_actor=g.gpus_per_actor, num_threads=g.num_threads,
+                max_prompt_tokens=g.max_prompt_tokens, seed=ctx.cfg.seed, progress=bar,
+                udf=udf, udf_kwargs=udf_kwargs)
+        summary[split] = counts
+    return summary
+
+
+def _template_sha(target: str) -> str:
+    from serve.engine.target_loading import load_tokenizer
+
+    template = load_tokenizer(target).chat_template or ""
+    return hashlib.sha256(template.encode()).hexdigest()
+
+
+def stage_cache(ctx: StageContext) -> dict:
+    from serve.engine.target_loading import load_target_config
+
+    from .cache import CacheTarget, run_cache_split
+    from .cache_format import build_manifest, read_manifest
+
+    so = ctx.cfg.storage_options
+    storage.check_writable(ctx.cache_dir, so)
+    if storage.exists(storage.join(ctx.cache_dir, "manifest.json"), so):
+        # never overwrite another target's cache shard by shard (cache.output is shared storage)
+        ctx.check_cache_target(read_manifest(ctx.cache_dir, so))
+    ensure_ray(ctx.cfg)
+    c = ctx.cfg.cache
+    target = CacheTarget(ctx.target, ctx.cfg.target.dtype, ctx.layer_ids,
+                         ctx.cfg.target.chat_template_kwargs)
+    splits = {}
+    errors_path = ctx.stage_dir("cache") / "errors.jsonl"
+    for split in SPLITS:
+        # read by Ray Data inside run_cache_split: the driver never holds the conversations
+        generated = ctx.run_dir / "generate" / f"{split}.jsonl"
+        if not generated.exists() or generated.stat().st_size == 0:
+            continue
+        shards = run_cache_split(str(generated), ctx.cache_dir, split, target, c, so)
+        if shards:
+            splits[split] = shards
+    errors = [e for shards in splits.values() for s in shards for e in s["errors"]]
+    with open(errors_path, "w", encoding="utf-8") as fh:
+        fh.writelines(json.dumps(e, ensure_ascii=False) + "\n" for e in errors)
+    tcfg = load_target_config(ctx.target)
+    manifest = build_manifest(
+        target=ctx.cfg.target.name_or_path, revision=getattr(tcfg, "_commit_hash", None),
+        layer_ids=ctx.layer_ids, hidden_size=tcfg.hidden_size, vocab_size=tcfg.vocab_size,
+        template_sha256=_template_sha(ctx.target),
+        template_kwargs=ctx.cfg.target.chat_template_kwargs, max_length=c.max_length,
+        splits=splits)
+    if "train" not in splits or manifest["splits"]["train"]["rows"] == 0:
+        raise ValueError(f"the cache has no training rows (see {errors_path})")
+    storage.write_bytes_atomic(storage.join(ctx.cache_dir, "manifest.json"),
+                               json.dumps(manifest, indent=1).encode(), so)
+    return {"cache_dir": ctx.cache_dir, "errors": len(errors),
+            **{f"{s}_rows": v["rows"] for s, v in manifest["splits"].items()},
+            **{f"{s}_tokens": v["tokens"] for s, v in manifest["splits"].items()}}

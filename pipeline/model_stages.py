@@ -1,0 +1,159 @@
+"""The model stages: train (Ray Train + DeepSpeed on the target cache), calibrate (STS of the
+confidence head on held-out prompts), eval (speculative decoding vs the target alone)."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+from . import storage
+from .config import PipelineConfig
+from .stage_context import StageContext, ensure_ray
+
+logger = logging.getLogger(__name__)
+
+
+def stage_train(ctx: StageContext) -> dict:
+    from .cache_format import read_manifest
+    from .train import run_train
+    from .train_data import subset_manifest
+
+    manifest = read_manifest(ctx.cache_dir, ctx.cfg.storage_options)
+    ctx.check_cache_target(manifest)
+    manifest = subset_manifest(manifest, ctx.cfg.train.max_train_rows, ctx.cfg.seed)
+    ensure_ray(ctx.cfg)
+    result = run_train(
+        cache_dir=ctx.cache_dir, manifest=manifest, out_dir=ctx.stage_dir("train"),
+        target=ctx.target, layer_ids=ctx.layer_ids, drafter=ctx.cfg.drafter,
+        train=ctx.cfg.train, wandb_cfg=ctx.cfg.wandb.model_dump(),
+        storage_options=ctx.cfg.storage_options, run_name=ctx.run_dir.name)
+    return {"steps": result["steps"], "rows": result["rows"],
+            "drafter": str(ctx.run_dir / "train" / "drafter"),
+            "published": ctx.publish_drafter("train"), "draft_vocab": result["draft_vocab"],
+            "final_metrics": {k: v for k, v in result["metrics"].items()
+                              if isinstance(v, (int, float))}}
+
+
+def _heldout_prompts(ctx: StageContext, limit: int) -> list[str]:
+    """First user turns of the held-out conversations (falls back to training prompts with a
+    warning when the split is empty, e.g. heldout_fraction 0)."""
+    from .prompts import read_jsonl
+
+    rows = read_jsonl(str(ctx.run_dir / "prompts" / "heldout.jsonl"))
+    if not rows:
+        logger.warning("no held-out prompts: calibrating on training prompts instead")
+        rows = read_jsonl(str(ctx.run_dir / "prompts" / "train.jsonl"))
+    return [r["messages"][0]["content"] for r in rows[:limit]]
+
+
+def stage_calibrate(ctx: StageContext) -> dict:
+    import ray
+
+    from .tracking import log_calibration, log_drafter_artifact, open_run
+
+    from .calibrate import collect_rounds, fit_and_report
+
+    c = ctx.cfg.calibrate
+    ensure_ray(ctx.cfg)
+    task = ray.remote(num_cpus=c.cpus, num_gpus=c.gpus or None)(collect_rounds)
+    drafter_dir = ctx.drafter_location("train")
+    so = ctx.cfg.storage_options
+    collected = ray.get(task.remote(
+        target=ctx.target, dtype=c.dtype, drafter_dir=drafter_dir,
+        template_kwargs=ctx.cfg.target.chat_template_kwargs,
+        prompts=_heldout_prompts(ctx, c.max_prompts), temperature=c.temperature,
+        max_new_tokens=c.max_new_tokens, seed=ctx.cfg.seed, num_threads=c.num_threads,
+        storage_options=so))
+    out = ctx.stage_dir("calibrate")
+    summary = fit_and_report(collected, out, storage.local_copy(drafter_dir, so), ctx.cfg.seed)
+    summary["published"] = ctx.publish_drafter("calibrate")
+    run = open_run(ctx.cfg.wandb.model_dump(), ctx.run_dir, ctx.run_dir.name, "calibrate")
+    if run is not None:
+        log_calibration(run, summary.get("report") or {}, out)
+        log_drafter_artifact(run, out / "drafter", f"drafter-calibrated-{ctx.run_dir.name}",
+                             {"sts_temperatures": summary.get("temperatures"),
+                              "calibrated": summary["calibrated"]})
+        run.finish()
+    return {k: v for k, v in summary.items() if k != "report"}
+
+
+def eval_datasets(cfg: PipelineConfig) -> dict[str, list[str]]:
+    """The eval stage's prompts per benchmark set (``eval.datasets`` under ``eval.data_dir``).
+    Cheap: ``pipeline/run.py`` calls it before the first stage, so a bad benchmark file fails the
+    run before hours of earlier stages, not after.
+
+    Raises:
+        EvalDataError: a missing file or a malformed row (file and line named).
+    """
+    from .evaluate import load_eval_prompts
+
+    e = cfg.eval
+    data_dir = Path(storage.resolve(e.data_dir))
+    return {name: load_eval_prompts(data_dir / f"{name}.jsonl", n, e.shuffle_seed)
+            for name, n in e.datasets.items()}
+
+
+def export_engine_files(ctx: StageContext, sps_profile: dict | None, dst: Path) -> dict:
+    """Write the calibrated drafter's STS temperatures and the SPS(B) profile the eval engine
+    measured in SGLang's and TensorRT-LLM's formats to ``dst``
+    (``serve/engine/engine_files.py``), with the calibrate stage's report for the ECE columns.
+
+    Returns:
+        ``{"dst", "written", "skipped"}``.
+    """
+    from serve.engine.engine_files import EngineFileError, write_engine_files
+
+    drafter = storage.local_copy(ctx.drafter_location("calibrate"), ctx.cfg.storage_options)
+    try:
+        summary = write_engine_files(drafter, dst, sps_profile=sps_profile,
+                                     calibration_report=ctx.run_dir / "calibrate" / "report.json")
+    except (EngineFileError, OSError, ValueError, KeyError) as err:  # the evaluation stands
+        summary = {"dst": str(dst), "written": [], "skipped": {"sts and sps": str(err)}}
+    for what, why in summary["skipped"].items():
+        logger.warning("engine files: no %s file: %s", what.upper(), why)
+    return summary
+
+
+def stage_eval(ctx: StageContext) -> dict:
+    import ray
+
+    from .tracking import log_evaluation, open_run
+
+    from .evaluate import evaluate, render_report_md
+    from .plots import conditional_acceptance_plot, threshold_sweep_plot
+
+    e = ctx.cfg.eval
+    datasets = eval_datasets(ctx.cfg)
+    ensure_ray(ctx.cfg)
+    task = ray.remote(num_cpus=e.cpus, num_gpus=e.gpus or None)(evaluate)
+    report = ray.get(task.remote(
+        target=ctx.target, dtype=e.dtype, drafter_dir=ctx.drafter_location("calibrate"),
+        storage_options=ctx.cfg.storage_options,
+        template_kwargs=ctx.cfg.target.chat_template_kwargs, datasets=datasets,
+        temperatures=e.temperatures, max_new_tokens=e.max_new_tokens,
+        num_threads=e.num_threads, seed=ctx.cfg.seed, speed_baseline=e.speed_baseline,
+        baseline_dtype=e.baseline_dtype or e.dtype,
+        engine=ctx.cfg.engine.model_copy(update={"max_num_requests": 1})))
+    out = ctx.stage_dir("eval")
+    engine_files = export_engine_files(ctx, report.pop("sps_profile", None), out / "engine_files")
+    (out / "report.json").write_text(json.dumps(report, indent=1))
+    (out / "report.md").write_text(render_report_md(report))
+    for temp in map(str, e.temperatures):
+        curves = {name: by_t[temp]["conditional_acceptance"]
+                  for name, by_t in report["results"].items()}
+        conditional_acceptance_plot(curves, out / f"conditional_acceptance_T{temp}.png",
+                                    title=f"P(token k accepted | tokens < k accepted), T = {temp}")
+        sweeps = [(name, by_t[temp]["threshold_sweep"]) for name, by_t in report["results"].items()
+                  if by_t[temp].get("threshold_sweep")]
+        for name, sweep in sweeps:
+            threshold_sweep_plot(sweep, out / f"threshold_sweep_{name}_T{temp}.png",
+                                 title=f"Static confidence threshold, {name}, T = {temp}")
+    run = open_run(ctx.cfg.wandb.model_dump(), ctx.run_dir, ctx.run_dir.name, "eval")
+    if run is not None:
+        log_evaluation(run, report, out)
+        run.finish()
+    return {"domains": report["domains"], "engine_files": engine_files,
+            **{name: {t: {"tau": round(s["tau"], 3),
+                          "speedup": None if s["speedup"] is None else round(s["speedup"], 3)}
+                      for t, s in by_t.items()} for name, by_t in report["results"].items()}}
