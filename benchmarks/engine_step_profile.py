@@ -1,11 +1,11 @@
 """Where a decode step's time goes at high concurrency: the DSpark policy against no speculation.
 
-The engine (``serve.engine.builder``, the same one the Ray Serve app runs, no HTTP) is given B requests
-(B = 64 by default) of the serve_load prompt mix at temperature 1 (``--temperature``); after the prefills and a
-warm-up, S decode steps are timed per policy, the policies alternating R times. Each timed span
-also runs under cProfile, whose cumulative times split a step into: the target forward, the
-drafter (pending-context extension + block proposal), the goodput planner, the verification-length
-scheduler, verification/commit (``_finish_round``) and the rest. Writes
+The engine (``serve.engine.builder``, the same one the Ray Serve app runs, no HTTP) is given B
+requests (B = 64 by default) of the serve_load prompt mix at temperature 1 (``--temperature``);
+after the prefills and a warm-up, S decode steps are timed per policy, the policies alternating R
+times. Each timed span also runs under cProfile, whose cumulative times split a step into: the
+target forward, the drafter (pending-context extension + block proposal), the goodput planner, the
+verification-length scheduler, verification/commit (``_finish_round``) and the rest. Writes
 ``benchmarks/results/engine_step_profile.{md,json}``.
 
     .venv/bin/python benchmarks/engine_step_profile.py --drafter <run>/calibrate/drafter

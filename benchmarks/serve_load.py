@@ -4,14 +4,14 @@ One Ray Serve app (``serve/app.py``, the real HTTP path) per verification policy
 the trained drafter and the real target, side by side; a load generator on 127.0.0.1 keeps C
 concurrent streaming chat requests in flight (C = 1, 2, 4, ... 64), each point bounded in time and
 request count, the policies taking turns at every C (``--repeats`` rounds, order rotated), so
-slow drift of the machine hits every policy alike. Per point: aggregate tokens/s, mean per-user tokens/s (decode speed after the first
-token), time to first token, and the mean verification budget per request per step (verified
-draft tokens / rounds, from the engine's counters). Writes
+slow drift of the machine hits every policy alike. Per point: aggregate tokens/s, mean per-user
+tokens/s (decode speed after the first token), time to first token, and the mean verification budget
+per request per step (verified draft tokens / rounds, from the engine's counters). Writes
 ``benchmarks/results/serve_load.{md,json}``, a Pareto plot (throughput vs per-user speed, paper
 Figure 7), a budget-vs-concurrency plot (Figure 8), and the throughput each policy sustains at a
 per-user SLA (every request at or above it; ``--slas``; table and ``serve_load_sla.png``, like the
-paper's production table). A policy with a speed floor is a variant:
-``--policies none,fixed,dspark,dspark-min_tokens_per_s=12``.
+paper's production table). A policy with a speed floor is a variant: ``--policies
+none,fixed,dspark,dspark-min_tokens_per_s=12``.
 
     .venv/bin/python benchmarks/serve_load.py --drafter runs/drafter_quality/dspark/calibrate/drafter
 """

@@ -83,8 +83,9 @@ class CacheWriterUDF:
 
     def _tokenize(self, conv: dict) -> list[dict]:
         """Samples of one conversation: one, or one per assistant turn when the chat template
-        renders history differently from a generated turn (``serve.engine.chat``); ids ``<id>#<turn>``
-        then. Each: ``sample_id``, ``domain``, ``input_ids`` and ``loss_mask`` (lists, [T]).
+        renders history differently from a generated turn (``serve.engine.chat``); ids
+        ``<id>#<turn>`` then. Each: ``sample_id``, ``domain``, ``input_ids`` and ``loss_mask``
+        (lists, [T]).
 
         Raises:
             ValueError: too few supervised tokens, no anchor position, or a template error.

@@ -1,8 +1,8 @@
 """Generate stage: the target regenerates every assistant turn (SPEC 1.2) in a Ray Data actor pool.
 
 User turns are replayed in order and each reply is conditioned on the regenerated ones. Results are
-appended per finished batch to ``<split>.jsonl`` keyed by prompt id; failures go to ``errors.jsonl``;
-a re-run skips ids already present in either file (no duplicates, no gaps).
+appended per finished batch to ``<split>.jsonl`` keyed by prompt id; failures go to
+``errors.jsonl``; a re-run skips ids already present in either file (no duplicates, no gaps).
 """
 
 from __future__ import annotations

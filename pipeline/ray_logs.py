@@ -4,15 +4,15 @@ Ray Train (v2) starts a detached ``PlacementGroupCleaner`` actor beside every tr
 a second it asks the State API whether the train controller is still alive, so that it can remove
 the run's placement group if the controller dies while the cluster lives on
 (``ray/train/v2/_internal/execution/controller/placement_group_cleaner.py``). The State API is
-served by the dashboard, and the local Ray of :func:`pipeline.stage_context.ensure_ray` starts without
-one (``include_dashboard=False``: the full dashboard costs ~1 GB of memory in ten module
-processes, on a machine the pipeline needs for its models). So every poll fails and the cleaner
-logs ``Failed to query Ray Train Controller actor state. State API may be temporarily unavailable.
-Continuing to monitor.`` once a second for the whole stage: 337 lines, half of the quickstart's
-log. Nothing is lost by dropping it there: the local cluster, and the placement group with it,
-ends with the driver. Ray knows the warning is noisy (ray-project/ray#62516 raised the State
-API timeout because of it; ray-project/ray#65447, open, reworks the cleaner), and no setting
-turns the cleaner off, so the pipeline's workers drop that one message.
+served by the dashboard, and the local Ray of :func:`pipeline.stage_context.ensure_ray` starts
+without one (``include_dashboard=False``: the full dashboard costs ~1 GB of memory in ten module
+processes, on a machine the pipeline needs for its models). So every poll fails and the cleaner logs
+``Failed to query Ray Train Controller actor state. State API may be temporarily unavailable.
+Continuing to monitor.`` once a second for the whole stage: 337 lines, half of the quickstart's log.
+Nothing is lost by dropping it there: the local cluster, and the placement group with it, ends with
+the driver. Ray knows the warning is noisy (ray-project/ray#62516 raised the State API timeout
+because of it; ray-project/ray#65447, open, reworks the cleaner), and no setting turns the cleaner
+off, so the pipeline's workers drop that one message.
 
 The record is logged in the cleaner's worker process and reaches the driver as worker output, so
 a ``logging.Filter`` in the driver cannot see it: :func:`quiet_local_worker` runs in every worker

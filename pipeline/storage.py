@@ -1,7 +1,7 @@
 """Filesystems: local paths and ``s3://`` URLs (through s3fs, wrapped for pyarrow).
 
-Relative local paths in configs resolve against the project root (``serve.engine.paths``, re-exported
-here as ``storage.resolve`` for the pipeline's stages).
+Relative local paths in configs resolve against the project root (``serve.engine.paths``,
+re-exported here as ``storage.resolve`` for the pipeline's stages).
 """
 
 from __future__ import annotations

@@ -152,8 +152,9 @@ class CacheRowReader:
 
     Args:
         index: a :class:`CacheRowIndex`.
-        hidden_size, num_context_layers: to decode rows (:func:`pipeline.cache_format.decode_columns`).
-        cached_groups: how many row groups (Arrow tables) to keep (LRU); at least the epoch
+        hidden_size, num_context_layers: to decode rows
+        (:func:`pipeline.cache_format.decode_columns`). cached_groups: how many row groups (Arrow
+        tables) to keep (LRU); at least the epoch
             order's shuffle window (4) so that every row group is read once per epoch.
         io_threads: row groups read concurrently (I/O and decompression release the GIL).
         open_files: shard files each I/O thread keeps open (LRU).
@@ -239,8 +240,8 @@ class CacheRowReader:
         return out
 
     def read(self, rows: list[int]) -> list[dict]:
-        """Decoded samples (see :func:`pipeline.cache_format.decode_columns`) of the given global row
-        ids, in the given order, each with ``row_id``.
+        """Decoded samples (see :func:`pipeline.cache_format.decode_columns`) of the given global
+        row ids, in the given order, each with ``row_id``.
 
         Raises:
             CorruptShardError: a row's byte sizes are inconsistent (sample named).

@@ -1,7 +1,7 @@
 """The Serve replica's Prometheus metrics (``ray.serve.metrics``; names get Ray's ``ray_`` prefix
-and counters a ``_total`` suffix): engine counters from :class:`serve.engine.metrics.SpecDecodeStats`
-snapshots, and per-request latency (TTFT, TPOT, end to end) and token histograms. Ray is
-imported only when a replica builds them.
+and counters a ``_total`` suffix): engine counters from
+:class:`serve.engine.metrics.SpecDecodeStats` snapshots, and per-request latency (TTFT, TPOT, end to
+end) and token histograms. Ray is imported only when a replica builds them.
 """
 
 from __future__ import annotations

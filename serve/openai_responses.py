@@ -60,8 +60,8 @@ class CompletionLogprobs(BaseModel):
 
 def chat_logprobs(items, token_text, token_bytes) -> ChatLogprobs:
     """``items``: ``serve.engine.requests.TokenLogprob`` s; ``token_text``: id -> its text;
-    ``token_bytes``: id -> its raw bytes (``serve.engine.detokenize.token_bytes``: a token holding part of
-    a character has text U+FFFD but its own bytes, so the entries' bytes concatenate to the
+    ``token_bytes``: id -> its raw bytes (``serve.engine.detokenize.token_bytes``: a token holding
+    part of a character has text U+FFFD but its own bytes, so the entries' bytes concatenate to the
     content's UTF-8). Every alternative is its own entry, two with the same text included."""
     def entry(tid: int, lp: float) -> dict:
         return {"token": token_text(tid), "logprob": lp, "bytes": list(token_bytes(tid))}
@@ -103,8 +103,8 @@ class CompletionChoice(BaseModel):
 
 
 def _spec_details_field():
-    """``spec_details`` (``serve.engine.metrics.request_spec_details``): only in responses to requests
-    that set ``return_spec_details``, so other clients see the plain OpenAI object."""
+    """``spec_details`` (``serve.engine.metrics.request_spec_details``): only in responses to
+    requests that set ``return_spec_details``, so other clients see the plain OpenAI object."""
     return Field(None, exclude_if=lambda v: v is None)
 
 

@@ -4,10 +4,10 @@
 project's engine: the target from ``target``, the drafter from ``vllm.drafter_export`` (a ``python
 -m drafters.export --format vllm`` directory) as vLLM's ``speculative_config`` (method ``dspark``
 with adaptive verification, ``dflash`` or ``eagle3``, by the export's registered drafter type),
-``engine.num_speculative_tokens`` as its cap, ``engine.max_num_requests`` as vLLM's ``max_num_seqs``,
-GPUs per replica from ``vllm.num_gpus_per_replica`` (tensor parallel), autoscaling from the
-``vllm`` section. It is the path for GPU fleets; this project's engine (``serve/app.py``) stays the
-reference and the CPU path (vLLM runs DSpark only in its GPU model runner).
+``engine.num_speculative_tokens`` as its cap, ``engine.max_num_requests`` as vLLM's
+``max_num_seqs``, GPUs per replica from ``vllm.num_gpus_per_replica`` (tensor parallel), autoscaling
+from the ``vllm`` section. It is the path for GPU fleets; this project's engine (``serve/app.py``)
+stays the reference and the CPU path (vLLM runs DSpark only in its GPU model runner).
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """Admission: the model length requests are admitted against (what a slot of the engine's KV pool
 holds), the checks a request must pass to be queued (each failure a
-:class:`serve.engine.errors.RequestError` with its HTTP status), and the speed-floor gate that decides when
-the next waiting request may start, from the engine's measured decoding pace (SPEC 5; issue 24).
+:class:`serve.engine.errors.RequestError` with its HTTP status), and the speed-floor gate that
+decides when the next waiting request may start, from the engine's measured decoding pace (SPEC 5;
+issue 24).
 """
 
 from __future__ import annotations
@@ -19,8 +20,8 @@ logger = logging.getLogger(__name__)
 
 
 def size_kv_pool(target: TargetRunner, config: EngineConfig, gamma: int) -> int:
-    """Allocate the engine's whole KV pool now (``serve/engine/kv_pool.py``: never grown under load) and
-    return the model length in tokens: what a slot holds, less the draft block of gamma + 1
+    """Allocate the engine's whole KV pool now (``serve/engine/kv_pool.py``: never grown under load)
+    and return the model length in tokens: what a slot holds, less the draft block of gamma + 1
     positions a request's last verification writes past its end, at most ``engine.max_model_len``
     (default: the target's ``max_position_embeddings``).
 

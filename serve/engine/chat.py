@@ -92,10 +92,10 @@ def tokenize_conversation_samples(tokenizer, messages: list[dict], template_kwar
                                   max_length: int) -> list[TokenizedConversation]:
     """Training samples that supervise every assistant turn of a conversation.
 
-    One sample when the template renders the conversation consistently (:func:`tokenize_conversation`);
-    otherwise one sample per assistant turn i: messages[:i] rendered with the generation prompt
-    (the prompt serving would see) followed by turn i's tokens, supervised through its end-of-turn
-    token.
+    One sample when the template renders the conversation consistently
+    (:func:`tokenize_conversation`); otherwise one sample per assistant turn i: messages[:i]
+    rendered with the generation prompt (the prompt serving would see) followed by turn i's tokens,
+    supervised through its end-of-turn token.
 
     Raises:
         ChatTemplateError: no assistant turn, a turn whose own render does not extend its prompt

@@ -4,15 +4,16 @@ One engine serves every caller: the Ray Serve app, offline evaluation and the be
 :meth:`SpecEngine.step`. A step:
 
 1. **admits** waiting requests (``serve/engine/admission.py``) and takes their next prompt chunks under a
-   token budget (chunked prefill, ``serve/engine/prefill.py``); the chunks run in the same packed target
-   pass as step 4, and when a prompt is complete its first token, the anchor, is sampled;
+   token budget (chunked prefill, ``serve/engine/prefill.py``); the chunks run in the same packed
+   target pass as step 4, and when a prompt is complete its first token, the anchor, is sampled;
 2. **plans** each running request's row of the :class:`~serve.engine.step_plan.StepPlan`: the most it
    may verify, and whether the drafter drafts for it and how deep or it verifies a free
-   prompt-lookup draft instead (``serve/engine/step_plan.py`` over ``serve/engine/draft_planner.py``), so that
-   the drafter's cost is paid only where it raises the step's tokens/s;
+   prompt-lookup draft instead (``serve/engine/step_plan.py`` over
+   ``serve/engine/draft_planner.py``), so that the drafter's cost is paid only where it raises the
+   step's tokens/s;
 3. **proposes**: the drafter drafts those rows in one batched call (``serve/engine/drafting.py``), its
-   confidence logits become calibrated c_k, and the scheduler (``serve/engine/scheduler_registry.py``)
-   sets each row's verification length l_r;
+   confidence logits become calibrated c_k, and the scheduler
+   (``serve/engine/scheduler_registry.py``) sets each row's verification length l_r;
 4. **verifies** [anchor, x_1..x_{l_r}] of every request in one packed target forward pass (the
    prompt chunks of step 1 ride in it) and rejection-samples each request with its own
    temperature, top_p and RNG, losslessly (``serve/engine/verification.py``);

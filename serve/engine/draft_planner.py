@@ -1,19 +1,19 @@
 """Which requests to draft for, how deep, and from which source, before anything is drafted:
 the goodput model with the drafter's cost in it.
 
-Algorithm 1 (``serve/engine/scheduler.py``) maximises tau * SPS(B) over the drafts it is given, but the
-drafts are already paid for when it runs. On hardware where a draft round costs a sizeable share
+Algorithm 1 (``serve/engine/scheduler.py``) maximises tau * SPS(B) over the drafts it is given, but
+the drafts are already paid for when it runs. On hardware where a draft round costs a sizeable share
 of a verification (a 2-core CPU: ~9 ms against ~45 ms), drafting for a request that will accept
-nothing makes the step slower than a target-only step. The planner therefore predicts each
-request's per-token acceptance alpha from its past rounds only and picks the drafting plan that
-maximises the expected tokens per second of the whole step:
+nothing makes the step slower than a target-only step. The planner therefore predicts each request's
+per-token acceptance alpha from its past rounds only and picks the drafting plan that maximises the
+expected tokens per second of the whole step:
 
     Theta = (R + sum_r sum_{j <= l_r} alpha_r^j) / (1 / SPS(B) + T_draft(rows, depth)),
 
 where l_r is what Algorithm 1 would verify under the predicted confidences, B = R + sum_r l_r and
 T_draft is the profiled drafter cost (:class:`DraftCostTable`) for the requests drafted for. A
-request may instead verify a prompt-lookup draft (``serve/engine/lookup.py``), which costs nothing to
-propose: it is used when its predicted accepted length is at least the drafter's.
+request may instead verify a prompt-lookup draft (``serve/engine/lookup.py``), which costs nothing
+to propose: it is used when its predicted accepted length is at least the drafter's.
 
 Losslessness: the plan is a function of past steps only (earlier confidences, acceptances and
 committed tokens), never of this step's drafts, so it is like choosing gamma before drafting.

@@ -2,10 +2,11 @@
 before (prompt lookup decoding, Saxena 2023; HF transformers ``prompt_lookup_num_tokens``; vLLM's
 ``ngram`` speculator).
 
-The engine uses these as a second, free draft source next to the drafter (``serve/engine/draft_planner.py``
-decides per request and step which one to verify). A lookup draft is deterministic, so its draft
-distribution is one-hot: rejection sampling accepts x with probability p_t(x) and otherwise samples
-from p_t with x removed, which keeps decoding exactly lossless (``serve/engine/rejection.py``).
+The engine uses these as a second, free draft source next to the drafter
+(``serve/engine/draft_planner.py`` decides per request and step which one to verify). A lookup draft
+is deterministic, so its draft distribution is one-hot: rejection sampling accepts x with
+probability p_t(x) and otherwise samples from p_t with x removed, which keeps decoding exactly
+lossless (``serve/engine/rejection.py``).
 """
 
 from __future__ import annotations

@@ -2,8 +2,8 @@
 
 At engine start-up the target's batched forward pass is timed over the batch-token sizes the
 engine can run (several requests, each with a cached context, verifying blocks of gamma + 1
-tokens). The measurements become an :class:`serve.engine.scheduler.SPSTable` and are stored as JSON next
-to the drafter checkpoint together with a fingerprint of the hardware, software and model; a
+tokens). The measurements become an :class:`serve.engine.scheduler.SPSTable` and are stored as JSON
+next to the drafter checkpoint together with a fingerprint of the hardware, software and model; a
 stored profile is reused only when the fingerprint matches, otherwise the target is re-profiled.
 
 CLI (prints the table):

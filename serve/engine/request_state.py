@@ -1,5 +1,5 @@
-"""Per-request state of the speculative engine (``serve/engine/core.py``): what a request carries from
-step to step, the record of each of its verification rounds, and its offline result.
+"""Per-request state of the speculative engine (``serve/engine/core.py``): what a request carries
+from step to step, the record of each of its verification rounds, and its offline result.
 """
 
 from __future__ import annotations
@@ -49,9 +49,9 @@ class RequestState:
     """One request inside the engine, from ``add_request`` to its last token.
 
     ``gen`` is the request's own RNG (seeded by its seed, or an engine-chosen one) and ``detok``
-    its detokenizer (None: token ids only). The planner's view of it (``serve/engine/step_plan.py``):
-    the acceptance estimates of the drafter and of prompt lookup, steps since the drafter last
-    drafted for it and the back-off until its next probe.
+    its detokenizer (None: token ids only). The planner's view of it
+    (``serve/engine/step_plan.py``): the acceptance estimates of the drafter and of prompt lookup,
+    steps since the drafter last drafted for it and the back-off until its next probe.
     """
 
     req: EngineRequest

@@ -4,9 +4,9 @@ A step plans in two halves around the drafter call. Before it, per running reque
 most draft tokens it may verify), and the draft source and depth from the goodput planner
 (``serve/engine/draft_planner.py``, from the request's past rounds only). After it: how many drafted
 tokens each verifies, from this step's calibrated confidences, by the scheduler the config names
-(``serve/engine/scheduler_registry.py``: every policy question goes to its entry). After verification the
-planner learns from each round. Losslessness: no decision about a draft token x_k reads x_k or
-anything computed from it (``serve/engine/scheduler.py``).
+(``serve/engine/scheduler_registry.py``: every policy question goes to its entry). After
+verification the planner learns from each round. Losslessness: no decision about a draft token x_k
+reads x_k or anything computed from it (``serve/engine/scheduler.py``).
 """
 
 from __future__ import annotations

@@ -2,11 +2,11 @@
 that return next-token logits and, when a drafter needs them, the selected layers' hidden states.
 
 Continuous batching without copies: every request's keys and values live in its own slot of a
-preallocated pool (``serve/engine/kv_pool.py``), written in place at the request's positions, so requests
-join and leave between steps and one forward pass verifies every request's variable-length block at
-its own positions. The new tokens of all requests are packed into one row (no padding: a request
-verifying a long block does not make the others pay for it); attention runs per request over a
-view of its slot; nothing is padded, gathered or concatenated per step. A pass writes all its new
+preallocated pool (``serve/engine/kv_pool.py``), written in place at the request's positions, so
+requests join and leave between steps and one forward pass verifies every request's variable-length
+block at its own positions. The new tokens of all requests are packed into one row (no padding: a
+request verifying a long block does not make the others pay for it); attention runs per request over
+a view of its slot; nothing is padded, gathered or concatenated per step. A pass writes all its new
 positions; only the ones a request commits (:meth:`BatchOutput.keep`) count, and the rest are
 overwritten by its next pass (rejected drafts never stay in a cache).
 

@@ -1,7 +1,7 @@
-"""The cache writer (pipeline/cache.py, cache_writer.py, pipeline/storage.py): shards stream row group by row group
-to a temporary that becomes visible only when complete, a failure leaves nothing behind, the hidden
-states are stored without dictionary encoding, transient store errors are retried with backoff,
-and batched target forwards give the rows a per-sample forward gives."""
+"""The cache writer (pipeline/cache.py, cache_writer.py, pipeline/storage.py): shards stream row
+group by row group to a temporary that becomes visible only when complete, a failure leaves nothing
+behind, the hidden states are stored without dictionary encoding, transient store errors are retried
+with backoff, and batched target forwards give the rows a per-sample forward gives."""
 
 from __future__ import annotations
 

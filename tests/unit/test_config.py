@@ -81,8 +81,8 @@ def test_renamed_engine_field_keeps_run_fingerprints():
     dumped["engine"]["num_draft_tokens"] = dumped["engine"].pop("num_speculative_tokens")
     # the sections every stage up to eval read before stages were objects (written out: the
     # fingerprint of a run directory of that layout)
-    sections = ["prompts", "storage_options", "target", "generate", "seed", "cache", "drafter", "train",
-                "calibrate", "eval", "engine"]
+    sections = ["prompts", "storage_options", "target", "generate", "seed", "cache", "drafter",
+                "train", "calibrate", "eval", "engine"]
     before = hashlib.sha256(json.dumps({s: dumped[s] for s in sections},
                                        sort_keys=True).encode()).hexdigest()
     assert stage_fingerprint(cfg, "eval") == before

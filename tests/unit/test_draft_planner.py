@@ -1,5 +1,6 @@
-"""The goodput planner (serve/engine/draft_planner.py) and prompt-lookup candidates (serve/engine/lookup.py):
-cost-table lookups, acceptance estimates, which requests are drafted for and from which source."""
+"""The goodput planner (serve/engine/draft_planner.py) and prompt-lookup candidates
+(serve/engine/lookup.py): cost-table lookups, acceptance estimates, which requests are drafted for
+and from which source."""
 
 from __future__ import annotations
 

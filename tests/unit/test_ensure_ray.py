@@ -1,7 +1,7 @@
 """``pipeline.stage_context.ensure_ray`` sets up Ray Data for the stages' long batches: a generate
-batch of 512-token answers may run past Ray Data's 30-minute no-progress limit on a small machine (it did:
-the stage failed with ExecutionTimeoutError after 1,024 answers ran > 30 min), so the limit is off
-unless the user sets it."""
+batch of 512-token answers may run past Ray Data's 30-minute no-progress limit on a small machine
+(it did: the stage failed with ExecutionTimeoutError after 1,024 answers ran > 30 min), so the limit
+is off unless the user sets it."""
 
 from __future__ import annotations
 
@@ -17,7 +17,8 @@ def fresh_context(monkeypatch):
     """ensure_ray against a stand-in ``ray.init`` (no cluster) and a fresh Ray Data context."""
     monkeypatch.setattr(ray, "is_initialized", lambda: False)
     monkeypatch.setattr(ray, "init", lambda *a, **k: None)
-    monkeypatch.setattr(stage_context, "_ray_started", stage_context._ray_started)  # restored afterwards
+    # restored afterwards
+    monkeypatch.setattr(stage_context, "_ray_started", stage_context._ray_started)
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     monkeypatch.delenv("RAY_DATA_EXECUTION_NO_PROGRESS_TIMEOUT_S", raising=False)
     ctx = ray.data.DataContext()

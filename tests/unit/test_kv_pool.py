@@ -1,8 +1,8 @@
-"""The target's KV pool (serve/engine/kv_pool.py, serve/engine/target_runner.py): in-place slots give the same
-logits and layer features as a plain forward over the whole sequence, for batches of requests at
-different lengths, across uncommitted (rejected) positions and pool growth; slots are freed with
-their requests; chunked prefill decodes exactly as one-shot prefill and lets running requests
-keep decoding meanwhile."""
+"""The target's KV pool (serve/engine/kv_pool.py, serve/engine/target_runner.py): in-place slots
+give the same logits and layer features as a plain forward over the whole sequence, for batches of
+requests at different lengths, across uncommitted (rejected) positions and pool growth; slots are
+freed with their requests; chunked prefill decodes exactly as one-shot prefill and lets running
+requests keep decoding meanwhile."""
 
 from __future__ import annotations
 
@@ -70,8 +70,8 @@ def test_which_single_token_requests_are_attended_together():
 @pytest.mark.parametrize("order", ["slot order", "reversed"])
 def test_single_token_requests_attended_together_match_a_plain_forward(model, order, monkeypatch):
     """Decode steps where most requests run one token (attended together in one batched product
-    over a slot range, serve/engine/kv_pool.py: SingleTokenRows) beside a multi-token one, with a freed
-    slot inside the range, give each request the logits and features of a plain forward; also
+    over a slot range, serve/engine/kv_pool.py: SingleTokenRows) beside a multi-token one, with a
+    freed slot inside the range, give each request the logits and features of a plain forward; also
     when the pass lists the requests in another order than their slots (reused slots)."""
     import serve.engine.kv_pool as kv_pool
 

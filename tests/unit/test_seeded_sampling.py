@@ -1,8 +1,9 @@
 """Seeded requests are reproducible whatever the server is doing (issue 24): with a drafter
 loaded, a seeded request samples each output position by the Gumbel-max trick with noise keyed by
-(seed, position) (``drafters.sampling.PositionNoise``, ``serve.engine.rejection.verify_coupled``), so its
-text does not depend on the drafting plan, the scheduler or the other requests; it stays a sample
-of the target's distribution (the chi-square tests in ``test_engine.py`` run seeded requests)."""
+(seed, position) (``drafters.sampling.PositionNoise``, ``serve.engine.rejection.verify_coupled``),
+so its text does not depend on the drafting plan, the scheduler or the other requests; it stays a
+sample of the target's distribution (the chi-square tests in ``test_engine.py`` run seeded
+requests)."""
 
 from __future__ import annotations
 
