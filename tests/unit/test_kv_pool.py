@@ -67,6 +67,19 @@ def test_which_single_token_requests_are_attended_together():
     assert batched_single_tokens([0, 9], [100, 100], [1, 1]) == []  # a range mostly of holes
 
 
+def test_the_batched_width_comes_in_few_sizes_and_never_passes_the_pool():
+    """The batched product's width is rounded up to WIDTH_STEP (a few buffer sizes the allocator
+    reuses, instead of a heap that grows step by step), capped at the pool's capacity; the extra
+    positions are masked out."""
+    from serve.engine.kv_pool import WIDTH_STEP, SingleTokenRows
+
+    rows = SingleTokenRows([0, 1], [10, 70], [0, 1], "cpu")
+    assert rows.width == 2 * WIDTH_STEP  # 71 keys, the new token's included
+    assert rows.mask.shape[-1] == rows.width
+    assert rows.mask[:, 0, 0].sum(-1).tolist() == [11, 71]
+    assert SingleTokenRows([0, 1], [10, 70], [0, 1], "cpu", max_width=100).width == 100
+
+
 @pytest.mark.parametrize("order", ["slot order", "reversed"])
 def test_single_token_requests_attended_together_match_a_plain_forward(model, order, monkeypatch):
     """Decode steps where most requests run one token (attended together in one batched product
