@@ -46,6 +46,7 @@ def warped_probs(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.T
             sorted_p = sorted_p / sorted_p.sum(-1, keepdim=True)
         mass_before = sorted_p.cumsum(-1) - sorted_p
         drop = mass_before >= top_p[:, None]
+        drop[:, 0] = False  # a top_p that rounds to 0 in fp32 (1e-50) still keeps the top token
         sorted_p = sorted_p.masked_fill(drop, 0.0)
         probs = torch.zeros_like(probs).scatter(-1, order, sorted_p)
         probs = probs / probs.sum(-1, keepdim=True)
@@ -79,7 +80,15 @@ def draw(probs: torch.Tensor, generator: torch.Generator | None = None) -> int:
     return min(int(torch.searchsorted(cdf, u, right=True)), cdf.numel() - 1)
 
 
-_MIX = 0x9E3779B97F4A7C15  # 2^64 / golden ratio: spreads (seed, position) over seed space
+def _noise_key(seed: int, position: int) -> int:
+    """A generator seed for (seed, position): a hash, so that no two requests' noise is the same
+    sequence shifted by some positions (a linear key would make seed s + d at position p reuse
+    seed s's noise at p + 1). torch's CPU generator keeps 32 bits of it: distinct pairs collide
+    with probability 2^-32, as two requests' own generators already do."""
+    import hashlib
+
+    digest = hashlib.blake2b(f"{seed}:{position}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
 
 
 class PositionNoise:
@@ -107,7 +116,7 @@ class PositionNoise:
     def gumbel(self, offset: int) -> torch.Tensor:
         """fp64 [V]: the noise of output position ``start + offset`` (standard Gumbel per token;
         the same tensor whenever it is asked for)."""
-        key = (self.seed * _MIX + (self.start + offset) * 0xBF58476D1CE4E5B9) % 2**63
+        key = _noise_key(self.seed, self.start + offset)
         u = torch.rand(self.vocab_size, generator=torch.Generator().manual_seed(key),
                        dtype=torch.float64)
         return -torch.log(-torch.log(u))  # u = 0 gives -inf: that token can never win

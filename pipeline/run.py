@@ -117,4 +117,13 @@ def exit_now(code: int) -> None:
 
 if __name__ == "__main__":
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    exit_now(main())
+    try:
+        code = main()
+    except SystemExit as done:  # argparse (--help, bad arguments)
+        code = done.code if isinstance(done.code, int) else 1
+    except BaseException:  # noqa: BLE001 - report it, then leave the same way
+        import traceback
+
+        traceback.print_exc()
+        code = 1
+    exit_now(code)

@@ -41,7 +41,7 @@ class EngineConfig(BaseModel):
         "goodput", description="dspark/async: before drafting, predict each request's acceptance "
         "from its past rounds and draft only for the requests (and to the depth) that raise the "
         "step's expected tokens/s once the drafter's profiled cost is counted "
-        "(serve/draft_planner.py); off = draft gamma tokens for every request every step.")
+        "(serve/engine/draft_planner.py); off = draft gamma tokens for every request every step.")
     probe_interval: int = Field(4, ge=1, description="goodput planning: a request the planner "
                                 "keeps from the drafter is drafted for again after N steps (a "
                                 "lossless probe); the interval doubles while probes keep saying "
@@ -77,9 +77,10 @@ class EngineConfig(BaseModel):
         None, gt=0, description="Per-user speed floor (tokens/s) for every request (a request's "
         "own min_tokens_per_s overrides it); None = none. With a confidence-based scheduler, "
         "verification goes first to requests predicted below their floor "
-        "(serve.engine.scheduler.hold_speed_floors, lossless), and a waiting request is admitted only "
-        "while the engine's measured speed per request, rescaled by SPS(B) to one more request, "
-        "holds every running request's floor (otherwise it queues; a full queue answers 429).")
+        "(serve.engine.scheduler.hold_speed_floors, lossless), and a waiting request is admitted "
+        "only while the engine's measured speed per request, rescaled by SPS(B) to one more "
+        "request, holds this floor (otherwise it queues; a full queue answers 429; a request's "
+        "own floor orders verification only). Needs scheduler dspark or async (profiled SPS).")
     max_num_requests: int = Field(32, ge=1, description="Requests decoded together (batch).")
     max_prefill_tokens: int = Field(2048, ge=1, description="Prompt tokens prefilled per step "
                                     "(chunked prefill): a longer prompt, or several, continue in "
@@ -122,6 +123,10 @@ class EngineConfig(BaseModel):
         if self.max_probe_interval < self.probe_interval:
             raise ValueError(f"max_probe_interval ({self.max_probe_interval}) is below "
                              f"probe_interval ({self.probe_interval})")
+        if self.min_tokens_per_s is not None and self.scheduler not in NEEDS_SPS:
+            # the floors are read against the SPS(B) table only these schedulers are given
+            raise ValueError(f"min_tokens_per_s needs scheduler dspark or async (an SPS(B) "
+                             f"table), got {self.scheduler!r}")
         return self
 
     def speculative_tokens(self, block_size: int) -> int:

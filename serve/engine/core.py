@@ -191,11 +191,13 @@ class SpecEngine:
         return own if own is not None else self.config.min_tokens_per_s
 
     def _floors_allow_one_more(self) -> bool:
-        """Admission under speed floors (:meth:`serve.engine.admission.Pace.allows_one_more`) for the
-        running requests and the next waiting one."""
-        floors = [f for f in map(self._floor, (*self.running, *self.prefilling, self.waiting[0]))
-                  if f is not None]
-        return self._pace.allows_one_more(floors, len(self.running), self.num_running, self.sps)
+        """Admission under the deployment's speed floor (``engine.min_tokens_per_s``,
+        :meth:`serve.engine.admission.Pace.allows_one_more`). A request's own floor orders
+        verification only: admission reading clients' floors would let one client with an
+        unreachable floor keep everyone else waiting."""
+        floor = self.config.min_tokens_per_s
+        return self._pace.allows_one_more([floor] if floor is not None else [],
+                                          len(self.running), self.num_running, self.sps)
 
     def _decode(self, reqs: list[RequestState], chunks: list[PrefillChunk]):
         """One speculative round for the running ``reqs``: plan -> propose -> verify -> commit,

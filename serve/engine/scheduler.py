@@ -300,8 +300,9 @@ def hold_speed_floors(confidences: Confidences, lengths: Sequence[int], sps: SPS
     :func:`dspark_schedule`'s), repeatedly take the request furthest below its floor (lowest
     speed / floor; ties: smaller r) and verify its next draft token, while that raises its own
     predicted speed ((E_r + a) * SPS(B + 1) > E_r * SPS(B)) and leaves every request that holds
-    its floor now at or above it; stop at the first request that cannot be helped so, or at the
-    batch limit. Requests the plan cannot lift stay below: the engine's admission keeps new
+    its floor now at or above it; a request that cannot be helped so (no draft left, no gain, or
+    a cost to another's floor) is left as it is and the next one is tried, up to the batch
+    limit. Requests the plan cannot lift stay below: the engine's admission keeps new
     requests waiting then (``EngineConfig.min_tokens_per_s``).
 
     Lossless on top of a lossless plan: it only extends contiguous prefixes, one token at a time,
@@ -334,22 +335,24 @@ def hold_speed_floors(confidences: Confidences, lengths: Sequence[int], sps: SPS
         return lengths
     a_rows = _survival(rows)
     expected = [1.0 + sum(a_rows[r][:lengths[r]]) for r in range(num_requests)]
+    stuck: set[int] = set()  # requests that cannot be lifted further this step
     while batch < limit:
         now, nxt = sps.sps(batch), sps.sps(batch + 1)
-        below = [r for r in range(num_requests)
-                 if floors[r] is not None and expected[r] * now < floors[r]]
+        below = [r for r in range(num_requests) if r not in stuck
+                 and floors[r] is not None and expected[r] * now < floors[r]]
         if not below:
             break
         r = min(below, key=lambda q: (expected[q] * now / floors[q], q))
         k = lengths[r]
-        if k >= len(a_rows[r]) or a_rows[r][k] <= 0.0:
-            break
-        gain = a_rows[r][k]
-        if not (expected[r] + gain) * nxt > expected[r] * now:
-            break
-        if any(q != r and floors[q] is not None and expected[q] * now >= floors[q] >
-               expected[q] * nxt for q in range(num_requests)):
-            break
+        gain = a_rows[r][k] if k < len(a_rows[r]) else 0.0
+        # no draft left, one that would not raise its own speed, or one that would take a
+        # request holding its floor below it: leave this request and help the next one
+        if (gain <= 0.0 or not (expected[r] + gain) * nxt > expected[r] * now
+                or any(q != r and floors[q] is not None
+                       and expected[q] * now >= floors[q] > expected[q] * nxt
+                       for q in range(num_requests))):
+            stuck.add(r)
+            continue
         lengths[r], expected[r], batch = k + 1, expected[r] + gain, batch + 1
     return lengths
 

@@ -91,3 +91,22 @@ def test_renamed_engine_field_keeps_run_fingerprints():
     with pytest.warns(DeprecationWarning, match="engine.num_draft_tokens is deprecated"):
         old = load_config(quickstart, ["engine.num_draft_tokens=3"])
     assert stage_fingerprint(old, "eval") == stage_fingerprint(capped, "eval")
+
+
+def test_a_speed_floor_needs_a_scheduler_with_an_sps_table():
+    from serve.engine.config import EngineConfig
+
+    assert EngineConfig(scheduler="dspark", min_tokens_per_s=10.0).min_tokens_per_s == 10.0
+    with pytest.raises(ValueError, match="min_tokens_per_s needs scheduler dspark or async"):
+        EngineConfig(scheduler="static_threshold", min_tokens_per_s=10.0)
+
+
+def test_the_quickstart_fingerprints_stay_those_of_existing_run_directories():
+    """Literal stage fingerprints of the shipped quickstart, as run directories made before this
+    session's config fields (engine.seeded_sampling, engine.min_tokens_per_s, the renames) recorded
+    them: a field added at its default must not make a finished stage look stale."""
+    from pipeline.stages import stage_fingerprint
+
+    cfg = load_config("infra/configs/quickstart.yaml")
+    assert {s: stage_fingerprint(cfg, s)[:12] for s in ("generate", "train", "eval")} == {
+        "generate": "34d8b542146b", "train": "3a51beaa0b09", "eval": "e506f5e22587"}

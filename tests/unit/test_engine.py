@@ -641,4 +641,8 @@ def test_speed_floors_add_verification_losslessly_and_gate_admission(varied_targ
     queued[0].req.min_tokens_per_s = 1.0  # the newcomer's own floor is low, the others' are not
     assert not engine._floors_allow_one_more()
     engine.config = engine.config.model_copy(update={"min_tokens_per_s": None})
-    assert engine._floors_allow_one_more()  # no floor among the running requests any more
+    assert engine._floors_allow_one_more()  # no deployment floor any more
+    # a client's own floor orders verification but never gates admission (one unreachable floor
+    # would keep everyone else waiting)
+    engine.running[0].req.min_tokens_per_s = 1e9
+    assert engine._floors_allow_one_more()

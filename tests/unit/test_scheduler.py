@@ -254,6 +254,10 @@ def test_speed_floors_lift_the_slowest_request_first_and_keep_the_others():
     # no floors, or floors already held: the plan is unchanged (and not mutated)
     assert hold_speed_floors(conf, base, sps, [None, None]) == [2, 0] == base
     assert hold_speed_floors(conf, base, sps, [1.0, 1.0]) == [2, 0]
+    # a request that cannot be lifted (no drafts, or a floor out of reach) does not keep the
+    # others from being lifted
+    assert hold_speed_floors([[0.9, 0.9], []], [0, 0], sps, [12.0, None]) == [1, 0]
+    assert hold_speed_floors([[0.9, 0.9], []], [0, 0], sps, [12.0, 100.0]) == [1, 0]
     # verification that lowers the request's own speed is never added
     assert hold_speed_floors([[0.01]], [0], SPSTable((10.0, 5.0)), [20.0]) == [0]
     with pytest.raises(ValueError, match="floors"):

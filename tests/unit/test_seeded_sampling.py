@@ -95,3 +95,21 @@ def test_verify_coupled_accepts_exactly_the_drafts_equal_to_the_targets_draws():
         == (2, draws[2])
     assert verify_coupled(torch.tensor([], dtype=torch.long), target_probs[:1], noise) \
         == (0, draws[0])
+
+
+def test_no_two_seeds_share_noise_shifted_by_some_positions():
+    """The noise key is a hash of (seed, position): seeds 2^32 apart, or a seed and the one a
+    linear key would map onto the next position, do not repeat each other's noise."""
+    base = PositionNoise(5, 0, 64)
+    for other in (5 + 2**32, 5 + 2709248021, 6):
+        shifted = PositionNoise(other, 0, 64)
+        assert not any(torch.equal(base.gumbel(k), shifted.gumbel(j))
+                       for k in range(3) for j in range(3)), other
+
+
+def test_a_top_p_that_rounds_to_zero_keeps_the_top_token():
+    from drafters.sampling import warped_probs
+
+    probs = warped_probs(torch.tensor([[2.0, 1.0, 0.5]]), torch.tensor([1.0]),
+                         torch.tensor([1e-50]))
+    assert probs.tolist() == [[1.0, 0.0, 0.0]]
