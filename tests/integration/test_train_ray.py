@@ -211,10 +211,15 @@ def _kill_a_train_worker_after(checkpoint_root, step: int, killed: list, timeout
 
     import psutil
 
+    def step_of(path) -> int | None:
+        try:  # rank 0 may be writing it right now: an empty or partial file is not yet a step
+            return json.loads(path.read_text())["step"]
+        except (OSError, ValueError, KeyError):
+            return None
+
     deadline = time.time() + timeout_s
     while time.time() < deadline:
-        if any(json.loads(p.read_text())["step"] == step
-               for p in checkpoint_root.rglob("train_state.json")):
+        if any(step_of(p) == step for p in checkpoint_root.rglob("train_state.json")):
             for proc in psutil.Process().children(recursive=True):
                 try:
                     cmd = " ".join(proc.cmdline())
