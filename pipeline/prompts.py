@@ -131,6 +131,11 @@ def expand_sources(path: str, storage_options: dict | None = None) -> list[str]:
     return [path]
 
 
+def _file_name(path: str) -> str:
+    """The last component of a local path or URL (``s3://b/x/prompts.jsonl`` -> ``prompts.jsonl``)."""
+    return path.rstrip("/").rsplit("/", 1)[-1]
+
+
 def load_prompts(sources: list[tuple[str, int | None]], heldout_fraction: float, seed: int,
                  storage_options: dict | None = None) -> PromptSplit:
     """Read all sources, subsample each with a seeded shuffle, drop duplicate ids, split.
@@ -138,6 +143,8 @@ def load_prompts(sources: list[tuple[str, int | None]], heldout_fraction: float,
     Args:
         sources: (path, max_rows or None) pairs; paths already resolved.
         heldout_fraction: share of rows for the held-out split (at least one row when > 0).
+        seed: seeds the held-out split and each source's ``max_rows`` subsample; a subsample is
+            keyed on the seed and the file's name, so it does not depend on where the file lies.
     """
     out = PromptSplit()
     seen: set[str] = set()
@@ -150,7 +157,9 @@ def load_prompts(sources: list[tuple[str, int | None]], heldout_fraction: float,
             if errors:
                 logger.warning("%s: %d bad row(s) written to the error file", path, len(errors))
             if max_rows is not None and len(rows) > max_rows:
-                rows = random.Random(f"{seed}:{path}").sample(rows, max_rows)
+                # Keyed on the file name, not its full path: the same config must draw the same
+                # subsample in any checkout, on any machine and from local or object storage.
+                rows = random.Random(f"{seed}:{_file_name(path)}").sample(rows, max_rows)
             for row in rows:
                 if row["id"] in seen:
                     out.errors.append({"file": path, "line": None, "id": row["id"],

@@ -64,3 +64,18 @@ def test_max_rows_and_directory_sources(tmp_path):
 def test_missing_file_is_named(tmp_path):
     with pytest.raises(FileNotFoundError, match="nope.jsonl"):
         load_prompts([(str(tmp_path / "nope.jsonl"), None)], 0.0, 0)
+
+
+def test_subsample_does_not_depend_on_where_the_file_lies(tmp_path):
+    """The same config draws the same max_rows subsample in a checkout at any directory (a fresh
+    clone in /tmp must resume the rows regenerated in another checkout)."""
+    rows = [json.dumps({"id": f"r{i}", "messages": [{"role": "user", "content": f"q{i}"}]})
+            for i in range(50)]
+    picked = []
+    for where in ("one", "two/deeper"):
+        (tmp_path / where).mkdir(parents=True)
+        path = _write(tmp_path / where / "prompts.jsonl", rows)
+        split = load_prompts([(path, 10)], 0.2, seed=7)
+        picked.append(([r["id"] for r in split.train], [r["id"] for r in split.heldout]))
+    assert picked[0] == picked[1]
+    assert len(picked[0][0]) == 8 and len(picked[0][1]) == 2
