@@ -37,6 +37,8 @@ def stage_generate(ctx: StageContext) -> dict:
     ensure_ray(ctx.cfg)
     g = ctx.cfg.generate
     out = ctx.stage_dir("generate")
+    target = dict(target=ctx.target, dtype=ctx.cfg.target.dtype,
+                  template_kwargs=ctx.cfg.target.chat_template_kwargs, seed=ctx.cfg.seed)
     if g.backend == "vllm":
         from .generate_vllm import run_generate_vllm
 
@@ -44,31 +46,13 @@ def stage_generate(ctx: StageContext) -> dict:
                           out / f"{split}.jsonl") for split in SPLITS}
         with tqdm(total=sum(len(rows) for rows, _ in splits.values()), desc="generate (vllm)",
                   unit="prompt", mininterval=5) as bar:
-            return run_generate_vllm(
-                splits, out / "errors.jsonl", target=ctx.target, dtype=ctx.cfg.target.dtype,
-                sampling=g.sampling.model_dump(),
-                template_kwargs=ctx.cfg.target.chat_template_kwargs,
-                max_prompt_tokens=g.max_prompt_tokens, seed=ctx.cfg.seed, vllm=g.vllm,
-                progress=bar)
-    udf, udf_kwargs = None, None
-    if g.backend == "engine":
-        from .generate_engine import EngineGenerateUDF
-
-        udf = EngineGenerateUDF
-        udf_kwargs = {"max_num_requests": g.max_num_requests,
-                      "kv_cache_memory_gib": g.kv_cache_memory_gib}
+            return run_generate_vllm(splits, out / "errors.jsonl", g, **target, progress=bar)
     summary = {}
     for split in SPLITS:
         rows = read_jsonl(str(ctx.run_dir / "prompts" / f"{split}.jsonl"))
         with tqdm(total=len(rows), desc=f"generate {split}", unit="prompt", mininterval=5) as bar:
-            counts = run_generate(
-                rows, out / f"{split}.jsonl", out / "errors.jsonl", target=ctx.target,
-                dtype=ctx.cfg.target.dtype, sampling=g.sampling.model_dump(),
-                template_kwargs=ctx.cfg.target.chat_template_kwargs, batch_size=g.batch_size,
-                num_actors=g.num_actors, cpus_per_actor=g.cpus_per_actor,
-                gpus_per_actor=g.gpus_per_actor, num_threads=g.num_threads,
-                max_prompt_tokens=g.max_prompt_tokens, seed=ctx.cfg.seed, progress=bar,
-                udf=udf, udf_kwargs=udf_kwargs)
+            counts = run_generate(rows, out / f"{split}.jsonl", out / "errors.jsonl", g, **target,
+                                  progress=bar)
         summary[split] = counts
     return summary
 

@@ -12,8 +12,12 @@ import logging
 import os
 import zlib
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from .config import GenerateConfig
 
 logger = logging.getLogger(__name__)
 
@@ -232,22 +236,46 @@ def _append(fh, row: dict) -> None:
     fh.write(json.dumps(row, ensure_ascii=False) + "\n")
 
 
-def run_generate(rows: list[dict], out_path: Path, errors_path: Path, *, target: str, dtype: str,
-                 sampling: dict, template_kwargs: dict, batch_size: int, num_actors: int,
-                 cpus_per_actor: float, gpus_per_actor: float, num_threads: int | None,
-                 max_prompt_tokens: int, seed: int, progress=None, udf: type | None = None,
-                 udf_kwargs: dict | None = None) -> dict:
+def backend_udf(cfg: GenerateConfig) -> tuple[type, dict]:
+    """The actor class of ``cfg.backend`` (hf: :class:`GenerateUDF`; engine:
+    ``pipeline.generate_engine.EngineGenerateUDF``) and its arguments beyond the shared ones.
+
+    Raises:
+        ValueError: backend vllm (``pipeline.generate_vllm.run_generate_vllm`` runs it).
+    """
+    if cfg.backend == "hf":
+        return GenerateUDF, {}
+    if cfg.backend == "engine":
+        from .generate_engine import EngineGenerateUDF
+
+        return EngineGenerateUDF, {"max_num_requests": cfg.max_num_requests,
+                                   "kv_cache_memory_gib": cfg.kv_cache_memory_gib}
+    raise ValueError(f"generate.backend {cfg.backend!r} has no actor pool here: "
+                     "pipeline.generate_vllm.run_generate_vllm runs it")
+
+
+def run_generate(rows: list[dict], out_path: Path, errors_path: Path, cfg: GenerateConfig, *,
+                 target: str, dtype: str, template_kwargs: dict, seed: int, progress=None,
+                 udf: type | None = None) -> dict:
     """Regenerate answers for ``rows`` not yet in ``out_path`` / ``errors_path``.
 
     Args:
-        udf: the actor class that generates (default :class:`GenerateUDF`, backend hf; backend
-            engine passes ``pipeline.generate_engine.EngineGenerateUDF``), constructed with the
-            shared arguments plus ``udf_kwargs``.
+        cfg: the ``generate`` section (backend hf or engine: sampling, actor pool, batch size,
+            prompt limit, and the engine's batch and KV budget).
+        target, dtype, template_kwargs: the target to load (name or directory), its dtype and
+            its chat-template kwargs (the ``target`` section).
+        seed: the run's seed.
+        progress: a tqdm-like bar updated per written batch, or None.
+        udf: an actor class to use instead of the backend's (:func:`backend_udf`), constructed
+            with the shared arguments only (tests).
     Returns:
         counts ``{"generated", "errors", "skipped"}`` of this invocation.
+    Raises:
+        ValueError: backend vllm.
     """
     import ray
 
+    udf_cls, udf_kwargs = (udf, {}) if udf is not None else backend_udf(cfg)
     truncate_torn_line(out_path)
     truncate_torn_line(errors_path)
     done = done_ids(out_path, errors_path)
@@ -260,16 +288,16 @@ def run_generate(rows: list[dict], out_path: Path, errors_path: Path, *, target:
     pending.sort(key=lambda r: sum(len(m["content"]) for m in r["messages"]))
     items = [{"id": r["id"], "domain": r["domain"],
               "messages": json.dumps(r["messages"], ensure_ascii=False)} for r in pending]
-    ds = ray.data.from_items(items, override_num_blocks=max(1, -(-len(items) // batch_size)))
+    ds = ray.data.from_items(items, override_num_blocks=max(1, -(-len(items) // cfg.batch_size)))
     ds = ds.map_batches(
-        udf or GenerateUDF,
-        fn_constructor_kwargs=dict(target=target, dtype=dtype, sampling=sampling,
-                                   template_kwargs=template_kwargs, num_threads=num_threads,
-                                   max_prompt_tokens=max_prompt_tokens, seed=seed,
-                                   **(udf_kwargs or {})),
-        batch_size=batch_size, compute=ray.data.ActorPoolStrategy(size=num_actors),
-        num_cpus=cpus_per_actor,
-        num_gpus=gpus_per_actor or None, batch_format="numpy")
+        udf_cls,
+        fn_constructor_kwargs=dict(target=target, dtype=dtype, sampling=cfg.sampling.model_dump(),
+                                   template_kwargs=template_kwargs, num_threads=cfg.num_threads,
+                                   max_prompt_tokens=cfg.max_prompt_tokens, seed=seed,
+                                   **udf_kwargs),
+        batch_size=cfg.batch_size, compute=ray.data.ActorPoolStrategy(size=cfg.num_actors),
+        num_cpus=cfg.cpus_per_actor,
+        num_gpus=cfg.gpus_per_actor or None, batch_format="numpy")
     out_path.parent.mkdir(parents=True, exist_ok=True)
     with open(out_path, "a", encoding="utf-8") as out, open(errors_path, "a", encoding="utf-8") as err:
         for batch in ds.iter_batches(batch_size=None, batch_format="numpy"):

@@ -33,7 +33,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from .config import VllmGenerateConfig
+from .config import GenerateConfig, VllmGenerateConfig
 from .generate import _append, done_ids, finish_answer, next_user_turn, truncate_torn_line
 
 logger = logging.getLogger(__name__)
@@ -217,15 +217,20 @@ def build_processor(target: str, vllm: VllmGenerateConfig, engine: dict, samplin
                                           "render_error": ""})
 
 
-def run_generate_vllm(splits: dict[str, tuple[list[dict], Path]], errors_path: Path, *,
-                      target: str, dtype: str, sampling: dict, template_kwargs: dict,
-                      max_prompt_tokens: int, seed: int, vllm: VllmGenerateConfig,
-                      progress=None) -> dict:
+def run_generate_vllm(splits: dict[str, tuple[list[dict], Path]], errors_path: Path,
+                      cfg: GenerateConfig, *, target: str, dtype: str, template_kwargs: dict,
+                      seed: int, progress=None) -> dict:
     """Regenerate the rows of every split not yet in its output file or ``errors_path``; all
     splits share the engines (one start per pass).
 
     Args:
         splits: split -> (prompt rows ``{id, domain, messages}``, output JSONL path).
+        cfg: the ``generate`` section (its ``sampling``, ``max_prompt_tokens`` and ``vllm``
+            engines are read).
+        target, dtype, template_kwargs: the target to load, its dtype and its chat-template
+            kwargs (the ``target`` section).
+        seed: the run's seed (vLLM's engine seed).
+        progress: a tqdm-like bar updated per written conversation, or None.
     Returns:
         per split, counts ``{"generated", "errors", "skipped"}`` of this invocation.
     Raises:
@@ -234,6 +239,7 @@ def run_generate_vllm(splits: dict[str, tuple[list[dict], Path]], errors_path: P
     from transformers import AutoConfig
 
     require_vllm()
+    sampling, max_prompt_tokens, vllm = cfg.sampling.model_dump(), cfg.max_prompt_tokens, cfg.vllm
     truncate_torn_line(errors_path)
     # the conversations still being regenerated (dropped once written)
     counts, state, split_of = {}, {}, {}

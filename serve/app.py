@@ -160,11 +160,11 @@ class SpecServer:
         self.vocab_size = engine.target.model.config.vocab_size
         self.model_name = self.cfg.model_name()
         self.created = now_s()
-        self.metrics = ServeMetrics(engine.gamma)
+        self.metrics = ServeMetrics(engine.num_speculative_tokens)
         self._pump_task: asyncio.Task | None = None
-        logger.info("serving %s: target %s, drafter %s, scheduler %s, gamma %d",
+        logger.info("serving %s: target %s, drafter %s, scheduler %s, num_speculative_tokens %d",
                     self.model_name, self.cfg.target, self.cfg.drafter, engine.scheduler_name,
-                    engine.gamma)
+                    engine.num_speculative_tokens)
 
     # --------------------------------------------------------------------------- lifecycle
     def _ensure_pump(self) -> None:
@@ -192,12 +192,16 @@ class SpecServer:
             engine.shutdown(timeout_s=5.0)
 
     async def engine_state(self) -> dict:
-        """Engine counters for operators and tests (DeploymentHandle call)."""
+        """Engine counters for operators and tests (DeploymentHandle call). The serving cap in
+        effect is ``num_speculative_tokens``, also still under its old key ``gamma``
+        (deprecated: read ``num_speculative_tokens``)."""
         snap = self.engine.snapshot()
+        cap = self.engine.engine.num_speculative_tokens
         return {"num_waiting": snap.num_waiting, "num_running": snap.num_running,
                 "num_finished": snap.num_finished, "num_aborted": snap.num_aborted,
                 "num_rejected": snap.num_rejected, "dead": snap.dead,
-                "scheduler": self.engine.engine.scheduler_name, "gamma": self.engine.engine.gamma,
+                "scheduler": self.engine.engine.scheduler_name,
+                "num_speculative_tokens": cap, "gamma": cap,
                 "kv_pool": snap.kv_pool,
                 "stats": vars(copy_stats(snap.stats)),
                 "exported_stats": vars(copy_stats(self.metrics.exported))}

@@ -58,7 +58,7 @@ class ServeMetrics:
                 "failed_requests": "dspark_failed_requests"}
     FINISH_REASONS = ("stop", "length", "abort", "error")
 
-    def __init__(self, gamma: int):
+    def __init__(self, num_speculative_tokens: int):
         from ray.serve import metrics as m  # Ray only where the replica runs
 
         self.counters = {field: m.Counter(name, description=f"SpecDecodeStats.{field} (raw).")
@@ -70,7 +70,8 @@ class ServeMetrics:
                                       description="Rounds that verified draft position k (1-based).")
         self.budget = m.Histogram("dspark_verification_budget_tokens",
                                   description="Draft tokens verified per request per step.",
-                                  boundaries=[k + 0.5 for k in range(max(gamma, 1) + 1)])
+                                  boundaries=[k + 0.5 for k in
+                                              range(max(num_speculative_tokens, 1) + 1)])
         self.e2e = m.Histogram("vllm_e2e_request_latency_seconds", boundaries=LATENCY_BUCKETS_S,
                                description="Request arrival to its last token (s).")
         self.ttft = m.Histogram("vllm_time_to_first_token_seconds", boundaries=TTFT_BUCKETS_S,

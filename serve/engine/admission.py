@@ -19,19 +19,20 @@ from .target_runner import TargetRunner
 logger = logging.getLogger(__name__)
 
 
-def size_kv_pool(target: TargetRunner, config: EngineConfig, gamma: int) -> int:
+def size_kv_pool(target: TargetRunner, config: EngineConfig, num_speculative_tokens: int) -> int:
     """Allocate the engine's whole KV pool now (``serve/engine/kv_pool.py``: never grown under load)
-    and return the model length in tokens: what a slot holds, less the draft block of gamma + 1
-    positions a request's last verification writes past its end, at most ``engine.max_model_len``
-    (default: the target's ``max_position_embeddings``).
+    and return the model length in tokens: what a slot holds, less the draft block of
+    ``num_speculative_tokens`` + 1 positions a request's last verification writes past its end,
+    at most ``engine.max_model_len`` (default: the target's ``max_position_embeddings``).
 
     Raises:
         ValueError: ``engine.kv_cache_memory_gib`` holds fewer than 16 tokens per slot.
     """
     wanted_len = config.max_model_len or target.model.config.max_position_embeddings
-    pool = target.preallocate(config.max_num_requests, wanted_len + gamma + 1,
+    block_tokens = num_speculative_tokens + 1  # the draft block written past a request's end
+    pool = target.preallocate(config.max_num_requests, wanted_len + block_tokens,
                               int(config.kv_cache_memory_gib * 2**30))
-    max_model_len = min(wanted_len, pool["capacity"] - gamma - 1)
+    max_model_len = min(wanted_len, pool["capacity"] - block_tokens)
     if max_model_len < 16:
         raise ValueError(
             f"engine.kv_cache_memory_gib {config.kv_cache_memory_gib} holds "

@@ -30,7 +30,8 @@ class EngineConfig(BaseModel):
 
     scheduler: SchedulerName = Field("dspark", description="Verification-length policy (SPEC 6): "
                                      "dspark (Algorithm 1), async (section 5.2), static_threshold, "
-                                     "fixed (gamma) or none (target only).")
+                                     "fixed (num_speculative_tokens every round) or none "
+                                     "(target only).")
     num_speculative_tokens: int | None = Field(
         None, ge=1, description="The serving cap: draft tokens per round at most (vLLM's name); "
         "None = the drafter's block_size (backend vllm: the export's). Also fixed's length. "
@@ -39,9 +40,10 @@ class EngineConfig(BaseModel):
                              "the prefix survival a_k >= threshold.")
     draft_planning: Literal["goodput", "off"] = Field(
         "goodput", description="dspark/async: before drafting, predict each request's acceptance "
-        "from its past rounds and draft only for the requests (and to the depth) that raise the "
-        "step's expected tokens/s once the drafter's profiled cost is counted "
-        "(serve/engine/draft_planner.py); off = draft gamma tokens for every request every step.")
+        "from its past rounds and draft only for the requests (and only as many tokens) that raise "
+        "the step's expected tokens/s once the drafter's profiled cost is counted "
+        "(serve/engine/draft_planner.py); off = draft num_speculative_tokens tokens for every "
+        "request every step.")
     probe_interval: int = Field(4, ge=1, description="goodput planning: a request the planner "
                                 "keeps from the drafter is drafted for again after N steps (a "
                                 "lossless probe); the interval doubles while probes keep saying "
@@ -130,8 +132,9 @@ class EngineConfig(BaseModel):
         return self
 
     def speculative_tokens(self, block_size: int) -> int:
-        """gamma, the cap in effect: draft tokens per round at most, the drafter's block_size
-        unless num_speculative_tokens is smaller (the one place this is derived)."""
+        """The cap in effect (the engine's ``num_speculative_tokens``): draft tokens per round at
+        most, the drafter's block_size unless num_speculative_tokens is smaller (the one place
+        this is derived)."""
         return min(block_size, self.num_speculative_tokens or block_size)
 
     @property

@@ -7,7 +7,7 @@ One engine serves every caller: the Ray Serve app, offline evaluation and the be
    token budget (chunked prefill, ``serve/engine/prefill.py``); the chunks run in the same packed
    target pass as step 4, and when a prompt is complete its first token, the anchor, is sampled;
 2. **plans** each running request's row of the :class:`~serve.engine.step_plan.StepPlan`: the most it
-   may verify, and whether the drafter drafts for it and how deep or it verifies a free
+   may verify, and whether the drafter drafts for it and how many tokens or it verifies a free
    prompt-lookup draft instead (``serve/engine/step_plan.py`` over
    ``serve/engine/draft_planner.py``), so that the drafter's cost is paid only where it raises the
    step's tokens/s;
@@ -92,15 +92,16 @@ class SpecEngine:
         self.lookup_n = self.config.prompt_lookup_max_ngram if plans else 0
         self.drafting = Drafting(drafter) if drafter is not None else None
         self.eos = set(eos_token_ids)
-        self.gamma = (0 if drafter is None
-                      else self.config.speculative_tokens(drafter.config.block_size))
+        # the serving cap in effect: draft tokens per round at most (0 without a drafter)
+        self.num_speculative_tokens = (
+            0 if drafter is None else self.config.speculative_tokens(drafter.config.block_size))
         self.planner = StepPlanner(
-            self.config, name, self.gamma,
+            self.config, name, self.num_speculative_tokens,
             None if drafter is None else drafter.config.max_position_embeddings, sps, draft_cost,
             plans)
         self.verifier = Verifier(self.eos, target.model.config.vocab_size, drafter is not None
                                  and self.config.seeded_sampling == "load_invariant")
-        self.max_model_len = size_kv_pool(target, self.config, self.gamma)
+        self.max_model_len = size_kv_pool(target, self.config, self.num_speculative_tokens)
         self.waiting: deque[RequestState] = deque()
         self.prefilling: list[RequestState] = []  # admitted, prompt partly in the cache
         self.running: list[RequestState] = []
@@ -232,7 +233,8 @@ class SpecEngine:
         """One packed target pass over every row's [anchor, x_1..x_l] (logits at every position)
         and the prefill chunks; returns (the rows' outputs, the chunks' outputs)."""
         verify_in = [[row.request.anchor] + row.tokens[:row.length] for row in plan.rows]
-        caches, prompt_tokens, modes = (prefill_inputs(self.target, chunks, self.gamma + 1)
+        block_tokens = self.num_speculative_tokens + 1  # the draft block written past the end
+        caches, prompt_tokens, modes = (prefill_inputs(self.target, chunks, block_tokens)
                                         if chunks else ([], [], []))
         outs = self.target.forward_batch([row.request.kv for row in plan.rows] + caches,
                                          verify_in + prompt_tokens,
@@ -273,12 +275,13 @@ class SpecEngine:
     # ------------------------------------------------------------------ prefill
     def _prefill_forward(self, chunks: list[PrefillChunk]) -> list:
         """The chunks' target pass in a step with nothing to decode (``[]`` without chunks)."""
-        return prefill_forward(self.target, chunks, self.gamma + 1, self.drafter is not None)
+        return prefill_forward(self.target, chunks, self.num_speculative_tokens + 1,
+                               self.drafter is not None)
 
     def _prefill_finish(self, chunks: list[PrefillChunk], outs) -> list[RequestOutput]:
         """Commit the prefill chunks' pass outputs: a complete prompt samples its first token and
         joins the running requests; the drafter's pending context grows chunk by chunk."""
-        speculate = self.drafter is not None and self.gamma > 0
+        speculate = self.drafter is not None and self.num_speculative_tokens > 0
         results = []
         for chunk, o in zip(chunks, outs):
             r, take, done = chunk.request, chunk.take, chunk.completes

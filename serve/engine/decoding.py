@@ -43,9 +43,10 @@ class SpeculativeDecoder:
         drafter: a drafter whose ``target_layer_ids`` equal the runner's, or None.
         eos_token_ids: tokens that end generation.
         engine: the speculative engine's config (scheduler and its knobs; ``max_num_requests`` is
-            1 here); None = fixed verification of ``num_draft_tokens`` (default gamma).
+            1 here); None = fixed verification of ``num_draft_tokens`` (default: the drafter's
+            block_size).
         sps_dir: where the dspark/async schedulers store or reuse their SPS(B) profile (profiled
-            here up to one request's gamma + 1 tokens).
+            here up to one request's num_speculative_tokens + 1 tokens).
     Raises:
         ValueError: the drafter's layer ids differ from the runner's, or the scheduler needs a
             confidence head the drafter lacks.
@@ -74,9 +75,9 @@ class SpeculativeDecoder:
                 # the drafter's acceptance under rejection sampling
                 cfg = self.engine_config.model_copy(update={"max_num_requests": 1,
                                                             "seeded_sampling": "rejection"})
-                if cfg.scheduler in NEEDS_SPS:  # one request: SPS up to gamma + 1
-                    gamma = cfg.speculative_tokens(self.drafter.config.block_size)
-                    cfg = cfg.model_copy(update={"max_batch_tokens": gamma + 1})
+                if cfg.scheduler in NEEDS_SPS:  # one request: SPS up to the cap + 1
+                    cap = cfg.speculative_tokens(self.drafter.config.block_size)
+                    cfg = cfg.model_copy(update={"max_batch_tokens": cap + 1})
             else:
                 cfg = EngineConfig(scheduler="fixed" if speculative else "none",
                                    num_speculative_tokens=num_draft_tokens or None,
@@ -95,8 +96,8 @@ class SpeculativeDecoder:
             max_new_tokens: hard cap on generated tokens (>= 1).
             temperature: 0 for greedy, else the sampling temperature of target and drafter.
             seed: seeds this request's own RNG.
-            num_draft_tokens: tokens verified per round; None = the drafter's gamma, 0 = target
-                only.
+            num_draft_tokens: tokens verified per round; None = the drafter's block_size, 0 =
+                target only.
         Raises:
             serve.engine.errors.RequestError (a ValueError): empty prompt or max_new_tokens < 1.
         """

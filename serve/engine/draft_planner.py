@@ -1,4 +1,4 @@
-"""Which requests to draft for, how deep, and from which source, before anything is drafted:
+"""Which requests to draft for, how many tokens, and from which source, before anything is drafted:
 the goodput model with the drafter's cost in it.
 
 Algorithm 1 (``serve/engine/scheduler.py``) maximises tau * SPS(B) over the drafts it is given, but
@@ -8,15 +8,17 @@ nothing makes the step slower than a target-only step. The planner therefore pre
 per-token acceptance alpha from its past rounds only and picks the drafting plan that maximises the
 expected tokens per second of the whole step:
 
-    Theta = (R + sum_r sum_{j <= l_r} alpha_r^j) / (1 / SPS(B) + T_draft(rows, depth)),
+    Theta = (R + sum_r sum_{j <= l_r} alpha_r^j) / (1 / SPS(B) + T_draft(rows, K)),
 
 where l_r is what Algorithm 1 would verify under the predicted confidences, B = R + sum_r l_r and
-T_draft is the profiled drafter cost (:class:`DraftCostTable`) for the requests drafted for. A
-request may instead verify a prompt-lookup draft (``serve/engine/lookup.py``), which costs nothing
-to propose: it is used when its predicted accepted length is at least the drafter's.
+T_draft is the profiled drafter cost (:class:`DraftCostTable`) for the requests drafted for, K the
+longest ``num_draft_tokens`` among them. A request may instead verify a prompt-lookup draft
+(``serve/engine/lookup.py``), which costs nothing to propose: it is used when its predicted
+accepted length is at least the drafter's.
 
 Losslessness: the plan is a function of past steps only (earlier confidences, acceptances and
-committed tokens), never of this step's drafts, so it is like choosing gamma before drafting.
+committed tokens), never of this step's drafts, so it is like choosing the draft length (the
+paper's gamma) before drafting.
 A request the plan keeps from the drafter is still drafted for now and then (a probe, with
 exponential back-off) so that a recovering confidence is noticed. Probes are paid from a budget
 (a share of decode time, ``engine.probe_budget``): due probes whose extra drafter cost exceeds what
@@ -40,10 +42,11 @@ Source = Literal["model", "lookup"]
 @dataclass(frozen=True, slots=True)
 class DraftCostTable:
     """Profiled seconds of one batched drafter call (context extension included) by the number of
-    requests drafted for (rows) and the draft depth, greedy and sampled.
+    requests drafted for (rows) and the draft tokens per row (``num_draft_tokens``, the longest
+    row's), greedy and sampled.
 
-    Cost is affine in the depth (one parallel block pass plus one head step per drafted token), so
-    it is measured at depth 1 and at ``max_depth`` and interpolated in between; rows are
+    Cost is affine in num_draft_tokens (one parallel block pass plus one head step per drafted
+    token), so it is measured at 1 and at ``block_size`` and interpolated in between; rows are
     interpolated linearly between measured sizes and clamped beyond them.
 
     A request whose context has fallen behind (its prompt before its first draft, or the tokens
@@ -52,8 +55,9 @@ class DraftCostTable:
 
     Args:
         rows: measured row counts, ascending, starting at 1.
-        greedy_s, sampled_s: per row count, (seconds at depth 1, seconds at max_depth).
-        max_depth: the deepest draft measured (the drafter's gamma).
+        greedy_s, sampled_s: per row count, (seconds drafting 1 token, seconds drafting
+            block_size tokens).
+        block_size: the longest draft measured (the drafter's block_size).
         extend_s_per_position: seconds per context position beyond 2 (one row extended by many).
     Raises:
         ValueError: empty or unsorted rows, mismatched lengths, a non-finite or negative time.
@@ -62,7 +66,7 @@ class DraftCostTable:
     rows: tuple[int, ...]
     greedy_s: tuple[tuple[float, float], ...]
     sampled_s: tuple[tuple[float, float], ...]
-    max_depth: int
+    block_size: int
     extend_s_per_position: float = 0.0
 
     def __post_init__(self) -> None:
@@ -71,8 +75,8 @@ class DraftCostTable:
         if not (math.isfinite(self.extend_s_per_position) and self.extend_s_per_position >= 0):
             raise ValueError(f"extend_s_per_position must be finite and >= 0, got "
                              f"{self.extend_s_per_position}")
-        if self.max_depth < 1:
-            raise ValueError(f"max_depth must be >= 1, got {self.max_depth}")
+        if self.block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {self.block_size}")
         for name in ("greedy_s", "sampled_s"):
             values = getattr(self, name)
             if len(values) != len(self.rows):
@@ -81,10 +85,10 @@ class DraftCostTable:
                 if len(pair) != 2 or not all(math.isfinite(v) and v >= 0 for v in pair):
                     raise ValueError(f"{name} entries must be two finite seconds >= 0, got {pair}")
 
-    def seconds(self, rows: int, depth: int, sampled: bool) -> float:
-        """Predicted seconds of one drafter call for ``rows`` requests drafting ``depth`` tokens
-        (0 when either is 0)."""
-        if rows <= 0 or depth <= 0:
+    def seconds(self, rows: int, num_draft_tokens: int, sampled: bool) -> float:
+        """Predicted seconds of one drafter call for ``rows`` requests drafting (at most)
+        ``num_draft_tokens`` tokens each (0 when either is 0)."""
+        if rows <= 0 or num_draft_tokens <= 0:
             return 0.0
         table = self.sampled_s if sampled else self.greedy_s
         i = bisect.bisect_left(self.rows, rows)
@@ -98,9 +102,9 @@ class DraftCostTable:
             lo, hi = table[i - 1], table[i]
             w = (rows - self.rows[i - 1]) / (self.rows[i] - self.rows[i - 1])
         at = [(1 - w) * a + w * b for a, b in zip(lo, hi)]
-        if self.max_depth == 1:
+        if self.block_size == 1:
             return at[0]
-        frac = (min(depth, self.max_depth) - 1) / (self.max_depth - 1)
+        frac = (min(num_draft_tokens, self.block_size) - 1) / (self.block_size - 1)
         return at[0] + frac * (at[1] - at[0])
 
     def backlog_seconds(self, pending: int) -> float:
@@ -110,14 +114,15 @@ class DraftCostTable:
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready form (seconds)."""
-        return {"unit": "seconds", "rows": list(self.rows), "max_depth": self.max_depth,
+        return {"unit": "seconds", "rows": list(self.rows), "block_size": self.block_size,
                 "greedy_s": [list(p) for p in self.greedy_s],
                 "sampled_s": [list(p) for p in self.sampled_s],
                 "extend_s_per_position": self.extend_s_per_position}
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> DraftCostTable:
-        """Inverse of :meth:`to_dict`.
+        """Inverse of :meth:`to_dict`; also reads the tables stored before ``block_size`` was
+        named so (key ``max_depth``).
 
         Raises:
             ValueError: missing keys or bad values.
@@ -126,7 +131,8 @@ class DraftCostTable:
             return cls(tuple(int(r) for r in data["rows"]),
                        tuple(tuple(float(v) for v in p) for p in data["greedy_s"]),
                        tuple(tuple(float(v) for v in p) for p in data["sampled_s"]),
-                       int(data["max_depth"]), float(data.get("extend_s_per_position", 0.0)))
+                       int(data["block_size"] if "block_size" in data else data["max_depth"]),
+                       float(data.get("extend_s_per_position", 0.0)))
         except (KeyError, TypeError) as err:
             raise ValueError(f"bad draft cost table: {err!r}") from None
 
@@ -157,10 +163,11 @@ class AcceptanceEstimate:
         self.trials = self.decay * self.trials + trials
 
 
-def expected_accepted(alpha: float, depth: int) -> float:
-    """sum_{j=1..depth} alpha^j: expected accepted tokens of a draft of ``depth`` tokens whose
-    tokens survive with probability alpha each given their prefix did."""
-    return sum(alpha ** j for j in range(1, depth + 1))
+def expected_accepted(alpha: float, num_draft_tokens: int) -> float:
+    """sum_{j=1..num_draft_tokens} alpha^j: expected accepted tokens of a draft of
+    ``num_draft_tokens`` tokens whose tokens survive with probability alpha each given their
+    prefix did."""
+    return sum(alpha ** j for j in range(1, num_draft_tokens + 1))
 
 
 # ----------------------------------------------------------------------------- the plan
@@ -168,8 +175,9 @@ def expected_accepted(alpha: float, depth: int) -> float:
 class RequestOptions:
     """What one request could verify this step.
 
-    cap: the most draft tokens it may verify (budget, gamma, drafter context); model_alpha:
-    predicted per-token acceptance of the drafter (None: the drafter cannot draft for it);
+    cap: the most draft tokens it may verify (budget, num_speculative_tokens, drafter context);
+    model_alpha: predicted per-token acceptance of the drafter (None: the drafter cannot draft for
+    it);
     lookup_len / lookup_alpha: length and predicted acceptance of its prompt-lookup draft
     (0: no match); probe_due: the drafter must draft for it this step (a lossless probe);
     pending: committed positions not yet in its drafter context (extended before it is drafted).
@@ -185,14 +193,14 @@ class RequestOptions:
 
 @dataclass(slots=True)
 class DraftPlan:
-    """Per request: source ("model", "lookup" or None), the draft depth (tokens to propose), for
-    lookup rows the predicted confidences handed to the verification scheduler, and whether a
-    drafter row is drafted only as a probe; plus the
-    predicted step goodput (tokens/s) with and without drafting, for the logs and tests, and the
-    predicted seconds the probes add to the drafter call (what the probe budget pays)."""
+    """Per request: source ("model", "lookup" or None), its num_draft_tokens (tokens to
+    propose), for lookup rows the predicted confidences handed to the verification scheduler, and
+    whether a drafter row is drafted only as a probe; plus the predicted step goodput (tokens/s)
+    with and without drafting, for the logs and tests, and the predicted seconds the probes add
+    to the drafter call (what the probe budget pays)."""
 
     sources: list[Source | None] = field(default_factory=list)
-    depths: list[int] = field(default_factory=list)
+    num_draft_tokens: list[int] = field(default_factory=list)
     lookup_confidences: list[list[float]] = field(default_factory=list)
     probed: list[bool] = field(default_factory=list)
     predicted_tps: float = 0.0
@@ -203,8 +211,9 @@ class DraftPlan:
 def plan_drafts(options: list[RequestOptions], sps: SPSTable, draft_cost: DraftCostTable | None,
                 sampled: bool, max_batch_tokens: int | None = None,
                 probe_allowance_s: float = math.inf, min_gain: float = 0.0) -> DraftPlan:
-    """Choose, for every request, whether the drafter drafts for it and how deep, or whether it
-    verifies its prompt-lookup draft, maximising the predicted goodput of the whole step.
+    """Choose, for every request, whether the drafter drafts for it and how many tokens, or
+    whether it verifies its prompt-lookup draft, maximising the predicted goodput of the whole
+    step.
 
     1. Source: lookup when its predicted accepted length is at least the drafter's at the same cap.
     2. Predicted verification lengths l_r: Algorithm 1 on the predicted confidences (alpha_r
@@ -265,7 +274,7 @@ def plan_drafts(options: list[RequestOptions], sps: SPSTable, draft_cost: DraftC
     # many saves little and only dropping them all pays (measured: a greedy descent kept four
     # hopeless rows for ever).
     m = len(model_rows)
-    gain_suffix, len_suffix, depth_suffix = [0.0] * (m + 1), [0] * (m + 1), [0] * (m + 1)
+    gain_suffix, len_suffix, drafted_suffix = [0.0] * (m + 1), [0] * (m + 1), [0] * (m + 1)
     backlog_suffix = [0.0] * (m + 1)
     for k in range(m - 1, -1, -1):
         i = model_rows[k]
@@ -273,13 +282,13 @@ def plan_drafts(options: list[RequestOptions], sps: SPSTable, draft_cost: DraftC
         backlog_suffix[k] = backlog_suffix[k + 1] + (
             draft_cost.backlog_seconds(options[i].pending) if draft_cost else 0.0)
         len_suffix[k] = len_suffix[k + 1] + lengths[i]
-        depth_suffix[k] = max(depth_suffix[k + 1], min(options[i].cap, lengths[i] + 1))
+        drafted_suffix[k] = max(drafted_suffix[k + 1], min(options[i].cap, lengths[i] + 1))
     look_tokens = sum(expected_accepted(a, l) for a, l in lookup_rows)
     look_len = sum(l for _, l in lookup_rows)
     best, cut = -1.0, m
     for k in range(m + 1):  # keep model_rows[k:]
         batch = n + look_len + len_suffix[k]
-        cost = (draft_cost.seconds(m - k, depth_suffix[k], sampled) + backlog_suffix[k]
+        cost = (draft_cost.seconds(m - k, drafted_suffix[k], sampled) + backlog_suffix[k]
                 if draft_cost else 0.0)
         value = (0.0 if batch > sps.max_tokens else
                  (n + look_tokens + gain_suffix[k]) / (1.0 / sps.sps(batch) + cost))
@@ -294,8 +303,9 @@ def plan_drafts(options: list[RequestOptions], sps: SPSTable, draft_cost: DraftC
     probes = [i for i in probes if i not in kept_set]
     if probes and draft_cost is not None:
         def call_s(rows: list[int]) -> float:
-            depth = max((min(options[i].cap, max(1, lengths[i] + 1)) for i in rows), default=0)
-            return (draft_cost.seconds(len(rows), depth, sampled)
+            num_draft_tokens = max((min(options[i].cap, max(1, lengths[i] + 1)) for i in rows),
+                                   default=0)
+            return (draft_cost.seconds(len(rows), num_draft_tokens, sampled)
                     + sum(draft_cost.backlog_seconds(options[i].pending) for i in rows))
 
         extra = call_s(kept + probes) - call_s(kept)
@@ -305,10 +315,10 @@ def plan_drafts(options: list[RequestOptions], sps: SPSTable, draft_cost: DraftC
             plan.probe_cost_s = extra
     for i in range(n):
         if plan.sources[i] == "lookup":
-            plan.depths[i] = min(options[i].lookup_len, options[i].cap)
+            plan.num_draft_tokens[i] = min(options[i].lookup_len, options[i].cap)
             plan.lookup_confidences[i] = preds[i]
         elif plan.sources[i] == "model" and (i in kept_set or i in probes):
-            plan.depths[i] = min(options[i].cap, max(1, lengths[i] + 1))
+            plan.num_draft_tokens[i] = min(options[i].cap, max(1, lengths[i] + 1))
             plan.probed[i] = i not in kept_set
         else:
             plan.sources[i] = None

@@ -49,8 +49,8 @@ class Drafting:
 
     def propose(self, rows: list[PlanRow],
                 noise: Callable[[RequestState], PositionNoise | None]) -> dict[int, Exception]:
-        """Draft for the rows the plan gives the drafter (source "model", depth > 0) in one
-        batched call, filling their ``tokens``, ``probs``, ``confidence_logits`` and calibrated
+        """Draft for the rows the plan gives the drafter (source "model", num_draft_tokens > 0)
+        in one batched call, filling their ``tokens``, ``probs``, ``confidence_logits`` and calibrated
         ``confidences``. If the call raises, the rows are drafted one by one, so only the
         request(s) at fault fail.
 
@@ -60,11 +60,12 @@ class Drafting:
         Returns:
             {index into ``rows``: the error} for the rows whose drafting raised.
         """
-        drafting = [i for i, row in enumerate(rows) if row.source == "model" and row.depth]
+        drafting = [i for i, row in enumerate(rows) if row.source == "model"
+                    and row.num_draft_tokens]
         failed: dict[int, Exception] = {}
         if not drafting:
             return failed
-        depths = [rows[i].depth for i in drafting]
+        num_draft_tokens = [rows[i].num_draft_tokens for i in drafting]
         reqs = [rows[i].request for i in drafting]
         anchors = torch.tensor([r.anchor for r in reqs], device=self.device)
         positions = torch.tensor([r.pos for r in reqs], device=self.device)
@@ -72,7 +73,7 @@ class Drafting:
         top_p = torch.tensor([r.req.params.top_p for r in reqs])
         gens = [noise(r) or r.gen for r in reqs]
         try:
-            props = [self._call(reqs, anchors, positions, depths, temps, gens, top_p)]
+            props = [self._call(reqs, anchors, positions, num_draft_tokens, temps, gens, top_p)]
             owners = [list(range(len(reqs)))]
         except Exception:  # noqa: BLE001 - find the request(s) at fault, row by row
             logger.exception("batched drafting failed; retrying its %d rows one by one",
@@ -81,14 +82,14 @@ class Drafting:
             for j, r in enumerate(reqs):
                 sl = slice(j, j + 1)
                 try:
-                    props.append(self._call([r], anchors[sl], positions[sl], depths[sl],
+                    props.append(self._call([r], anchors[sl], positions[sl], num_draft_tokens[sl],
                                             temps[sl], gens[sl], top_p[sl]))
                     owners.append([j])
                 except Exception as err:  # noqa: BLE001 - only this request fails
                     failed[drafting[j]] = err
         for prop, js in zip(props, owners):
             for jj, j in enumerate(js):
-                row, d = rows[drafting[j]], depths[j]
+                row, d = rows[drafting[j]], num_draft_tokens[j]
                 row.tokens = prop.tokens[jj, :d].tolist()
                 if prop.probs is not None:
                     row.probs = prop.probs[jj, :d]
@@ -98,16 +99,16 @@ class Drafting:
                     row.confidences = self.drafter.calibrated_confidence(z.float()).tolist()
         return failed
 
-    def _call(self, reqs: list[RequestState], anchors, positions, depths: list[int], temps, gens,
-              top_p):
+    def _call(self, reqs: list[RequestState], anchors, positions, num_draft_tokens: list[int],
+              temps, gens, top_p):
         """One drafter call for ``reqs`` (their pending context extended first)."""
         for r in reqs:
             self.flush(r)
         if len(reqs) == 1:
-            return self.drafter.propose_block(reqs[0].draft_state, anchors, positions, depths[0],
-                                              temps, gens, top_p)
-        # each row draws only its own depth's worth of randomness: a request's output never
-        # depends on who else is in the batch
+            return self.drafter.propose_block(reqs[0].draft_state, anchors, positions,
+                                              num_draft_tokens[0], temps, gens, top_p)
+        # each row draws only its own num_draft_tokens' worth of randomness: a request's output
+        # never depends on who else is in the batch
         return self.drafter.propose_block_batch([r.draft_state for r in reqs], anchors, positions,
-                                                max(depths), temps, gens, top_p,
-                                                torch.tensor(depths))
+                                                max(num_draft_tokens), temps, gens, top_p,
+                                                torch.tensor(num_draft_tokens))

@@ -10,14 +10,14 @@ loaders (field names, units, indexing); nothing here imports them:
 
 - SGLang (sgl-project/sglang ``python/sglang/srt/speculative/dspark_components/``):
   ``--speculative-dspark-confidence-sts-path`` -> ``dspark_sts.py`` ``DSparkStsCalibration``
-  (msgspec: ``temperatures`` [gamma] > 0, optional ``dataset``, ``num_samples``, ``ece_before``,
-  ``ece_after``; unknown keys ignored); ``dspark_planner.py`` refuses a vector whose length is not
-  the runtime gamma (draft positions 1..gamma, the anchor has none) and applies
-  ``sigmoid(z_k / T_k)``. ``--speculative-dspark-sps-table-path`` -> ``dspark_sps.py``
+  (msgspec: ``temperatures`` [block_size] > 0, optional ``dataset``, ``num_samples``,
+  ``ece_before``, ``ece_after``; unknown keys ignored); ``dspark_planner.py`` refuses a vector whose
+  length is not the runtime block size (draft positions 1..block_size, the anchor has none) and
+  applies ``sigmoid(z_k / T_k)``. ``--speculative-dspark-sps-table-path`` -> ``dspark_sps.py``
   ``SpsCostTable``: ``sample_batch_tokens`` (int, strictly increasing, >= 1),
   ``sample_steps_per_sec`` (steps/s), ``max_batch_tokens``; floor lookup at ``batch_tokens =
   requests + verified drafts``, i.e. every token of the target's verification pass, anchors
-  included (``benchmark/dspark_sps_profiler.py``: requests x (gamma + 1) in a full step).
+  included (``benchmark/dspark_sps_profiler.py``: requests x (block_size + 1) in a full step).
 - TensorRT-LLM (NVIDIA/TensorRT-LLM ``tensorrt_llm/_torch/speculative/``): ``DSparkDecodingConfig``
   ``confidence_sts_path`` -> ``dspark_sts.py`` reads ``sts_temperatures`` (or SGLang's
   ``temperatures``); ``confidence_sps_table_path`` -> ``dspark_planner.py`` ``SpsCostTable``:
@@ -25,7 +25,7 @@ loaders (field names, units, indexing); nothing here imports them:
   ``step_time_ms`` (milliseconds per step, > 0), optional ``fixed_overhead_ms``,
   ``batch_sizes`` / ``batch_overhead_ms``; linear interpolation. ``dspark.py`` warns unless
   ``_meta.lookup == "interp"`` and refuses a table whose ``_meta.engine`` disagrees with the live
-  engine on a shared key (``tp``, ``ep``, ``attention_dp``, ``block`` = gamma,
+  engine on a shared key (``tp``, ``ep``, ``attention_dp``, ``block`` = block_size,
   ``max_batch_size``). Not representable: the newest stored planner accepts only ``schema_version
   2`` tables sealed with a fingerprint of a live TensorRT-LLM engine (GPU snapshot, source head,
   CUDA-graph sizes), which only TensorRT-LLM's own profiler can write; and one stored
@@ -36,7 +36,9 @@ What the SPS files hold: this project's SPS(B) (``serve/engine/profiling.py``), 
 verification pass alone, written for every B = 1..max_tokens (interpolated between measured
 sizes exactly as this engine does), so both engines' lookups reproduce it. The drafter's own cost
 (``draft_cost_profile.json``) is not in them. Every file carries ``provenance``; this project's
-loader (:func:`load_engine_file`) refuses one measured for another model, gamma, device or dtype.
+loader (:func:`load_engine_file`) refuses one measured for another model, block size, device or
+dtype. The provenance records the draft length under its published key ``gamma`` (with
+``verify_tokens_per_request`` = it + 1).
 """
 
 from __future__ import annotations
@@ -69,7 +71,8 @@ class EngineFileError(ValueError):
 
 
 class EngineFileMismatch(EngineFileError):
-    """An engine file measured for another model, gamma, device or dtype than it is loaded for."""
+    """An engine file measured for another model, block size, device or dtype than it is loaded
+    for."""
 
 
 # ----------------------------------------------------------------------------- facts
@@ -80,7 +83,7 @@ def _model_id(name: str) -> str:
 
 
 def drafter_facts(drafter_dir: str | Path) -> dict:
-    """Target, gamma, confidence head, temperatures and weights hash of a drafter directory."""
+    """Target, block_size, confidence head, temperatures and weights hash of a drafter directory."""
     from drafters.base import WEIGHTS_NAME
     from drafters.config import read_drafter_config
 
@@ -92,16 +95,21 @@ def drafter_facts(drafter_dir: str | Path) -> dict:
     return {"target_model": cfg.target_name_or_path, "target_hidden_size": cfg.target_hidden_size,
             "target_vocab_size": cfg.target_vocab_size, "drafter_path": str(drafter_dir),
             "drafter_type": cfg.drafter_type, "drafter_weights_sha256": digest.hexdigest(),
-            "gamma": cfg.block_size, "confidence_head": bool(cfg.confidence_head),
+            "block_size": cfg.block_size, "confidence_head": bool(cfg.confidence_head),
             "temperatures": cfg.calibration_temperatures}
 
 
-def _provenance(facts: dict, kind: str, engine: str, gamma: int, **extra) -> dict:
+def _provenance(facts: dict, kind: str, engine: str, num_speculative_tokens: int,
+                **extra) -> dict:
+    """The ``provenance`` block of a file for ``num_speculative_tokens`` draft tokens per round
+    (an STS file: the drafter's block_size; an SPS file: the profile's block_tokens - 1), written
+    under the published key ``gamma``."""
     return {"producer": "dspark-ray", "format_version": FORMAT_VERSION, "kind": kind,
             "engine": engine, "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             **{k: facts[k] for k in ("target_model", "target_hidden_size", "target_vocab_size",
                                      "drafter_path", "drafter_type", "drafter_weights_sha256")},
-            "gamma": gamma, "verify_tokens_per_request": gamma + 1, **extra}
+            "gamma": num_speculative_tokens,
+            "verify_tokens_per_request": num_speculative_tokens + 1, **extra}
 
 
 # ----------------------------------------------------------------------------- writers
@@ -115,11 +123,12 @@ def sts_payloads(facts: dict, report: dict | None = None) -> dict[str, dict]:
     """
     if not facts["confidence_head"]:
         raise EngineFileError("the drafter has no confidence head: no STS temperatures")
-    gamma = facts["gamma"]
-    temps = [float(t) for t in (facts["temperatures"] or [1.0] * gamma)]
+    block_size = facts["block_size"]
+    temps = [float(t) for t in (facts["temperatures"] or [1.0] * block_size)]
     report = report or {}
     fitted = report.get("calibrated") and report.get("temperatures") == temps
-    prov = _provenance(facts, "sts", "", gamma, calibrated=facts["temperatures"] is not None,
+    prov = _provenance(facts, "sts", "", block_size,
+                       calibrated=facts["temperatures"] is not None,
                        dtype=report.get("dtype"), device=report.get("device"),
                        positions="T_k for draft positions k = 1..gamma (the anchor has none); "
                        "calibrated confidence = sigmoid(z_k / T_k)")
@@ -150,11 +159,11 @@ def sps_payloads(facts: dict, profile: dict) -> dict[str, dict]:
             f"{fp['hidden_size']}), the drafter serves {facts['target_model']!r} (hidden size "
             f"{facts['target_hidden_size']}): re-profile with this drafter's target")
     table = SPSTable.from_dict(profile["table"])
-    gamma = int(profile.get("block_tokens") or facts["gamma"] + 1) - 1
+    num_speculative_tokens = int(profile.get("block_tokens") or facts["block_size"] + 1) - 1
     dtype = str(fp["dtype"]).removeprefix("torch.")
     hardware = {k: fp[k] for k in ("device", "device_type", "cpu_count", "torch_threads", "torch")
                 if k in fp}
-    prov = _provenance(facts, "sps", "", gamma, hardware=hardware, dtype=dtype,
+    prov = _provenance(facts, "sps", "", num_speculative_tokens, hardware=hardware, dtype=dtype,
                        profiled_model=fp["model"], measured_at=profile.get("measured_at"),
                        measured_batch_tokens=sorted(int(b) for b in profile.get("measured", {})),
                        covers="the target's batched verification pass only (B tokens, anchors "
@@ -166,7 +175,8 @@ def sps_payloads(facts: dict, profile: dict) -> dict[str, dict]:
     trtllm = {"token_counts": batch, "step_time_ms": [1000.0 / s for s in table.sps_by_batch],
               "fixed_overhead_ms": 0.0,
               "_meta": {"lookup": "interp",
-                        "engine": {"tp": 1, "block": gamma, "device": hardware.get("device"),
+                        "engine": {"tp": 1, "block": num_speculative_tokens,
+                                   "device": hardware.get("device"),
                                    "dtype": dtype, "model": facts["target_model"],
                                    "producer": "dspark-ray"}},
               "provenance": {**prov, "engine": "trtllm", "units": "milliseconds per step"}}
@@ -174,12 +184,12 @@ def sps_payloads(facts: dict, profile: dict) -> dict[str, dict]:
 
 
 def _readme(written: dict[str, str], skipped: dict[str, str], facts: dict) -> str:
-    g = facts["gamma"]
+    g = facts["block_size"]
     lines = [f"# Engine files for the drafter at {facts['drafter_path']}", "",
-             f"Target {facts['target_model']}, gamma {g} (verify window {g + 1}); written by "
+             f"Target {facts['target_model']}, block size {g} (verify window {g + 1}); written by "
              "`python -m serve.engine.engine_files` (dspark-ray). Each file's `provenance` says what it "
              "was measured on; `python -m serve.engine.engine_files check FILE --drafter DIR` refuses a "
-             "file measured for another model, gamma, device or dtype.", ""]
+             "file measured for another model, block size, device or dtype.", ""]
     lines += [f"- `{name}`" for name in sorted(written)]
     lines += [f"- not written: {name}: {why}" for name, why in sorted(skipped.items())]
     lines += ["", "SGLang:", "", "```",
@@ -331,13 +341,14 @@ def _interp(x: float, xs: list[int], ys: list[float]) -> float:
 
 
 def load_engine_file(path: str | Path, *, target_model: str | None = None,
-                     gamma: int | None = None, hardware: dict | None = None,
+                     block_size: int | None = None, hardware: dict | None = None,
                      dtype: str | None = None, drafter_sha256: str | None = None) -> EngineFile:
     """Read an engine file and refuse it unless its provenance matches what it is loaded for.
 
     Args:
         target_model: compared by last path component (:func:`_model_id`).
-        gamma: the drafter's / engine's draft length; an STS file must also hold gamma values.
+        block_size: the drafter's block_size: the file's provenance ``gamma`` must equal it (an
+            STS file also holds one temperature per draft position).
         hardware: e.g. ``{"device": ..., "device_type": "cuda"}``; SPS files only, keys the file
             also records are compared.
         dtype: the serving dtype ("bfloat16"); SPS files only.
@@ -356,8 +367,8 @@ def load_engine_file(path: str | Path, *, target_model: str | None = None,
     if (target_model is not None
             and _model_id(prov.get("target_model", "")) != _model_id(target_model)):
         wrong.append(f"target model: file {prov.get('target_model')!r}, expected {target_model!r}")
-    if gamma is not None and prov.get("gamma") != gamma:
-        wrong.append(f"gamma: file {prov.get('gamma')}, expected {gamma}")
+    if block_size is not None and prov.get("gamma") != block_size:
+        wrong.append(f"gamma: file {prov.get('gamma')}, expected {block_size}")
     if f.kind == "sts":
         if len(f.temperatures) != prov.get("gamma"):
             wrong.append(f"{len(f.temperatures)} temperatures for gamma {prov.get('gamma')}")
@@ -410,7 +421,8 @@ def main(argv: list[str] | None = None) -> int:
                             "device_type": args.device}
             facts = drafter_facts(args.drafter)
             f = load_engine_file(args.file, target_model=facts["target_model"],
-                                 gamma=facts["gamma"], hardware=hardware, dtype=args.dtype,
+                                 block_size=facts["block_size"], hardware=hardware,
+                                 dtype=args.dtype,
                                  drafter_sha256=facts["drafter_weights_sha256"])
             out = {"file": args.file, "kind": f.kind, "engine": f.engine, "ok": True}
     except (EngineFileError, FileNotFoundError, ValueError, KeyError) as err:

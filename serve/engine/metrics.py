@@ -3,9 +3,10 @@ each definition written once here. Evaluation, serving and the benchmarks all re
 
 Definitions (SPEC 0 and 5): a *round* is one verification of one request; tau = committed tokens per
 round (bonus token included); accept_rate@k = share of the rounds that verified at least k drafts
-whose first k drafts were all accepted (prefix survival; with a fixed gamma, P(accepted >= k));
-conditional acceptance at k = share of the rounds that verified position k and accepted positions
-1..k-1 that accepted position k too (P(token k accepted | tokens < k accepted), paper Fig. 2).
+whose first k drafts were all accepted (prefix survival; with a fixed draft length,
+P(accepted >= k)); conditional acceptance at k = share of the rounds that verified position k and
+accepted positions 1..k-1 that accepted position k too (P(token k accepted | tokens < k
+accepted), paper Fig. 2).
 """
 
 from __future__ import annotations

@@ -1,10 +1,11 @@
 """SPS(B) profiling: target steps per second at a verification batch of B tokens (SPEC 6).
 
 At engine start-up the target's batched forward pass is timed over the batch-token sizes the
-engine can run (several requests, each with a cached context, verifying blocks of gamma + 1
-tokens). The measurements become an :class:`serve.engine.scheduler.SPSTable` and are stored as JSON
-next to the drafter checkpoint together with a fingerprint of the hardware, software and model; a
-stored profile is reused only when the fingerprint matches, otherwise the target is re-profiled.
+engine can run (several requests, each with a cached context, verifying blocks of
+``num_speculative_tokens`` + 1 tokens). The measurements become an
+:class:`serve.engine.scheduler.SPSTable` and are stored as JSON next to the drafter checkpoint
+together with a fingerprint of the hardware, software and model; a stored profile is reused only
+when the fingerprint matches, otherwise the target is re-profiled.
 
 CLI (prints the table):
     python -m serve.engine.profiling --target PATH --dtype bfloat16 --max-batch-tokens 64
@@ -81,7 +82,7 @@ def profile_sps(runner: TargetRunner, max_tokens: int, block_tokens: int = 8,
     Args:
         runner: the target.
         max_tokens: the largest B to time.
-        block_tokens: tokens per request (gamma + 1).
+        block_tokens: tokens per request (num_speculative_tokens + 1).
         context_len: cached tokens per request.
         repeats: timed passes per size (the median is kept, after one warm-up).
     Returns:
@@ -163,8 +164,8 @@ def load_or_profile(runner: TargetRunner, directory: str | Path | None, max_toke
 
 # bumped when the drafter's inference cost changes for the same weights, so stored tables made
 # before are re-measured (2: the draft head no longer runs a strided slice as a batched matmul,
-# which had made depths below gamma cost up to 10x more at 64 rows; 3: the cost per context
-# position of a backlog, for requests whose context fell behind)
+# which had made drafts shorter than block_size cost up to 10x more at 64 rows; 3: the cost per
+# context position of a backlog, for requests whose context fell behind)
 DRAFT_COST_METHOD = 3
 
 
@@ -181,9 +182,9 @@ def _drafter_fingerprint(drafter) -> dict:
 def profile_draft_cost(drafter, max_rows: int, context_len: int = 128, repeats: int = 3,
                        seed: int = 0) -> DraftCostTable:
     """Time one batched drafter call as the engine makes it: extend each request's context by 2
-    committed positions, then propose a block of depth 1 and of depth gamma, greedy and sampled
-    (temperature 1), for every row count of :func:`batch_grid` up to ``max_rows``; and the cost per
-    position of extending one row's context by a backlog of 128 positions.
+    committed positions, then propose a block of 1 and of block_size draft tokens, greedy and
+    sampled (temperature 1), for every row count of :func:`batch_grid` up to ``max_rows``; and the
+    cost per position of extending one row's context by a backlog of 128 positions.
 
     Args:
         drafter: a drafter (``drafters.loading.load_drafter``) on its serving device and dtype.
@@ -199,7 +200,6 @@ def profile_draft_cost(drafter, max_rows: int, context_len: int = 128, repeats: 
     g = torch.Generator().manual_seed(seed)
     width = cfg.target_hidden_size * len(cfg.target_layer_ids)
     vocab = cfg.target_vocab_size
-    gamma = cfg.block_size
     rows_grid = batch_grid(max_rows)
     states = []
     for _ in range(rows_grid[-1]):
@@ -209,7 +209,7 @@ def profile_draft_cost(drafter, max_rows: int, context_len: int = 128, repeats: 
                                torch.randint(0, vocab, (1, context_len), generator=g).to(dev))
         states.append(st)
 
-    def one_call(rows: int, depth: int, temperature: float) -> float:
+    def one_call(rows: int, num_draft_tokens: int, temperature: float) -> float:
         start = time.perf_counter()
         for st in states[:rows]:
             pos = st.length
@@ -221,10 +221,12 @@ def profile_draft_cost(drafter, max_rows: int, context_len: int = 128, repeats: 
         temps = torch.full((rows,), temperature)
         gens = [torch.Generator().manual_seed(seed + i) for i in range(rows)]
         if rows == 1:
-            drafter.propose_block(states[0], anchors, positions, depth, temps, gens, torch.ones(1))
+            drafter.propose_block(states[0], anchors, positions, num_draft_tokens, temps, gens,
+                                  torch.ones(1))
         else:
-            drafter.propose_block_batch(states[:rows], anchors, positions, depth, temps, gens,
-                                        torch.ones(rows), torch.full((rows,), depth))
+            drafter.propose_block_batch(states[:rows], anchors, positions, num_draft_tokens, temps,
+                                        gens, torch.ones(rows),
+                                        torch.full((rows,), num_draft_tokens))
         if dev.type == "cuda":
             torch.cuda.synchronize(dev)
         return time.perf_counter() - start
@@ -233,9 +235,9 @@ def profile_draft_cost(drafter, max_rows: int, context_len: int = 128, repeats: 
     for rows in rows_grid:
         for temperature, out in ((0.0, greedy), (1.0, sampled)):
             pair = []
-            for depth in (1, gamma):
-                one_call(rows, depth, temperature)  # warm-up
-                pair.append(statistics.median(one_call(rows, depth, temperature)
+            for num_draft_tokens in (1, cfg.block_size):
+                one_call(rows, num_draft_tokens, temperature)  # warm-up
+                pair.append(statistics.median(one_call(rows, num_draft_tokens, temperature)
                                               for _ in range(repeats)))
             out.append(tuple(pair))
 
@@ -254,7 +256,7 @@ def profile_draft_cost(drafter, max_rows: int, context_len: int = 128, repeats: 
     extend_call(backlog), extend_call(2)  # warm-up
     long = statistics.median(extend_call(backlog) for _ in range(repeats))
     short = statistics.median(extend_call(2) for _ in range(repeats))
-    return DraftCostTable(tuple(rows_grid), tuple(greedy), tuple(sampled), gamma,
+    return DraftCostTable(tuple(rows_grid), tuple(greedy), tuple(sampled), cfg.block_size,
                           max(0.0, (long - short) / (backlog - 2)))
 
 
@@ -289,11 +291,12 @@ def engine_profiles(runner: TargetRunner, drafter, config: EngineConfig,
     """
     if drafter is None or config.scheduler not in NEEDS_SPS:
         return None, None
-    gamma = config.speculative_tokens(drafter.config.block_size)
+    num_speculative_tokens = config.speculative_tokens(drafter.config.block_size)
     if config.sps_profile == "off":
         sps = SPSTable((1.0,) * config.max_batch_tokens)
     else:
-        sps = load_or_profile(runner, directory, config.max_batch_tokens, block_tokens=gamma + 1,
+        sps = load_or_profile(runner, directory, config.max_batch_tokens,
+                              block_tokens=num_speculative_tokens + 1,
                               repeats=config.sps_repeats)
     cost = None  # a flat SPS table has no time unit to compare the drafter's seconds with
     if config.plans_drafts and config.sps_profile == "auto":
@@ -315,7 +318,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--target", required=True, help="from_pretrained name or directory")
     parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--max-batch-tokens", type=int, default=64)
-    parser.add_argument("--block-tokens", type=int, default=8, help="gamma + 1")
+    parser.add_argument("--block-tokens", type=int, default=8,
+                        help="tokens verified per request: num_speculative_tokens + 1")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--out", default=None, help="directory to store sps_profile.json in")
     parser.add_argument("--threads", type=int, default=None)

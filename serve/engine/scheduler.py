@@ -2,10 +2,11 @@
 (DSpark paper section 3.2.2, Algorithm 1, section 5.2 and Appendix A; SPEC section 6).
 
 Every scheduler here is a pure function of per-request confidences: no model, no clock, no I/O, and
-inputs are never mutated. It returns one int l_r in [0, gamma_r] per request, where gamma_r is the
-number of draft tokens request r proposed (rows may have different lengths, including 0). A step
-then verifies B = sum_r (1 + l_r) tokens: every request's anchor plus its l_r draft tokens. The
-engine finds them by name in ``serve/engine/scheduler_registry.py``; SPS(B) is ``serve/engine/sps.py``.
+inputs are never mutated. It returns one int l_r in [0, K_r] per request, where K_r is the number
+of draft tokens request r proposed, its ``num_draft_tokens`` (the paper's gamma_r, the draft
+length; rows may have different lengths, including 0). A step then verifies B = sum_r (1 + l_r)
+tokens: every request's anchor plus its l_r draft tokens. The engine finds them by name in
+``serve/engine/scheduler_registry.py``; SPS(B) is ``serve/engine/sps.py``.
 
 Terms and units (SPEC 0):
 - c_{r,j} in [0, 1]: calibrated confidence that draft token j of request r survives verification
@@ -37,7 +38,7 @@ from typing import Any, Literal, overload
 
 from .sps import SPSTable  # re-exported: the schedulers' hardware profile
 
-# Confidences: R rows of gamma_r floats in [0, 1]; a list of lists, a numpy array or a torch tensor
+# Confidences: R rows of K_r floats in [0, 1]; a list of lists, a numpy array or a torch tensor
 # [R, K] (anything with ``tolist()``).
 Confidences = Any
 
@@ -46,7 +47,7 @@ Confidences = Any
 class ScheduleResult:
     """A verification plan and its expected value.
 
-    lengths: l_r per request, ints in [0, gamma_r]; batch_tokens: B = sum_r (1 + l_r);
+    lengths: l_r per request, ints in [0, K_r]; batch_tokens: B = sum_r (1 + l_r);
     expected_tokens: tau = sum_r (1 + sum_{j<=l_r} a_{r,j}), expected committed tokens per step
     (bonus included); throughput_tps: Theta = tau * SPS(B) in tokens/s, None when B is outside
     the SPS table.
@@ -97,7 +98,7 @@ def prefix_survival(confidences: Confidences) -> list[list[float]]:
     """a_{r,j} = prod_{i<=j} c_{r,i}: probability that draft tokens 1..j of request r all survive.
 
     Args:
-        confidences: R rows, row r holding gamma_r calibrated confidences c_{r,1..gamma_r} in
+        confidences: R rows, row r holding K_r calibrated confidences c_{r,1..K_r} in
             [0, 1] (rows may differ in length, including 0).
     Returns:
         R lists with the same lengths, non-increasing along each row.
@@ -167,14 +168,14 @@ def dspark_schedule(confidences, sps, max_batch_tokens=None, *, return_result=Fa
     tokens (target-only step, lossless) and ``throughput_tps`` is None.
 
     Args:
-        confidences: R rows of calibrated c_{r,1..gamma_r} in [0, 1] (list of lists, numpy array
+        confidences: R rows of calibrated c_{r,1..K_r} in [0, 1] (list of lists, numpy array
             or torch tensor [R, K]).
         sps: profiled SPS table (steps/s).
         max_batch_tokens: optional cap on B in tokens (engine token budget).
         return_result: return a :class:`ScheduleResult` (with tau* and Theta_best in tokens/s)
             instead of the bare lengths.
     Returns:
-        l: list[int] of length R, l_r in [0, gamma_r]; or a ScheduleResult.
+        l: list[int] of length R, l_r in [0, K_r]; or a ScheduleResult.
     Raises:
         ValueError: a confidence outside [0, 1], sps not an SPSTable, max_batch_tokens < 1.
     Source: DSpark paper section 3.2.2, Algorithm 1; SPEC 6 steps 1-4.
@@ -219,7 +220,7 @@ def full_search_capacity(confidences: Confidences, sps: SPSTable,
     confidences from two steps earlier, which is lossless.
 
     Args:
-        confidences: R rows of c_{r,1..gamma_r} in [0, 1].
+        confidences: R rows of c_{r,1..K_r} in [0, 1].
         sps: profiled SPS table (steps/s).
         max_batch_tokens: optional cap on K in tokens.
     Returns:
@@ -268,12 +269,12 @@ def async_schedule(current_confidences: Confidences, stale_confidences: Confiden
     that the scheduling is not hidden behind a running step.
 
     Args:
-        current_confidences: R rows of the current c_{r,1..gamma_r} in [0, 1].
+        current_confidences: R rows of the current c_{r,1..K_r} in [0, 1].
         stale_confidences: R' rows of the confidences two steps earlier, or None.
         sps: profiled SPS table (steps/s).
         max_batch_tokens: optional cap on B in tokens (applied to K and to the current batch).
     Returns:
-        l: list[int] of length R, l_r in [0, gamma_r]; all zeros when R exceeds the batch limit.
+        l: list[int] of length R, l_r in [0, K_r]; all zeros when R exceeds the batch limit.
     Raises:
         ValueError: as :func:`dspark_schedule`, for either set of confidences.
     Source: DSpark paper section 5.2 (asynchronous scheduling); SPEC 6.
@@ -311,8 +312,8 @@ def hold_speed_floors(confidences: Confidences, lengths: Sequence[int], sps: SPS
     reads only candidates whose prefixes are admitted.
 
     Args:
-        confidences: R rows of calibrated c_{r,1..gamma_r} in [0, 1].
-        lengths: the plan to extend, l_r in [0, gamma_r] (not mutated).
+        confidences: R rows of calibrated c_{r,1..K_r} in [0, 1].
+        lengths: the plan to extend, l_r in [0, K_r] (not mutated).
         sps: profiled SPS table (steps/s).
         floors: per request its floor in tokens/s, or None (no floor).
         max_batch_tokens: optional cap on B in tokens.
@@ -365,7 +366,7 @@ def static_threshold_schedule(confidences: Confidences, threshold: float) -> lis
     hardware and batch size.
 
     Args:
-        confidences: R rows of c_{r,1..gamma_r} in [0, 1].
+        confidences: R rows of c_{r,1..K_r} in [0, 1].
         threshold: in [0, 1]; 0 verifies every draft token.
     Returns:
         l: list[int] of length R.
@@ -390,38 +391,41 @@ def _check_threshold(threshold: float) -> float:
     return threshold
 
 
-def _check_gamma(gamma: int) -> int:
-    gamma = operator.index(gamma)
-    if gamma < 0:
-        raise ValueError(f"gamma must be >= 0 draft tokens, got {gamma}")
-    return gamma
+def _check_num_speculative_tokens(num_speculative_tokens: int) -> int:
+    num_speculative_tokens = operator.index(num_speculative_tokens)
+    if num_speculative_tokens < 0:
+        raise ValueError(f"num_speculative_tokens must be >= 0 draft tokens, got "
+                         f"{num_speculative_tokens}")
+    return num_speculative_tokens
 
 
-def fixed_schedule(gammas: int | Sequence[int], gamma: int) -> list[int]:
-    """Baseline: every request verifies gamma draft tokens, clipped to the drafts it has.
+def fixed_schedule(num_draft_tokens: int | Sequence[int],
+                   num_speculative_tokens: int) -> list[int]:
+    """Baseline: every request verifies ``num_speculative_tokens`` draft tokens (the serving cap),
+    clipped to the drafts it has.
 
     Args:
-        gammas: the number of requests R (each assumed to have >= gamma drafts), or the available
-            draft count gamma_r per request.
-        gamma: fixed verification length, >= 0.
+        num_draft_tokens: the draft count K_r of each request, or just the number of requests R
+            (each assumed to have >= num_speculative_tokens drafts).
+        num_speculative_tokens: fixed verification length, >= 0.
     Returns:
-        l: list[int], l_r = min(gamma, gamma_r).
+        l: list[int], l_r = min(num_speculative_tokens, K_r).
     Raises:
-        ValueError: gamma < 0, R < 0 or a negative gamma_r.
-    Source: SPEC 6 (baselines: fixed length gamma).
+        ValueError: num_speculative_tokens < 0, R < 0 or a negative K_r.
+    Source: SPEC 6 (baselines: fixed length).
     """
-    gamma = _check_gamma(gamma)
-    if hasattr(gammas, "tolist"):  # numpy array / torch tensor of counts, or a 0-d count
-        gammas = gammas.tolist()
-    if isinstance(gammas, Sequence):
-        available = [operator.index(g) for g in gammas]
-        if any(g < 0 for g in available):
+    num_speculative_tokens = _check_num_speculative_tokens(num_speculative_tokens)
+    if hasattr(num_draft_tokens, "tolist"):  # numpy array / torch tensor of counts, or a 0-d count
+        num_draft_tokens = num_draft_tokens.tolist()
+    if isinstance(num_draft_tokens, Sequence):
+        available = [operator.index(k) for k in num_draft_tokens]
+        if any(k < 0 for k in available):
             raise ValueError(f"available draft counts must be >= 0, got {available}")
-        return [min(gamma, g) for g in available]
-    num_requests = operator.index(gammas)
+        return [min(num_speculative_tokens, k) for k in available]
+    num_requests = operator.index(num_draft_tokens)
     if num_requests < 0:
         raise ValueError(f"number of requests must be >= 0, got {num_requests}")
-    return [gamma] * num_requests
+    return [num_speculative_tokens] * num_requests
 
 
 def no_speculation_schedule(num_requests: int) -> list[int]:

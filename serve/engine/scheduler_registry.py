@@ -15,7 +15,7 @@ from .scheduler import (
     Confidences,
     _as_rows,
     _batch_limit,
-    _check_gamma,
+    _check_num_speculative_tokens,
     _check_threshold,
     async_schedule,
     dspark_schedule,
@@ -30,7 +30,7 @@ from .sps import SPSTable
 class NamedScheduler:
     """A scheduler with bound parameters: ``sched(confidences, stale_confidences=None)``.
 
-    confidences: R rows of current c_{r,1..gamma_r}; stale_confidences: confidences of two steps
+    confidences: R rows of current c_{r,1..K_r}; stale_confidences: confidences of two steps
     earlier (read by schedulers whose entry ``reads_stale_confidences``, ignored by the others).
     Returns l: list[int] of length R.
     """
@@ -63,9 +63,9 @@ def _build_static(threshold: float):
     return lambda conf, stale: static_threshold_schedule(conf, threshold)
 
 
-def _build_fixed(gamma: int):
-    _check_gamma(gamma)
-    return lambda conf, stale: fixed_schedule(_rows_len(conf), gamma)
+def _build_fixed(num_speculative_tokens: int):
+    _check_num_speculative_tokens(num_speculative_tokens)
+    return lambda conf, stale: fixed_schedule(_rows_len(conf), num_speculative_tokens)
 
 
 def _build_none():
@@ -96,7 +96,8 @@ _REGISTRY: dict[str, SchedulerEntry] = {
     "async": SchedulerEntry(_build_async, frozenset({"sps"}), frozenset({"max_batch_tokens"}),
                             True, reads_stale_confidences=True),
     "static_threshold": SchedulerEntry(_build_static, frozenset({"threshold"}), frozenset(), True),
-    "fixed": SchedulerEntry(_build_fixed, frozenset({"gamma"}), frozenset(), False),
+    "fixed": SchedulerEntry(_build_fixed, frozenset({"num_speculative_tokens"}), frozenset(),
+                            False),
     "none": SchedulerEntry(_build_none, frozenset(), frozenset(), False, speculates=False),
 }
 SCHEDULER_NAMES = tuple(_REGISTRY)  # the one list of names (configs validate against it)
@@ -121,8 +122,9 @@ def make_scheduler(name: str, **params: Any) -> NamedScheduler:
 
     Names and parameters: "dspark" (sps, max_batch_tokens=None) -> :func:`dspark_schedule`;
     "async" (sps, max_batch_tokens=None) -> :func:`async_schedule`; "static_threshold"
-    (threshold) -> :func:`static_threshold_schedule`; "fixed" (gamma) -> :func:`fixed_schedule`
-    clipped to each request's drafts; "none" () -> :func:`no_speculation_schedule`.
+    (threshold) -> :func:`static_threshold_schedule`; "fixed" (num_speculative_tokens) ->
+    :func:`fixed_schedule` clipped to each request's drafts; "none" () ->
+    :func:`no_speculation_schedule`.
 
     Returns:
         A :class:`NamedScheduler`: ``sched(confidences, stale_confidences=None) -> list[int]``.
@@ -144,8 +146,8 @@ def make_scheduler(name: str, **params: Any) -> NamedScheduler:
 
 def scheduler_for(name: str, **available: Any) -> NamedScheduler:
     """:func:`make_scheduler` from everything the caller has (``sps``, ``max_batch_tokens``,
-    ``threshold``, ``gamma``): only the parameters ``name`` takes are passed on, so the engine
-    builds any scheduler with one call.
+    ``threshold``, ``num_speculative_tokens``): only the parameters ``name`` takes are passed on,
+    so the engine builds any scheduler with one call.
 
     Raises:
         ValueError: unknown name, or a required parameter that is missing or None (e.g. dspark

@@ -1,12 +1,12 @@
 """The typed plan of one engine step, and the planner that makes it (SPEC 5 and 6).
 
 A step plans in two halves around the drafter call. Before it, per running request: the cap (the
-most draft tokens it may verify), and the draft source and depth from the goodput planner
-(``serve/engine/draft_planner.py``, from the request's past rounds only). After it: how many drafted
-tokens each verifies, from this step's calibrated confidences, by the scheduler the config names
-(``serve/engine/scheduler_registry.py``: every policy question goes to its entry). After
-verification the planner learns from each round. Losslessness: no decision about a draft token x_k
-reads x_k or anything computed from it (``serve/engine/scheduler.py``).
+most draft tokens it may verify), and the draft source and ``num_draft_tokens`` from the goodput
+planner (``serve/engine/draft_planner.py``, from the request's past rounds only). After it: how
+many drafted tokens each verifies, from this step's calibrated confidences, by the scheduler the
+config names (``serve/engine/scheduler_registry.py``: every policy question goes to its entry).
+After verification the planner learns from each round. Losslessness: no decision about a draft
+token x_k reads x_k or anything computed from it (``serve/engine/scheduler.py``).
 """
 
 from __future__ import annotations
@@ -30,9 +30,10 @@ class PlanRow:
     target's vocabulary."""
 
     request: RequestState
-    cap: int  # the most draft tokens it may verify: gamma, its budget, the drafter's context
+    # the most draft tokens it may verify: num_speculative_tokens, its budget, the drafter's context
+    cap: int
     source: Source | None = None  # "model" (the drafter), "lookup" (prompt lookup), None: none
-    depth: int = 0  # draft tokens to propose, <= cap
+    num_draft_tokens: int = 0  # draft tokens to propose, <= cap
     probed: bool = False  # the drafter drafts for it as a probe (back-off), not because it pays
     tokens: list[int] = field(default_factory=list)  # [K] the draft x_1..x_K
     probs: torch.Tensor | None = None  # fp32 [K, V] the drafter's distributions; None: greedy
@@ -64,21 +65,25 @@ class StepPlanner:
     Args:
         config: the engine's knobs.
         scheduler: the scheduler's registry name ("none" without a drafter).
-        gamma: draft tokens per round (0 without a drafter).
+        num_speculative_tokens: the cap in effect, draft tokens per round at most (0 without a
+            drafter).
         drafter_context: the drafter's context limit in positions (None without a drafter).
         sps, draft_cost: the SPS(B) profile and the drafter's cost, as :class:`SpecEngine`.
-        plans: whether the goodput planner runs (else the drafter drafts gamma for everyone).
+        plans: whether the goodput planner runs (else the drafter drafts num_speculative_tokens
+            for everyone).
     Raises:
         ValueError: the scheduler needs something missing (e.g. an SPS(B) table).
     """
 
-    def __init__(self, config: EngineConfig, scheduler: str, gamma: int,
+    def __init__(self, config: EngineConfig, scheduler: str, num_speculative_tokens: int,
                  drafter_context: int | None, sps: SPSTable | None,
                  draft_cost: DraftCostTable | None, plans: bool):
-        self.config, self.gamma, self.drafter_context = config, gamma, drafter_context
+        self.config, self.drafter_context = config, drafter_context
+        self.num_speculative_tokens = num_speculative_tokens
         self.sps, self.draft_cost, self.plans = sps, draft_cost, plans
         self.policy = scheduler_entry(scheduler)
-        self.schedule_fn = scheduler_for(scheduler, sps=sps, gamma=max(gamma, 1),
+        self.schedule_fn = scheduler_for(scheduler, sps=sps,
+                                         num_speculative_tokens=max(num_speculative_tokens, 1),
                                          threshold=config.threshold,
                                          max_batch_tokens=config.max_batch_tokens)
         self.probe_credit = 0.0  # seconds of drafter time probes may still spend (probe_budget)
@@ -97,22 +102,23 @@ class StepPlanner:
                                          .alpha)
 
     def caps(self, reqs: list[RequestState]) -> list[int]:
-        """The most draft tokens each request may verify: gamma, one less than its remaining
-        budget (a fully accepted block adds a bonus token), and the drafter's context limit."""
+        """The most draft tokens each request may verify: num_speculative_tokens, one less than its
+        remaining budget (a fully accepted block adds a bonus token), and the drafter's context
+        limit."""
         if not self.policy.speculates:
             return [0] * len(reqs)
         out = []
         for r in reqs:
             room = r.req.params.max_tokens - len(r.output) - 1
-            l = max(0, min(self.gamma, room))
+            l = max(0, min(self.num_speculative_tokens, room))
             # beyond its context: target-only steps
             out.append(0 if r.pos + l >= self.drafter_context else l)
         return out
 
     def plan(self, reqs: list[RequestState], start_s: float) -> StepPlan:
-        """The step's rows: source, depth and probing from the goodput planner (a lookup row gets
-        its draft and predicted confidences now), or gamma from the drafter for every request
-        without it."""
+        """The step's rows: source, num_draft_tokens and probing from the goodput planner (a lookup
+        row gets its draft and predicted confidences now), or num_speculative_tokens (each row's
+        cap) from the drafter for every request without it."""
         caps = self.caps(reqs)
         if not self.plans:
             return StepPlan([PlanRow(r, c, "model" if c > 0 else None, c)
@@ -129,16 +135,16 @@ class StepPlanner:
                            self.config.max_batch_tokens, probe_allowance_s=self.probe_credit,
                            min_gain=self.config.min_draft_gain)
         # the budget grows by its share of a target-only step of this batch (a prediction, so
-        # the plan stays a function of the past only), up to one full-depth call for everyone
-        ceiling = (self.draft_cost.seconds(len(reqs), self.draft_cost.max_depth, sampled)
+        # the plan stays a function of the past only), up to one full-block call for everyone
+        ceiling = (self.draft_cost.seconds(len(reqs), self.draft_cost.block_size, sampled)
                    if self.draft_cost is not None else 0.0)
         self.probe_credit = min(ceiling, self.probe_credit - plan.probe_cost_s
                                 + self.config.probe_budget / self.sps.sps(len(reqs)))
         rows = []
         for i, (r, cap) in enumerate(zip(reqs, caps)):
-            source, depth = plan.sources[i], plan.depths[i]
-            rows.append(PlanRow(r, cap, source, depth, plan.probed[i],
-                                list(looks[i][:depth]) if source == "lookup" else [],
+            source, num_draft_tokens = plan.sources[i], plan.num_draft_tokens[i]
+            rows.append(PlanRow(r, cap, source, num_draft_tokens, plan.probed[i],
+                                list(looks[i][:num_draft_tokens]) if source == "lookup" else [],
                                 confidences=list(plan.lookup_confidences[i])))
         return StepPlan(rows, start_s)
 

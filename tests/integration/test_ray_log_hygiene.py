@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from pipeline import cache
-from pipeline.config import CacheConfig
+from pipeline.config import CacheConfig, GenerateConfig
 from pipeline.generate import run_generate
 
 from .conftest import conversations
@@ -77,10 +77,10 @@ def test_generate_and_cache_calls_warn_nothing(tmp_path, ray_warnings, monkeypat
     records, caught = ray_warnings
     rows = [{"id": c["id"], "domain": c["domain"], "messages": c["messages"][:1]}
             for c in conversations(6)]
-    counts = run_generate(rows, tmp_path / "gen.jsonl", tmp_path / "errors.jsonl", target="-",
-                          dtype="float32", sampling={}, template_kwargs={}, batch_size=4,
-                          num_actors=1, cpus_per_actor=1, gpus_per_actor=0, num_threads=1,
-                          max_prompt_tokens=64, seed=0, udf=EchoUDF)
+    counts = run_generate(rows, tmp_path / "gen.jsonl", tmp_path / "errors.jsonl",
+                          GenerateConfig(batch_size=4, num_actors=1, cpus_per_actor=1,
+                                         gpus_per_actor=0, num_threads=1, max_prompt_tokens=64),
+                          target="-", dtype="float32", template_kwargs={}, seed=0, udf=EchoUDF)
     assert counts["generated"] == 6
 
     # the cache stage reads the generate output (a local JSONL file, read on this node)

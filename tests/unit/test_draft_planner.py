@@ -14,22 +14,25 @@ from serve.engine.scheduler import SPSTable
 FLAT = SPSTable.from_measurements({1: 100.0, 16: 96.0})  # a CPU-like flat curve: 10 ms a step
 
 
-def _cost(seconds_at_1: float, seconds_at_gamma: float, gamma: int = 4) -> DraftCostTable:
-    pair = (seconds_at_1, seconds_at_gamma)
+def _cost(seconds_at_1: float, seconds_at_block: float, block_size: int = 4) -> DraftCostTable:
+    pair = (seconds_at_1, seconds_at_block)
     return DraftCostTable((1, 4), (pair, (2 * pair[0], 2 * pair[1])),
-                          ((pair[0] * 1.5, pair[1] * 1.5), (3 * pair[0], 3 * pair[1])), gamma)
+                          ((pair[0] * 1.5, pair[1] * 1.5), (3 * pair[0], 3 * pair[1])), block_size)
 
 
-def test_cost_table_interpolates_rows_and_depth_and_validates():
+def test_cost_table_interpolates_rows_and_draft_tokens_and_validates():
     t = _cost(0.002, 0.008)
     assert t.seconds(1, 1, False) == pytest.approx(0.002)
     assert t.seconds(1, 4, False) == pytest.approx(0.008)
-    assert t.seconds(1, 2, False) == pytest.approx(0.004)  # affine in depth
+    assert t.seconds(1, 2, False) == pytest.approx(0.004)  # affine in num_draft_tokens
     assert t.seconds(4, 4, False) == pytest.approx(0.016)
     assert t.seconds(2, 1, False) == pytest.approx(0.002 + (0.004 - 0.002) / 3)
     assert t.seconds(9, 9, True) == pytest.approx(0.024)  # clamped beyond the grid
     assert t.seconds(0, 3, True) == 0.0 and t.seconds(3, 0, True) == 0.0
     assert DraftCostTable.from_dict(t.to_dict()) == t
+    # tables stored before block_size was named so (key max_depth) still load
+    old = {k: v for k, v in t.to_dict().items() if k != "block_size"}
+    assert DraftCostTable.from_dict({**old, "max_depth": 4}) == t
     with pytest.raises(ValueError, match="start at 1"):
         DraftCostTable((2,), ((0.1, 0.1),), ((0.1, 0.1),), 4)
     with pytest.raises(ValueError, match="finite"):
@@ -51,20 +54,20 @@ def test_acceptance_estimate_starts_at_the_prior_and_follows_recent_rounds():
 def test_plan_drafts_a_confident_request_and_skips_one_whose_drafts_cost_more_than_they_bring():
     cost = _cost(0.004, 0.006)  # 40-60 % of a 10 ms verification
     plan = plan_drafts([RequestOptions(4, 0.9), RequestOptions(4, 0.05)], FLAT, cost, False)
-    assert plan.sources == ["model", None] and plan.depths[0] >= 2 and plan.depths[1] == 0
+    assert plan.sources == ["model", None] and plan.num_draft_tokens[0] >= 2 and plan.num_draft_tokens[1] == 0
     # alone, the weak request is not drafted for at all: the step is a target-only step
     alone = plan_drafts([RequestOptions(4, 0.05)], FLAT, cost, False)
-    assert alone.sources == [None] and alone.depths == [0]
+    assert alone.sources == [None] and alone.num_draft_tokens == [0]
     assert alone.predicted_tps == pytest.approx(100.0)
     # free drafting: Algorithm 1's prediction alone decides, so even alpha 0.05 is worth a token
     free = plan_drafts([RequestOptions(4, 0.05)], FLAT, None, False)
-    assert free.sources == ["model"] and free.depths == [2]  # predicted l = 1, plus one
+    assert free.sources == ["model"] and free.num_draft_tokens == [2]  # predicted l = 1, plus one
 
 
 def test_plan_probes_a_skipped_request_and_marks_it():
     cost = _cost(0.004, 0.006)
     plan = plan_drafts([RequestOptions(4, 0.05, probe_due=True)], FLAT, cost, True)
-    assert plan.sources == ["model"] and plan.depths[0] >= 1 and plan.probed == [True]
+    assert plan.sources == ["model"] and plan.num_draft_tokens[0] >= 1 and plan.probed == [True]
     kept = plan_drafts([RequestOptions(4, 0.9, probe_due=True)], FLAT, cost, True)
     assert kept.probed == [False]
 
@@ -75,8 +78,8 @@ def test_plan_prefers_a_lookup_draft_that_is_at_least_as_good_and_gives_its_conf
                         RequestOptions(4, 0.8, lookup_len=2, lookup_alpha=0.3),
                         RequestOptions(0, None, lookup_len=0)], FLAT, cost, False)
     assert plan.sources == ["lookup", "model", None]
-    assert plan.depths[0] == 3 and plan.lookup_confidences[0] == [0.8] * 3
-    assert plan.lookup_confidences[1] == [] and plan.depths[2] == 0
+    assert plan.num_draft_tokens[0] == 3 and plan.lookup_confidences[0] == [0.8] * 3
+    assert plan.lookup_confidences[1] == [] and plan.num_draft_tokens[2] == 0
 
 
 def test_ngram_index_continues_the_latest_earlier_occurrence_of_the_longest_suffix():
@@ -114,13 +117,13 @@ def test_probes_wait_for_the_budget_and_then_go_together():
     assert poor.sources == [None] * 3 and poor.probed == [False] * 3 and poor.probe_cost_s == 0
     rich = plan_drafts(due, FLAT, cost, False, probe_allowance_s=1.0)
     assert rich.sources == ["model"] * 3 and rich.probed == [True] * 3
-    assert rich.probe_cost_s == pytest.approx(cost.seconds(3, max(rich.depths), False))
+    assert rich.probe_cost_s == pytest.approx(cost.seconds(3, max(rich.num_draft_tokens), False))
     mixed = plan_drafts([RequestOptions(4, 0.95), RequestOptions(4, 0.05, probe_due=True)], FLAT,
                         cost, False, probe_allowance_s=1.0)
-    depth = max(mixed.depths)
+    num_draft_tokens = max(mixed.num_draft_tokens)
     assert mixed.probed == [False, True]
-    assert mixed.probe_cost_s == pytest.approx(cost.seconds(2, depth, False)
-                                               - cost.seconds(1, depth, False))
+    assert mixed.probe_cost_s == pytest.approx(cost.seconds(2, num_draft_tokens, False)
+                                               - cost.seconds(1, num_draft_tokens, False))
 
 
 def test_a_plan_that_drafts_must_promise_the_minimum_gain():
@@ -140,7 +143,7 @@ def test_a_context_backlog_is_priced_into_drafting_and_probes():
     them: a probe the allowance covers without the backlog waits with it, and a row that would
     pay with a current context is not drafted while the backlog makes the call too dear."""
     base = _cost(0.002, 0.003)
-    cost = DraftCostTable(base.rows, base.greedy_s, base.sampled_s, base.max_depth,
+    cost = DraftCostTable(base.rows, base.greedy_s, base.sampled_s, base.block_size,
                           extend_s_per_position=0.0001)
     assert cost.backlog_seconds(2) == 0.0 and cost.backlog_seconds(202) == pytest.approx(0.02)
     assert DraftCostTable.from_dict(cost.to_dict()) == cost
@@ -149,7 +152,7 @@ def test_a_context_backlog_is_priced_into_drafting_and_probes():
     assert plan_drafts(due, FLAT, cost, False, probe_allowance_s=0.01).probed == [False]
     rich = plan_drafts(due, FLAT, cost, False, probe_allowance_s=1.0)
     assert rich.probed == [True] and rich.probe_cost_s == pytest.approx(
-        cost.seconds(1, max(rich.depths), False) + 0.02)
+        cost.seconds(1, max(rich.num_draft_tokens), False) + 0.02)
     assert plan_drafts([RequestOptions(4, 0.6)], FLAT, cost, False).sources == ["model"]
     assert plan_drafts([RequestOptions(4, 0.6, pending=202)], FLAT, cost, False).sources == [None]
     with pytest.raises(ValueError, match="extend_s_per_position"):

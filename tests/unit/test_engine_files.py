@@ -223,13 +223,13 @@ def test_every_file_records_what_it_was_measured_on(exported):
 def test_round_trip_through_this_projects_loader(exported):
     hw = json.loads(_text(exported, "sglang/sps_table.json"))["provenance"]["hardware"]
     for name in ("sglang/sps_table.json", "trtllm/sps_cost_table.json"):
-        f = load_engine_file(exported.out / name, target_model="/models/tiny-qwen3", gamma=GAMMA,
-                             hardware={"device": hw["device"], "device_type": "cpu"},
+        f = load_engine_file(exported.out / name, target_model="/models/tiny-qwen3",
+                             block_size=GAMMA, hardware={"device": hw["device"], "device_type": "cpu"},
                              dtype="torch.float32")
         assert f.kind == "sps"
         assert f.sps.sps_by_batch == pytest.approx(exported.table.sps_by_batch)
     for name in ("sglang/sts_calibration.json", "trtllm/sts_calibration.json"):
-        f = load_engine_file(exported.out / name, target_model="tiny-qwen3", gamma=GAMMA,
+        f = load_engine_file(exported.out / name, target_model="tiny-qwen3", block_size=GAMMA,
                              drafter_sha256=exported.facts["drafter_weights_sha256"])
         assert f.kind == "sts" and list(f.temperatures) == TEMPS
 
@@ -237,7 +237,7 @@ def test_round_trip_through_this_projects_loader(exported):
 @pytest.mark.parametrize("name", ["sglang/sps_table.json", "trtllm/sps_cost_table.json"])
 @pytest.mark.parametrize("kwargs,field", [
     ({"target_model": "Qwen/Qwen3-4B"}, "target model"),
-    ({"gamma": GAMMA + 3}, "gamma"),
+    ({"block_size": GAMMA + 3}, "gamma"),
     ({"hardware": {"device": "NVIDIA H200", "device_type": "cuda"}}, "hardware device"),
     ({"dtype": "bfloat16"}, "dtype"),
 ])
@@ -249,7 +249,7 @@ def test_a_mismatched_sps_table_is_refused(exported, name, kwargs, field):
 @pytest.mark.parametrize("name", ["sglang/sts_calibration.json", "trtllm/sts_calibration.json"])
 def test_mismatched_temperatures_are_refused(exported, name):
     with pytest.raises(EngineFileMismatch, match="gamma: file 4, expected 7"):
-        load_engine_file(exported.out / name, gamma=7)
+        load_engine_file(exported.out / name, block_size=7)
     with pytest.raises(EngineFileMismatch, match="drafter: fitted for weights"):
         load_engine_file(exported.out / name, drafter_sha256="0" * 64)
 
@@ -259,7 +259,7 @@ def test_files_without_provenance_or_malformed_are_refused(exported, tmp_path):
     del bare["provenance"]
     (tmp_path / "bare.json").write_text(json.dumps(bare))
     with pytest.raises(EngineFileError, match="no dspark-ray provenance"):
-        load_engine_file(tmp_path / "bare.json", gamma=GAMMA)
+        load_engine_file(tmp_path / "bare.json", block_size=GAMMA)
     bad = json.loads(_text(exported, "trtllm/sps_cost_table.json"))
     bad["token_counts"] = bad["token_counts"][::-1]
     (tmp_path / "bad.json").write_text(json.dumps(bad))

@@ -13,6 +13,7 @@ import pytest
 import torch
 from scipy.stats import chi2_contingency
 
+from pipeline.config import GenerateConfig, SamplingConfig
 from pipeline.generate import GenerateUDF, run_generate
 from pipeline.generate_engine import EngineGenerateUDF, answer_seed
 from serve.engine.chat import render_prompt_ids
@@ -113,22 +114,23 @@ def test_the_stage_writes_the_hf_backends_rows_and_resumes_by_id(smollm2_dir, tm
              "messages": [{"role": "user", "content": f"Question {i}?"}]} for i in range(6)]
     rows.append({"id": "long", "domain": "chat",
                  "messages": [{"role": "user", "content": "word " * 400}]})
-    sampling = dict(SAMPLING, max_new_tokens=6, temperature=0.0)
-    common = dict(target=str(smollm2_dir), dtype="float32", sampling=sampling,
-                  template_kwargs={}, batch_size=4, num_actors=1, cpus_per_actor=1,
-                  gpus_per_actor=0, num_threads=1, max_prompt_tokens=64, seed=0)
-    engine_kwargs = {"udf": EngineGenerateUDF,
-                     "udf_kwargs": {"max_num_requests": 4, "kv_cache_memory_gib": 0.05}}
+    hf = GenerateConfig(sampling=SamplingConfig(**dict(SAMPLING, max_new_tokens=6,
+                                                       temperature=0.0)),
+                        batch_size=4, num_actors=1, cpus_per_actor=1, gpus_per_actor=0,
+                        num_threads=1, max_prompt_tokens=64)
+    engine = hf.model_copy(update={"backend": "engine", "max_num_requests": 4,
+                                   "kv_cache_memory_gib": 0.05})
+    common = dict(target=str(smollm2_dir), dtype="float32", template_kwargs={}, seed=0)
     out, err = tmp_path / "engine" / "train.jsonl", tmp_path / "engine" / "errors.jsonl"
-    first = run_generate(rows[:3], out, err, **common, **engine_kwargs)
+    first = run_generate(rows[:3], out, err, engine, **common)
     assert first == {"generated": 3, "errors": 0, "skipped": 0}
-    again = run_generate(rows, out, err, **common, **engine_kwargs)
+    again = run_generate(rows, out, err, engine, **common)
     assert again == {"generated": 3, "errors": 1, "skipped": 3}
     written = [json.loads(line) for line in out.read_text().splitlines()]
     assert sorted(r["id"] for r in written) == [f"p{i}" for i in range(6)]
     assert "max_prompt_tokens" in err.read_text()
     hf_out = tmp_path / "hf" / "train.jsonl"
-    run_generate(rows[:6], hf_out, tmp_path / "hf" / "errors.jsonl", **common)
+    run_generate(rows[:6], hf_out, tmp_path / "hf" / "errors.jsonl", hf, **common)
     hf_rows = {r["id"]: r for r in map(json.loads, hf_out.read_text().splitlines())}
     for r in written:  # greedy: the same answers, the same fields
         assert r == hf_rows[r["id"]]

@@ -212,7 +212,7 @@ def test_the_engine_preallocates_the_whole_pool_and_serves_within_it(model):
     engine = SpecEngine(runner, drafter, [], cfg)
     state = runner.kv_pool_state()
     assert state["slots"] == 3 and state["free_slots"] == 3
-    assert state["capacity"] == 120 + engine.gamma + 1
+    assert state["capacity"] == 120 + engine.num_speculative_tokens + 1
     assert state["reallocations"] == 0
     g = torch.Generator().manual_seed(3)
     for i in range(5):  # more requests than slots: they wait, slots are reused
@@ -247,7 +247,7 @@ def test_a_small_kv_budget_shortens_the_model_length_instead_of_growing(model):
                         EngineConfig(scheduler="fixed", sps_profile="off", max_num_requests=2,
                                      max_model_len=1000, kv_cache_memory_gib=budget / 2**30))
     assert runner.kv_pool_state()["capacity"] == 100
-    assert engine.max_model_len == 100 - engine.gamma - 1
+    assert engine.max_model_len == 100 - engine.num_speculative_tokens - 1
     with pytest.raises(RequestError) as err:
         engine.add_request(EngineRequest("long", [5] * 50, SamplingParams(max_tokens=60)))
     assert err.value.status == 413 and "kv_cache_memory_gib" in str(err.value)

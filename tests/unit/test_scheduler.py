@@ -285,7 +285,7 @@ def test_fixed_and_none():
     assert fixed_schedule(np.array([4, 1]), 3) == [3, 1]
     assert fixed_schedule([], 7) == [] and fixed_schedule(0, 7) == []
     assert fixed_schedule([5], 0) == [0]
-    with pytest.raises(ValueError, match="gamma"):
+    with pytest.raises(ValueError, match="num_speculative_tokens"):
         fixed_schedule(2, -1)
     with pytest.raises(ValueError):
         fixed_schedule([1, -1], 2)
@@ -303,7 +303,7 @@ def test_make_scheduler_uniform_signature():
         "dspark": make_scheduler("dspark", sps=SPS_CLIFF),
         "async": make_scheduler("async", sps=SPS_CLIFF),
         "static_threshold": make_scheduler("static_threshold", threshold=0.5),
-        "fixed": make_scheduler("fixed", gamma=2),
+        "fixed": make_scheduler("fixed", num_speculative_tokens=2),
         "none": make_scheduler("none"),
     }
     assert tuple(scheds) == SCHEDULER_NAMES
@@ -323,8 +323,8 @@ def test_make_scheduler_errors():
         make_scheduler("greedy")
     with pytest.raises(ValueError, match="missing \\['sps'\\]"):
         make_scheduler("dspark")
-    with pytest.raises(ValueError, match="unexpected \\['gamma'\\]"):
-        make_scheduler("none", gamma=3)
+    with pytest.raises(ValueError, match="unexpected \\['num_speculative_tokens'\\]"):
+        make_scheduler("none", num_speculative_tokens=3)
     with pytest.raises(ValueError, match="threshold"):
         make_scheduler("static_threshold", threshold=2.0)
     with pytest.raises(ValueError, match="SPSTable"):
@@ -386,7 +386,7 @@ def _lossless_schedulers(rng: random.Random, sps: SPSTable, gamma: int):
         "async_capped": lambda c: async_schedule(c, stale, sps, max_batch_tokens=5),
         "async_warmup": make_scheduler("async", sps=sps),
         "static_threshold": make_scheduler("static_threshold", threshold=rng.random()),
-        "fixed": make_scheduler("fixed", gamma=rng.randint(0, gamma)),
+        "fixed": make_scheduler("fixed", num_speculative_tokens=rng.randint(0, gamma)),
         "none": make_scheduler("none"),
     }
 
@@ -616,8 +616,8 @@ SPS_APPENDIX_VERIFY = SPSTable((1.0, 0.6, 0.45))   # now Theta(1) = 1.08 > 1: x_
     ("dspark_verify", lambda c: dspark_schedule(c, SPS_APPENDIX_VERIFY)),
     ("static_0.5", lambda c: static_threshold_schedule(c, 0.5)),    # l = 2 after A, 1 after B
     ("static_0.85", lambda c: static_threshold_schedule(c, 0.85)),  # l = 0
-    ("fixed_1", make_scheduler("fixed", gamma=1)),
-    ("fixed_2", make_scheduler("fixed", gamma=2)),
+    ("fixed_1", make_scheduler("fixed", num_speculative_tokens=1)),
+    ("fixed_2", make_scheduler("fixed", num_speculative_tokens=2)),
     ("none", make_scheduler("none")),
     # stale confidences come from an earlier step, independent of the current x_1:
     ("async_K3", lambda c: async_schedule(c, [[0.8, 0.9]], SPS_APPENDIX)),   # l = 2 / 1
