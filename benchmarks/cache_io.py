@@ -155,7 +155,7 @@ def write_cache(cache_dir: str, records: list[dict], so: dict, options: dict) ->
 
 def read_ours(cache_dir: str, manifest: dict, so: dict) -> int:
     """One epoch through the training reader; returns tokens read."""
-    from pipeline.train_worker import PREFETCH_MICRO_BATCHES
+    from pipeline.train_sources import PREFETCH_MICRO_BATCHES
     from pipeline.train_data import CacheRowIndex, CacheRowReader, steps_per_epoch, worker_plan
 
     index = CacheRowIndex(cache_dir, manifest, "train", so)

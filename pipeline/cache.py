@@ -12,7 +12,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -20,25 +19,14 @@ import pyarrow as pa
 
 from . import storage
 from .cache_format import shard_name
-from .cache_writer import (ShardWriter, check_row_size, row_group_sizes, rows_table,
-                           write_sidecar)
+from .cache_writer import ShardWriter, read_sidecar, row_group_sizes, write_sidecar
 from .config import CacheConfig
-from .plan import bytes_per_token
+from .target_features import CacheTarget, TargetFeatures, length_batches  # noqa: F401 (API)
 
 logger = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
-class CacheTarget:
-    """The target a cache is made from, as the cache stage forwards it."""
-
-    name_or_path: str  # resolved: a local directory or a hub name
-    dtype: str  # forward dtype ("float32", "bfloat16", ...)
-    layer_ids: list[int]  # target layers whose hidden states form context_hidden, ascending
-    template_kwargs: dict  # chat-template arguments (target.chat_template_kwargs)
-
-
-class CacheWriterUDF:
+class CacheWriterUDF(TargetFeatures):
     """Ray Data callable class: tokenizes conversations, runs the target, writes one shard per
     input row. Input columns: ``shard`` (int), ``path`` (shard base path without suffix),
     ``fingerprint`` and ``rows`` (JSON list of conversations). Output: one summary row per shard.
@@ -46,94 +34,19 @@ class CacheWriterUDF:
     A shard's samples go to the target a row group at a time (at most ``rows_per_row_group``
     rows and ``row_group_bytes`` bytes, :func:`row_group_sizes`, known from the token counts
     before the forward): inside a row group they are forwarded in batches of similar length
-    (right-padded, at most ``forward_batch_tokens`` padded tokens per batch), and the row group
-    is written (streamed) before the next one is computed. Row order stays the conversations'
-    order. A shard whose upload still fails after the store client's retries is rewritten from
-    scratch with backoff (:func:`pipeline.storage.retry_transient`).
+    (:meth:`TargetFeatures.forward`), and the row group is written (streamed) before the next one
+    is computed. Row order stays the conversations' order. A shard whose upload still fails after
+    the store client's retries is rewritten from scratch with backoff
+    (:func:`pipeline.storage.retry_transient`).
     """
 
     def __init__(self, target: CacheTarget, cache: CacheConfig, storage_options: dict,
                  retry_base_delay_s: float = 2.0):
-        import torch
-
-        from serve.engine.target_loading import load_target, load_tokenizer
-
-        if cache.num_threads:
-            torch.set_num_threads(cache.num_threads)
-        self.torch = torch
-        self.tokenizer = load_tokenizer(target.name_or_path)
-        self.model = load_target(target.name_or_path, target.dtype)
-        hidden = self.model.config.hidden_size
-        layer_ids = list(target.layer_ids)
-        check_row_size(cache.max_length, hidden, len(layer_ids))  # before any forward is spent
-        self.bytes_per_token = bytes_per_token(hidden, len(layer_ids))
+        super().__init__(target, cache)
         self.row_group_bytes = cache.row_group_bytes
-        self.device = "cuda" if torch.cuda.is_available() else "cpu"
-        self.model.to(self.device)
-        self.layer_ids = layer_ids
-        self.template_kwargs = target.template_kwargs
-        self.max_length = cache.max_length
-        self.min_supervised = cache.min_supervised_tokens
         self.rows_per_row_group = cache.rows_per_row_group
         self.storage_options = storage_options
-        self.forward_batch_tokens = cache.forward_batch_tokens
         self.retry_base_delay_s = retry_base_delay_s
-        pad = self.tokenizer.pad_token_id
-        self.pad_id = pad if pad is not None else (self.tokenizer.eos_token_id or 0)
-
-    def _tokenize(self, conv: dict) -> list[dict]:
-        """Samples of one conversation: one, or one per assistant turn when the chat template
-        renders history differently from a generated turn (``serve.engine.chat``); ids
-        ``<id>#<turn>`` then. Each: ``sample_id``, ``domain``, ``input_ids`` and ``loss_mask``
-        (lists, [T]).
-
-        Raises:
-            ValueError: too few supervised tokens, no anchor position, or a template error.
-        """
-        from serve.engine.chat import tokenize_conversation_samples
-
-        samples = tokenize_conversation_samples(self.tokenizer, conv["messages"],
-                                                self.template_kwargs, self.max_length)
-        out = []
-        for k, tok in enumerate(samples):
-            if tok.num_supervised < self.min_supervised:
-                raise ValueError(f"only {tok.num_supervised} supervised tokens "
-                                 f"(< min_supervised_tokens {self.min_supervised})")
-            mask = tok.loss_mask
-            if not any(a and b for a, b in zip(mask, mask[1:])):
-                raise ValueError("no anchor position (two consecutive supervised tokens)")
-            out.append({"sample_id": conv["id"] if len(samples) == 1 else f"{conv['id']}#{k}",
-                        "domain": conv.get("domain", "unknown"),
-                        "input_ids": list(tok.input_ids), "loss_mask": list(tok.loss_mask)})
-        return out
-
-    def _forward(self, samples: list[dict]) -> pa.Table:
-        """Cache rows of ``samples`` (same order, :func:`rows_table`) from right-padded batched
-        target forwards (:func:`length_batches`): ``context_hidden`` bf16 [T, m*H] and
-        ``last_hidden`` bf16 [T, H] of each sample's own T positions (attention is causal, so the
-        padding after a sample cannot change them)."""
-        torch = self.torch
-        context: list = [None] * len(samples)
-        last: list = [None] * len(samples)
-        lengths = [len(s["input_ids"]) for s in samples]
-        for batch in length_batches(lengths, self.forward_batch_tokens):
-            width = lengths[batch[0]]
-            ids = torch.full((len(batch), width), self.pad_id, dtype=torch.long)  # [B, T_max]
-            attn = torch.zeros((len(batch), width), dtype=torch.long)  # [B, T_max]
-            for b, i in enumerate(batch):
-                ids[b, :lengths[i]] = torch.tensor(samples[i]["input_ids"])
-                attn[b, :lengths[i]] = 1
-            with torch.no_grad():
-                out = self.model.model(input_ids=ids.to(self.device),
-                                       attention_mask=attn.to(self.device),
-                                       output_hidden_states=True, use_cache=False)
-            hs = out.hidden_states  # L + 1 tensors [B, T_max, H]; hs[l + 1]: decoder layer l
-            # [B, T_max, m*H] and [B, T_max, H] (post-norm: exactly the LM head's input), bf16
-            ctx = torch.cat([hs[l + 1] for l in self.layer_ids], dim=-1).to(torch.bfloat16).cpu()
-            fin = out.last_hidden_state.to(torch.bfloat16).cpu()
-            for b, i in enumerate(batch):
-                context[i], last[i] = ctx[b, :lengths[i]], fin[b, :lengths[i]]
-        return rows_table(samples, context, last)
 
     def write_shard(self, path: str, convs: list[dict], fingerprint: str) -> dict:
         """Tokenize, forward and stream one shard (a row group at a time), then write its
@@ -144,20 +57,14 @@ class CacheWriterUDF:
         Raises:
             OSError: the store failed (nothing is left at the shard's path).
         """
-        samples, errors = [], []
-        for conv in convs:
-            try:
-                samples += self._tokenize(conv)
-            except ValueError as err:  # bad data (mask, length, template) never sinks the shard
-                errors.append({"id": conv["id"], "stage": "cache",
-                               "error": f"{type(err).__name__}: {err}"})
+        samples, errors = self.tokenize_all(convs, "cache")
         sizes = row_group_sizes([len(s["input_ids"]) * self.bytes_per_token for s in samples],
                                 self.rows_per_row_group, self.row_group_bytes)
         with ShardWriter(path, self.storage_options, self.rows_per_row_group,
                          row_group_bytes=self.row_group_bytes) as writer:
             start = 0
             for n in sizes:
-                writer.write_table(self._forward(samples[start:start + n]))
+                writer.write_table(self.forward(samples[start:start + n]))
                 start += n
             summary = {**writer.close(), "fingerprint": fingerprint, "errors": errors}
         write_sidecar(path, summary, self.storage_options)
@@ -175,20 +82,6 @@ class CacheWriterUDF:
             summaries["shard"].append(int(shard))
             summaries["summary"].append(json.dumps(summary))
         return summaries
-
-
-def length_batches(lengths: list[int], max_tokens: int) -> list[list[int]]:
-    """Indices of ``lengths`` grouped for batched forwards: longest first (ties by index), each
-    batch at most ``max_tokens`` padded tokens (batch size x its longest length); a sample
-    longer than that goes alone."""
-    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
-    batches: list[list[int]] = []
-    for i in order:
-        if batches and (len(batches[-1]) + 1) * lengths[batches[-1][0]] <= max_tokens:
-            batches[-1].append(i)
-        else:
-            batches.append([i])
-    return batches
 
 
 def shard_fingerprint(rows: list[dict], settings: dict) -> str:
@@ -271,6 +164,39 @@ def conversations_dataset(conversations: list[dict] | str):
                                 for c in conversations])
 
 
+def pack_shards(conversations: list[dict] | str, cache_dir: str, split: str,
+                target: CacheTarget, cache: CacheConfig):
+    """The split's shards as a materialized Ray Data dataset, one row per shard (``shard``,
+    ``path``, ``fingerprint``, ``rows``: its id-sorted conversations as JSON), and the number of
+    shards; (None, 0) when there are no conversations. Stale temporaries of writers killed
+    mid-shard are removed.
+
+    Raises:
+        ValueError: a conversation id occurs twice.
+    """
+    split_dir = storage.join(cache_dir, split)
+    if not storage.is_url(split_dir):  # temporaries of writers killed mid-shard (never listed)
+        for stale in Path(split_dir).glob(".shard-*.tmp-*"):
+            stale.unlink(missing_ok=True)
+    # what a shard's rows depend on (its fingerprint; unchanged since sidecars of summary 2)
+    settings = {"target": target.name_or_path, "dtype": target.dtype,
+                "layer_ids": list(target.layer_ids), "template_kwargs": target.template_kwargs,
+                "max_length": cache.max_length, "min_supervised": cache.min_supervised_tokens,
+                "summary": 2}  # 2: sidecars carry supervised_token_counts
+    keyed = conversations_dataset(conversations).map_batches(
+        _key_lines, batch_format="numpy").materialize()
+    ids = [str(r["id"]) for r in keyed.select_columns(["id"]).take_all()]
+    if not ids:
+        return None, 0
+    bounds = shard_bounds(ids, cache.rows_per_shard)
+    packed = (keyed.map_batches(_assign_shard, fn_kwargs={"bounds": bounds}, batch_format="numpy")
+              .groupby("shard", num_partitions=min(len(bounds) + 1, 64))
+              .map_groups(_pack_shard, fn_kwargs={"split_dir": split_dir, "settings": settings},
+                          batch_format="numpy")
+              .materialize())
+    return packed, len(bounds) + 1
+
+
 def run_cache_split(conversations: list[dict] | str, cache_dir: str, split: str,
                     target: CacheTarget, cache: CacheConfig,
                     storage_options: dict) -> list[dict]:
@@ -298,38 +224,21 @@ def run_cache_split(conversations: list[dict] | str, cache_dir: str, split: str,
     import ray
     from ray.data.expressions import col
 
-    split_dir = storage.join(cache_dir, split)
-    if not storage.is_url(split_dir):  # temporaries of writers killed mid-shard (never listed)
-        for stale in Path(split_dir).glob(".shard-*.tmp-*"):
-            stale.unlink(missing_ok=True)
-    # what a shard's rows depend on (its fingerprint; unchanged since sidecars of summary 2)
-    settings = {"target": target.name_or_path, "dtype": target.dtype,
-                "layer_ids": list(target.layer_ids), "template_kwargs": target.template_kwargs,
-                "max_length": cache.max_length, "min_supervised": cache.min_supervised_tokens,
-                "summary": 2}  # 2: sidecars carry supervised_token_counts
-    keyed = conversations_dataset(conversations).map_batches(
-        _key_lines, batch_format="numpy").materialize()
-    ids = [str(r["id"]) for r in keyed.select_columns(["id"]).take_all()]
-    if not ids:
+    packed, num_shards = pack_shards(conversations, cache_dir, split, target, cache)
+    if packed is None:
         return []
-    bounds = shard_bounds(ids, cache.rows_per_shard)
-    packed = (keyed.map_batches(_assign_shard, fn_kwargs={"bounds": bounds}, batch_format="numpy")
-              .groupby("shard", num_partitions=min(len(bounds) + 1, 64))
-              .map_groups(_pack_shard, fn_kwargs={"split_dir": split_dir, "settings": settings},
-                          batch_format="numpy")
-              .materialize())
+    split_dir = storage.join(cache_dir, split)
     summaries: dict[int, dict] = {}
     todo = set()
     for row in packed.select_columns(["shard", "path", "fingerprint"]).take_all():
         i, base, fingerprint = int(row["shard"]), str(row["path"]), str(row["fingerprint"])
-        if storage.exists(base + ".json", storage_options):
-            done = json.loads(storage.read_bytes(base + ".json", storage_options))
+        done = read_sidecar(base, storage_options)
+        if done is not None:
             if done.get("fingerprint") == fingerprint:
                 summaries[i] = done
                 continue
             logger.warning("%s was written from other inputs or settings: rewriting it", base)
         todo.add(i)
-    num_shards = len(bounds) + 1
     if todo:
         logger.info("cache %s: writing %d of %d shards", split_dir, len(todo), num_shards)
         ds = packed.filter(expr=col("shard").is_in(sorted(todo)))

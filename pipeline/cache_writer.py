@@ -251,6 +251,13 @@ def write_sidecar(path: str, summary: dict, storage_options: dict) -> None:
     storage.write_bytes_atomic(path + ".json", json.dumps(summary).encode(), storage_options)
 
 
+def read_sidecar(path: str, storage_options: dict) -> dict | None:
+    """The sidecar ``<path>.json`` of a complete shard, or None when the shard is not complete."""
+    if not storage.exists(path + ".json", storage_options):
+        return None
+    return json.loads(storage.read_bytes(path + ".json", storage_options))
+
+
 def write_shard(path: str, records: list[dict], *, rows_per_row_group: int,
                 storage_options: dict, extra: dict | None = None,
                 parquet_options: dict | None = None,

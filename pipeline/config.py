@@ -249,7 +249,25 @@ class TrainConfig(Strict):
                                      "<storage_path>/<run_dir name>/: a shared filesystem path or "
                                      "s3:// URL, which every node of a multi-node run needs; None "
                                      "= <run_dir>/train/ray_train (the head's disk, single node).")
+    data_mode: Literal["offline", "online", "hybrid"] = Field(
+        "offline", description="Where the target features come from. offline: the cache "
+        "stage's Parquet shards. online: a Ray Data pipeline of target actors (sized by the "
+        "cache: section's num_actors / cpus_per_actor / gpus_per_actor) computes them from the "
+        "generate output every epoch and streams them into the trainers; nothing is stored. "
+        "hybrid: the first epoch streams and writes the cache as it goes, later epochs read it.")
+    stream_object_store_gib: float = Field(2.0, gt=0, description="online/hybrid: object-store "
+                                           "memory Ray Data may fill with streamed features "
+                                           "before the feature actors wait (back-pressure).")
+    stream_shuffle_rows: int = Field(64, ge=0, description="online/hybrid: each trainer's local "
+                                     "shuffle buffer over the streamed rows (0 = stream order).")
     seed: int = 0
+
+    @model_validator(mode="after")
+    def _subset_is_offline(self):
+        if self.max_train_rows is not None and self.data_mode != "offline":
+            raise ValueError("train.max_train_rows cuts the cache's shards: it needs "
+                             "train.data_mode offline")
+        return self
 
     @model_validator(mode="after")
     def _resume_or_init(self):

@@ -65,10 +65,45 @@ def _template_sha(target: str) -> str:
 
 
 def stage_cache(ctx: StageContext) -> dict:
+    mode = ctx.cfg.train.data_mode
+    if mode != "offline":  # the train stage computes the features (hybrid: and writes them)
+        logger.info("stage cache: nothing to do for train.data_mode %s", mode)
+        return {"skipped": f"train.data_mode {mode}"}
+    return write_cache(ctx)
+
+
+def cache_target(ctx: StageContext):
+    """The target as the cache stage forwards it (:class:`pipeline.target_features.CacheTarget`)."""
+    from .target_features import CacheTarget
+
+    return CacheTarget(ctx.target, ctx.cfg.target.dtype, ctx.layer_ids,
+                       ctx.cfg.target.chat_template_kwargs)
+
+
+def cache_manifest(ctx: StageContext, splits: dict[str, list[dict]]) -> dict:
+    """The manifest of a cache (or of a feature stream) with these splits' shard summaries."""
     from serve.engine.target_loading import load_target_config
 
-    from .cache import CacheTarget, run_cache_split
-    from .cache_format import build_manifest, read_manifest
+    from .cache_format import build_manifest
+
+    tcfg = load_target_config(ctx.target)
+    return build_manifest(
+        target=ctx.cfg.target.name_or_path, revision=getattr(tcfg, "_commit_hash", None),
+        layer_ids=ctx.layer_ids, hidden_size=tcfg.hidden_size, vocab_size=tcfg.vocab_size,
+        template_sha256=_template_sha(ctx.target),
+        template_kwargs=ctx.cfg.target.chat_template_kwargs, max_length=ctx.cfg.cache.max_length,
+        splits=splits)
+
+
+def write_cache(ctx: StageContext) -> dict:
+    """Write the missing shards of every split, the error file and the manifest (the cache
+    stage; hybrid training calls it after its first epoch, when only the held-out split is left).
+
+    Raises:
+        ValueError: the cache has no training rows.
+    """
+    from .cache import run_cache_split
+    from .cache_format import read_manifest
 
     so = ctx.cfg.storage_options
     storage.check_writable(ctx.cache_dir, so)
@@ -77,8 +112,7 @@ def stage_cache(ctx: StageContext) -> dict:
         ctx.check_cache_target(read_manifest(ctx.cache_dir, so))
     ensure_ray(ctx.cfg)
     c = ctx.cfg.cache
-    target = CacheTarget(ctx.target, ctx.cfg.target.dtype, ctx.layer_ids,
-                         ctx.cfg.target.chat_template_kwargs)
+    target = cache_target(ctx)
     splits = {}
     errors_path = ctx.stage_dir("cache") / "errors.jsonl"
     for split in SPLITS:
@@ -92,13 +126,7 @@ def stage_cache(ctx: StageContext) -> dict:
     errors = [e for shards in splits.values() for s in shards for e in s["errors"]]
     with open(errors_path, "w", encoding="utf-8") as fh:
         fh.writelines(json.dumps(e, ensure_ascii=False) + "\n" for e in errors)
-    tcfg = load_target_config(ctx.target)
-    manifest = build_manifest(
-        target=ctx.cfg.target.name_or_path, revision=getattr(tcfg, "_commit_hash", None),
-        layer_ids=ctx.layer_ids, hidden_size=tcfg.hidden_size, vocab_size=tcfg.vocab_size,
-        template_sha256=_template_sha(ctx.target),
-        template_kwargs=ctx.cfg.target.chat_template_kwargs, max_length=c.max_length,
-        splits=splits)
+    manifest = cache_manifest(ctx, splits)
     if "train" not in splits or manifest["splits"]["train"]["rows"] == 0:
         raise ValueError(f"the cache has no training rows (see {errors_path})")
     storage.write_bytes_atomic(storage.join(ctx.cache_dir, "manifest.json"),

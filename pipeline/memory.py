@@ -364,3 +364,57 @@ def bound_drafter_config(cfg, target_config) -> BoundDrafterConfig:
     layer_ids = cfg.target.layer_ids or default_layer_ids(target_config.num_hidden_layers,
                                                           cfg.target.num_context_layers)
     return cfg.drafter.for_target(target_config, cfg.target.name_or_path, layer_ids)
+
+
+@dataclass
+class StreamBudget:
+    """What online / hybrid training (``train.data_mode``) asks of the feature stream and the
+    object store (host memory, not device memory). Bytes, tokens and seconds.
+
+    Attributes:
+        bytes_in_flight: the object store's streamed features at most: the back-pressure cap
+            ``train.stream_object_store_gib`` plus, per trainer, the rows it holds outside it
+            (``prefetch_batches`` 2 micro-batches, the one in use, and the local shuffle buffer
+            ``train.stream_shuffle_rows``), for samples of ``tokens_per_sample``.
+        forward_tokens: target-forward tokens of the whole run (every epoch recomputes them
+            online; hybrid and offline compute each once).
+        extra_forward_tokens: the forwards online adds over the cache (``num_epochs - 1``
+            epochs' worth); 0 for hybrid and offline.
+        feature_tokens_per_s_needed: the producer rate that keeps every trainer busy, given the
+            seconds of one optimizer step (None when not given).
+        epoch_forward_s: one epoch's features at the given producer rate (None when not given).
+    """
+
+    bytes_in_flight: float
+    forward_tokens: float
+    extra_forward_tokens: float
+    feature_tokens_per_s_needed: float | None
+    epoch_forward_s: float | None
+
+
+def stream_budget(cfg, train_rows: int, tokens_per_sample: float, bytes_per_token: int,
+                  step_s: float | None = None, feature_tokens_per_s: float | None = None
+                  ) -> StreamBudget:
+    """The :class:`StreamBudget` of a pipeline config.
+
+    Args:
+        cfg: a validated ``pipeline.config.PipelineConfig``.
+        train_rows: training samples per epoch; tokens_per_sample: their mean length.
+        bytes_per_token: streamed bytes per token (the cache's, ``pipeline.plan.bytes_per_token``).
+        step_s: measured seconds per optimizer step of the trainers (``benchmarks/
+            train_throughput.py``), for the producer rate needed; feature_tokens_per_s: the
+            target actors' forward tokens/s together, for the time per epoch.
+    """
+    tc = cfg.train
+    row = tokens_per_sample * bytes_per_token
+    held = tc.num_workers * ((2 + 1) * tc.micro_batch_size + tc.stream_shuffle_rows) * row
+    epoch_tokens = train_rows * tokens_per_sample
+    epochs = tc.num_epochs
+    if tc.max_steps:
+        epochs = min(epochs, tc.max_steps * tc.global_batch_size / max(train_rows, 1))
+    forward = epoch_tokens * (epochs if tc.data_mode == "online" else 1)
+    extra = epoch_tokens * max(epochs - 1, 0) if tc.data_mode == "online" else 0.0
+    needed = tc.global_batch_size * tokens_per_sample / step_s if step_s else None
+    per_epoch = epoch_tokens / feature_tokens_per_s if feature_tokens_per_s else None
+    return StreamBudget(tc.stream_object_store_gib * 2**30 + held, forward, extra, needed,
+                        per_epoch)

@@ -18,17 +18,30 @@ def stage_train(ctx: StageContext) -> dict:
     from .cache_format import read_manifest
     from .train import run_train
     from .train_data import subset_manifest
+    from .train_modes import train_hybrid, train_online
 
-    manifest = read_manifest(ctx.cache_dir, ctx.cfg.storage_options)
-    ctx.check_cache_target(manifest)
-    manifest = subset_manifest(manifest, ctx.cfg.train.max_train_rows, ctx.cfg.seed)
-    ensure_ray(ctx.cfg)
-    result = run_train(
-        cache_dir=ctx.cache_dir, manifest=manifest, out_dir=ctx.stage_dir("train"),
-        target=ctx.target, layer_ids=ctx.layer_ids, drafter=ctx.cfg.drafter,
-        train=ctx.cfg.train, wandb_cfg=ctx.cfg.wandb.model_dump(),
-        storage_options=ctx.cfg.storage_options, run_name=ctx.run_dir.name)
-    return {"steps": result["steps"], "rows": result["rows"],
+    mode, so = ctx.cfg.train.data_mode, ctx.cfg.storage_options
+    has_cache = storage.exists(storage.join(ctx.cache_dir, "manifest.json"), so)
+    extra = {"data_mode": mode}
+    if mode == "online":
+        result = train_online(ctx)
+    elif mode == "hybrid" and not has_cache:
+        result = train_hybrid(ctx)
+        extra["phases"] = result["phases"]
+    else:  # offline, or hybrid once its cache is finished
+        if not has_cache and json.loads(ctx.marker("cache").read_text()).get("skipped"):
+            raise ValueError(f"no cache at {ctx.cache_dir}: the cache stage was skipped because "
+                             "train.data_mode was not offline when it ran; pass --force cache")
+        manifest = read_manifest(ctx.cache_dir, so)
+        ctx.check_cache_target(manifest)
+        manifest = subset_manifest(manifest, ctx.cfg.train.max_train_rows, ctx.cfg.seed)
+        ensure_ray(ctx.cfg)
+        result = run_train(
+            cache_dir=ctx.cache_dir, manifest=manifest, out_dir=ctx.stage_dir("train"),
+            target=ctx.target, layer_ids=ctx.layer_ids, drafter=ctx.cfg.drafter,
+            train=ctx.cfg.train, wandb_cfg=ctx.cfg.wandb.model_dump(),
+            storage_options=so, run_name=ctx.run_dir.name)
+    return {**extra, "steps": result["steps"], "rows": result["rows"],
             "drafter": str(ctx.run_dir / "train" / "drafter"),
             "published": ctx.publish_drafter("train"), "draft_vocab": result["draft_vocab"],
             "final_metrics": {k: v for k, v in result["metrics"].items()

@@ -7,8 +7,11 @@ answer tokens their regeneration produces at most (and how long it takes at a gi
 cache's total bytes, shard and file counts, the Parquet row-group size (rows and bytes, for a mean
 sample and at ``cache.max_length``, within ``cache.rows_per_row_group`` and
 ``cache.row_group_bytes``), the time to write it once and to read it every epoch at
-a given bandwidth, the training steps, and the peak device memory of one worst-case training
-micro-batch per worker (``pipeline/memory.py``) against ``--device-memory-gb``. Tokens per sample
+a given bandwidth, the training steps, the peak device memory of one worst-case training
+micro-batch per worker (``pipeline/memory.py``) against ``--device-memory-gb``, and for
+``train.data_mode`` online / hybrid the feature stream: the target-forward tokens (online: every
+epoch), the host memory the stream holds, the producer rate that keeps the trainers busy
+(``--train-step-s``) and the time per epoch of features (``--feature-tokens-per-s``). Tokens per sample
 are taken from an existing cache manifest of the run when there is one, else from
 ``--tokens-per-sample`` (said so in the output). The memory line needs the target's full config:
 loaded with ``AutoConfig`` from ``target.name_or_path``, or given as ``--target-config``
@@ -64,6 +67,8 @@ class Plan:
     max_rows_per_row_group: int = 0  # cache.rows_per_row_group
     max_row_group_bytes: int = 0  # cache.row_group_bytes
     row_size_note: str = ""  # why a cache.max_length sample cannot be cached, if it cannot
+    data_mode: str = "offline"  # train.data_mode
+    stream: dict | None = None  # pipeline.memory.StreamBudget as a dict
 
 
 def bytes_per_token(hidden_size: int, context_layers: int) -> int:
@@ -88,7 +93,8 @@ def count_rows(path: str, storage_options: dict | None = None) -> int:
 
 def plan(cfg, hidden_size: int, num_layers: int, tokens_per_sample: float | None,
          bandwidth_gb_s: float, target_config=None, device_memory_gb: float = 80.0,
-         generate_tokens_per_s: float | None = None) -> Plan:
+         generate_tokens_per_s: float | None = None, train_step_s: float | None = None,
+         feature_tokens_per_s: float | None = None) -> Plan:
     """The plan for a validated ``PipelineConfig``.
 
     Args:
@@ -99,6 +105,8 @@ def plan(cfg, hidden_size: int, num_layers: int, tokens_per_sample: float | None
         device_memory_gb: one worker's device memory in GB (10^9 bytes).
         generate_tokens_per_s: generated tokens/s of the generate stage (all actors), for the
             regeneration time bound (None: no time line).
+        train_step_s, feature_tokens_per_s: seconds per optimizer step and the target actors'
+            forward tokens/s, for the feature-stream lines (:func:`pipeline.memory.stream_budget`).
     Raises:
         ValueError: no tokens_per_sample and no cache manifest to take it from.
     """
@@ -144,13 +152,18 @@ def plan(cfg, hidden_size: int, num_layers: int, tokens_per_sample: float | None
             memory, note = estimate_for_config(cfg, target_config).as_dict(), ""
         except NotImplementedError as err:
             note = f"not modelled: {err}"
+    from .memory import stream_budget
+
+    stream = asdict(stream_budget(cfg, train_rows, tokens_per_sample, per_token, train_step_s,
+                                  feature_tokens_per_s))
     return Plan(hidden_size, m, per_token, prompts, train_rows, heldout, tokens_per_sample, source,
                 total_tokens, total_bytes, shards, shards * SIDECAR_FILES_PER_SHARD + 1,
                 total_bytes / max(shards, 1), total_bytes / bandwidth,
                 total_bytes * train_rows / max(prompts, 1) / bandwidth, per_epoch, steps, bandwidth,
                 memory, note, device_memory_gb * 1e9,
                 prompts * cfg.generate.sampling.max_new_tokens, generate_tokens_per_s,
-                **_row_groups(cfg.cache, per_token, tokens_per_sample, hidden_size, m))
+                **_row_groups(cfg.cache, per_token, tokens_per_sample, hidden_size, m),
+                data_mode=cfg.train.data_mode, stream=stream)
 
 
 def _row_groups(cache, per_token: int, tokens_per_sample: float, hidden_size: int,
@@ -213,9 +226,34 @@ def render(p: Plan) -> str:
         (f"read per epoch at {_human(p.bandwidth_bytes_per_s)}/s", _duration(p.read_s_per_epoch)),
         ("optimizer steps", f"{p.train_steps:,} ({p.steps_per_epoch:,} per epoch)"),
         ("peak memory per worker", _memory_line(p)),
+        *_stream_lines(p),
     ]
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
+
+
+def _stream_lines(p: Plan) -> list[tuple[str, str]]:
+    """The feature stream of online / hybrid training, and what online costs against the cache."""
+    st = p.stream
+    forward = (f"{_human(st['forward_tokens'], 'tokens')}; online recomputes "
+               f"{_human(st['extra_forward_tokens'], 'tokens')} more than the cache's one pass"
+               if p.data_mode == "online" else
+               f"{_human(st['forward_tokens'], 'tokens')} (each sample once)")
+    lines = [("train.data_mode", p.data_mode + (
+        f": stores nothing (the cache would be {_human(p.total_bytes)})" if p.data_mode == "online"
+        else f": stores the cache ({_human(p.total_bytes)})")),
+        ("target forward tokens", forward)]
+    if p.data_mode == "offline":
+        return lines
+    lines.append(("stream in flight (host)", f"at most {_human(st['bytes_in_flight'])} "
+                  "(train.stream_object_store_gib + each trainer's prefetch and shuffle rows)"))
+    if st["feature_tokens_per_s_needed"] is not None:
+        lines.append(("feature rate to keep trainers busy",
+                      f"{st['feature_tokens_per_s_needed']:,.0f} tokens/s (--train-step-s)"))
+    if st["epoch_forward_s"] is not None:
+        lines.append(("one epoch of features", f"{_duration(st['epoch_forward_s'])} at "
+                      "--feature-tokens-per-s"))
+    return lines
 
 
 def _memory_line(p: Plan) -> str:
@@ -266,6 +304,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--generate-tokens-per-s", type=float, default=None,
                         help="generated tokens/s of the generate stage (e.g. from "
                              "benchmarks/results/gen_throughput.md), for the regeneration time")
+    parser.add_argument("--train-step-s", type=float, default=None,
+                        help="seconds per optimizer step (benchmarks/results/train_throughput.md), "
+                             "for the feature rate online training needs")
+    parser.add_argument("--feature-tokens-per-s", type=float, default=None,
+                        help="the target actors' forward tokens/s together, for the time one "
+                             "epoch of streamed features takes")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     args = parser.parse_args(argv)
     from .config import ConfigError, load_config
@@ -290,7 +334,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         result = plan(cfg, hidden, layers, args.tokens_per_sample, args.bandwidth_gb_s,
-                      target_config, args.device_memory_gb, args.generate_tokens_per_s)
+                      target_config, args.device_memory_gb, args.generate_tokens_per_s,
+                      args.train_step_s, args.feature_tokens_per_s)
     except (ValueError, FileNotFoundError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

@@ -32,8 +32,18 @@ class TrainingFailedError(RuntimeError):
 
 def run_train(*, cache_dir: str, manifest: dict, out_dir: Path, target: str, layer_ids: list[int],
               drafter: DrafterConfig, train: TrainConfig, wandb_cfg: dict,
-              storage_options: dict, run_name: str) -> dict:
+              storage_options: dict, run_name: str, streams=None, stop_step: int | None = None
+              ) -> dict:
     """Launch the trainer; copy the final drafter to ``out_dir/drafter``.
+
+    Args:
+        manifest: the cache's manifest; for streamed training (``streams``) one with the
+            statistics of the stream and no shards (:func:`pipeline.train_modes.stream_manifest`).
+        streams: None (read the cache at ``cache_dir``) or a function (start step, total steps) ->
+            the datasets ``train`` and optionally ``heldout`` that stream the target features
+            to the workers (:mod:`pipeline.feature_stream`): Ray Data datasets or factories.
+        stop_step: end training there, checkpointed, though the LR schedule runs to the
+            planned total (hybrid's first epoch); None: the total.
 
     Raises:
         ValueError: the cache holds too few rows for one optimizer step.
@@ -84,6 +94,19 @@ def run_train(*, cache_dir: str, manifest: dict, out_dir: Path, target: str, lay
         fs = storage.get_fsspec(storage_path, storage_options)
         if fs.exists(storage.join(storage_path, run_name)):
             fs.rm(storage.join(storage_path, run_name), recursive=True)
+    datasets, dataset_config = None, None
+    if streams is not None:
+        from ray.data import ExecutionOptions, ExecutionResources
+        from ray.train import DataConfig
+
+        from .checkpoints import inspect_checkpoint
+
+        start = inspect_checkpoint(resume, storage_options).step if resume else 0
+        datasets = streams(int(start or 0), total)
+        # back-pressure: the feature actors wait once this much streamed data is in flight
+        dataset_config = DataConfig(datasets_to_split=["train"], execution_options=ExecutionOptions(
+            resource_limits=ExecutionResources(
+                object_store_memory=train.stream_object_store_gib * 2**30)))
     wandb_dir = out_dir / "wandb"
     wandb_dir.mkdir(parents=True, exist_ok=True)
     loop_cfg = {
@@ -96,6 +119,8 @@ def run_train(*, cache_dir: str, manifest: dict, out_dir: Path, target: str, lay
         "init_from": storage.resolve(train.init_from) if train.init_from else None,
         "wandb": wandb_cfg, "wandb_dir": str(wandb_dir), "run_name": run_name,
         "draft_vocab": draft_vocab, "wandb_run_id": run_id(out_dir.parent),
+        "streamed": datasets is not None, "streamed_heldout": bool(datasets and "heldout" in datasets),
+        "stop_step": stop_step,
         "torch_extensions_dir": os.environ.get(
             "TORCH_EXTENSIONS_DIR", str(Path.home() / ".cache" / "dspark_ray" / "torch_extensions")),
     }
@@ -114,6 +139,7 @@ def run_train(*, cache_dir: str, manifest: dict, out_dir: Path, target: str, lay
             name=run_name, storage_path=train_fs_path, storage_filesystem=train_fs,
             failure_config=FailureConfig(max_failures=train.max_failures),
             checkpoint_config=CheckpointConfig(num_to_keep=train.num_to_keep)),
+        datasets=datasets, dataset_config=dataset_config,
     )
     logger.info("training %d optimizer steps (%d per epoch) on %d rows", total, per_epoch, rows)
     try:

@@ -21,7 +21,6 @@ if TYPE_CHECKING:
     from .config import TrainConfig
 
 logger = logging.getLogger(__name__)
-PREFETCH_MICRO_BATCHES = 4  # micro-batches each worker reads ahead of its training loop
 
 
 def lr_lambda(total_steps: int, warmup_ratio: float):
@@ -134,7 +133,8 @@ def train_loop_per_worker(loop_cfg: dict) -> None:
     from drafters.loading import build_drafter
     from drafters.target_weights import load_frozen_head
 
-    from .train_data import CacheRowIndex, CacheRowReader, row_generator, worker_plan
+    from .train_data import row_generator
+    from .train_sources import CachedRows, StreamedRows
     from .train_state import (load_training_log, load_training_state, resume_checkpoint,
                               save_training_state)
 
@@ -174,14 +174,13 @@ def train_loop_per_worker(loop_cfg: dict) -> None:
             history = load_training_log(ckpt_dir, step)
 
     hidden, m = loop_cfg["hidden_size"], len(loop_cfg["layer_ids"])
-    so = loop_cfg["storage_options"]
-    train_index = CacheRowIndex(loop_cfg["cache_dir"], loop_cfg["manifest"], "train", so)
-    reader = CacheRowReader(train_index, hidden, m)
-    heldout_rows = heldout_reader = None
-    if tc.eval_every and loop_cfg["manifest"]["splits"].get("heldout", {}).get("rows"):
-        h_index = CacheRowIndex(loop_cfg["cache_dir"], loop_cfg["manifest"], "heldout", so)
-        heldout_reader = CacheRowReader(h_index, hidden, m)
-        heldout_rows = list(range(min(h_index.num_rows, tc.eval_rows)))[rank::world]
+    eval_rows = tc.eval_rows if tc.eval_every else None
+    if loop_cfg.get("streamed"):  # train.data_mode online, or hybrid's first epoch
+        data = StreamedRows(hidden, m, eval_rows if loop_cfg["streamed_heldout"] else None,
+                            rank, world)
+    else:
+        data = CachedRows(loop_cfg["cache_dir"], loop_cfg["manifest"], loop_cfg["storage_options"],
+                          hidden, m, eval_rows, rank, world)
 
     run = bar = None
     if rank == 0 and loop_cfg["wandb"]["mode"] != "disabled":
@@ -208,11 +207,9 @@ def train_loop_per_worker(loop_cfg: dict) -> None:
         engine.eval()
         outs = []
         with torch.no_grad():
-            for i in range(0, len(heldout_rows), tc.micro_batch_size):
-                rows = heldout_rows[i:i + tc.micro_batch_size]
-                gens = [row_generator(tc.seed, -1, r) for r in rows]
-                outs.append(batch_losses(engine, heldout_reader.read(rows), tc, objective,
-                                         weights, device, gens))
+            for keys, samples in data.heldout_batches(tc.micro_batch_size):
+                gens = [row_generator(tc.seed, e, k) for e, k in keys]
+                outs.append(batch_losses(engine, samples, tc, objective, weights, device, gens))
         engine.train()
         return reduce_metrics(outs, dcfg.block_size, prefix="heldout_", device=device)
 
@@ -224,18 +221,19 @@ def train_loop_per_worker(loop_cfg: dict) -> None:
     skipped, bad_in_a_row = (history[-1].get("skipped_steps", 0) if history else 0), 0
     # times this run continued from a checkpoint (a worker-group restart or a re-run's resume)
     resumes = history[-1].get("resumes", 0) + 1 if restored is not None and history else 0
-    # every micro-batch this worker will read, in order; the reader works PREFETCH_MICRO_BATCHES
-    # ahead of the loop without changing what a step sees (pipeline/train_data.py)
+    # hybrid's streamed first epoch ends at stop_step (checkpointed); the LR schedule stays the
+    # whole run's
+    end_step = min(total_steps, loop_cfg.get("stop_step") or total_steps)
+    # every micro-batch this worker will read, in order (the offline reader works ahead of the
+    # loop without changing what a step sees, pipeline/train_data.py)
     micro_per_step = tc.global_batch_size // world // tc.micro_batch_size
-    stream = reader.prefetch(worker_plan(train_index, tc.seed, step, total_steps, per_epoch,
-                                         tc.global_batch_size, tc.micro_batch_size, rank, world),
-                             depth=PREFETCH_MICRO_BATCHES)
-    while step < total_steps:
+    stream = data.micro_batches(step, end_step, per_epoch, tc)
+    while step < end_step:
         epoch = step // per_epoch
         outs, bad = [], False
         for _ in range(micro_per_step):
-            rows, samples = next(stream)
-            gens = [row_generator(tc.seed, epoch, r) for r in rows]
+            keys, samples = next(stream)
+            gens = [row_generator(tc.seed, e, k) for e, k in keys]
             out = batch_losses(engine, samples, tc, objective, weights, device, gens)
             loss = out["loss"]
             if not finite_on_all_workers(loss, device):
@@ -264,25 +262,23 @@ def train_loop_per_worker(loop_cfg: dict) -> None:
         last = {"step": step, "epoch": epoch, "lr": engine.get_lr()[0], "skipped_steps": skipped,
                 "resumes": resumes,
                 **reduce_metrics(outs, dcfg.block_size, device=device)}
-        if heldout_rows is not None and (step % tc.eval_every == 0 or step == total_steps):
+        if data.has_heldout and (step % tc.eval_every == 0 or step in (total_steps, end_step)):
             last.update(heldout_metrics())
         history.append(last)
         if plateau_reached(history, tc.plateau_patience, tc.plateau_min_delta):
             last["plateau"] = True  # recorded in the log: a re-run does not train on
             logger.info("step %d: held-out tau has not improved by %.3f for %d evaluations: "
                         "stopping at the plateau", step, tc.plateau_min_delta, tc.plateau_patience)
-            total_steps = step
+            total_steps = end_step = step
         if rank == 0:
             if run is not None and (step % tc.log_every == 0 or step == total_steps):
                 run.log(last, step=step)
             bar.update(1)
             bar.set_postfix(loss=f"{last['loss']:.3f}", tau=f"{last['tau']:.2f}")
-        if step == total_steps or (tc.checkpoint_every and step % tc.checkpoint_every == 0):
+        if step == end_step or (tc.checkpoint_every and step % tc.checkpoint_every == 0):
             save_training_state(engine, step, world, history, last, loop_cfg)
     stream.close()
-    reader.close()
-    if heldout_reader is not None:
-        heldout_reader.close()
+    data.close()
     if bar is not None:
         bar.close()
     if run is not None:

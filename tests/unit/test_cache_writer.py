@@ -158,11 +158,11 @@ def test_batched_forwards_give_the_rows_of_per_sample_forwards(tiny_target_dir, 
         {"role": "user", "content": "Tell me something " + "long " * (3 * i)},
         {"role": "assistant", "content": f"Here it is: {'more words ' * (5 * i + 2)}done."}]}
         for i in range(4)]
-    samples = [s for c in convs for s in udf._tokenize(c)]
+    samples = [s for c in convs for s in udf.tokenize(c)]
     assert len({len(s["input_ids"]) for s in samples}) == 4
-    batched = udf._forward(samples).to_pylist()
+    batched = udf.forward(samples).to_pylist()
     udf.forward_batch_tokens = 1
-    single = udf._forward(samples).to_pylist()
+    single = udf.forward(samples).to_pylist()
     assert [r["sample_id"] for r in batched] == [r["sample_id"] for r in single] == \
         ["c0", "c1", "c2", "c3"]
     as_f32 = lambda b: torch.frombuffer(bytearray(b), dtype=torch.bfloat16).float()

@@ -110,3 +110,31 @@ def test_plan_prints_the_row_group_size(tmp_path, capsys):
                  "--set", "cache.max_length=32768"]) == 0
     line = next(l for l in capsys.readouterr().out.splitlines() if l.startswith("row groups"))
     assert "error: a 32768-token sample's context_hidden" in line
+
+
+def test_plan_sizes_the_feature_stream_of_online_training(tmp_path, capsys):
+    """Online: every epoch's forwards (num_epochs x the cache's one pass), the host memory of the
+    stream, the producer rate that keeps the trainers busy and the time per epoch."""
+    cfg = _config(tmp_path)
+    online = cfg.model_copy(update={"train": cfg.train.model_copy(update={
+        "data_mode": "online", "stream_object_store_gib": 1.0, "stream_shuffle_rows": 8})})
+    p = plan(online, hidden_size=64, num_layers=6, tokens_per_sample=100, bandwidth_gb_s=1,
+             train_step_s=0.5, feature_tokens_per_s=1000.0)
+    per_token = bytes_per_token(64, 5)
+    epoch_tokens = p.train_rows * 100
+    assert p.stream["forward_tokens"] == 3 * epoch_tokens
+    assert p.stream["extra_forward_tokens"] == 2 * epoch_tokens
+    # 2 trainers x (3 micro-batches of 2 rows + 8 shuffle rows) x 100 tokens, on top of the cap
+    assert p.stream["bytes_in_flight"] == 2**30 + 2 * (3 * 2 + 8) * 100 * per_token
+    assert p.stream["feature_tokens_per_s_needed"] == 4 * 100 / 0.5
+    assert p.stream["epoch_forward_s"] == epoch_tokens / 1000.0
+    hybrid = plan(cfg.model_copy(update={"train": cfg.train.model_copy(update={
+        "data_mode": "hybrid"})}), hidden_size=64, num_layers=6, tokens_per_sample=100,
+        bandwidth_gb_s=1)
+    assert hybrid.stream["forward_tokens"] == epoch_tokens
+    assert hybrid.stream["extra_forward_tokens"] == 0
+    assert main(["--config", str(tmp_path / "config.yaml"), "--hidden-size", "64",
+                 "--num-layers", "6", "--tokens-per-sample", "100", "--set",
+                 "train.data_mode=online", "--train-step-s", "0.5"]) == 0
+    out = capsys.readouterr().out
+    assert "online: stores nothing" in out and "800 tokens/s" in out
