@@ -350,6 +350,58 @@ def fault_train_driver_kill(root, ref_run, ref):
                         "kill -9 of the whole training job, then the same command", False)
 
 
+def _streamed_fault(root: Path, ref_run: Run, ref: dict, name: str, what: str, mode: str,
+                    kill: str | None) -> dict:
+    """A fault during ``train.data_mode`` online or hybrid: kill -9 of a process whose command
+    line holds ``kill`` (a feature actor, a training worker; ``max_failures`` 1) or, for None, of
+    the driver (then the same command again). Online stores no cache, so the check is the
+    training log (every step once, in order); hybrid's cache is compared with the fault-free
+    cache stage's, row by row."""
+    run = Run(root, name, [f"train.data_mode={mode}", "train.max_failures=1"])
+    run.copy_stages_from(ref_run, DATA_STAGES)
+    proc = run.start("prompts,generate,cache,train")
+    if mode == "hybrid" and kill is None:  # mid-way through the streamed, cache-writing epoch
+        hit = wait_until(lambda: sidecars(run.cache_dir) >= 2, proc, poll=0.05)
+    else:
+        hit = wait_until(lambda: 2 in checkpoint_steps(run), proc, poll=0.05)
+    pid = None
+    if hit and kill:
+        pid = kill_process_matching(kill, proc.pid)
+    elif hit:
+        kill_driver(proc)
+    rc = proc.wait(timeout=900)
+    rerun = None if rc == 0 else run.run("prompts,generate,cache,train")
+    row = {"fault": what, "injected": hit and (kill is None or pid is not None),
+           "outcome": outcome(rc, rerun), "stage": f"train ({mode})", "lost": [],
+           "duplicated": [], "changed": [], "extra": []}
+    if mode == "hybrid" and (run.dir / "cache" / "manifest.json").exists():
+        row.update(compare(ref["cache"], cache_rows(run)))
+    if (run.dir / "train" / "drafter" / "training_log.jsonl").exists():
+        log = [json.loads(l) for l in
+               (run.dir / "train" / "drafter" / "training_log.jsonl").read_text().splitlines()]
+        row["logged_steps"] = [h["step"] for h in log]
+        row["resumes"] = log[-1].get("resumes", 0)
+    return row
+
+
+def fault_online_feature_actor_kill(root, ref_run, ref):
+    return _streamed_fault(root, ref_run, ref, "online_feature_actor_kill",
+                           "kill -9 of the online feature actor mid-run", "online",
+                           "FeatureStreamUDF")
+
+
+def fault_online_train_worker_kill(root, ref_run, ref):
+    return _streamed_fault(root, ref_run, ref, "online_train_worker_kill",
+                           "kill -9 of one training worker mid-run, online (max_failures 1)",
+                           "online", "RayTrainWorker")
+
+
+def fault_hybrid_driver_kill(root, ref_run, ref):
+    return _streamed_fault(root, ref_run, ref, "hybrid_driver_kill",
+                           "kill -9 of the driver while hybrid's first epoch writes the cache, "
+                           "then the same command", "hybrid", None)
+
+
 def fault_s3_transient(root, ref_run, ref):
     server, port = moto_server()
     proxy = FaultyS3Proxy(port, lambda method, path, nth: "shard-" in path and nth % 2 == 0)
@@ -621,6 +673,9 @@ FAULTS = {
     "cache_driver_kill": fault_cache_driver_kill,
     "train_worker_kill": fault_train_worker_kill,
     "train_driver_kill": fault_train_driver_kill,
+    "online_feature_actor_kill": fault_online_feature_actor_kill,
+    "online_train_worker_kill": fault_online_train_worker_kill,
+    "hybrid_driver_kill": fault_hybrid_driver_kill,
     "s3_transient": fault_s3_transient,
     "s3_permanent": fault_s3_permanent,
     "disk_full": fault_disk_full,
