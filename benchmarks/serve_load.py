@@ -68,6 +68,17 @@ def policy_engine(name: str) -> dict:
         raise SystemExit(f"--policies: {name!r}: {err}") from err
 
 
+def load_prompts(data_dir: Path, per_set: int, seed: int) -> list[str]:
+    """First user turns of ``per_set`` prompts of each of :data:`PROMPT_SETS`, shuffled."""
+    from pipeline.evaluate import load_eval_prompts
+
+    prompts = []
+    for name in PROMPT_SETS:
+        prompts += load_eval_prompts(data_dir / f"{name}.jsonl", per_set, seed)
+    random.Random(seed).shuffle(prompts)
+    return prompts
+
+
 async def sse_data(resp):
     """The ``data:`` payloads of a server-sent-event stream, split on line feeds only.
 

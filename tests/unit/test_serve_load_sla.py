@@ -39,3 +39,16 @@ def test_default_slas_and_table():
     assert [(r["sla_tok_s"], r["policy"]) for r in rows][:2] == [(7.2, "none"), (7.2, "dspark")]
     md = "\n".join(render_sla_md(rows))
     assert "| 11.8 | none | - | - |" in md and "| 11.8 | dspark | 25.0 (2) |" in md
+
+
+def test_the_benchmark_prompts_load_from_the_shipped_sets():
+    """``load_prompts`` (lost once in a patch, which broke serve_load, engine_step_profile and
+    http_tax at their first line of work): first user turns of each prompt set, shuffled."""
+    from pathlib import Path
+
+    from benchmarks.serve_load import PROMPT_SETS, load_prompts
+
+    root = Path(__file__).resolve().parents[2]
+    got = load_prompts(root / "infra" / "datasets" / "eval", 2, 0)
+    assert len(got) == 2 * len(PROMPT_SETS) and all(isinstance(p, str) and p for p in got)
+    assert got == load_prompts(root / "infra" / "datasets" / "eval", 2, 0)
