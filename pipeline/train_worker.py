@@ -215,15 +215,16 @@ def train_loop_per_worker(loop_cfg: dict) -> None:
 
     per_epoch = loop_cfg["steps_per_epoch"]
     last = {"step": step}
-    if history and history[-1].get("plateau"):  # a finished run: report its state once more
+    if history and history[-1].get("plateau"):  # a finished run
         total_steps = step
+    # hybrid's streamed first epoch ends at stop_step (checkpointed); the LR schedule stays the
+    # whole run's
+    end_step = min(total_steps, loop_cfg.get("stop_step") or total_steps)
+    if history and step >= end_step:  # nothing left to train: report the restored state once
         save_training_state(engine, step, world, history, history[-1], loop_cfg)
     skipped, bad_in_a_row = (history[-1].get("skipped_steps", 0) if history else 0), 0
     # times this run continued from a checkpoint (a worker-group restart or a re-run's resume)
     resumes = history[-1].get("resumes", 0) + 1 if restored is not None and history else 0
-    # hybrid's streamed first epoch ends at stop_step (checkpointed); the LR schedule stays the
-    # whole run's
-    end_step = min(total_steps, loop_cfg.get("stop_step") or total_steps)
     # every micro-batch this worker will read, in order (the offline reader works ahead of the
     # loop without changing what a step sees, pipeline/train_data.py)
     micro_per_step = tc.global_batch_size // world // tc.micro_batch_size

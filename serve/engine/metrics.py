@@ -91,7 +91,7 @@ def request_spec_details(rounds) -> dict:
         a JSON-ready dict: ``rounds`` (target passes after the first token), ``drafted_rounds``,
         ``verified_rounds`` (rounds that verified >= 1 draft token), ``draft_tokens_proposed`` /
         ``_verified`` / ``_accepted``, ``accept_length`` (tau: committed tokens per round, bonus
-        included), ``acceptance_rate`` (accepted / verified; None when nothing was verified),
+        included; None without a round, e.g. a one-token answer), ``acceptance_rate`` (accepted / verified; None when nothing was verified),
         ``accept_histogram`` (entry n: rounds that accepted exactly n draft tokens, rounds that
         verified none counted at 0, so the entries sum to ``rounds``), ``conditional_acceptance``
         (position k: P(draft k accepted | drafts < k accepted); None where no round reached k) and
@@ -114,7 +114,7 @@ def request_spec_details(rounds) -> dict:
         "draft_tokens_proposed": total.drafted_tokens,
         "draft_tokens_verified": total.verified_tokens,
         "draft_tokens_accepted": total.accepted_tokens,
-        "accept_length": total.tau,
+        "accept_length": total.tau if total.rounds else None,
         "acceptance_rate": total.acceptance_rate if total.verified_tokens else None,
         "accept_histogram": histogram,
         "conditional_acceptance": [a / n if n else None for a, n in

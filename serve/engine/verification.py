@@ -84,15 +84,16 @@ class Verifier:
         return draw(probs[0], r.gen)
 
     def mask_early_stops(self, r: RequestState, logits: torch.Tensor) -> torch.Tensor:
-        """min_tokens: the target may not emit EOS or a stop token id at the rows [rows, V] whose
-        token would be output number < min_tokens (row j emits output number len(output) + j).
+        """min_tokens: the target may not emit a token that would end the output (EOS, unless
+        ``ignore_eos``, and the stop token ids: vLLM's set) at the rows [rows, V] whose token
+        would be output number < min_tokens (row j emits output number len(output) + j).
         Masking the target's own distribution keeps verification exact."""
         p = r.req.params
         masked = min(logits.shape[0], p.min_tokens - len(r.output))
         if masked <= 0:
             return logits
-        banned = torch.tensor(sorted(self.eos | set(p.stop_token_ids)), dtype=torch.long,
-                              device=logits.device)
+        ends = (set() if p.ignore_eos else self.eos) | set(p.stop_token_ids)
+        banned = torch.tensor(sorted(ends), dtype=torch.long, device=logits.device)
         if banned.numel() == 0:
             return logits
         logits = logits.clone()

@@ -499,6 +499,10 @@ def test_min_tokens_ignore_eos_and_stop_token_ids_inside_accepted_blocks(varied_
         through = engine.generate([EngineRequest("i", prompt, SamplingParams(
             30, 0.0, ignore_eos=True))])[0]
         assert through.tokens == ref and through.finish_reason == "length"
+        # with ignore_eos, EOS ends nothing, so min_tokens does not ban it (vLLM)
+        through_min = engine.generate([EngineRequest("im", prompt, SamplingParams(
+            30, 0.0, ignore_eos=True, min_tokens=6))])[0]
+        assert through_min.tokens == ref and eos in through_min.tokens[:6]
         stop_tok = ref[9]
         stopped = engine.generate([EngineRequest("s", prompt, SamplingParams(
             30, 0.0, ignore_eos=True, stop_token_ids=(stop_tok,)))])[0]

@@ -60,7 +60,9 @@ def test_details_of_concurrent_requests_add_up_to_the_engine_counters(varied_tar
         assert sum(n * c for n, c in enumerate(d["accept_histogram"])) == d["draft_tokens_accepted"]
         # the first token is the prefill's; each round commits the rest (accepted + 1, or fewer
         # where a stop or max_tokens cut it)
-        assert d["accept_length"] * d["rounds"] == pytest.approx(generated[r.request_id] - 1)
+        assert (d["accept_length"] or 0) * d["rounds"] == pytest.approx(
+            generated[r.request_id] - 1)
+        assert (d["accept_length"] is None) == (d["rounds"] == 0)
         src = d["sources"]
         for key in ("draft_tokens_verified", "draft_tokens_accepted"):
             assert src["model"][key] + src["lookup"][key] == d[key]
@@ -94,3 +96,12 @@ def test_conditional_acceptance_leaves_unreached_positions_unmeasured():
     assert d["sources"]["lookup"] == {"rounds": 1, "draft_tokens_verified": 2,
                                       "draft_tokens_accepted": 2}
     assert d["accept_length"] == pytest.approx(7 / 4)
+
+
+def test_a_request_without_rounds_has_no_accept_length():
+    """A one-token answer (its token is the prefill's) ran no round: tau is undefined, not 0."""
+    from serve.engine.metrics import request_spec_details
+
+    d = request_spec_details([])
+    assert d["rounds"] == 0 and d["accept_length"] is None and d["acceptance_rate"] is None
+    assert d["accept_histogram"] == []
