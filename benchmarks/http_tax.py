@@ -133,22 +133,28 @@ def serve_arm(args, bodies: list[dict], direct: bool, work: Path) -> list[dict]:
     path = work / "serve.yaml"
     path.write_text(yaml.safe_dump(config))
     env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
-           "RAY_SERVE_ENABLE_DIRECT_INGRESS": "1" if direct else "0"}
+           "RAY_SERVE_ENABLE_DIRECT_INGRESS": "1" if direct else "0",
+           # direct ingress: the replica's own port, from this range (Ray allocates it)
+           "RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT": str(args.port + 1),
+           "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT": str(args.port + 20),
+           **dict(kv.split("=", 1) for kv in args.serve_env)}
     log = open(work / ("serve_direct.log" if direct else "serve_proxy.log"), "a")
     proc = subprocess.Popen([str(Path(sys.executable).parent / "serve"), "run", str(path)],
                             cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
                             start_new_session=True)
-    url = f"http://127.0.0.1:{args.port}"
+    ports = range(args.port + 1, args.port + 21) if direct else [args.port]
     try:
-        deadline = time.time() + 300
-        while True:
+        deadline, url = time.time() + 300, None
+        while url is None:
             if proc.poll() is not None:
                 raise RuntimeError(f"serve run exited ({proc.returncode}); see {log.name}")
-            try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
+            for port in ports:
+                try:
+                    if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                        url = f"http://127.0.0.1:{port}"
+                        break
+                except httpx.HTTPError:
+                    pass
             if time.time() > deadline:
                 raise RuntimeError("the server did not come up in 300 s")
             time.sleep(1)
@@ -196,6 +202,10 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--arms", default=",".join(ARMS))
     parser.add_argument("--port", type=int, default=8011)
+    parser.add_argument("--serve-env", action="append", default=[], metavar="KEY=VALUE",
+                        help="environment of the `serve run` arms (repeatable), e.g. "
+                             "RAY_worker_niceness=0: Ray runs its workers, the replica too, at "
+                             "niceness 15 unless told otherwise")
     parser.add_argument("--work", default="/tmp/dspark_http_tax")
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "http_tax"))
     args = parser.parse_args()
@@ -219,7 +229,8 @@ def main() -> int:
             "command": "python benchmarks/http_tax.py " + " ".join(sys.argv[1:]),
             "settings": {k: getattr(args, k) for k in ("drafter", "scheduler", "dtype", "threads",
                                                        "requests", "max_tokens", "temperature",
-                                                       "rounds")}}
+                                                       "rounds", "serve_env")},
+            "client_niceness": os.nice(0)}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps({"meta": meta, "summary": rows, "runs": runs},
