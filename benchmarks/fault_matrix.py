@@ -290,20 +290,29 @@ def fault_generate_driver_kill(root: Path, ref: dict) -> dict:
             "stage": "generate", **compare(ref["generated"], generated(run))}
 
 
-def _cache_fault(root: Path, ref_run: Run, ref: dict, name: str, what: str, needle: str | None):
-    run = Run(root, name)
-    run.copy_stages_from(ref_run, DATA_STAGES)
-    proc = run.start("prompts,generate,cache")
-    hit = wait_until(lambda: sidecars(run.cache_dir) >= 2, proc)
+def kill_when(run: "Run", stages: str, ready, needle: str | None, poll: float = 0.2
+              ) -> tuple[bool, int, int | None]:
+    """Start ``stages``, wait until ``ready()``, then kill -9 the process whose command line
+    holds ``needle`` (None: the driver), let the run end, and re-run the same stages if it
+    failed. Returns (the fault was injected, the first exit code, the re-run's or None)."""
+    proc = run.start(stages)
+    hit = wait_until(ready, proc, poll=poll)
     pid = None
     if hit and needle:
         pid = kill_process_matching(needle, proc.pid)
     elif hit:
         kill_driver(proc)
     rc = proc.wait(timeout=900)
-    rerun = None if rc == 0 else run.run("prompts,generate,cache")
-    return {"fault": what, "injected": hit and (needle is None or pid is not None),
-            "outcome": outcome(rc, rerun), "stage": "cache",
+    rerun = None if rc == 0 else run.run(stages)
+    return hit and (needle is None or pid is not None), rc, rerun
+
+
+def _cache_fault(root: Path, ref_run: Run, ref: dict, name: str, what: str, needle: str | None):
+    run = Run(root, name)
+    run.copy_stages_from(ref_run, DATA_STAGES)
+    injected, rc, rerun = kill_when(run, "prompts,generate,cache",
+                                    lambda: sidecars(run.cache_dir) >= 2, needle)
+    return {"fault": what, "injected": injected, "outcome": outcome(rc, rerun), "stage": "cache",
             **compare(ref["cache"], cache_rows(run))}
 
 
@@ -320,17 +329,10 @@ def fault_cache_driver_kill(root, ref_run, ref):
 def _train_fault(root: Path, ref_run: Run, ref: dict, name: str, what: str, worker: bool):
     run = Run(root, name, ["train.max_failures=1"] if worker else [])
     run.copy_stages_from(ref_run, (*DATA_STAGES, "cache"))
-    proc = run.start("prompts,generate,cache,train")
-    hit = wait_until(lambda: 2 in checkpoint_steps(run), proc, poll=0.05)
-    pid = None
-    if hit and worker:
-        pid = kill_process_matching("RayTrainWorker", proc.pid)
-    elif hit:
-        kill_driver(proc)
-    rc = proc.wait(timeout=900)
-    rerun = None if rc == 0 else run.run("prompts,generate,cache,train")
-    row = {"fault": what, "injected": hit and (not worker or pid is not None),
-           "outcome": outcome(rc, rerun), "stage": "train", "lost": [], "duplicated": [],
+    injected, rc, rerun = kill_when(run, "prompts,generate,cache,train",
+                                    lambda: 2 in checkpoint_steps(run),
+                                    "RayTrainWorker" if worker else None, poll=0.05)
+    row = {"fault": what, "injected": injected, "outcome": outcome(rc, rerun), "stage": "train", "lost": [], "duplicated": [],
            "changed": [], "extra": []}
     if (run.dir / "train" / "drafter" / "model.safetensors").exists():
         row["max_weight_diff"] = weight_diff(ref["weights"], weights(run))
@@ -359,20 +361,12 @@ def _streamed_fault(root: Path, ref_run: Run, ref: dict, name: str, what: str, m
     cache stage's, row by row."""
     run = Run(root, name, [f"train.data_mode={mode}", "train.max_failures=1"])
     run.copy_stages_from(ref_run, DATA_STAGES)
-    proc = run.start("prompts,generate,cache,train")
     if mode == "hybrid" and kill is None:  # mid-way through the streamed, cache-writing epoch
-        hit = wait_until(lambda: sidecars(run.cache_dir) >= 2, proc, poll=0.05)
+        ready = lambda: sidecars(run.cache_dir) >= 2  # noqa: E731
     else:
-        hit = wait_until(lambda: 2 in checkpoint_steps(run), proc, poll=0.05)
-    pid = None
-    if hit and kill:
-        pid = kill_process_matching(kill, proc.pid)
-    elif hit:
-        kill_driver(proc)
-    rc = proc.wait(timeout=900)
-    rerun = None if rc == 0 else run.run("prompts,generate,cache,train")
-    row = {"fault": what, "injected": hit and (kill is None or pid is not None),
-           "outcome": outcome(rc, rerun), "stage": f"train ({mode})", "lost": [],
+        ready = lambda: 2 in checkpoint_steps(run)  # noqa: E731
+    injected, rc, rerun = kill_when(run, "prompts,generate,cache,train", ready, kill, poll=0.05)
+    row = {"fault": what, "injected": injected, "outcome": outcome(rc, rerun), "stage": f"train ({mode})", "lost": [],
            "duplicated": [], "changed": [], "extra": []}
     if mode == "hybrid" and (run.dir / "cache" / "manifest.json").exists():
         row.update(compare(ref["cache"], cache_rows(run)))

@@ -21,7 +21,6 @@ import asyncio
 import json
 import os
 import platform
-import signal
 import statistics
 import subprocess
 import sys
@@ -32,6 +31,8 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+from benchmarks.processes import stop_session  # noqa: E402 - after the path insert
 
 ARMS = ("in_process", "serve_proxy", "serve_direct_ingress")
 
@@ -57,10 +58,29 @@ def request_body(prompt: str, args) -> dict:
             "stream_options": {"include_usage": True}}
 
 
-def speed(first: float, last: float, start: float, tokens: int) -> dict:
-    return {"ttft_s": first - start,
-            "per_user_tok_s": (tokens - 1) / (last - first) if tokens > 1 and last > first
-            else None, "tokens": tokens}
+class ChunkClock:
+    """Times one streamed chat completion from its server-sent event lines: the first and last
+    chunk with content, and the completion tokens of the final usage chunk."""
+
+    def __init__(self, start: float):
+        self.start, self.first, self.last, self.tokens = start, None, None, 0
+
+    def line(self, line: str, now: float) -> None:
+        if not line.startswith("data: {"):
+            return
+        data = json.loads(line[6:])
+        if data.get("usage"):
+            self.tokens = data["usage"]["completion_tokens"]
+        elif data["choices"] and data["choices"][0]["delta"].get("content"):
+            self.first = self.first or now
+            self.last = now
+
+    def result(self) -> dict:
+        """TTFT (s), per-user tokens/s after the first token (None below two tokens), tokens."""
+        span = (self.last or 0) - (self.first or 0)
+        return {"ttft_s": (self.first or self.start) - self.start,
+                "per_user_tok_s": (self.tokens - 1) / span if self.tokens > 1 and span > 0
+                else None, "tokens": self.tokens}
 
 
 async def in_process(args, bodies: list[dict]) -> list[dict]:
@@ -75,21 +95,12 @@ async def in_process(args, bodies: list[dict]) -> list[dict]:
         for body in bodies:
             start = time.perf_counter()
             response = await server.chat_completions(ChatCompletionRequest(**body))
-            first = last = None
-            tokens = 0
+            clock = ChunkClock(start)
             async for chunk in response.body_iterator:
-                text = chunk if isinstance(chunk, str) else chunk.decode()
                 now = time.perf_counter()
-                for line in text.splitlines():
-                    if not line.startswith("data: {"):
-                        continue
-                    data = json.loads(line[6:])
-                    if data.get("usage"):
-                        tokens = data["usage"]["completion_tokens"]
-                    elif data["choices"] and data["choices"][0]["delta"].get("content"):
-                        first = first or now
-                        last = now
-            out.append(speed(first, last, start, tokens))
+                for line in (chunk if isinstance(chunk, str) else chunk.decode()).splitlines():
+                    clock.line(line, now)
+            out.append(clock.result())
     finally:
         server.engine.shutdown()
     return out
@@ -101,22 +112,12 @@ async def over_http(url: str, bodies: list[dict]) -> list[dict]:
     out = []
     async with httpx.AsyncClient(timeout=300) as client:
         for body in bodies:
-            start = time.perf_counter()
-            first = last = None
-            tokens = 0
+            clock = ChunkClock(time.perf_counter())
             async with client.stream("POST", url, json=body) as response:
                 response.raise_for_status()
                 async for line in response.aiter_lines():
-                    if not line.startswith("data: {"):
-                        continue
-                    now = time.perf_counter()
-                    data = json.loads(line[6:])
-                    if data.get("usage"):
-                        tokens = data["usage"]["completion_tokens"]
-                    elif data["choices"] and data["choices"][0]["delta"].get("content"):
-                        first = first or now
-                        last = now
-            out.append(speed(first, last, start, tokens))
+                    clock.line(line, time.perf_counter())
+            out.append(clock.result())
     return out
 
 
@@ -161,11 +162,7 @@ def serve_arm(args, bodies: list[dict], direct: bool, work: Path) -> list[dict]:
         asyncio.run(over_http(f"{url}/v1/chat/completions", bodies[:2]))  # warm-up
         return asyncio.run(over_http(f"{url}/v1/chat/completions", bodies))
     finally:
-        os.killpg(proc.pid, signal.SIGINT)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
+        stop_session(proc)
         subprocess.run([str(Path(sys.executable).parent / "ray"), "stop", "--force"],
                        capture_output=True)
 

@@ -19,7 +19,6 @@ import json
 import os
 import platform
 import random
-import signal
 import socket
 import subprocess
 import sys
@@ -31,6 +30,7 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from benchmarks.processes import stop_session  # noqa: E402
 from benchmarks.serve_load import sse_data  # noqa: E402
 
 MODEL = "soak"
@@ -256,11 +256,7 @@ def main() -> int:
         time.sleep(5)  # let disconnected requests be aborted
         end_rep = replica()
     finally:
-        os.killpg(proc.pid, signal.SIGINT)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
+        stop_session(proc)
     pids = set(watch["replica_pids"]) | {r[0] for r in (start_rep, end_rep) if r}
     result = {
         "requests": tally.requests, "status_2xx": tally.by_class(2),
