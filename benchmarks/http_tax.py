@@ -162,9 +162,9 @@ def serve_arm(args, bodies: list[dict], direct: bool, work: Path) -> list[dict]:
         asyncio.run(over_http(f"{url}/v1/chat/completions", bodies[:2]))  # warm-up
         return asyncio.run(over_http(f"{url}/v1/chat/completions", bodies))
     finally:
+        # SIGINT: `serve run` shuts Serve and the local Ray it started down (never `ray stop`,
+        # which would end every Ray on the machine)
         stop_session(proc)
-        subprocess.run([str(Path(sys.executable).parent / "ray"), "stop", "--force"],
-                       capture_output=True)
 
 
 def summarize(runs: list[dict]) -> list[dict]:
