@@ -370,12 +370,34 @@ def _streamed_fault(root: Path, ref_run: Run, ref: dict, name: str, what: str, m
            "duplicated": [], "changed": [], "extra": []}
     if mode == "hybrid" and (run.dir / "cache" / "manifest.json").exists():
         row.update(compare(ref["cache"], cache_rows(run)))
+    row.update(stream_accounting(run))
+    if mode == "online":  # no cache to compare: the stream's own record is the accounting
+        row["lost"], row["duplicated"] = row.pop("stream_lost", []), row.pop("stream_repeated", [])
     if (run.dir / "train" / "drafter" / "training_log.jsonl").exists():
         log = [json.loads(l) for l in
                (run.dir / "train" / "drafter" / "training_log.jsonl").read_text().splitlines()]
         row["logged_steps"] = [h["step"] for h in log]
         row["resumes"] = log[-1].get("resumes", 0)
     return row
+
+
+def stream_accounting(run: Run) -> dict:
+    """Lost and repeated streamed samples from the newest checkpoint's consumed-sample record
+    (``pipeline/stream_state.py``): per epoch that training finished (every epoch before the
+    newest), lost = samples - distinct trained on; repeated = trained on - distinct, summed over
+    the epochs. For hybrid only its first (streamed) epoch has a record."""
+    from pipeline.stream_state import STATE_FILE, StreamState
+
+    files = sorted((run.dir / "train" / "ray_train").glob(f"*/checkpoint_*/{STATE_FILE}"))
+    if not files:
+        return {"stream_record": "none"}
+    state = StreamState.from_json(files[-1].read_text())  # checkpoint names sort by time
+    finished = sorted(state.seen)[:-1] if state.consumed else sorted(state.seen)
+    lost = sum(state.rows_per_epoch - state.distinct[e] for e in finished)
+    repeated = sum(state.seen[e] - state.distinct[e] for e in state.seen)
+    return {"stream_lost": lost, "stream_repeated": repeated,
+            "stream_epochs": {e: f"{state.distinct[e]}/{state.rows_per_epoch} distinct, "
+                                 f"{state.seen[e]} trained on" for e in sorted(state.seen)}}
 
 
 def fault_online_feature_actor_kill(root, ref_run, ref):
@@ -706,8 +728,9 @@ def write_report(rows: list[dict], meta: dict, out: str) -> None:
         if not r.get("injected", True):
             notes = "FAULT NOT INJECTED; " + notes
         w = r.get("max_weight_diff")
-        lines.append(f"| {r['fault']} | {r['stage']} | {r['outcome']} | {len(r['lost'])} | "
-                     f"{len(r['duplicated'])} | {len(r['changed'])} | "
+        count = lambda x: x if isinstance(x, int) else len(x)  # noqa: E731 - ids, or a count
+        lines.append(f"| {r['fault']} | {r['stage']} | {r['outcome']} | {count(r['lost'])} | "
+                     f"{count(r['duplicated'])} | {count(r['changed'])} | "
                      f"{'-' if w is None else f'{w:.2e}'} | {notes.replace('|', '/')} |")
     Path(out + ".md").write_text("\n".join(lines) + "\n")
 

@@ -6,7 +6,8 @@ modes alternating over ``--rounds`` rounds. Per mode: the cache stage's and the 
 time (from their completion markers), optimizer steps per second of the whole (cache included:
 offline pays for its cache up front, online every epoch), the bytes it stores, and the final
 held-out tau and accept_rate@1 (the same data and schedule: they should agree within the noise of
-anchor sampling and order).
+anchor sampling and order), and the share of the train stage a worker spent waiting for its
+micro-batches (the feature stream's or the cache reader's).
 
     .venv/bin/python benchmarks/online_vs_offline.py [--config C] [--max-steps 60] [--rounds 2]
 
@@ -63,6 +64,8 @@ def one_arm(config: str, base: Path, work: Path, mode: str, sets: list[str], log
     return {"mode": mode, "cache_s": cache["seconds"], "train_s": train["seconds"], "wall_s": wall,
             "steps": train["steps"], "steps_per_s": train["steps"] / (cache["seconds"] + train["seconds"]),
             "stored_bytes": tree_bytes(run_dir / "cache"),
+            # rank 0's time waiting for its micro-batches, over the train stage's wall time
+            "data_wait_share": sum(h.get("data_wait_s", 0.0) for h in history) / train["seconds"],
             "heldout_tau": evals[-1]["heldout_tau"] if evals else None,
             "heldout_accept_rate@1": evals[-1]["heldout_accept_rate@1"] if evals else None,
             "phases": train.get("phases")}
@@ -75,8 +78,8 @@ def summarize(arms: list[dict]) -> list[dict]:
         if not mine:
             continue
         row = {"mode": mode, "runs": len(mine)}
-        for key in ("cache_s", "train_s", "steps_per_s", "stored_bytes", "heldout_tau",
-                    "heldout_accept_rate@1"):
+        for key in ("cache_s", "train_s", "steps_per_s", "stored_bytes", "data_wait_share",
+                    "heldout_tau", "heldout_accept_rate@1"):
             vals = [a[key] for a in mine if a[key] is not None]
             row[key] = statistics.median(vals) if vals else None
         out.append(row)
@@ -95,13 +98,15 @@ def write(rows: list[dict], arms: list[dict], meta: dict, out: Path) -> None:
              f"{', '.join(f'`{s}`' for s in meta['sets'])}. Modes alternate over "
              f"{meta['rounds']} round(s); medians.", "",
              "| mode | cache stage s | train stage s | steps / s (cache + train) | vs offline | "
-             "stored | held-out tau | held-out accept_rate@1 |", "|---|---|---|---|---|---|---|---|"]
+             "stored | waiting for data | held-out tau | held-out accept_rate@1 |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         tau = "-" if r["heldout_tau"] is None else f"{r['heldout_tau']:.3f}"
         acc = "-" if r["heldout_accept_rate@1"] is None else f"{r['heldout_accept_rate@1']:.3f}"
         lines.append(f"| {r['mode']} | {r['cache_s']:.1f} | {r['train_s']:.1f} | "
                      f"{r['steps_per_s']:.3f} | {r['speed_vs_offline']:.2f}x | "
-                     f"{r['stored_bytes'] / 1e6:.1f} MB | {tau} | {acc} |")
+                     f"{r['stored_bytes'] / 1e6:.1f} MB | {r['data_wait_share']:.0%} | {tau} | "
+                     f"{acc} |")
     out.with_suffix(".md").write_text("\n".join(lines) + "\n")
 
 

@@ -2,9 +2,10 @@
 as the target cache of SPEC 1.4 (:mod:`pipeline.cache_format`) by Ray Data actors
 (:class:`CacheWriterUDF`, through :mod:`pipeline.cache_writer`).
 
-Shards are deterministic slices of the id-sorted conversations, so a re-run writes only missing
-shards. Each worker writes its own shards, streaming them row group by row group; nothing
-V-sized or cache-sized passes the driver.
+Shards are deterministic slices of the conversations in cache order (hashed ids,
+:func:`pipeline.cache_format.shard_key`), so a re-run writes only missing shards. Each worker writes
+its own shards, streaming them row group by row group; nothing V-sized or cache-sized passes the
+driver.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import numpy as np
 import pyarrow as pa
 
 from . import storage
-from .cache_format import shard_name
+from .cache_format import parse_conversation_line, shard_key, shard_name
 from .cache_writer import ShardWriter, read_sidecar, row_group_sizes, write_sidecar
 from .config import CacheConfig
 from .target_features import CacheTarget, TargetFeatures, length_batches  # noqa: F401 (API)
@@ -94,8 +95,9 @@ def shard_fingerprint(rows: list[dict], settings: dict) -> str:
 
 
 def shard_bounds(ids: list[str], rows_per_shard: int) -> list[str]:
-    """Deterministic shards of id-sorted conversations cut every ``rows_per_shard`` rows: the
-    first id of every shard after the first (shard of an id = ``bisect_right(bounds, id)``).
+    """Deterministic shards of the conversations in cache order
+    (:func:`pipeline.cache_format.shard_key`) cut every ``rows_per_shard`` rows: the first key of
+    every shard after the first (shard of an id = ``bisect_right(bounds, shard_key(id))``).
 
     Raises:
         ValueError: an id occurs twice (naming it).
@@ -104,37 +106,34 @@ def shard_bounds(ids: list[str], rows_per_shard: int) -> list[str]:
     dup = next((a for a, b in zip(ids, ids[1:]) if a == b), None)
     if dup is not None:
         raise ValueError(f"conversation id {dup!r} occurs more than once in the generate output")
-    return ids[rows_per_shard::rows_per_shard]
+    return sorted(shard_key(i) for i in ids)[rows_per_shard::rows_per_shard]
 
 
 def _key_lines(batch: dict) -> dict:
-    """Ray Data batch: JSON lines (``text``) -> ``id`` and the line itself; blank lines and an
-    unreadable (truncated) line, left by a crash while appending, are dropped."""
-    ids, texts = [], []
+    """Ray Data batch: JSON lines (``text``) -> ``id``, its ``key`` in cache order and the line
+    itself; blank and unreadable (torn) lines are dropped
+    (:func:`pipeline.cache_format.parse_conversation_line`)."""
+    ids, keys, texts = [], [], []
     for line in batch["text"]:
-        line = str(line)
-        if not line.strip():
-            continue
-        try:
-            conv_id = json.loads(line)["id"]
-        except (json.JSONDecodeError, KeyError, TypeError):
-            logger.warning("generate output: ignoring an unreadable line (%.60s...)", line)
-            continue
-        ids.append(str(conv_id))
-        texts.append(line)
-    return {"id": np.array(ids, dtype=object), "text": np.array(texts, dtype=object)}
+        parsed = parse_conversation_line(str(line))
+        if parsed is not None:
+            ids.append(parsed[0])
+            keys.append(shard_key(parsed[0]))
+            texts.append(str(line))
+    return {"id": np.array(ids, dtype=object), "key": np.array(keys, dtype=object),
+            "text": np.array(texts, dtype=object)}
 
 
 def _assign_shard(batch: dict, bounds: list[str]) -> dict:
-    """Ray Data batch: add ``shard`` (int64) from ``id`` (:func:`shard_bounds`)."""
-    shard = np.searchsorted(np.array(bounds, dtype=object), batch["id"], side="right")
+    """Ray Data batch: add ``shard`` (int64) from ``key`` (:func:`shard_bounds`)."""
+    shard = np.searchsorted(np.array(bounds, dtype=object), batch["key"], side="right")
     return {**batch, "shard": np.asarray(shard, dtype=np.int64)}
 
 
 def _pack_shard(group: dict, split_dir: str, settings: dict) -> dict:
     """Ray Data ``map_groups``: the rows of one shard -> one row ``shard``, ``path``,
-    ``fingerprint`` and ``rows`` (JSON list of its id-sorted conversations)."""
-    order = np.argsort(group["id"].astype(str), kind="stable")
+    ``fingerprint`` and ``rows`` (JSON list of its conversations in cache order)."""
+    order = np.argsort(group["key"].astype(str), kind="stable")
     convs = [json.loads(group["text"][i]) for i in order]
     shard = int(group["shard"][0])
     return {"shard": np.array([shard], dtype=np.int64),
@@ -167,7 +166,7 @@ def conversations_dataset(conversations: list[dict] | str):
 def pack_shards(conversations: list[dict] | str, cache_dir: str, split: str,
                 target: CacheTarget, cache: CacheConfig):
     """The split's shards as a materialized Ray Data dataset, one row per shard (``shard``,
-    ``path``, ``fingerprint``, ``rows``: its id-sorted conversations as JSON), and the number of
+    ``path``, ``fingerprint``, ``rows``: its conversations in cache order as JSON), and the number of
     shards; (None, 0) when there are no conversations. Stale temporaries of writers killed
     mid-shard are removed.
 
@@ -182,7 +181,8 @@ def pack_shards(conversations: list[dict] | str, cache_dir: str, split: str,
     settings = {"target": target.name_or_path, "dtype": target.dtype,
                 "layer_ids": list(target.layer_ids), "template_kwargs": target.template_kwargs,
                 "max_length": cache.max_length, "min_supervised": cache.min_supervised_tokens,
-                "summary": 2}  # 2: sidecars carry supervised_token_counts
+                "summary": 2,  # 2: sidecars carry supervised_token_counts
+                "order": "shard_key"}  # shards cut in hashed-id order (cache_format.shard_key)
     keyed = conversations_dataset(conversations).map_batches(
         _key_lines, batch_format="numpy").materialize()
     ids = [str(r["id"]) for r in keyed.select_columns(["id"]).take_all()]
@@ -202,14 +202,14 @@ def run_cache_split(conversations: list[dict] | str, cache_dir: str, split: str,
                     storage_options: dict) -> list[dict]:
     """Write the missing shards of one split; return every shard's summary (in shard order).
 
-    The conversations are read as a Ray Data dataset (a generate output file is never loaded
-    into the driver, which holds only the ids): shards are the id-sorted conversations cut every
-    ``rows_per_shard``, packed one row per shard by a ``groupby``, fingerprinted there, and only
-    shards without a sidecar of the same fingerprint go to the writer actors
-    (:class:`CacheWriterUDF`; ``cache.forward_batch_tokens`` is its batched-forward budget,
-    ``cache.rows_per_row_group`` and ``cache.row_group_bytes`` cap its row groups). The row-group
-    caps are not part of a shard's fingerprint: they change the layout, not the rows, so a shard
-    written with other caps is kept.
+    The conversations are read as a Ray Data dataset (a generate output file is never loaded into
+    the driver, which holds only the ids): shards are the conversations in cache order
+    (``cache_format.shard_key``) cut every ``rows_per_shard``, packed one row per shard by a
+    ``groupby``, fingerprinted there, and only shards without a sidecar of the same fingerprint go
+    to the writer actors (:class:`CacheWriterUDF`; ``cache.forward_batch_tokens`` is its
+    batched-forward budget, ``cache.rows_per_row_group`` and ``cache.row_group_bytes`` cap its row
+    groups). The row-group caps are not part of a shard's fingerprint: they change the layout, not
+    the rows, so a shard written with other caps is kept.
 
     Args:
         conversations: a JSONL file of conversations (``id``, ``messages``, ``domain``; local or

@@ -2,10 +2,11 @@
 
 Layout of ``<output>/<split>/``: ``shard-NNNNN.parquet`` files plus a ``shard-NNNNN.json`` sidecar
 written after the shard (its presence marks the shard complete), and ``<output>/manifest.json``.
-Shards are deterministic slices of the id-sorted conversations, so a re-run writes only missing
-shards. Each worker writes its own shards, streaming them row group by row group (a local
-temporary renamed when complete, or an S3 multipart upload completed when complete); nothing
-V-sized or cache-sized passes the driver.
+Shards are deterministic slices of the conversations in cache order (:func:`shard_key`: hashed ids,
+so every shard mixes sources and domains), so a re-run writes only missing shards. Each worker
+writes its own shards, streaming them row group by row group (a local temporary renamed when
+complete, or an S3 multipart upload completed when complete); nothing V-sized or cache-sized passes
+the driver.
 
 Columns (hidden states as raw little-endian bytes plus explicit sizes, readable by any Parquet
 reader): ``sample_id`` string, ``domain`` string, ``num_tokens`` int32, ``input_ids`` binary
@@ -44,6 +45,35 @@ class CorruptShardError(ValueError):
 
 def shard_name(index: int) -> str:
     return f"shard-{index:05d}"
+
+
+def shard_key(conversation_id: str) -> str:
+    """Where a conversation goes in the cache's order: a hash of its id, then the id. Shards
+    are cut from this order, so each holds conversations of every source and domain (ids start
+    with their source's name: sorted by id alone, a shard and every batch read from it would be
+    one source), and the first held-out rows that training evaluates on are a random sample of
+    the held-out split. Deterministic, so a re-run cuts the same shards."""
+    import hashlib
+
+    digest = hashlib.blake2b(conversation_id.encode(), digest_size=8).hexdigest()
+    return f"{digest}:{conversation_id}"
+
+
+def parse_conversation_line(line: str) -> tuple[str, dict] | None:
+    """(id, conversation) of one JSON line of a generate output; None for a blank line or an
+    unreadable one (a torn last line left by a crash while appending)."""
+    import json
+    import logging
+
+    if not line.strip():
+        return None
+    try:
+        conv = json.loads(line)
+        return str(conv["id"]), conv
+    except (json.JSONDecodeError, KeyError, TypeError):
+        logging.getLogger(__name__).warning(
+            "generate output: ignoring an unreadable line (%.60s...)", line)
+        return None
 
 
 def bf16_array(t) -> np.ndarray:

@@ -8,16 +8,16 @@ the Parquet cache.
   nothing is stored.
 - *hybrid*: the first epoch is the cache stage itself, shard by shard (:class:`HybridShardUDF`
   writes each shard and streams its row groups on to the trainers; a shard already written is
-  read back, not recomputed); later epochs read the finished cache (``pipeline/train.py``).
+  read back, not recomputed); later epochs read the finished cache (``pipeline/train_modes.py``).
 
 A streamed row is a cache row (:data:`pipeline.cache_format.SCHEMA`) plus ``epoch`` and
-``start_step`` (the optimizer step the stream was built for), so the workers decode it exactly
-as they decode the cache. The stream is rebuilt by Ray Train at every worker-group start
-(a dataset factory, :class:`TrainStream`): after a worker failure it begins at the newest
-complete checkpoint's step, so no finished step's samples are computed again. The stream's
-position is counted in samples: step ``s`` begins ``s * global_batch_size`` samples into the
-concatenation of the epochs; a resumed stream begins at the first conversation of that
-position's epoch order that was not yet consumed.
+``conversation`` (its index in cache order, :func:`pipeline.cache_format.shard_key`), cut into
+tables as the cache writer cuts row groups (``cache.rows_per_row_group``,
+``cache.row_group_bytes``), so the workers decode it exactly as they decode the cache. The streams
+are dataset factories (:class:`TrainStream`, :class:`HybridStream`) that Ray Train calls at every
+worker-group start: each reads the consumed-sample record of the checkpoint the workers continue
+from (:mod:`pipeline.stream_state`) and leaves those samples out, so no sample of an epoch is lost
+or trained on twice across restarts.
 
 The driver never holds the target; it holds the conversations of the split as one bytes object in
 the object store (what the actors read) and per conversation only its id and sample count
@@ -34,49 +34,56 @@ import numpy as np
 import pyarrow as pa
 
 from . import storage
-from .cache_writer import add_supervised_counts, read_sidecar, token_counts_dict
+from .cache_format import parse_conversation_line, shard_key
+from .cache_writer import add_supervised_counts, read_sidecar, row_group_sizes, token_counts_dict
 from .config import CacheConfig
+from .stream_state import StreamState, read_state
 from .target_features import CacheTarget, ConversationTokenizer, TargetFeatures
+from .train_data import HELDOUT_EPOCH
 
 logger = logging.getLogger(__name__)
 
-HELDOUT_EPOCH = -1  # the ``epoch`` of held-out rows (their anchors are drawn as the cache's are)
-
 
 def read_conversation_lines(data: bytes) -> list[str]:
-    """The JSON lines of a generate output, sorted by conversation id (the order of the cache's
-    shards); blank and unreadable (torn) lines dropped."""
+    """The JSON lines of a generate output in cache order (:func:`shard_key`); blank and
+    unreadable (torn) lines dropped."""
     keyed = []
     for line in data.decode("utf-8").splitlines():
-        if not line.strip():
-            continue
-        try:
-            keyed.append((str(json.loads(line)["id"]), line))
-        except (json.JSONDecodeError, KeyError, TypeError):
-            logger.warning("generate output: ignoring an unreadable line (%.60s...)", line)
+        parsed = parse_conversation_line(line)
+        if parsed is not None:
+            keyed.append((shard_key(parsed[0]), line))
     keyed.sort(key=lambda kv: kv[0])
     return [line for _, line in keyed]
+
+
+def sample_ids(conversation_id: str, num_samples: int) -> list[str]:
+    """The cache's sample ids of a conversation (``TargetFeatures.tokenize``)."""
+    if num_samples == 1:
+        return [conversation_id]
+    return [f"{conversation_id}#{k}" for k in range(num_samples)]
 
 
 class TokenScanUDF(ConversationTokenizer):
     """Ray Data callable class (tokenizer only): per conversation its ``id``, ``num_samples``,
     ``tokens``, ``supervised_tokens``, supervised-token counts (``counts``, JSON
-    {token id: count}) and ``error`` ("" when it tokenized), as the cache stage would count it."""
+    {token id: count}) and ``error`` ("" when it tokenized), as the cache stage would count it;
+    unreadable lines are left out as the cache stage leaves them out."""
 
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         out = {k: [] for k in ("id", "num_samples", "tokens", "supervised_tokens", "counts",
                                "error")}
         for line in batch["text"]:
-            conv = json.loads(str(line))
+            parsed = parse_conversation_line(str(line))
+            if parsed is None:
+                continue
             try:
-                samples = self.tokenize(conv)
-                error = ""
+                samples, error = self.tokenize(parsed[1]), ""
             except ValueError as err:
                 samples, error = [], f"{type(err).__name__}: {err}"
             records = [{"input_ids": np.asarray(s["input_ids"], dtype="<i4").tobytes(),
                         "loss_mask": np.asarray(s["loss_mask"], dtype=np.uint8).tobytes()}
                        for s in samples]
-            out["id"].append(str(conv["id"]))
+            out["id"].append(parsed[0])
             out["num_samples"].append(len(samples))
             out["tokens"].append(sum(len(s["input_ids"]) for s in samples))
             out["supervised_tokens"].append(sum(sum(s["loss_mask"]) for s in samples))
@@ -89,13 +96,13 @@ class TokenScanUDF(ConversationTokenizer):
 
 @dataclass
 class SplitScan:
-    """One split of the generate output as the trainers will see it: conversation ids in id order
-    with their sample counts, the split's statistics in the form of a cache shard's summary
+    """One split of the generate output as the trainers will see it: conversation ids in cache
+    order with their sample counts, the split's statistics in the form of a cache shard's summary
     (``rows``, ``tokens``, ``supervised_tokens``, ``supervised_token_counts``) and the
     conversations that produce no sample (``errors``: ``{id, stage, error}``)."""
 
     ids: list[str]
-    samples_per_conversation: np.ndarray  # int64 [conversations], id order
+    samples_per_conversation: np.ndarray  # int64 [conversations], cache order
     summary: dict
     errors: list[dict] = field(default_factory=list)
 
@@ -105,7 +112,7 @@ class SplitScan:
 
 
 def scan_split(path: str, target: CacheTarget, cache: CacheConfig) -> SplitScan:
-    """Tokenize a generate output file (Ray Data, tokenizer-only tasks) and count its samples.
+    """Tokenize a generate output file (Ray Data, tokenizer-only actors) and count its samples.
 
     Raises:
         ValueError: a conversation id occurs twice.
@@ -118,8 +125,8 @@ def scan_split(path: str, target: CacheTarget, cache: CacheConfig) -> SplitScan:
         TokenScanUDF, fn_constructor_kwargs={"target": target, "cache": cache},
         compute=ray.data.ActorPoolStrategy(size=cache.num_actors), num_cpus=cache.cpus_per_actor,
         batch_size=64, batch_format="numpy").take_all()
-    rows.sort(key=lambda r: str(r["id"]))
-    ids = [str(r["id"]) for r in rows]
+    rows.sort(key=lambda r: shard_key(str(r["id"])))
+    ids = sorted(str(r["id"]) for r in rows)
     dup = next((a for a, b in zip(ids, ids[1:]) if a == b), None)
     if dup is not None:
         raise ValueError(f"conversation id {dup!r} occurs more than once in {path}")
@@ -133,151 +140,167 @@ def scan_split(path: str, target: CacheTarget, cache: CacheConfig) -> SplitScan:
                "supervised_token_counts": counts}
     errors = [{"id": str(r["id"]), "stage": "stream", "error": str(r["error"])}
               for r in rows if str(r["error"])]
-    return SplitScan(ids, np.array([int(r["num_samples"]) for r in rows], dtype=np.int64),
+    return SplitScan([str(r["id"]) for r in rows],
+                     np.array([int(r["num_samples"]) for r in rows], dtype=np.int64),
                      summary, errors)
 
 
 def epoch_order(seed: int, epoch: int, num_conversations: int) -> np.ndarray:
-    """The conversations' order in one epoch of the online stream (indices into id order)."""
+    """The conversations' order in one epoch of the online stream (indices into cache order)."""
     return np.random.default_rng([seed, epoch, 7]).permutation(num_conversations)
 
 
-def stream_start(samples_per_conversation: np.ndarray, seed: int, start_sample: int
-                 ) -> int:
-    """The stream position (``epoch * conversations + k``: the k-th conversation of that
-    epoch's order) of the first conversation not yet consumed when ``start_sample`` samples have
-    been, counting the epochs' samples one after another."""
-    n = len(samples_per_conversation)
-    per_epoch = int(samples_per_conversation.sum())
-    epoch, within = divmod(start_sample, per_epoch)
-    consumed = np.cumsum(samples_per_conversation[epoch_order(seed, epoch, n)])
-    return epoch * n + int(np.searchsorted(consumed, within, side="right"))
-
-
-def _positions(batch: dict[str, np.ndarray], first: int, num_conversations: int, seed: int
-               ) -> dict[str, np.ndarray]:
-    """Ray Data batch: stream offsets (``id`` from ``ray.data.range``) -> ``epoch`` and
-    ``conversation`` (index in id order)."""
-    pos = batch["id"].astype(np.int64) + first
+def _positions(batch: dict[str, np.ndarray], first_epoch: int, num_conversations: int, seed: int,
+               skip: dict[int, np.ndarray]) -> dict[str, np.ndarray]:
+    """Ray Data batch: stream offsets (``id`` from ``ray.data.range``, counted from
+    ``first_epoch``'s start) -> ``epoch`` and ``conversation`` (index in cache order), without
+    the conversations in ``skip`` ({epoch: sorted indices}: every sample already trained on)."""
+    pos = batch["id"].astype(np.int64) + first_epoch * num_conversations
     epochs = pos // num_conversations
     conv = np.empty_like(pos)
     for e in np.unique(epochs):
         sel = epochs == e
         conv[sel] = epoch_order(seed, int(e), num_conversations)[pos[sel] % num_conversations]
-    return {"epoch": epochs, "conversation": conv}
+    keep = np.ones(len(pos), dtype=bool)
+    for e, done in skip.items():
+        sel = epochs == e
+        keep[sel] = ~np.isin(conv[sel], done)
+    return {"epoch": epochs[keep], "conversation": conv[keep]}
 
 
 class FeatureStreamUDF(TargetFeatures):
-    """Ray Data callable class: conversations (``epoch``, ``conversation`` index in id order) ->
-    their cache rows (:meth:`TargetFeatures.forward`) with ``epoch`` and ``start_step``.
+    """Ray Data callable class: conversations (``epoch``, ``conversation`` index in cache order)
+    -> their cache rows (:meth:`TargetFeatures.forward`) with ``epoch`` and ``conversation``, one
+    table per row group as the cache writer would cut it; samples already trained on
+    (``consumed``: {epoch: sample ids}) are left out.
 
     Args:
         conversations: the split's generate output as bytes (or an ObjectRef of them).
-        start_step: written into every row (the workers check it against their resume step).
     """
 
-    def __init__(self, target: CacheTarget, cache: CacheConfig, conversations, start_step: int):
+    def __init__(self, target: CacheTarget, cache: CacheConfig, conversations,
+                 consumed: dict[int, set[str]] | None = None):
         import ray
 
         super().__init__(target, cache)
         data = ray.get(conversations) if isinstance(conversations, ray.ObjectRef) else conversations
         self.lines = read_conversation_lines(data)
-        self.start_step = start_step
+        self.consumed = consumed or {}
+        self.rows_per_row_group, self.row_group_bytes = (cache.rows_per_row_group,
+                                                         cache.row_group_bytes)
 
-    def __call__(self, batch: dict[str, np.ndarray]) -> pa.Table:
+    def __call__(self, batch: dict[str, np.ndarray]):
         samples, epochs, convs = [], [], []
         for epoch, conv in zip(batch["epoch"], batch["conversation"]):
             try:
                 got = self.tokenize(json.loads(self.lines[int(conv)]))
             except ValueError:  # counted and reported by the scan (scan_split)
                 continue
+            done = self.consumed.get(int(epoch), ())
+            got = [s for s in got if s["sample_id"] not in done]
             samples += got
             epochs += [int(epoch)] * len(got)
             convs += [int(conv)] * len(got)
-        return with_stream_columns(self.forward(samples), epochs, convs, self.start_step)
+        start = 0
+        for n in row_group_sizes([len(s["input_ids"]) * self.bytes_per_token for s in samples],
+                                 self.rows_per_row_group, self.row_group_bytes):
+            yield with_stream_columns(self.forward(samples[start:start + n]),
+                                      epochs[start:start + n], convs[start:start + n])
+            start += n
 
 
-def with_stream_columns(table: pa.Table, epochs: list[int], conversations: list[int],
-                        start_step: int) -> pa.Table:
-    """A cache-row table plus the stream's ``epoch`` (int32), ``conversation`` (int64, index in
-    id order; -1 when not known) and ``start_step`` (int64)."""
-    n = table.num_rows
+def with_stream_columns(table: pa.Table, epochs: list[int], conversations: list[int]
+                        ) -> pa.Table:
+    """A cache-row table plus the stream's ``epoch`` (int32) and ``conversation`` (int64, index
+    in cache order; -1 when not known)."""
     table = table.append_column("epoch", pa.array(epochs, pa.int32()))
-    table = table.append_column("conversation", pa.array(conversations, pa.int64()))
-    return table.append_column("start_step", pa.array([start_step] * n, pa.int64()))
+    return table.append_column("conversation", pa.array(conversations, pa.int64()))
+
+
+@dataclass
+class Checkpoints:
+    """Where a run's checkpoints are, and the one the driver starts from."""
+
+    storage_path: str  # Ray Train's storage path
+    run_name: str
+    storage_options: dict
+    resume: str | None  # the driver's choice (pipeline.train.run_train), None: step 0
+    calls: int = 0
+
+    def current(self) -> str | None:
+        """The checkpoint a starting worker group continues from: the driver's choice the first
+        time, the run's newest complete one after a restart (as the workers choose,
+        ``pipeline.checkpoints.restore_choice``)."""
+        from .checkpoints import latest_checkpoint
+
+        self.calls += 1
+        if self.calls == 1:
+            return self.resume
+        return latest_checkpoint(self.storage_path, self.run_name, self.storage_options) \
+            or self.resume
 
 
 @dataclass
 class TrainStream:
     """The online stream of one training run, as a dataset factory for ``TorchTrainer(datasets=
-    ...)``: Ray Train calls it at every worker-group start (``ray.train.v2``). The first call
-    starts at ``start_step`` (the checkpoint the driver resumes from, or 0); a later call (a
-    restart after a worker failure) at the newest complete checkpoint of the run, which is the
-    one the workers restore (``pipeline.train_state.resume_checkpoint``).
+    ...)`` (Ray Train calls it at every worker-group start, ``ray.train.v2``): from the oldest
+    epoch with samples left in the checkpoint's record on, without the samples it lists.
 
     Attributes:
         conversations: ObjectRef of the split's generate output (bytes).
-        samples_per_conversation: int64 [conversations] in id order (:func:`scan_split`).
-        total_steps, global_batch_size: the run's schedule; the stream covers it (plus an
-            epoch, since a worker's equal share may drop a few rows).
+        scan: the split's :class:`SplitScan` (ids and sample counts in cache order).
+        total_steps, global_batch_size: the run's schedule; the stream covers it plus an epoch
+            (a worker's equal share may drop a few rows).
     """
 
     conversations: object
-    samples_per_conversation: np.ndarray
+    scan: SplitScan
     target: CacheTarget
     cache: CacheConfig
     seed: int
-    start_step: int
     total_steps: int
     global_batch_size: int
-    checkpoints: tuple[str, str, dict]  # (Ray Train storage path, run name, storage options)
-    calls: int = 0
+    checkpoints: Checkpoints
 
     def __call__(self):
-        step = self.start_step
-        if self.calls:
-            step = newest_checkpoint_step(*self.checkpoints, default=self.start_step)
-        self.calls += 1
-        return self.dataset(step)
+        return self.dataset(read_state(self.checkpoints.current(), self.scan.rows,
+                                       self.checkpoints.storage_options))
 
-    def dataset(self, step: int):
-        """The stream from optimizer step ``step`` on (a lazy Ray Data dataset)."""
+    def dataset(self, state: StreamState):
+        """The stream after what ``state`` records as trained on (a lazy Ray Data dataset)."""
         import ray
 
-        n = len(self.samples_per_conversation)
-        per_epoch = int(self.samples_per_conversation.sum())
-        first = stream_start(self.samples_per_conversation, self.seed,
-                             step * self.global_batch_size)
-        needed = self.total_steps * self.global_batch_size
-        end = (-(-needed // per_epoch) + 1) * n
-        logger.info("online stream from step %d: conversation position %d of %d", step, first,
-                    end)
-        return (ray.data.range(max(end - first, 1))
-                .map_batches(_positions, fn_kwargs={"first": first, "num_conversations": n,
-                                                    "seed": self.seed}, batch_format="numpy")
+        n, rows = len(self.scan.ids), self.scan.rows
+        first = state.first_open_epoch()
+        end = max(first + 1, -(-self.total_steps * self.global_batch_size // rows) + 1)
+        skip = {e: self._fully_consumed(ids) for e, ids in state.consumed.items()}
+        logger.info("online stream: epochs %d to %d, %d samples already trained on left out",
+                    first, end - 1, sum(len(ids) for ids in state.consumed.values()))
+        return (ray.data.range((end - first) * n)
+                .map_batches(_positions, fn_kwargs={"first_epoch": first, "num_conversations": n,
+                                                    "seed": self.seed, "skip": skip},
+                             batch_format="numpy")
                 .map_batches(FeatureStreamUDF, fn_constructor_kwargs={
                     "target": self.target, "cache": self.cache,
-                    "conversations": self.conversations, "start_step": step},
+                    "conversations": self.conversations, "consumed": state.consumed},
                     batch_size=self.cache.rows_per_row_group,
                     compute=ray.data.ActorPoolStrategy(size=self.cache.num_actors),
                     num_cpus=self.cache.cpus_per_actor,
                     num_gpus=self.cache.gpus_per_actor or None, batch_format="numpy"))
 
-
-def newest_checkpoint_step(storage_path: str, run_name: str, storage_options: dict,
-                           default: int = 0) -> int:
-    """The step of the run's newest complete checkpoint (``default`` when there is none)."""
-    from .checkpoints import inspect_checkpoint, latest_checkpoint
-
-    path = latest_checkpoint(storage_path, run_name, storage_options)
-    return default if path is None else int(inspect_checkpoint(path, storage_options).step)
+    def _fully_consumed(self, consumed: set[str]) -> np.ndarray:
+        """Sorted indices of the conversations all of whose samples are in ``consumed``."""
+        return np.array([i for i, (cid, k) in enumerate(zip(self.scan.ids,
+                                                             self.scan.samples_per_conversation))
+                         if k and all(s in consumed for s in sample_ids(cid, int(k)))],
+                        dtype=np.int64)
 
 
 @dataclass
 class HeldoutStream:
     """The held-out rows the workers evaluate on (dataset factory): the first ``eval_rows``
-    samples of the held-out split in id order, the rows the offline path reads from the held-out
-    cache."""
+    samples of the held-out split in cache order, the rows the offline path reads from the
+    held-out cache."""
 
     conversations: object
     samples_per_conversation: np.ndarray
@@ -296,7 +319,7 @@ class HeldoutStream:
                              batch_format="numpy")
                 .map_batches(FeatureStreamUDF, fn_constructor_kwargs={
                     "target": self.target, "cache": self.cache,
-                    "conversations": self.conversations, "start_step": 0},
+                    "conversations": self.conversations},
                     batch_size=self.cache.rows_per_row_group,
                     compute=ray.data.ActorPoolStrategy(size=1),
                     num_cpus=self.cache.cpus_per_actor,
@@ -306,19 +329,23 @@ class HeldoutStream:
 class HybridShardUDF:
     """Ray Data callable class (hybrid mode, epoch 0): one packed cache shard per input row (the
     cache stage's ``shard``, ``path``, ``fingerprint``, ``rows``) -> the shard's rows, a row group
-    at a time, with ``epoch`` 0. A shard without a sidecar of the same fingerprint is written
-    first (:class:`pipeline.cache.CacheWriterUDF`, retries included); the rows streamed on are
-    read back from the written file, so training sees exactly the cached bytes and an
-    interrupted run never computes a written shard again.
+    at a time, with ``epoch`` 0, less the samples already trained on (``consumed``). A shard
+    without a sidecar of the same fingerprint is written first (:class:`pipeline.cache.
+    CacheWriterUDF`, retries included); the rows streamed on are read back from the written file,
+    so training sees exactly the cached bytes and an interrupted run never computes a written
+    shard again.
     """
 
-    def __init__(self, target: CacheTarget, cache: CacheConfig, storage_options: dict):
+    def __init__(self, target: CacheTarget, cache: CacheConfig, storage_options: dict,
+                 consumed: set[str] | None = None):
         from .cache import CacheWriterUDF
 
         self.writer = CacheWriterUDF(target, cache, storage_options)
         self.storage_options = storage_options
+        self.consumed = consumed or set()
 
     def __call__(self, batch: dict[str, np.ndarray]):
+        import pyarrow.compute as pc
         import pyarrow.parquet as pq
 
         for shard, path, fingerprint, rows_json in zip(batch["shard"], batch["path"],
@@ -333,8 +360,41 @@ class HybridShardUDF:
                 parquet = pq.ParquetFile(fh)
                 for g in range(parquet.num_row_groups):
                     table = parquet.read_row_group(g)
-                    yield with_stream_columns(table, [0] * table.num_rows,
-                                              [-1] * table.num_rows, 0)
+                    if self.consumed:
+                        table = table.filter(pc.invert(pc.is_in(
+                            table.column("sample_id"),
+                            value_set=pa.array(sorted(self.consumed), pa.string()))))
+                    if table.num_rows:
+                        yield with_stream_columns(table, [0] * table.num_rows,
+                                                  [-1] * table.num_rows)
+
+
+@dataclass
+class HybridStream:
+    """Hybrid's first epoch as a dataset factory: the packed shards (``pipeline.cache.
+    pack_shards``) in a seeded order through :class:`HybridShardUDF`, less what the checkpoint
+    the workers continue from records as trained on."""
+
+    packed: object  # a materialized Ray Data dataset, one row per shard
+    rows: int  # samples of the epoch
+    target: CacheTarget
+    cache: CacheConfig
+    seed: int
+    checkpoints: Checkpoints
+
+    def __call__(self):
+        import ray
+
+        state = read_state(self.checkpoints.current(), self.rows,
+                           self.checkpoints.storage_options)
+        c = self.cache
+        return self.packed.random_shuffle(seed=self.seed).map_batches(
+            HybridShardUDF, fn_constructor_kwargs={
+                "target": self.target, "cache": c,
+                "storage_options": self.checkpoints.storage_options,
+                "consumed": state.consumed.get(0, set())},
+            batch_size=1, compute=ray.data.ActorPoolStrategy(size=c.num_actors),
+            num_cpus=c.cpus_per_actor, num_gpus=c.gpus_per_actor or None, batch_format="numpy")
 
 
 def put_conversations(path: str, storage_options: dict):

@@ -39,9 +39,10 @@ def run_train(*, cache_dir: str, manifest: dict, out_dir: Path, target: str, lay
     Args:
         manifest: the cache's manifest; for streamed training (``streams``) one with the
             statistics of the stream and no shards (:func:`pipeline.train_modes.stream_manifest`).
-        streams: None (read the cache at ``cache_dir``) or a function (start step, total steps) ->
-            the datasets ``train`` and optionally ``heldout`` that stream the target features
-            to the workers (:mod:`pipeline.feature_stream`): Ray Data datasets or factories.
+        streams: None (read the cache at ``cache_dir``) or a function (the run's
+            :class:`pipeline.feature_stream.Checkpoints`, total steps) -> the datasets ``train``
+            and optionally ``heldout`` that stream the target features to the workers
+            (:mod:`pipeline.feature_stream`): Ray Data datasets or dataset factories.
         stop_step: end training there, checkpointed, though the LR schedule runs to the
             planned total (hybrid's first epoch); None: the total.
 
@@ -78,8 +79,7 @@ def run_train(*, cache_dir: str, manifest: dict, out_dir: Path, target: str, lay
     total = per_epoch * train.num_epochs
     if train.max_steps:
         total = min(total, train.max_steps)
-    storage_path = (storage.resolve(train.storage_path) if train.storage_path
-                    else str((out_dir / "ray_train").resolve()))
+    storage_path = train_storage_path(train, out_dir)
     storage.check_writable(storage_path, storage_options)  # a bad bucket or path fails now
     resume = None
     if train.resume_from == "latest":  # the newest complete one; incomplete ones are logged
@@ -99,10 +99,9 @@ def run_train(*, cache_dir: str, manifest: dict, out_dir: Path, target: str, lay
         from ray.data import ExecutionOptions, ExecutionResources
         from ray.train import DataConfig
 
-        from .checkpoints import inspect_checkpoint
+        from .feature_stream import Checkpoints
 
-        start = inspect_checkpoint(resume, storage_options).step if resume else 0
-        datasets = streams(int(start or 0), total)
+        datasets = streams(Checkpoints(storage_path, run_name, storage_options, resume), total)
         # back-pressure: the feature actors wait once this much streamed data is in flight
         dataset_config = DataConfig(datasets_to_split=["train"], execution_options=ExecutionOptions(
             resource_limits=ExecutionResources(
@@ -164,6 +163,15 @@ def run_train(*, cache_dir: str, manifest: dict, out_dir: Path, target: str, lay
     steps = int((result.metrics or {}).get("step", total))
     return {"steps": steps, "rows": rows, "metrics": result.metrics or {}, "resumed_from": resume,
             "checkpoint": result.checkpoint.path, "draft_vocab": vocab_report}
+
+
+def train_storage_path(train: TrainConfig, out_dir: Path) -> str:
+    """Where Ray Train keeps the run's checkpoints: ``train.storage_path`` or
+    ``<out_dir>/ray_train``."""
+    from . import storage
+
+    return (storage.resolve(train.storage_path) if train.storage_path
+            else str((out_dir / "ray_train").resolve()))
 
 
 def select_draft_vocab(manifest: dict, size: int) -> tuple[list[int] | None, dict]:

@@ -378,7 +378,10 @@ def worker_micro_batches(order: np.ndarray, step_in_epoch: int, global_batch_siz
     return [mine[i:i + micro_batch_size] for i in range(0, per_worker, micro_batch_size)]
 
 
-def row_generator(seed: int, epoch: int, row_id: int):
+HELDOUT_EPOCH = -1  # the epoch that seeds held-out rows' anchors (the same at every evaluation)
+
+
+def row_generator(seed: int, epoch: int, row_id: int | str):
     """The anchor-sampling RNG of one row in one epoch (independent of which worker reads it)."""
     import hashlib
 

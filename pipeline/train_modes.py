@@ -82,6 +82,29 @@ def _run(ctx: StageContext, manifest: dict, train=None, **kwargs) -> dict:
         storage_options=ctx.cfg.storage_options, run_name=ctx.run_dir.name, **kwargs)
 
 
+def check_resources(ctx: StageContext) -> None:
+    """The trainers and the target actors must fit the cluster together: Ray Data waits for
+    actors it cannot place without a word, so a config that over-asks would hang.
+
+    Raises:
+        ValueError: naming the fields and what they ask against what the cluster has.
+    """
+    import ray
+
+    tc, c = ctx.cfg.train, ctx.cfg.cache
+    have = ray.cluster_resources()
+    # one CPU more for Ray Data's small tasks (the stream's positions, reading the output)
+    cpus = tc.num_workers * tc.cpus_per_worker + c.num_actors * c.cpus_per_actor + 1
+    gpus = tc.num_workers * int(tc.use_gpu) + c.num_actors * c.gpus_per_actor
+    if cpus > have.get("CPU", 0) or gpus > have.get("GPU", 0):
+        raise ValueError(
+            f"train.data_mode {tc.data_mode} runs the trainers and the target actors together: "
+            f"train.num_workers x train.cpus_per_worker + cache.num_actors x "
+            f"cache.cpus_per_actor + 1 = {cpus:g} CPUs and {gpus:g} GPUs, the Ray cluster has "
+            f"{have.get('CPU', 0):g} CPUs and {have.get('GPU', 0):g} GPUs; lower them (or raise "
+            "ray.num_cpus on a single machine)")
+
+
 def train_online(ctx: StageContext) -> dict:
     """``train.data_mode: online``: returns the :func:`pipeline.train.run_train` result."""
     from .data_stages import cache_target
@@ -89,22 +112,20 @@ def train_online(ctx: StageContext) -> dict:
     from .train_data import steps_per_epoch
 
     ensure_ray(ctx.cfg)
+    check_resources(ctx)
     files = generated_files(ctx)
     scans = _scan(ctx, files)
     manifest = stream_manifest(ctx, scans)
-    tc, so = ctx.cfg.train, ctx.cfg.storage_options
-    conversations = put_conversations(files["train"], so)
+    tc = ctx.cfg.train
+    conversations = put_conversations(files["train"], ctx.cfg.storage_options)
     heldout = _heldout(ctx, files, scans)
-    storage_path = (storage.resolve(tc.storage_path) if tc.storage_path
-                    else str((ctx.stage_dir("train") / "ray_train").resolve()))
     logger.info("online training: %d samples per epoch (%d steps), features streamed from %d "
                 "target actor(s)", scans["train"].rows,
                 steps_per_epoch(scans["train"].rows, tc.global_batch_size), ctx.cfg.cache.num_actors)
 
-    def streams(start_step: int, total_steps: int) -> dict:
-        train = TrainStream(conversations, scans["train"].samples_per_conversation,
-                            cache_target(ctx), ctx.cfg.cache, tc.seed, start_step, total_steps,
-                            tc.global_batch_size, (storage_path, ctx.run_dir.name, so))
+    def streams(checkpoints, total_steps: int) -> dict:
+        train = TrainStream(conversations, scans["train"], cache_target(ctx), ctx.cfg.cache,
+                            tc.seed, total_steps, tc.global_batch_size, checkpoints)
         return {"train": train, **({"heldout": heldout} if heldout else {})}
 
     return _run(ctx, manifest, streams=streams)
@@ -114,14 +135,14 @@ def train_hybrid(ctx: StageContext) -> dict:
     """``train.data_mode: hybrid`` without a finished cache: the first epoch streams (and writes)
     the cache, the rest reads it. Returns the last phase's :func:`pipeline.train.run_train`
     result with ``phases`` (steps of each)."""
-    import ray
-
     from .cache import pack_shards
+    from .cache_format import read_manifest
     from .data_stages import cache_target, write_cache
-    from .feature_stream import HybridShardUDF
+    from .feature_stream import HybridStream
     from .train_data import steps_per_epoch
 
     ensure_ray(ctx.cfg)
+    check_resources(ctx)
     files = generated_files(ctx)
     scans = _scan(ctx, files)
     tc, so, c = ctx.cfg.train, ctx.cfg.storage_options, ctx.cfg.cache
@@ -130,13 +151,9 @@ def train_hybrid(ctx: StageContext) -> dict:
     packed, _ = pack_shards(files["train"], ctx.cache_dir, "train", cache_target(ctx), c)
     heldout = _heldout(ctx, files, scans)
 
-    def streams(start_step: int, total_steps: int) -> dict:
-        # the shards in a seeded order (one row each), streamed row group by row group
-        train = packed.random_shuffle(seed=tc.seed).map_batches(
-            HybridShardUDF, fn_constructor_kwargs={"target": cache_target(ctx), "cache": c,
-                                                   "storage_options": so},
-            batch_size=1, compute=ray.data.ActorPoolStrategy(size=c.num_actors),
-            num_cpus=c.cpus_per_actor, num_gpus=c.gpus_per_actor or None, batch_format="numpy")
+    def streams(checkpoints, total_steps: int) -> dict:
+        train = HybridStream(packed, scans["train"].rows, cache_target(ctx), c, tc.seed,
+                             checkpoints)
         return {"train": train, **({"heldout": heldout} if heldout else {})}
 
     first = _run(ctx, stream_manifest(ctx, scans), streams=streams, stop_step=per_epoch)
@@ -147,8 +164,6 @@ def train_hybrid(ctx: StageContext) -> dict:
         return {**first, "phases": phases}
     logger.info("hybrid: first epoch streamed and cached; finishing the cache")
     cache_summary = write_cache(ctx)
-    from .cache_format import read_manifest
-
     rest = _run(ctx, read_manifest(ctx.cache_dir, so),
                 train=tc.model_copy(update={"resume_from": "latest", "verify_cache": False}))
     phases["cached_steps"] = rest["steps"] - first["steps"]

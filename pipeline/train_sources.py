@@ -8,20 +8,18 @@
 Both hand out micro-batches as ``(keys, samples)``: ``samples`` decoded cache rows
 (:func:`pipeline.cache_format.decode_columns`), ``keys`` one ``(epoch, row key)`` per sample that
 seeds its anchor sampling (:func:`pipeline.train_data.row_generator`); and the held-out
-micro-batches, the first ``train.eval_rows`` held-out samples in id order, this worker's every
+micro-batches, the first ``train.eval_rows`` held-out samples in cache order, this worker's every
 ``world``-th of them.
 """
 
 from __future__ import annotations
 
-import logging
 from typing import Iterator
 
-from .train_data import ArrowRowGroup, CacheRowIndex, CacheRowReader, worker_plan
+from .train_data import (HELDOUT_EPOCH, ArrowRowGroup, CacheRowIndex, CacheRowReader,
+                         worker_plan)
 
-logger = logging.getLogger(__name__)
 PREFETCH_MICRO_BATCHES = 4  # micro-batches each worker reads ahead of its training loop
-HELDOUT_EPOCH = -1  # the epoch that seeds held-out anchors
 
 
 class CachedRows:
@@ -52,6 +50,12 @@ class CachedRows:
             epoch = (start_step + k // micro_per_step) // steps_per_epoch
             yield [(epoch, r) for r in rows], samples
 
+    def restore(self, checkpoint_dir: str) -> None:
+        """Nothing to restore: the data position follows from the step."""
+
+    def checkpoint_files(self) -> dict[str, str]:
+        return {}
+
     def heldout_batches(self, micro_batch_size: int):
         for i in range(0, len(self.heldout_rows), micro_batch_size):
             rows = self.heldout_rows[i:i + micro_batch_size]
@@ -71,21 +75,34 @@ class CachedRows:
 
 class StreamedRows:
     """This worker's shards of the datasets ``train`` and (when evaluating) ``heldout`` that the
-    driver handed ``TorchTrainer`` (:mod:`pipeline.feature_stream`).
+    driver handed ``TorchTrainer`` (:mod:`pipeline.feature_stream`). It records the
+    ``(epoch, sample id)`` of every sample it hands to training; :meth:`checkpoint_files` merges
+    every worker's records into the checkpoint's ``stream_state.json``
+    (:mod:`pipeline.stream_state`), which the rebuilt stream of a restart leaves out.
 
     Raises (from :meth:`micro_batches`):
         RuntimeError: the stream ended before ``end_step`` (fewer rows than the schedule needs).
     """
 
     def __init__(self, hidden: int, num_context_layers: int, eval_rows: int | None, rank: int,
-                 world: int):
+                 world: int, rows_per_epoch: int):
         import ray.train
+
+        from .stream_state import StreamState
 
         self.train = ray.train.get_dataset_shard("train")
         self.heldout = ray.train.get_dataset_shard("heldout") if eval_rows else None
         self.hidden, self.m = hidden, num_context_layers
         self.eval_rows, self.rank, self.world = eval_rows, rank, world
+        self.state = StreamState(rows_per_epoch)  # rank 0: the merged record so far
+        self.records: list[list[tuple[int, str]]] = []  # since the last checkpoint
         self._heldout_samples: list | None = None
+
+    def restore(self, checkpoint_dir: str) -> None:
+        """Continue the record of a restored checkpoint (local directory)."""
+        from .stream_state import read_state
+
+        self.state = read_state(checkpoint_dir, self.state.rows_per_epoch)
 
     def _decode(self, table) -> tuple[list[tuple[int, str]], list[dict]]:
         group = ArrowRowGroup(table)
@@ -95,32 +112,42 @@ class StreamedRows:
 
     def micro_batches(self, start_step: int, end_step: int, steps_per_epoch: int, tc
                       ) -> Iterator[tuple[list[tuple[int, str]], list[dict]]]:
-        """Micro-batches of ``tc.micro_batch_size`` rows from the stream. A stream built for an
-        earlier step than ``start_step`` (a restart that found no newer checkpoint than the one
-        the stream was built for cannot; an explicit ``resume_from`` older than the newest
-        checkpoint can) is advanced by the rows of the steps between."""
-        per_worker_step = tc.global_batch_size // self.world
+        """Micro-batches of ``tc.micro_batch_size`` rows from the stream, each recorded as
+        trained on when handed out."""
         batches = self.train.iter_batches(
             batch_size=tc.micro_batch_size, batch_format="pyarrow", drop_last=True,
             prefetch_batches=2, local_shuffle_buffer_size=tc.stream_shuffle_rows or None,
             local_shuffle_seed=None if not tc.stream_shuffle_rows else tc.seed + self.rank)
-        skip, needed = None, (end_step - start_step) * per_worker_step // tc.micro_batch_size
+        needed = (end_step - start_step) * (tc.global_batch_size // self.world) \
+            // tc.micro_batch_size
         for table in batches:
-            if skip is None:
-                built_for = int(table.column("start_step")[0].as_py())
-                skip = max(0, start_step - built_for) * per_worker_step // tc.micro_batch_size
-                if built_for > start_step:
-                    logger.warning("the feature stream starts at step %d, the workers at %d: "
-                                   "the steps between see later samples", built_for, start_step)
-            if skip:
-                skip -= 1
-                continue
-            yield self._decode(table)
-            needed -= 1
             if needed == 0:
                 return
-        raise RuntimeError(f"the feature stream ended {needed} micro-batches before step "
-                           f"{end_step} (too few rows for the schedule)")
+            keys, samples = self._decode(table)
+            self.records.append(keys)
+            yield keys, samples
+            needed -= 1
+        if needed:
+            raise RuntimeError(f"the feature stream ended {needed} micro-batches before step "
+                               f"{end_step} (too few rows for the schedule)")
+
+    def checkpoint_files(self) -> dict[str, str]:
+        """Gather every worker's records since the last checkpoint (all workers call it
+        together); rank 0 returns ``{"stream_state.json": merged record}``, the others {}."""
+        import torch.distributed as dist
+
+        from .stream_state import STATE_FILE, merged_state, worker_records
+
+        mine = worker_records(self.records)
+        self.records = []
+        gathered = [mine]
+        if dist.is_available() and dist.is_initialized() and self.world > 1:
+            gathered = [None] * self.world
+            dist.all_gather_object(gathered, mine)
+        if self.rank != 0:
+            return {}
+        self.state = merged_state(self.state, gathered)
+        return {STATE_FILE: self.state.to_json()}
 
     def _load_heldout(self) -> list:
         import pyarrow as pa
@@ -129,12 +156,15 @@ class StreamedRows:
         if not tables:
             return []
         table = pa.concat_tables(tables)
-        # the offline path's held-out rows: the first samples in conversation (id) order; a
-        # conversation's samples keep their order (stable sort)
-        order = sorted(range(table.num_rows),
-                       key=lambda i: table.column("conversation")[i].as_py())
-        mine = order[:self.eval_rows][self.rank::self.world]
-        return list(zip(*self._decode(table.take(mine)))) if mine else []
+        # the offline path's held-out rows: the first samples in cache order, a conversation's
+        # samples in their order (stable sort); keyed by that index, as the offline rows are
+        convs = table.column("conversation").to_pylist()
+        order = sorted(range(table.num_rows), key=lambda i: convs[i])[:self.eval_rows]
+        mine = list(range(len(order)))[self.rank::self.world]
+        if not mine:
+            return []
+        _, samples = self._decode(table.take([order[i] for i in mine]))
+        return list(zip(mine, samples))
 
     def heldout_batches(self, micro_batch_size: int):
         if self._heldout_samples is None:
@@ -142,7 +172,7 @@ class StreamedRows:
         rows = self._heldout_samples
         for i in range(0, len(rows), micro_batch_size):
             chunk = rows[i:i + micro_batch_size]
-            yield [(HELDOUT_EPOCH, key) for (_, key), _ in chunk], [s for _, s in chunk]
+            yield [(HELDOUT_EPOCH, row) for row, _ in chunk], [s for _, s in chunk]
 
     @property
     def has_heldout(self) -> bool:

@@ -16,12 +16,13 @@ logger = logging.getLogger(__name__)
 
 
 def save_training_state(engine, step: int, world: int, history: list[dict], metrics: dict,
-                        loop_cfg: dict) -> None:
+                        loop_cfg: dict, extra_files: dict[str, str] | None = None) -> None:
     """Report a Ray Train checkpoint: DeepSpeed state (model, optimizer, LR schedule; every rank
     writes its shard), the HF drafter directory, the training log and ``train_state.json``; then,
     once every rank's upload has returned, rank 0 marks it complete (``pipeline/checkpoints.py``:
     the marker lists every rank's files and sizes, so ``resume_from: latest`` can tell a
     checkpoint some rank did not finish from a complete one). All workers call this together.
+    ``extra_files`` ({name: text}) are written into the checkpoint too (by the ranks given any).
 
     Raises:
         OSError: writing the completion marker failed (the checkpoint then counts as incomplete).
@@ -41,6 +42,9 @@ def save_training_state(engine, step: int, world: int, history: list[dict], metr
                 fh.writelines(json.dumps(h) + "\n" for h in history)
             with open(os.path.join(tmp, STATE), "wb") as fh:
                 fh.write(train_state_bytes(step, world))
+        for name, text in (extra_files or {}).items():  # e.g. the stream's consumed samples
+            with open(os.path.join(tmp, name), "w") as fh:
+                fh.write(text)
         rank_files = [None] * world
         dist.all_gather_object(rank_files, local_files(tmp))
         ray.train.report(metrics, checkpoint=Checkpoint.from_directory(tmp))

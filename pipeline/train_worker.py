@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import time
 
 from typing import TYPE_CHECKING
 
@@ -165,6 +166,14 @@ def train_loop_per_worker(loop_cfg: dict) -> None:
             opt, lr_lambda(total_steps, tc.warmup_ratio)))
     objective, weights = dcfg.spec.training_objective(dcfg)
     weights = weights.to(device)
+    hidden, m = loop_cfg["hidden_size"], len(loop_cfg["layer_ids"])
+    eval_rows = tc.eval_rows if tc.eval_every else None
+    if loop_cfg.get("streamed"):  # train.data_mode online, or hybrid's first epoch
+        data = StreamedRows(hidden, m, eval_rows if loop_cfg["streamed_heldout"] else None,
+                            rank, world, loop_cfg["manifest"]["splits"]["train"]["rows"])
+    else:
+        data = CachedRows(loop_cfg["cache_dir"], loop_cfg["manifest"], loop_cfg["storage_options"],
+                          hidden, m, eval_rows, rank, world)
     step = 0
     restored = resume_checkpoint(loop_cfg)
     history = []
@@ -172,15 +181,11 @@ def train_loop_per_worker(loop_cfg: dict) -> None:
         with restored.as_directory() as ckpt_dir:
             step = load_training_state(engine, ckpt_dir)
             history = load_training_log(ckpt_dir, step)
+            data.restore(ckpt_dir)
 
-    hidden, m = loop_cfg["hidden_size"], len(loop_cfg["layer_ids"])
-    eval_rows = tc.eval_rows if tc.eval_every else None
-    if loop_cfg.get("streamed"):  # train.data_mode online, or hybrid's first epoch
-        data = StreamedRows(hidden, m, eval_rows if loop_cfg["streamed_heldout"] else None,
-                            rank, world)
-    else:
-        data = CachedRows(loop_cfg["cache_dir"], loop_cfg["manifest"], loop_cfg["storage_options"],
-                          hidden, m, eval_rows, rank, world)
+    def checkpoint(metrics: dict) -> None:  # all workers together
+        save_training_state(engine, step, world, history, metrics, loop_cfg,
+                            extra_files=data.checkpoint_files())
 
     run = bar = None
     if rank == 0 and loop_cfg["wandb"]["mode"] != "disabled":
@@ -221,7 +226,7 @@ def train_loop_per_worker(loop_cfg: dict) -> None:
     # whole run's
     end_step = min(total_steps, loop_cfg.get("stop_step") or total_steps)
     if history and step >= end_step:  # nothing left to train: report the restored state once
-        save_training_state(engine, step, world, history, history[-1], loop_cfg)
+        checkpoint(history[-1])
     skipped, bad_in_a_row = (history[-1].get("skipped_steps", 0) if history else 0), 0
     # times this run continued from a checkpoint (a worker-group restart or a re-run's resume)
     resumes = history[-1].get("resumes", 0) + 1 if restored is not None and history else 0
@@ -231,9 +236,11 @@ def train_loop_per_worker(loop_cfg: dict) -> None:
     stream = data.micro_batches(step, end_step, per_epoch, tc)
     while step < end_step:
         epoch = step // per_epoch
-        outs, bad = [], False
+        outs, bad, waited = [], False, 0.0
         for _ in range(micro_per_step):
+            t0 = time.perf_counter()
             keys, samples = next(stream)
+            waited += time.perf_counter() - t0
             gens = [row_generator(tc.seed, e, k) for e, k in keys]
             out = batch_losses(engine, samples, tc, objective, weights, device, gens)
             loss = out["loss"]
@@ -260,10 +267,12 @@ def train_loop_per_worker(loop_cfg: dict) -> None:
                     "are intact")
         else:
             bad_in_a_row = 0
+        # data_wait_s: this worker's time waiting for its micro-batches (reader or stream)
         last = {"step": step, "epoch": epoch, "lr": engine.get_lr()[0], "skipped_steps": skipped,
+                "data_wait_s": round(waited, 4),
                 "resumes": resumes,
                 **reduce_metrics(outs, dcfg.block_size, device=device)}
-        if data.has_heldout and (step % tc.eval_every == 0 or step in (total_steps, end_step)):
+        if data.has_heldout and (step % tc.eval_every == 0 or step == total_steps):
             last.update(heldout_metrics())
         history.append(last)
         if plateau_reached(history, tc.plateau_patience, tc.plateau_min_delta):
@@ -277,7 +286,7 @@ def train_loop_per_worker(loop_cfg: dict) -> None:
             bar.update(1)
             bar.set_postfix(loss=f"{last['loss']:.3f}", tau=f"{last['tau']:.2f}")
         if step == end_step or (tc.checkpoint_every and step % tc.checkpoint_every == 0):
-            save_training_state(engine, step, world, history, last, loop_cfg)
+            checkpoint(last)
     stream.close()
     data.close()
     if bar is not None:

@@ -1,13 +1,14 @@
 """Online features are the cache's features (issue 23, "same data, same model"): a streamed row
 is byte for byte the cached row of the same sample, so the drafter's loss on a fixed batch is the
 same from either; one epoch of the online stream holds every sample of the split exactly once; a
-resumed stream starts after the samples already consumed."""
+stream rebuilt from a checkpoint's record leaves out exactly the samples trained on."""
 
 from __future__ import annotations
 
 import json
 
 import numpy as np
+import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
@@ -17,8 +18,9 @@ from drafters.loading import build_drafter
 from drafters.target_weights import load_frozen_head
 from pipeline.cache import CacheTarget, CacheWriterUDF
 from pipeline.config import CacheConfig, TrainConfig
-from pipeline.feature_stream import (FeatureStreamUDF, TrainStream, epoch_order, scan_split,
-                                     stream_start)
+from pipeline.cache_format import shard_key
+from pipeline.feature_stream import Checkpoints, FeatureStreamUDF, TrainStream, scan_split
+from pipeline.stream_state import StreamState
 from pipeline.train_data import ArrowRowGroup, row_generator
 from pipeline.train_worker import batch_losses
 
@@ -52,15 +54,24 @@ def _jsonl(convs) -> bytes:
 
 
 def test_streamed_rows_are_the_cached_rows_and_give_the_same_loss(tmp_path, tiny_target_dir):
-    convs = sorted(conversations(5), key=lambda c: c["id"])
+    convs = sorted(conversations(5), key=lambda c: shard_key(c["id"]))  # the cache's order
     writer = CacheWriterUDF(_target(tiny_target_dir), CACHE, {})
     writer.write_shard(str(tmp_path / "shard-00000"), convs, "fp")
     cached = pq.read_table(tmp_path / "shard-00000.parquet")
-    stream = FeatureStreamUDF(_target(tiny_target_dir), CACHE, _jsonl(convs[::-1]), start_step=0)
-    streamed = stream({"epoch": np.zeros(5, dtype=np.int64), "conversation": np.arange(5)})
+    stream = FeatureStreamUDF(_target(tiny_target_dir), CACHE, _jsonl(convs[::-1]))
+    tables = list(stream({"epoch": np.zeros(5, dtype=np.int64), "conversation": np.arange(5)}))
+    assert [t.num_rows for t in tables] == [2, 2, 1]  # cut as the writer cuts row groups
+    streamed = pa.concat_tables(tables)
     for name in cached.column_names:
         assert streamed.column(name).to_pylist() == cached.column(name).to_pylist(), name
     assert streamed.column("epoch").to_pylist() == [0] * 5
+    assert streamed.column("conversation").to_pylist() == list(range(5))
+    # samples already trained on are left out
+    consumed = FeatureStreamUDF(_target(tiny_target_dir), CACHE, _jsonl(convs),
+                                consumed={0: {convs[1]["id"]}})
+    left = pa.concat_tables(list(consumed({"epoch": np.zeros(5, dtype=np.int64),
+                                           "conversation": np.arange(5)})))
+    assert left.column("sample_id").to_pylist() == [c["id"] for c in convs if c is not convs[1]]
 
     # the drafter's loss on one batch, from either source, with the same anchors
     target_cfg, emb, head, *_ = load_frozen_head(str(tiny_target_dir), 0)
@@ -87,14 +98,13 @@ def test_one_epoch_of_the_online_stream_holds_every_sample_once(tmp_path, tiny_t
     scan = scan_split(str(path), _target(tiny_target_dir), CACHE)
     # the bad conversation makes no sample, the two-turn one makes one per assistant turn when the
     # template renders history differently, else one
-    assert scan.ids == sorted(c["id"] for c in _convs())
+    assert scan.ids == sorted((c["id"] for c in _convs()), key=shard_key)  # cache order
     assert [e["id"] for e in scan.errors] == ["z-bad"]
     assert scan.rows == int(scan.samples_per_conversation.sum()) >= 7
     per_epoch = scan.rows // 2
-    stream = TrainStream(ray_local.put(path.read_bytes()), scan.samples_per_conversation,
-                         _target(tiny_target_dir), CACHE, seed=3, start_step=0,
-                         total_steps=per_epoch, global_batch_size=2,
-                         checkpoints=(str(tmp_path / "ckpt"), "t", {}))
+    stream = TrainStream(ray_local.put(path.read_bytes()), scan, _target(tiny_target_dir), CACHE,
+                         seed=3, total_steps=per_epoch, global_batch_size=2,
+                         checkpoints=Checkpoints(str(tmp_path / "ckpt"), "t", {}, None))
     rows = stream().select_columns(["sample_id", "epoch", "conversation"]).take_all()
     first = [r for r in rows if r["epoch"] == 0]
     assert sorted(r["sample_id"] for r in first) == sorted(
@@ -102,25 +112,18 @@ def test_one_epoch_of_the_online_stream_holds_every_sample_once(tmp_path, tiny_t
     assert len(first) == scan.rows and len({r["sample_id"] for r in first}) == scan.rows
     assert {r["epoch"] for r in rows} == {0, 1}  # the schedule plus one spare epoch
 
-    # resumed at step 2 (4 samples consumed): the stream begins at the first conversation of
-    # epoch 0's order whose samples were not all consumed
-    order = epoch_order(3, 0, len(scan.ids))
-    k = stream_start(scan.samples_per_conversation, 3, 4)
-    assert scan.samples_per_conversation[order[:k]].sum() <= 4
-    assert scan.samples_per_conversation[order[:k + 1]].sum() > 4
-    resumed = stream.dataset(2).select_columns(["conversation", "start_step"]).take_all()
-    assert {r["start_step"] for r in resumed} == {2}
-    assert {r["conversation"] for r in resumed} >= set(order[k + 1:].tolist()) - {
-        scan.ids.index("z-bad")}
-    assert len(resumed) == 2 * scan.rows - int(scan.samples_per_conversation[order[:k]].sum())
-
-
-@pytest.mark.parametrize("start_sample", [0, 1, 5, 13, 30])
-def test_stream_start_counts_whole_conversations(start_sample):
-    spc = np.array([1, 2, 0, 3, 1], dtype=np.int64)  # 7 samples per epoch
-    pos = stream_start(spc, 1, start_sample)
-    epoch, k = divmod(pos, len(spc))
-    within = start_sample % 7
-    assert epoch == start_sample // 7
-    cum = np.concatenate([[0], np.cumsum(spc[epoch_order(1, epoch, len(spc))])])
-    assert cum[k] <= within and (k == len(spc) or cum[k + 1] > within)
+    # rebuilt from a record: epoch 0 partly trained on (one of the two-turn conversation's
+    # samples among them), epoch 1 begun: each epoch holds exactly the samples left
+    ids = sorted(r["sample_id"] for r in first)
+    two_turn = [i for i in ids if i.startswith("m01")]
+    state = StreamState(scan.rows)
+    state.add(0, [i for i in ids if not i.startswith("m01")][:3] + two_turn[:1])
+    state.add(1, ids[-2:])
+    resumed = stream.dataset(state).select_columns(["sample_id", "epoch"]).take_all()
+    for epoch in (0, 1):
+        got = sorted(r["sample_id"] for r in resumed if r["epoch"] == epoch)
+        assert got == sorted(set(ids) - state.consumed[epoch]), epoch
+    # a complete epoch 0 makes the stream start at epoch 1
+    state.add(0, ids)
+    assert {r["epoch"] for r in stream.dataset(state).select_columns(["epoch"]).take_all()} \
+        == {1}

@@ -189,34 +189,38 @@ def test_batched_forwards_give_the_rows_of_per_sample_forwards(tiny_target_dir, 
         pq.read_table(tmp_path / "shard-00000.parquet"))
 
 
-def test_shards_are_cut_from_id_sorted_lines_and_fingerprinted_as_before():
-    """The driver-side plan (ids only) and the packing step give the shards and fingerprints of
-    the former in-memory plan (sorted conversations cut every N rows), so existing sidecars stay
-    valid; blank and truncated lines of the generate output are skipped; repeated ids refused."""
+def test_shards_are_cut_in_cache_order_and_mix_the_sources():
+    """The driver-side plan (ids only) and the packing step cut the conversations, sorted by
+    their hashed-id key (``cache_format.shard_key``), every N rows, and fingerprint each shard;
+    blank and truncated lines of the generate output are skipped; repeated ids refused. Ids
+    that start with their source's name land in shards of mixed sources."""
     import json
 
     from pipeline.cache import (_assign_shard, _key_lines, _pack_shard, shard_bounds,
                                 shard_fingerprint)
+    from pipeline.cache_format import shard_key
 
-    convs = [{"id": f"c{i:02d}", "domain": "math", "messages": [
+    convs = [{"id": f"{src}-{i:02d}", "domain": "math", "messages": [
         {"role": "user", "content": f"q{i} é"}, {"role": "assistant", "content": f"a{i}"}]}
-        for i in (7, 3, 9, 0, 4, 1, 8, 2, 6, 5)]
+        for src in ("alpha", "beta") for i in (7, 3, 9, 0, 4, 1, 8, 2, 6, 5)]
     lines = np.array([json.dumps(c, ensure_ascii=False) for c in convs] + ["", '{"id": "c1'],
                      dtype=object)
     keyed = _key_lines({"text": lines})
-    assert sorted(keyed["id"]) == [f"c{i:02d}" for i in range(10)]
-    bounds = shard_bounds(list(keyed["id"]), 4)
-    assert bounds == ["c04", "c08"]
+    assert sorted(keyed["id"]) == sorted(c["id"] for c in convs)
+    bounds = shard_bounds(list(keyed["id"]), 8)
+    ordered = sorted(convs, key=lambda c: shard_key(c["id"]))
+    assert bounds == [shard_key(ordered[8]["id"]), shard_key(ordered[16]["id"])]
     keyed = _assign_shard(keyed, bounds)
     settings = {"target": "t", "summary": 2}
-    ordered = sorted(convs, key=lambda c: c["id"])
     for shard in range(3):
         pick = keyed["shard"] == shard
         packed = _pack_shard({k: v[pick] for k, v in keyed.items()}, "/cache/train", settings)
-        want = ordered[4 * shard:4 * shard + 4]
+        want = ordered[8 * shard:8 * shard + 8]
         assert json.loads(packed["rows"][0]) == want
         assert packed["fingerprint"][0] == shard_fingerprint(want, settings)
         assert packed["path"][0] == f"/cache/train/shard-{shard:05d}"
+    first = {c["id"].split("-")[0] for c in ordered[:8]}
+    assert first == {"alpha", "beta"}  # sorted by id alone, shard 0 would be all "alpha"
     with pytest.raises(ValueError, match="'c03' occurs more than once"):
         shard_bounds(["c01", "c03", "c03"], 2)
 
