@@ -131,8 +131,8 @@ def kill_driver(proc: subprocess.Popen) -> None:
     time.sleep(1)
 
 
-def kill_process_matching(needle: str, session: int) -> int | None:
-    """SIGKILL the first process of ``session`` whose command line contains ``needle``."""
+def process_matching(needle: str, session: int) -> int | None:
+    """The first process of ``session`` whose command line contains ``needle``."""
     import psutil
 
     for pid in session_pids(session):
@@ -141,9 +141,16 @@ def kill_process_matching(needle: str, session: int) -> int | None:
         except psutil.Error:
             continue
         if needle in cmd:
-            os.kill(pid, signal.SIGKILL)
             return pid
     return None
+
+
+def kill_process_matching(needle: str, session: int) -> int | None:
+    """SIGKILL the first process of ``session`` whose command line contains ``needle``."""
+    pid = process_matching(needle, session)
+    if pid is not None:
+        os.kill(pid, signal.SIGKILL)
+    return pid
 
 
 def wait_until(predicate, proc: subprocess.Popen, timeout: float = 600, poll: float = 0.2) -> bool:
@@ -166,9 +173,14 @@ def sidecars(cache_dir: str) -> int:
     return len(list(Path(cache_dir, "train").glob("shard-*.json"))) if "://" not in cache_dir else 0
 
 
-def checkpoint_steps(run: Run) -> list[int]:
+def checkpoint_steps(run: Run, complete: bool = False) -> list[int]:
+    """Steps of the run's checkpoints (``complete``: only those whose completion marker is
+    written, ``pipeline/checkpoints.py``)."""
+    from pipeline.checkpoints import MARKER
+
     return sorted(json.loads(p.read_text())["step"]
-                  for p in (run.dir / "train" / "ray_train").glob("*/checkpoint_*/train_state.json"))
+                  for p in (run.dir / "train" / "ray_train").glob("*/checkpoint_*/train_state.json")
+                  if not complete or (p.parent / MARKER).exists())
 
 
 # ------------------------------------------------------------------------------ comparing outputs
@@ -292,11 +304,11 @@ def fault_generate_driver_kill(root: Path, ref: dict) -> dict:
 
 def kill_when(run: "Run", stages: str, ready, needle: str | None, poll: float = 0.2
               ) -> tuple[bool, int, int | None]:
-    """Start ``stages``, wait until ``ready()``, then kill -9 the process whose command line
+    """Start ``stages``, wait until ``ready(proc)``, then kill -9 the process whose command line
     holds ``needle`` (None: the driver), let the run end, and re-run the same stages if it
     failed. Returns (the fault was injected, the first exit code, the re-run's or None)."""
     proc = run.start(stages)
-    hit = wait_until(ready, proc, poll=poll)
+    hit = wait_until(lambda: ready(proc), proc, poll=poll)
     pid = None
     if hit and needle:
         pid = kill_process_matching(needle, proc.pid)
@@ -311,7 +323,7 @@ def _cache_fault(root: Path, ref_run: Run, ref: dict, name: str, what: str, need
     run = Run(root, name)
     run.copy_stages_from(ref_run, DATA_STAGES)
     injected, rc, rerun = kill_when(run, "prompts,generate,cache",
-                                    lambda: sidecars(run.cache_dir) >= 2, needle)
+                                    lambda proc: sidecars(run.cache_dir) >= 2, needle)
     return {"fault": what, "injected": injected, "outcome": outcome(rc, rerun), "stage": "cache",
             **compare(ref["cache"], cache_rows(run))}
 
@@ -330,7 +342,7 @@ def _train_fault(root: Path, ref_run: Run, ref: dict, name: str, what: str, work
     run = Run(root, name, ["train.max_failures=1"] if worker else [])
     run.copy_stages_from(ref_run, (*DATA_STAGES, "cache"))
     injected, rc, rerun = kill_when(run, "prompts,generate,cache,train",
-                                    lambda: 2 in checkpoint_steps(run),
+                                    lambda proc: 2 in checkpoint_steps(run),
                                     "RayTrainWorker" if worker else None, poll=0.05)
     row = {"fault": what, "injected": injected, "outcome": outcome(rc, rerun), "stage": "train", "lost": [], "duplicated": [],
            "changed": [], "extra": []}
@@ -352,27 +364,59 @@ def fault_train_driver_kill(root, ref_run, ref):
                         "kill -9 of the whole training job, then the same command", False)
 
 
+# online: more steps than the small pipeline's 8 and a tiny object-store budget, so the feature
+# actor is still at work (held back by back-pressure) when the fault comes, and no local shuffle
+# (with 11 samples an epoch, 64 buffered rows would blur six epochs)
+ONLINE = ["train.max_steps=40", "train.stream_object_store_gib=0.001",
+          "train.stream_shuffle_rows=0"]
+_online_reference: dict = {}
+
+
+def online_reference(root: Path, ref_run: Run) -> dict:
+    """The consumed-sample record of a fault-free online run with the faults' settings (once per
+    invocation): the epochs a run of 40 steps leaves open at its end, against which a faulty
+    run's record is compared."""
+    if not _online_reference:
+        run = Run(root, "online_reference", ["train.data_mode=online", *ONLINE])
+        run.copy_stages_from(ref_run, DATA_STAGES)
+        if run.run("prompts,generate,cache,train") != 0:
+            raise RuntimeError(f"the fault-free online run failed: {run.tail(40)}")
+        _online_reference.update(stream_record(run) or {})
+    return _online_reference
+
+
 def _streamed_fault(root: Path, ref_run: Run, ref: dict, name: str, what: str, mode: str,
                     kill: str | None) -> dict:
     """A fault during ``train.data_mode`` online or hybrid: kill -9 of a process whose command
     line holds ``kill`` (a feature actor, a training worker; ``max_failures`` 1) or, for None, of
-    the driver (then the same command again). Online stores no cache, so the check is the
-    training log (every step once, in order); hybrid's cache is compared with the fault-free
-    cache stage's, row by row."""
-    run = Run(root, name, [f"train.data_mode={mode}", "train.max_failures=1"])
+    the driver (then the same command again). Online stores no cache: its accounting is the
+    checkpoints' consumed-sample record against a fault-free online run's (lost = samples that
+    run trained on per epoch and this one did not; duplicated = samples trained on twice within
+    an epoch); hybrid's cache is compared with the fault-free cache stage's, row by row."""
+    run = Run(root, name, [f"train.data_mode={mode}", "train.max_failures=1",
+                           *(ONLINE if mode == "online" else [])])
     run.copy_stages_from(ref_run, DATA_STAGES)
     if mode == "hybrid" and kill is None:  # mid-way through the streamed, cache-writing epoch
-        ready = lambda: sidecars(run.cache_dir) >= 2  # noqa: E731
-    else:
-        ready = lambda: 2 in checkpoint_steps(run)  # noqa: E731
+        ready = lambda proc: sidecars(run.cache_dir) >= 2  # noqa: E731
+    elif kill == "FeatureStreamUDF":  # as soon as the actor runs: it streams the whole schedule
+        ready = lambda proc: process_matching(kill, proc.pid) is not None  # noqa: E731
+    else:  # a complete checkpoint to continue from (marker written), and steps still to go
+        ready = lambda proc: 2 in checkpoint_steps(run, complete=True)  # noqa: E731
+    expected = online_reference(root, ref_run) if mode == "online" else None
     injected, rc, rerun = kill_when(run, "prompts,generate,cache,train", ready, kill, poll=0.05)
-    row = {"fault": what, "injected": injected, "outcome": outcome(rc, rerun), "stage": f"train ({mode})", "lost": [],
-           "duplicated": [], "changed": [], "extra": []}
+    row = {"fault": what, "injected": injected, "outcome": outcome(rc, rerun),
+           "stage": f"train ({mode})", "lost": [], "duplicated": [], "changed": [], "extra": []}
     if mode == "hybrid" and (run.dir / "cache" / "manifest.json").exists():
         row.update(compare(ref["cache"], cache_rows(run)))
-    row.update(stream_accounting(run))
-    if mode == "online":  # no cache to compare: the stream's own record is the accounting
-        row["lost"], row["duplicated"] = row.pop("stream_lost", []), row.pop("stream_repeated", [])
+    record = stream_record(run)
+    if record:
+        row["stream_epochs"] = {e: f"{d}/{record['rows']} distinct, {record['seen'][e]} trained on"
+                                for e, d in record["distinct"].items()}
+        row["stream_repeated"] = sum(record["seen"][e] - d for e, d in record["distinct"].items())
+    if mode == "online" and record:
+        row["lost"] = sum(max(0, d - record["distinct"].get(e, 0))
+                          for e, d in expected["distinct"].items())
+        row["duplicated"] = row.pop("stream_repeated")
     if (run.dir / "train" / "drafter" / "training_log.jsonl").exists():
         log = [json.loads(l) for l in
                (run.dir / "train" / "drafter" / "training_log.jsonl").read_text().splitlines()]
@@ -381,23 +425,18 @@ def _streamed_fault(root: Path, ref_run: Run, ref: dict, name: str, what: str, m
     return row
 
 
-def stream_accounting(run: Run) -> dict:
-    """Lost and repeated streamed samples from the newest checkpoint's consumed-sample record
-    (``pipeline/stream_state.py``): per epoch that training finished (every epoch before the
-    newest), lost = samples - distinct trained on; repeated = trained on - distinct, summed over
-    the epochs. For hybrid only its first (streamed) epoch has a record."""
+def stream_record(run: Run) -> dict | None:
+    """The newest checkpoint's consumed-sample record (``pipeline/stream_state.py``):
+    ``rows`` per epoch, per epoch the ``seen`` (trained on) and ``distinct`` counts; None
+    without one. For hybrid only its first, streamed epoch has a record."""
     from pipeline.stream_state import STATE_FILE, StreamState
 
     files = sorted((run.dir / "train" / "ray_train").glob(f"*/checkpoint_*/{STATE_FILE}"))
     if not files:
-        return {"stream_record": "none"}
+        return None
     state = StreamState.from_json(files[-1].read_text())  # checkpoint names sort by time
-    finished = sorted(state.seen)[:-1] if state.consumed else sorted(state.seen)
-    lost = sum(state.rows_per_epoch - state.distinct[e] for e in finished)
-    repeated = sum(state.seen[e] - state.distinct[e] for e in state.seen)
-    return {"stream_lost": lost, "stream_repeated": repeated,
-            "stream_epochs": {e: f"{state.distinct[e]}/{state.rows_per_epoch} distinct, "
-                                 f"{state.seen[e]} trained on" for e in sorted(state.seen)}}
+    return {"rows": state.rows_per_epoch, "seen": dict(sorted(state.seen.items())),
+            "distinct": dict(sorted(state.distinct.items()))}
 
 
 def fault_online_feature_actor_kill(root, ref_run, ref):
@@ -709,6 +748,11 @@ NEEDS_REF_RUN = {name for name in FAULTS if not name.startswith("generate_")}
 
 
 # ------------------------------------------------------------------------------ report
+def count(ids_or_count) -> int:
+    """A row's lost / duplicated / changed: sample ids, or a count (streamed samples)."""
+    return ids_or_count if isinstance(ids_or_count, int) else len(ids_or_count)
+
+
 def write_report(rows: list[dict], meta: dict, out: str) -> None:
     Path(out).parent.mkdir(parents=True, exist_ok=True)
     Path(out + ".json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
@@ -728,11 +772,14 @@ def write_report(rows: list[dict], meta: dict, out: str) -> None:
         if not r.get("injected", True):
             notes = "FAULT NOT INJECTED; " + notes
         w = r.get("max_weight_diff")
-        count = lambda x: x if isinstance(x, int) else len(x)  # noqa: E731 - ids, or a count
         lines.append(f"| {r['fault']} | {r['stage']} | {r['outcome']} | {count(r['lost'])} | "
                      f"{count(r['duplicated'])} | {count(r['changed'])} | "
                      f"{'-' if w is None else f'{w:.2e}'} | {notes.replace('|', '/')} |")
-    Path(out + ".md").write_text("\n".join(lines) + "\n")
+    readings = ""  # the written readings below the table are kept
+    if Path(out + ".md").exists():
+        text = Path(out + ".md").read_text()
+        readings = text[text.index("\n## Reading"):] if "\n## Reading" in text else ""
+    Path(out + ".md").write_text("\n".join(lines) + "\n" + readings)
 
 
 def meta(ref: dict, args, started: float, partial: bool = False,
@@ -797,8 +844,8 @@ def main() -> int:
                    "outcome": f"harness error: {type(err).__name__}: {err}"[:300], "lost": [],
                    "duplicated": [], "changed": [], "extra": []}
         row["name"], row["seconds"] = name, round(time.time() - t0, 1)
-        print(f"  {row['outcome']}; lost {len(row['lost'])}, duplicated "
-              f"{len(row['duplicated'])}, changed {len(row['changed'])}", flush=True)
+        print(f"  {row['outcome']}; lost {count(row['lost'])}, duplicated "
+              f"{count(row['duplicated'])}, changed {count(row['changed'])}", flush=True)
         rows.append(row)
         write_report(earlier + rows, meta(ref, args, started, partial=True, before=before),
                      args.out)  # kept if stopped

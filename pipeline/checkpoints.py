@@ -58,11 +58,13 @@ class CheckpointStatus:
         path: the checkpoint directory (a local path or s3:// URL).
         step: the optimizer step of ``train_state.json`` (None when it is missing or unreadable).
         problem: why the checkpoint cannot be resumed from, or None when it is complete.
+        fit_id: the id of the ``run_train`` call that wrote it (None before fit ids).
     """
 
     path: str
     step: int | None
     problem: str | None
+    fit_id: str | None = None  # the training run (one ``run_train`` call) that wrote it
 
     @property
     def complete(self) -> bool:
@@ -76,11 +78,13 @@ def local_files(directory: str | Path) -> dict[str, int]:
             for p in sorted(root.rglob("*")) if p.is_file()}
 
 
-def train_state_bytes(step: int, world_size: int) -> bytes:
-    """``train_state.json`` as rank 0 writes it: the optimizer step, the worker count, and the
-    marker that completes the checkpoint (its absence then means some rank did not finish)."""
-    return json.dumps({"step": step, "world_size": world_size,
-                       "completion_marker": MARKER}).encode()
+def train_state_bytes(step: int, world_size: int, fit_id: str | None = None) -> bytes:
+    """``train_state.json`` as rank 0 writes it: the optimizer step, the worker count, the
+    marker that completes the checkpoint (its absence then means some rank did not finish) and
+    the id of the ``run_train`` call that wrote it (its worker-group restarts continue from its
+    own newest checkpoint, :func:`restore_choice`)."""
+    return json.dumps({"step": step, "world_size": world_size, "completion_marker": MARKER,
+                       **({"fit_id": fit_id} if fit_id else {})}).encode()
 
 
 def marker_document(step: int, rank_files: list[dict[str, int]]) -> dict:
@@ -143,15 +147,22 @@ def _listing(fs, directory: str) -> dict[str, int]:
             if info.get("type", "file") == "file" and name.startswith(prefix)}
 
 
-def _problem(files: dict[str, int], read, path: str) -> tuple[int | None, str | None]:
-    """(step, problem) of a checkpoint whose files are ``files`` ({relative path: size});
-    ``read(relative path) -> bytes`` reads one of them."""
+def _status(files: dict[str, int], read, path: str) -> CheckpointStatus:
+    """:class:`CheckpointStatus` of a checkpoint whose files are ``files``."""
     if STATE not in files:
-        return None, f"no {STATE} (rank 0 did not finish writing)"
+        return CheckpointStatus(path, None, f"no {STATE} (rank 0 did not finish writing)")
     try:
         state = parse_train_state(read(STATE), storage.join(path, STATE))
     except IncompleteCheckpointError as err:
-        return None, str(err)
+        return CheckpointStatus(path, None, str(err))
+    step, problem = _problem(files, read, path, state)
+    return CheckpointStatus(path, step, problem, state.get("fit_id"))
+
+
+def _problem(files: dict[str, int], read, path: str, state: dict
+             ) -> tuple[int | None, str | None]:
+    """(step, problem) of a checkpoint whose files are ``files`` ({relative path: size}) and
+    whose ``train_state.json`` says ``state``; ``read(relative path) -> bytes`` reads a file."""
     step = state["step"]
     if MARKER in files:
         try:
@@ -199,8 +210,7 @@ def inspect_checkpoint(path: str, storage_options: dict | None = None) -> Checkp
         with fs.open(storage.join(path, name), "rb") as fh:
             return fh.read()
 
-    step, problem = _problem(files, read, path)
-    return CheckpointStatus(path, step, problem)
+    return _status(files, read, path)
 
 
 def scan_checkpoints(storage_path: str, run_name: str,
@@ -223,17 +233,20 @@ def scan_checkpoints(storage_path: str, run_name: str,
             with fs.open(storage.join(path, name), "rb") as fh:
                 return fh.read()
 
-        step, problem = _problem(per_checkpoint[top], read, path)
-        out.append(CheckpointStatus(path, step, problem))
+        out.append(_status(per_checkpoint[top], read, path))
     return out
 
 
 def latest_checkpoint(storage_path: str, run_name: str,
-                      storage_options: dict | None = None) -> str | None:
+                      storage_options: dict | None = None,
+                      fit_id: str | None = None) -> str | None:
     """The complete checkpoint with the highest step of run ``run_name`` (ties: the one written
-    last), or None. Every incomplete checkpoint found is logged as skipped, with the reason."""
+    last), or None; with ``fit_id``, among those that ``run_train`` call wrote. Every incomplete
+    checkpoint found is logged as skipped, with the reason."""
     best: CheckpointStatus | None = None
     for status in scan_checkpoints(storage_path, run_name, storage_options):
+        if fit_id is not None and status.fit_id != fit_id:
+            continue
         if not status.complete:
             logger.warning("skipping checkpoint %s (step %s): %s", status.path,
                            "unknown" if status.step is None else status.step, status.problem)
@@ -256,19 +269,28 @@ def require_complete(path: str, storage_options: dict | None = None) -> int:
 
 
 def restore_choice(ray_checkpoint: str | None, resume_from: str | None, storage_path: str,
-                   run_name: str, storage_options: dict | None = None) -> str | None:
+                   run_name: str, storage_options: dict | None = None,
+                   fit_id: str | None = None) -> str | None:
     """The checkpoint a starting worker group continues from (None: step 0).
 
-    Ray Train hands the workers the newest checkpoint it registered for this run (after a worker
-    failure, or when a re-run finds the run's directory) and nothing otherwise; ``resume_from`` is
-    what the driver chose (``latest`` resolved, or a directory; already checked complete). When
-    Ray hands one, the run's newest *complete* checkpoint is taken instead (Ray may have
-    registered one that some rank did not finish, module docstring); with none complete,
-    ``resume_from``.
+    A worker group restarted within one ``run_train`` call (``fit_id``) continues from that
+    call's newest complete checkpoint: Ray Train may not have registered it yet when a worker
+    died right after writing it, and then hands nothing (measured: a worker killed just after a
+    checkpoint's marker restarted the run at step 0). Otherwise Ray Train hands the newest
+    checkpoint it registered for this run (when a re-run finds the run's directory) or nothing;
+    ``resume_from`` is what the driver chose (``latest`` resolved, or a directory; already checked
+    complete). When Ray hands one, the run's newest *complete* checkpoint is taken instead (Ray
+    may have registered one that some rank did not finish, module docstring); with none
+    complete, ``resume_from``. ``pipeline.feature_stream.Checkpoints`` makes the same choice.
 
     Args:
         ray_checkpoint: Ray Train's checkpoint as a local path or s3:// URL, or None.
+        fit_id: the id of this ``run_train`` call (None: not used).
     """
+    if fit_id is not None:
+        own = latest_checkpoint(storage_path, run_name, storage_options, fit_id=fit_id)
+        if own is not None:
+            return own
     if ray_checkpoint is None:
         return resume_from
     newest = latest_checkpoint(storage_path, run_name, storage_options)

@@ -225,19 +225,20 @@ class Checkpoints:
     run_name: str
     storage_options: dict
     resume: str | None  # the driver's choice (pipeline.train.run_train), None: step 0
-    calls: int = 0
+    fit_id: str | None = None  # the run_train call's id, in its checkpoints
 
     def current(self) -> str | None:
-        """The checkpoint a starting worker group continues from: the driver's choice the first
-        time, the run's newest complete one after a restart (as the workers choose,
-        ``pipeline.checkpoints.restore_choice``)."""
+        """The checkpoint a starting worker group continues from, as the workers choose it
+        (``pipeline.checkpoints.restore_choice``): this ``run_train`` call's newest complete
+        one after a restart, the driver's choice at the start."""
         from .checkpoints import latest_checkpoint
 
-        self.calls += 1
-        if self.calls == 1:
-            return self.resume
-        return latest_checkpoint(self.storage_path, self.run_name, self.storage_options) \
-            or self.resume
+        if self.fit_id is not None:
+            own = latest_checkpoint(self.storage_path, self.run_name, self.storage_options,
+                                    fit_id=self.fit_id)
+            if own is not None:
+                return own
+        return self.resume
 
 
 @dataclass

@@ -13,6 +13,7 @@ import json
 import logging
 import os
 import shutil
+import uuid
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -94,6 +95,9 @@ def run_train(*, cache_dir: str, manifest: dict, out_dir: Path, target: str, lay
         fs = storage.get_fsspec(storage_path, storage_options)
         if fs.exists(storage.join(storage_path, run_name)):
             fs.rm(storage.join(storage_path, run_name), recursive=True)
+    # this call's id, in every checkpoint it writes: its worker-group restarts continue from its
+    # own newest checkpoint (pipeline.checkpoints.restore_choice)
+    fit_id = uuid.uuid4().hex
     datasets, dataset_config = None, None
     if streams is not None:
         from ray.data import ExecutionOptions, ExecutionResources
@@ -101,11 +105,15 @@ def run_train(*, cache_dir: str, manifest: dict, out_dir: Path, target: str, lay
 
         from .feature_stream import Checkpoints
 
-        datasets = streams(Checkpoints(storage_path, run_name, storage_options, resume), total)
-        # back-pressure: the feature actors wait once this much streamed data is in flight
+        datasets = streams(Checkpoints(storage_path, run_name, storage_options, resume, fit_id),
+                           total)
+        # back-pressure: the feature actors wait once this much streamed data is in flight; the
+        # stream's blocks in input order, so the epochs arrive one after another (each trainer
+        # still shuffles locally, train.stream_shuffle_rows)
         dataset_config = DataConfig(datasets_to_split=["train"], execution_options=ExecutionOptions(
             resource_limits=ExecutionResources(
-                object_store_memory=train.stream_object_store_gib * 2**30)))
+                object_store_memory=train.stream_object_store_gib * 2**30),
+            preserve_order=True))
     wandb_dir = out_dir / "wandb"
     wandb_dir.mkdir(parents=True, exist_ok=True)
     loop_cfg = {
@@ -119,7 +127,7 @@ def run_train(*, cache_dir: str, manifest: dict, out_dir: Path, target: str, lay
         "wandb": wandb_cfg, "wandb_dir": str(wandb_dir), "run_name": run_name,
         "draft_vocab": draft_vocab, "wandb_run_id": run_id(out_dir.parent),
         "streamed": datasets is not None, "streamed_heldout": bool(datasets and "heldout" in datasets),
-        "stop_step": stop_step,
+        "stop_step": stop_step, "fit_id": fit_id,
         "torch_extensions_dir": os.environ.get(
             "TORCH_EXTENSIONS_DIR", str(Path.home() / ".cache" / "dspark_ray" / "torch_extensions")),
     }

@@ -41,7 +41,7 @@ def save_training_state(engine, step: int, world: int, history: list[dict], metr
             with open(os.path.join(tmp, "drafter", "training_log.jsonl"), "w") as fh:
                 fh.writelines(json.dumps(h) + "\n" for h in history)
             with open(os.path.join(tmp, STATE), "wb") as fh:
-                fh.write(train_state_bytes(step, world))
+                fh.write(train_state_bytes(step, world, loop_cfg.get("fit_id")))
         for name, text in (extra_files or {}).items():  # e.g. the stream's consumed samples
             with open(os.path.join(tmp, name), "w") as fh:
                 fh.write(text)
@@ -72,7 +72,8 @@ def resume_checkpoint(loop_cfg: dict):
         restored = ray.train.get_checkpoint()
         choice[0] = restore_choice(
             checkpoint_url(restored.path, storage_path) if restored is not None else None,
-            loop_cfg["resume_from"], storage_path, loop_cfg["run_name"], so)
+            loop_cfg["resume_from"], storage_path, loop_cfg["run_name"], so,
+            loop_cfg.get("fit_id"))
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.broadcast_object_list(choice, src=0)
     if choice[0] is None:

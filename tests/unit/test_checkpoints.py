@@ -25,7 +25,8 @@ from pipeline.checkpoints import (MARKER, STATE, IncompleteCheckpointError, chec
 RUN = "run"
 
 
-def _rank_dir(root: Path, rank: int, step: int, world: int, marker: bool) -> Path:
+def _rank_dir(root: Path, rank: int, step: int, world: int, marker: bool,
+              fit_id: str | None = None) -> Path:
     """One rank's temporary checkpoint directory, as DeepSpeed (ZeRO-1, tag "state") and
     save_training_state fill it."""
     d = root / f"rank{rank}"
@@ -40,17 +41,17 @@ def _rank_dir(root: Path, rank: int, step: int, world: int, marker: bool) -> Pat
         (d / "drafter" / "config.json").write_text("{}")
         (d / "drafter" / "model.safetensors").write_bytes(b"w" * 100)
         (d / "drafter" / "training_log.jsonl").write_text(json.dumps({"step": step}) + "\n")
-        (d / STATE).write_bytes(train_state_bytes(step, world) if marker else
+        (d / STATE).write_bytes(train_state_bytes(step, world, fit_id) if marker else
                                 json.dumps({"step": step, "world_size": world}).encode())
     return d
 
 
 def _checkpoint(storage: Path, name: str, step: int, world: int = 2,
-                marker: bool = True) -> Path:
+                marker: bool = True, fit_id: str | None = None) -> Path:
     """A checkpoint written by ``world`` ranks: uploaded (merged), then marked complete;
     ``marker=False`` writes the layout of a checkpoint from before completion markers."""
     staging = storage.parent / f"staging-{name}"
-    ranks = [_rank_dir(staging, r, step, world, marker) for r in range(world)]
+    ranks = [_rank_dir(staging, r, step, world, marker, fit_id) for r in range(world)]
     dest = storage / RUN / name
     for d in ranks:
         shutil.copytree(d, dest, dirs_exist_ok=True)
@@ -195,6 +196,19 @@ def test_a_restarted_group_continues_from_the_newest_complete_checkpoint(store, 
     _marker_never_written(older)
     assert restore_choice(str(newer), explicit, str(store), RUN) == explicit
     assert restore_choice(str(newer), None, str(store), RUN) is None
+
+
+def test_a_restart_within_one_fit_continues_from_its_own_newest_checkpoint(store):
+    """A worker killed right after a checkpoint's marker: Ray Train may not have registered it
+    and hands nothing; the restarted group still continues from it, because this run_train
+    call wrote it (its fit id), not from the driver's choice or step 0."""
+    earlier = _checkpoint(store, "checkpoint_1", step=6, fit_id="earlier-call")
+    mine = _checkpoint(store, "checkpoint_2", step=2, fit_id="this-call")
+    assert restore_choice(None, None, str(store), RUN, fit_id="this-call") == str(mine)
+    assert restore_choice(None, str(earlier), str(store), RUN, fit_id="this-call") == str(mine)
+    # a new call (no checkpoint of its own yet) starts from the driver's choice
+    assert restore_choice(None, str(earlier), str(store), RUN, fit_id="new") == str(earlier)
+    assert inspect_checkpoint(str(mine)).fit_id == "this-call"
 
 
 def test_train_state_errors_name_the_file():
