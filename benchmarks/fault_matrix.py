@@ -431,7 +431,10 @@ def stream_record(run: Run) -> dict | None:
     without one. For hybrid only its first, streamed epoch has a record."""
     from pipeline.stream_state import STATE_FILE, StreamState
 
-    files = sorted((run.dir / "train" / "ray_train").glob(f"*/checkpoint_*/{STATE_FILE}"))
+    from pipeline.checkpoints import MARKER
+
+    files = sorted(p for p in (run.dir / "train" / "ray_train").glob(f"*/checkpoint_*/{STATE_FILE}")
+                   if (p.parent / MARKER).exists())  # complete checkpoints only
     if not files:
         return None
     state = StreamState.from_json(files[-1].read_text())  # checkpoint names sort by time

@@ -274,28 +274,26 @@ def restore_choice(ray_checkpoint: str | None, resume_from: str | None, storage_
     """The checkpoint a starting worker group continues from (None: step 0).
 
     A worker group restarted within one ``run_train`` call (``fit_id``) continues from that
-    call's newest complete checkpoint: Ray Train may not have registered it yet when a worker
-    died right after writing it, and then hands nothing (measured: a worker killed just after a
-    checkpoint's marker restarted the run at step 0). Otherwise Ray Train hands the newest
-    checkpoint it registered for this run (when a re-run finds the run's directory) or nothing;
-    ``resume_from`` is what the driver chose (``latest`` resolved, or a directory; already checked
-    complete). When Ray hands one, the run's newest *complete* checkpoint is taken instead (Ray
-    may have registered one that some rank did not finish, module docstring); with none
-    complete, ``resume_from``. ``pipeline.feature_stream.Checkpoints`` makes the same choice.
+    call's newest complete checkpoint; otherwise from ``resume_from``, what the driver chose
+    (``latest`` resolved to the newest complete checkpoint, or a directory checked complete, or
+    None for a fresh start, for which the driver removed the run's old checkpoints). What Ray
+    Train hands the workers is not used: it may be a checkpoint some rank did not finish, it may
+    not yet have registered one a worker wrote just before dying (measured: a worker killed right
+    after a checkpoint's marker restarted the run at step 0), and on a re-run it overrides an
+    explicit ``resume_from``. ``pipeline.feature_stream.Checkpoints`` makes this same choice, so
+    the feature stream and the workers agree.
 
     Args:
-        ray_checkpoint: Ray Train's checkpoint as a local path or s3:// URL, or None.
+        ray_checkpoint: Ray Train's checkpoint as a local path or s3:// URL, or None: only
+            compared, and a difference logged.
         fit_id: the id of this ``run_train`` call (None: not used).
     """
+    choice = resume_from
     if fit_id is not None:
-        own = latest_checkpoint(storage_path, run_name, storage_options, fit_id=fit_id)
-        if own is not None:
-            return own
-    if ray_checkpoint is None:
-        return resume_from
-    newest = latest_checkpoint(storage_path, run_name, storage_options)
-    if newest is None or os.path.normpath(newest) != os.path.normpath(ray_checkpoint):
-        logger.warning("Ray Train restored %s, which is not this run's newest complete "
-                       "checkpoint: continuing from %s instead", ray_checkpoint,
-                       newest or resume_from or "step 0")
-    return newest or resume_from
+        choice = latest_checkpoint(storage_path, run_name, storage_options,
+                                   fit_id=fit_id) or resume_from
+    if ray_checkpoint is not None and (
+            choice is None or os.path.normpath(choice) != os.path.normpath(ray_checkpoint)):
+        logger.warning("Ray Train restored %s; continuing from %s instead", ray_checkpoint,
+                       choice or "step 0")
+    return choice

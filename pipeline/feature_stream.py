@@ -265,7 +265,7 @@ class TrainStream:
 
     def __call__(self):
         return self.dataset(read_state(self.checkpoints.current(), self.scan.rows,
-                                       self.checkpoints.storage_options))
+                                       self.checkpoints.storage_options, require=True))
 
     def dataset(self, state: StreamState):
         """The stream after what ``state`` records as trained on (a lazy Ray Data dataset)."""
@@ -275,6 +275,8 @@ class TrainStream:
         first = state.first_open_epoch()
         end = max(first + 1, -(-self.total_steps * self.global_batch_size // rows) + 1)
         skip = {e: self._fully_consumed(ids) for e, ids in state.consumed.items()}
+        # an epoch that completed while an earlier one was still open: nothing of it again
+        skip.update({e: np.arange(n) for e in state.distinct if e > first and state.complete(e)})
         logger.info("online stream: epochs %d to %d, %d samples already trained on left out",
                     first, end - 1, sum(len(ids) for ids in state.consumed.values()))
         return (ray.data.range((end - first) * n)
@@ -343,7 +345,7 @@ class HybridShardUDF:
 
         self.writer = CacheWriterUDF(target, cache, storage_options)
         self.storage_options = storage_options
-        self.consumed = consumed or set()
+        self.consumed = pa.array(sorted(consumed or ()), pa.string())  # built once
 
     def __call__(self, batch: dict[str, np.ndarray]):
         import pyarrow.compute as pc
@@ -361,10 +363,9 @@ class HybridShardUDF:
                 parquet = pq.ParquetFile(fh)
                 for g in range(parquet.num_row_groups):
                     table = parquet.read_row_group(g)
-                    if self.consumed:
-                        table = table.filter(pc.invert(pc.is_in(
-                            table.column("sample_id"),
-                            value_set=pa.array(sorted(self.consumed), pa.string()))))
+                    if len(self.consumed):
+                        table = table.filter(pc.invert(pc.is_in(table.column("sample_id"),
+                                                                value_set=self.consumed)))
                     if table.num_rows:
                         yield with_stream_columns(table, [0] * table.num_rows,
                                                   [-1] * table.num_rows)
@@ -387,7 +388,7 @@ class HybridStream:
         import ray
 
         state = read_state(self.checkpoints.current(), self.rows,
-                           self.checkpoints.storage_options)
+                           self.checkpoints.storage_options, require=True)
         c = self.cache
         return self.packed.random_shuffle(seed=self.seed).map_batches(
             HybridShardUDF, fn_constructor_kwargs={

@@ -3,16 +3,19 @@ restart neither loses nor repeats any.
 
 The feature stream's order is not deterministic (Ray Data hands blocks to whichever worker asks,
 and each worker shuffles locally), so a resumed stream cannot be positioned by a step count.
-Instead every worker records the ``(epoch, sample id)`` of each sample it trains on; at each
+Instead every worker records the ``(epoch, sample id)`` of each sample it consumes; at each
 checkpoint the records of all workers are merged into ``stream_state.json`` inside the checkpoint.
 A stream rebuilt from that checkpoint (``pipeline.feature_stream``) starts at the oldest epoch not
 yet complete and leaves out every sample recorded there, so the samples of each epoch are trained
 on exactly once across any number of restarts; samples that were read into a worker's buffers but
 not trained on before the checkpoint come again.
 
-Per epoch the state keeps ``seen`` (samples trained on, repeats included) and ``distinct``; the
-ids only while the epoch is incomplete, so the file stays small. ``benchmarks/fault_matrix.py``
-reads the counts to report lost and repeated samples.
+Per epoch the state keeps ``seen`` (samples consumed, repeats included) and ``distinct``; the
+ids only while the epoch is incomplete: the file holds the ids of the open epochs, ~40 bytes a
+sample (a 1 M-sample epoch: ~40 MB rewritten at each checkpoint; a bitmap over the samples' index
+in cache order would make it 125 KB, not done yet). A consumed sample is one handed to a training
+step, also when that step was skipped for a non-finite loss (as the offline path moves past such
+rows too). ``benchmarks/fault_matrix.py`` reads the counts to report lost and repeated samples.
 """
 
 from __future__ import annotations
@@ -99,15 +102,36 @@ def merged_state(base: StreamState, per_worker: list[dict[int, list[str]]]) -> S
     return base
 
 
+class StreamRecordError(ValueError):
+    """A checkpoint that a feature stream should continue from has no usable record."""
+
+
 def read_state(checkpoint: str | None, rows_per_epoch: int,
-               storage_options: dict | None = None) -> StreamState:
-    """The stream state saved in a checkpoint directory (local or s3://); an empty one for None
-    or a checkpoint without it (written before any stream)."""
+               storage_options: dict | None = None, require: bool = False) -> StreamState:
+    """The stream state saved in a checkpoint directory (local or s3://); an empty one for None,
+    or for a checkpoint without it unless ``require``.
+
+    Raises:
+        StreamRecordError: ``require`` and the checkpoint has no record (written by the cache
+            path or before records existed: the stream would start over while the workers go
+            on), or its epoch size is not ``rows_per_epoch`` (the data changed since).
+    """
     from . import storage
 
     if checkpoint is None:
         return StreamState(rows_per_epoch)
     path = storage.join(checkpoint, STATE_FILE)
     if not storage.exists(path, storage_options):
+        if require:
+            raise StreamRecordError(
+                f"{checkpoint} has no {STATE_FILE}: it was not written by streamed training, so "
+                "a stream cannot continue from it; resume it with train.data_mode offline, or "
+                "start over (train.resume_from: null)")
         return StreamState(rows_per_epoch)
-    return StreamState.from_json(storage.read_bytes(path, storage_options).decode())
+    state = StreamState.from_json(storage.read_bytes(path, storage_options).decode())
+    if state.rows_per_epoch != rows_per_epoch:
+        raise StreamRecordError(
+            f"{path} counts {state.rows_per_epoch} samples an epoch, the generate output now "
+            f"makes {rows_per_epoch}: the data changed since that checkpoint; start over "
+            "(train.resume_from: null)")
+    return state

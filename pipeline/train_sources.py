@@ -76,7 +76,7 @@ class CachedRows:
 class StreamedRows:
     """This worker's shards of the datasets ``train`` and (when evaluating) ``heldout`` that the
     driver handed ``TorchTrainer`` (:mod:`pipeline.feature_stream`). It records the
-    ``(epoch, sample id)`` of every sample it hands to training; :meth:`checkpoint_files` merges
+    ``(epoch, sample id)`` of every sample it hands to training (consumed); :meth:`checkpoint_files` merges
     every worker's records into the checkpoint's ``stream_state.json``
     (:mod:`pipeline.stream_state`), which the rebuilt stream of a restart leaves out.
 
@@ -113,13 +113,15 @@ class StreamedRows:
     def micro_batches(self, start_step: int, end_step: int, steps_per_epoch: int, tc
                       ) -> Iterator[tuple[list[tuple[int, str]], list[dict]]]:
         """Micro-batches of ``tc.micro_batch_size`` rows from the stream, each recorded as
-        trained on when handed out."""
+        consumed when handed out."""
+        needed = (end_step - start_step) * (tc.global_batch_size // self.world) \
+            // tc.micro_batch_size
+        if needed <= 0:  # nothing left to train: do not start the stream (its target actors)
+            return
         batches = self.train.iter_batches(
             batch_size=tc.micro_batch_size, batch_format="pyarrow", drop_last=True,
             prefetch_batches=2, local_shuffle_buffer_size=tc.stream_shuffle_rows or None,
             local_shuffle_seed=None if not tc.stream_shuffle_rows else tc.seed + self.rank)
-        needed = (end_step - start_step) * (tc.global_batch_size // self.world) \
-            // tc.micro_batch_size
         for table in batches:
             if needed == 0:
                 return

@@ -180,22 +180,44 @@ def test_the_marker_lists_every_rank_file_with_its_size(store):
     assert not list(ckpt.glob(".*tmp*"))  # written atomically
 
 
-def test_a_restarted_group_continues_from_the_newest_complete_checkpoint(store, caplog):
-    older = _checkpoint(store, "checkpoint_1", step=2)
-    newer = _checkpoint(store, "checkpoint_2", step=4)
+def test_a_restarted_group_continues_from_its_fits_newest_complete_checkpoint(store, caplog):
+    """The choice is this run_train call's newest complete checkpoint, else the driver's; what
+    Ray Train hands is only compared (it may be incomplete, missing, or override an explicit
+    resume_from on a re-run)."""
+    older = _checkpoint(store, "checkpoint_1", step=2, fit_id="fit")
+    newer = _checkpoint(store, "checkpoint_2", step=4, fit_id="fit")
     explicit = str(store / "other_run_checkpoint")
-    # Ray Train hands nothing: the driver's choice stands
-    assert restore_choice(None, explicit, str(store), RUN) == explicit
-    # Ray Train hands its newest registered checkpoint: taken when it is complete
-    assert restore_choice(str(newer), None, str(store), RUN) == str(newer)
-    # ... and replaced by the newest complete one when it is not
-    _marker_never_written(newer)
+    # no checkpoint of this fit yet: the driver's choice, whatever Ray hands
+    assert restore_choice(None, explicit, str(store), RUN, fit_id="new") == explicit
     with caplog.at_level(logging.WARNING, logger="pipeline.checkpoints"):
-        assert restore_choice(str(newer), None, str(store), RUN) == str(older)
+        assert restore_choice(str(newer), explicit, str(store), RUN, fit_id="new") == explicit
     assert f"Ray Train restored {newer}" in caplog.text
+    assert restore_choice(str(newer), None, str(store), RUN, fit_id="new") is None
+    # this fit's newest complete one; an incomplete one is passed over
+    assert restore_choice(None, None, str(store), RUN, fit_id="fit") == str(newer)
+    _marker_never_written(newer)
+    assert restore_choice(str(newer), None, str(store), RUN, fit_id="fit") == str(older)
     _marker_never_written(older)
-    assert restore_choice(str(newer), explicit, str(store), RUN) == explicit
-    assert restore_choice(str(newer), None, str(store), RUN) is None
+    assert restore_choice(str(newer), explicit, str(store), RUN, fit_id="fit") == explicit
+
+
+@pytest.mark.parametrize("ray_hands", [None, "checkpoint_3"])
+@pytest.mark.parametrize("resume", [None, "checkpoint_1"])
+@pytest.mark.parametrize("own", [False, True])
+def test_the_feature_stream_and_the_workers_choose_the_same_checkpoint(store, ray_hands, resume,
+                                                                      own):
+    """pipeline.feature_stream.Checkpoints (the stream's factory) and restore_choice (the
+    workers) agree in every case: otherwise samples between the two are lost or repeated."""
+    from pipeline.feature_stream import Checkpoints
+
+    _checkpoint(store, "checkpoint_1", step=2, fit_id="earlier")
+    _checkpoint(store, "checkpoint_3", step=6, fit_id="earlier")
+    if own:
+        _checkpoint(store, "checkpoint_2", step=4, fit_id="this")
+    path = lambda name: None if name is None else str(store / RUN / name)  # noqa: E731
+    workers = restore_choice(path(ray_hands), path(resume), str(store), RUN, fit_id="this")
+    stream = Checkpoints(str(store), RUN, {}, path(resume), "this").current()
+    assert stream == workers == (path("checkpoint_2") if own else path(resume))
 
 
 def test_a_restart_within_one_fit_continues_from_its_own_newest_checkpoint(store):
@@ -251,7 +273,7 @@ def test_the_worker_side_writes_the_marker_last_and_resumes_the_newest_complete(
     """save_training_state and resume_checkpoint (pipeline/train_state.py) with Ray Train's calls
     stood in for (one worker, a gloo group of one): the checkpoint is uploaded by report, then
     marked complete at the path Ray persisted it to; a restarted group continues from the newest
-    complete checkpoint even when Ray Train hands it a newer, unmarked one."""
+    complete checkpoint of its run_train call (its fit id), passing over an unmarked one."""
     import ray.train
     import torch.distributed as dist
 
@@ -274,7 +296,7 @@ def test_the_worker_side_writes_the_marker_last_and_resumes_the_newest_complete(
     monkeypatch.setattr(ray.train, "report", report)
     monkeypatch.setattr(ray.train, "get_checkpoint", lambda: persisted[-1] if persisted else None)
     loop_cfg = {"storage_path": str(store), "storage_options": {}, "run_name": RUN,
-                "resume_from": None}
+                "resume_from": None, "fit_id": "fit-1"}
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
         assert resume_checkpoint(loop_cfg) is None  # nothing yet: step 0
@@ -286,7 +308,7 @@ def test_the_worker_side_writes_the_marker_last_and_resumes_the_newest_complete(
         assert set(marker["ranks"][0]) == set(local_files(second)) - {MARKER}
         assert json.loads((Path(second) / STATE).read_text())["completion_marker"] == MARKER
         assert latest_checkpoint(str(store), RUN) == second
-        assert resume_checkpoint(loop_cfg).path == second  # Ray Train's newest: complete
+        assert resume_checkpoint(loop_cfg).path == second  # this fit's newest: complete
         (Path(second) / MARKER).unlink()  # as if the marker's write had been cut off
         assert resume_checkpoint(loop_cfg).path == first
     finally:

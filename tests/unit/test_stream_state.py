@@ -35,3 +35,38 @@ def test_the_record_round_trips_through_a_checkpoint_file(tmp_path):
     # no record (a checkpoint of the cache path, or none): start from nothing
     assert read_state(None, 3).first_open_epoch() == 0
     assert read_state(str(tmp_path / "nowhere"), 3).consumed == {}
+
+
+def test_a_record_that_cannot_continue_a_stream_is_refused_naming_it(tmp_path):
+    import pytest
+
+    from pipeline.stream_state import StreamRecordError
+
+    ckpt = tmp_path / "checkpoint_1"
+    ckpt.mkdir()
+    with pytest.raises(StreamRecordError, match="has no stream_state.json"):
+        read_state(str(ckpt), 3, require=True)
+    state = StreamState(3)
+    state.add(0, ["a"])
+    (ckpt / STATE_FILE).write_text(state.to_json())
+    with pytest.raises(StreamRecordError, match="counts 3 samples an epoch, the generate "
+                                                "output now makes 5"):
+        read_state(str(ckpt), 5)
+    assert read_state(str(ckpt), 3, require=True).consumed == {0: {"a"}}
+
+
+def test_epochs_complete_after_an_open_one_are_left_out_of_a_rebuilt_stream():
+    """Epoch 1 complete while epoch 0 is still open: the stream restarts at epoch 0 and none of
+    epoch 1 comes again (pipeline.feature_stream._positions with the stream's skip sets)."""
+    import numpy as np
+
+    from pipeline.feature_stream import _positions
+
+    state = StreamState(3)
+    state.add(0, ["a"])
+    state.add(1, ["a", "b", "c"])
+    assert state.first_open_epoch() == 0 and state.complete(1)
+    skip = {0: np.array([0]), 1: np.arange(3)}  # as TrainStream.dataset builds them
+    got = _positions({"id": np.arange(9)}, first_epoch=0, num_conversations=3, seed=0, skip=skip)
+    assert list(got["epoch"]) == [0, 0, 2, 2, 2]
+    assert 0 not in set(got["conversation"][:2])
