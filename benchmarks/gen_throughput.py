@@ -83,8 +83,9 @@ def run_arm(name: str, size: int, udf, rows: list[dict]) -> dict:
     errors = 0
     t0 = time.perf_counter()
     for b in batches:
-        out = udf(as_batch(b))
-        errors += sum(1 for e in out["error"] if e)
+        out = udf(as_batch(b))  # the engine backend yields its rows in chunks
+        for chunk in ([out] if isinstance(out, dict) else out):
+            errors += sum(1 for e in chunk["error"] if e)
     seconds = time.perf_counter() - t0
     tokens = udf.generated_tokens - before
     return {"arm": f"{name}@{size}", "backend": name, "batch": size, "seconds": seconds,

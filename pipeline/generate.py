@@ -1,8 +1,9 @@
 """Generate stage: the target regenerates every assistant turn (SPEC 1.2) in a Ray Data actor pool.
 
 User turns are replayed in order and each reply is conditioned on the regenerated ones. Results are
-appended per finished batch to ``<split>.jsonl`` keyed by prompt id; failures go to
-``errors.jsonl``; a re-run skips ids already present in either file (no duplicates, no gaps).
+appended to ``<split>.jsonl`` keyed by prompt id as the actors hand them over (the hf backend per
+finished batch, the engine backend every minute or so); failures go to ``errors.jsonl``; a re-run
+skips ids already present in either file (no duplicates, no gaps).
 """
 
 from __future__ import annotations
@@ -141,9 +142,77 @@ class GenerateUDF:
             reasons.append(reason)
         return texts, reasons, [""] * len(texts)
 
-    def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, list]:
+    def turn_prompt(self, history: list[dict]) -> tuple[list[int] | None, str]:
+        """The rendered prompt of a conversation's next answer.
+
+        Args:
+            history: the turns so far, ending with the user turn to answer.
+        Returns:
+            (prompt token ids, ""), or (None, why the row fails: the chat template cannot render
+            it, or it is longer than ``max_prompt_tokens``).
+        """
         from serve.engine.chat import render_prompt_ids
 
+        try:
+            prompt = render_prompt_ids(self.tokenizer, history, self.template_kwargs)
+        except Exception as err:  # a template that cannot render this conversation
+            return None, f"chat template failed: {type(err).__name__}: {err}"
+        if len(prompt) > self.max_prompt_tokens:
+            return None, (f"prompt of {len(prompt)} tokens exceeds max_prompt_tokens "
+                          f"{self.max_prompt_tokens}")
+        return prompt, ""
+
+    @staticmethod
+    def take_answer(history: list[dict], reasons: list[str], text: str, reason: str,
+                    failed: str) -> str:
+        """Append one generated answer to its conversation.
+
+        Returns:
+            "" when appended, else the row's error (the generation failed, or the answer is
+            empty).
+        """
+        if failed:
+            return f"generation failed: {failed}"
+        if not text:
+            return "target generated an empty answer"
+        history.append({"role": "assistant", "content": text})
+        reasons.append(reason)
+        return ""
+
+    def generate_isolated(self, prompts: list[list[int]], keys: list[str]
+                          ) -> tuple[list[str], list[str], list[str]]:
+        """:meth:`_generate`, and where it raises, each prompt again alone so that one failing
+        row does not fail the others (same returns)."""
+        try:
+            return self._generate(prompts, keys)
+        except Exception as err:
+            logger.warning("batch generation failed (%s); retrying rows one by one", err)
+        texts, why, failed = [], [], []
+        for p, key in zip(prompts, keys):
+            try:
+                t, w, f = self._generate([p], [key])
+            except Exception as row_err:
+                t, w, f = [""], ["error"], [f"{type(row_err).__name__}: {row_err}"]
+            texts.append(t[0])
+            why.append(w[0])
+            failed.append(f[0])
+        return texts, why, failed
+
+    @staticmethod
+    def output_rows(batch: dict[str, np.ndarray], rows: list[int], histories: list[list[dict]],
+                    reasons: list[list[str]], errors: list[str]) -> dict[str, list]:
+        """The output columns (see the class docstring) of the input ``rows`` of ``batch``."""
+        return {
+            "id": [str(batch["id"][i]) for i in rows],
+            "domain": [str(batch["domain"][i]) for i in rows],
+            "messages": [json.dumps(histories[i], ensure_ascii=False) for i in rows],
+            "finish_reasons": [json.dumps(reasons[i]) for i in rows],
+            "error": [errors[i] for i in rows],
+        }
+
+    def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, list]:
+        """Regenerate every conversation of ``batch``, turn by turn (all first answers in one
+        padded batch, then all second answers, ...)."""
         ids = [str(x) for x in batch["id"]]
         turns = [json.loads(m) for m in batch["messages"]]
         self.torch.manual_seed(self.seed + zlib.crc32(ids[0].encode()))
@@ -159,49 +228,18 @@ class GenerateUDF:
                 cursors[i], has_turn = next_user_turn(conv, histories[i], cursors[i])
                 if not has_turn:
                     continue
-                try:
-                    prompt = render_prompt_ids(self.tokenizer, histories[i], self.template_kwargs)
-                except Exception as err:  # a template that cannot render this conversation
-                    errors[i] = f"chat template failed: {type(err).__name__}: {err}"
-                    continue
-                if len(prompt) > self.max_prompt_tokens:
-                    errors[i] = (f"prompt of {len(prompt)} tokens exceeds max_prompt_tokens "
-                                 f"{self.max_prompt_tokens}")
+                prompt, errors[i] = self.turn_prompt(histories[i])
+                if prompt is None:
                     continue
                 active.append(i)
                 prompts.append(prompt)
                 keys.append(f"{ids[i]}:{len(reasons[i])}")
             if not active:
                 break
-            try:
-                texts, why, failed = self._generate(prompts, keys)
-            except Exception as err:  # isolate the failing row(s): retry one by one
-                logger.warning("batch generation failed (%s); retrying rows one by one", err)
-                texts, why, failed = [], [], []
-                for p, key in zip(prompts, keys):
-                    try:
-                        t, w, f = self._generate([p], [key])
-                    except Exception as row_err:
-                        t, w, f = [""], ["error"], [f"{type(row_err).__name__}: {row_err}"]
-                    texts.append(t[0])
-                    why.append(w[0])
-                    failed.append(f[0])
+            texts, why, failed = self.generate_isolated(prompts, keys)
             for i, text, reason, fail in zip(active, texts, why, failed):
-                if fail:
-                    errors[i] = f"generation failed: {fail}"
-                    continue
-                if not text:
-                    errors[i] = "target generated an empty answer"
-                    continue
-                histories[i].append({"role": "assistant", "content": text})
-                reasons[i].append(reason)
-        return {
-            "id": ids,
-            "domain": [str(d) for d in batch["domain"]],
-            "messages": [json.dumps(h, ensure_ascii=False) for h in histories],
-            "finish_reasons": [json.dumps(r) for r in reasons],
-            "error": errors,
-        }
+                errors[i] = self.take_answer(histories[i], reasons[i], text, reason, fail)
+        return self.output_rows(batch, list(range(len(ids))), histories, reasons, errors)
 
 
 def done_ids(*paths: Path) -> set[str]:
@@ -288,7 +326,17 @@ def run_generate(rows: list[dict], out_path: Path, errors_path: Path, cfg: Gener
     pending.sort(key=lambda r: sum(len(m["content"]) for m in r["messages"]))
     items = [{"id": r["id"], "domain": r["domain"],
               "messages": json.dumps(r["messages"], ensure_ascii=False)} for r in pending]
-    ds = ray.data.from_items(items, override_num_blocks=max(1, -(-len(items) // cfg.batch_size)))
+    # Blocks as small as Ray Data makes them (one row): rows leave an actor as soon as its UDF yields them
+    # (the engine backend yields finished conversations while its batch decodes), so they are
+    # written, and kept by a stopped run, then rather than at the end of a batch of hundreds. The
+    # setting is captured by the datasets created under it (DataContext.get_current's docs).
+    context = ray.data.DataContext.get_current()
+    block_size, context.target_max_block_size = context.target_max_block_size, 1
+    try:
+        ds = ray.data.from_items(items,
+                                 override_num_blocks=max(1, -(-len(items) // cfg.batch_size)))
+    finally:
+        context.target_max_block_size = block_size
     ds = ds.map_batches(
         udf_cls,
         fn_constructor_kwargs=dict(target=target, dtype=dtype, sampling=cfg.sampling.model_dump(),
@@ -300,7 +348,8 @@ def run_generate(rows: list[dict], out_path: Path, errors_path: Path, cfg: Gener
         num_gpus=cfg.gpus_per_actor or None, batch_format="numpy")
     out_path.parent.mkdir(parents=True, exist_ok=True)
     with open(out_path, "a", encoding="utf-8") as out, open(errors_path, "a", encoding="utf-8") as err:
-        for batch in ds.iter_batches(batch_size=None, batch_format="numpy"):
+        # prefetch_batches=0: a prefetching iterator holds each block until the next one exists
+        for batch in ds.iter_batches(batch_size=None, batch_format="numpy", prefetch_batches=0):
             for i in range(len(batch["id"])):
                 if batch["error"][i]:
                     _append(err, {"id": str(batch["id"][i]), "stage": "generate",

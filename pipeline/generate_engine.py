@@ -2,10 +2,14 @@
 ``generate.py`` decoded by :class:`serve.engine.core.SpecEngine` in target-only mode, the continuous
 batching engine that serving and evaluation run.
 
-What differs from the hf backend is only how the answers of one Ray Data batch are decoded: the
-engine keeps ``generate.max_num_requests`` sequences in flight, a finished one's KV slot takes the
-next prompt at once (no padding, no batch waiting for its longest answer), and single-token decode
-rows attend together in one batched product (``serve/engine/kv_pool.py``). Rows, conversation walk,
+What differs from the hf backend is how the answers of one Ray Data batch are decoded: the engine
+keeps ``generate.max_num_requests`` sequences in flight, a finished one's KV slot takes the next
+prompt at once (no padding, no batch waiting for its longest answer), and single-token decode
+rows attend together in one batched product (``serve/engine/kv_pool.py``). A conversation's next
+turn is queued the moment its previous answer ends (no turn waits for the batch's other
+conversations), and finished conversations leave the actor in small chunks while the rest of the
+batch decodes (:meth:`EngineGenerateUDF.__call__` is a generator), so the stage writes them, and a
+stopped run keeps them, within ``FLUSH_S`` seconds of finishing. Rows, conversation walk,
 prompts, EOS set, answer cutting (:func:`pipeline.generate.finish_answer`), resume by id and the
 error file are the hf backend's (the same :class:`pipeline.generate.GenerateUDF` walk and
 :func:`pipeline.generate.run_generate` writer).
@@ -19,9 +23,17 @@ the composition of each packed pass, which can change a sampled token.
 
 from __future__ import annotations
 
+import json
+import time
 import zlib
+from collections.abc import Iterator
 
-from .generate import GenerateUDF
+import numpy as np
+
+from .generate import GenerateUDF, answer_length, finish_answer, next_user_turn
+
+
+FLUSH_S = 60.0  # finished conversations wait at most this long (seconds) before leaving the actor
 
 
 def answer_seed(seed: int, key: str) -> int:
@@ -115,8 +127,6 @@ class EngineGenerateUDF(GenerateUDF):
         Returns:
             (answer texts, finish reasons "stop" / "length", per-row errors: "" = none).
         """
-        from pipeline.generate import answer_length, finish_answer
-
         tokens, errors = self.sample_tokens(prompts, keys)
         texts, reasons, ends = [], [], set(self.eos_ids)
         for toks in tokens:
@@ -125,3 +135,87 @@ class EngineGenerateUDF(GenerateUDF):
             texts.append(text)
             reasons.append(reason)
         return texts, reasons, errors
+
+    def __call__(self, batch: dict[str, np.ndarray]) -> Iterator[dict[str, list]]:
+        """Regenerate every conversation of ``batch`` (input and output columns: the class
+        docstring of :class:`pipeline.generate.GenerateUDF`), each conversation's turns in order,
+        all conversations decoding together.
+
+        Yields:
+            the finished conversations (output columns), whenever some finished and ``FLUSH_S``
+            seconds have passed since the last yield, and the rest at the end; every input row
+            exactly once.
+        """
+        from serve.engine.errors import RequestError
+        from serve.engine.requests import EngineRequest, SamplingParams
+
+        s = self.sampling
+        ids = [str(x) for x in batch["id"]]
+        turns = [json.loads(m) for m in batch["messages"]]
+        histories: list[list[dict]] = [[] for _ in ids]
+        cursors = [0] * len(ids)
+        reasons: list[list[str]] = [[] for _ in ids]
+        errors = [""] * len(ids)
+        in_flight: dict[int, tuple[list[int], str, list[int]]] = {}  # row -> prompt, key, tokens
+        finished: list[int] = []
+
+        def advance(i: int) -> None:
+            """Queue row ``i``'s next answer, or mark the row finished (done or failed)."""
+            while not errors[i]:
+                cursors[i], has_turn = next_user_turn(turns[i], histories[i], cursors[i])
+                if not has_turn:
+                    break
+                prompt, errors[i] = self.turn_prompt(histories[i])
+                if prompt is None:
+                    break
+                key = f"{ids[i]}:{len(reasons[i])}"
+                params = SamplingParams(max_tokens=s["max_new_tokens"],
+                                        temperature=s["temperature"], top_p=s["top_p"],
+                                        top_k=s["top_k"], seed=answer_seed(self.seed, key))
+                try:
+                    self.engine.add_request(EngineRequest(str(i), prompt, params))
+                except RequestError as err:
+                    errors[i] = f"generation failed: {err}"
+                    break
+                in_flight[i] = (prompt, key, [])
+                return
+            finished.append(i)
+
+        def take(i: int, text: str, reason: str, failed: str) -> None:
+            errors[i] = self.take_answer(histories[i], reasons[i], text, reason, failed)
+            advance(i)
+
+        for i in range(len(ids)):
+            advance(i)
+        ends, last_yield = set(self.eos_ids), time.monotonic()
+        while in_flight:
+            try:
+                outputs = self.engine.step()
+            except Exception:
+                # a failed step (out of memory, say): free this batch's requests and KV slots,
+                # then decode each interrupted answer alone, so one bad row fails alone
+                rows = list(in_flight)
+                for i in rows:
+                    self.engine.abort(str(i))
+                retry = {i: in_flight.pop(i) for i in rows}
+                for i, (prompt, key, _) in retry.items():
+                    texts, why, failed = self.generate_isolated([prompt], [key])
+                    take(i, texts[0], why[0], failed[0])
+                continue
+            for out in outputs:
+                i = int(out.request_id)
+                in_flight[i][2].extend(out.new_token_ids)
+                if not out.finished:
+                    continue
+                _, _, toks = in_flight.pop(i)
+                if out.finish_reason == "error":
+                    take(i, "", "error", str(out.error))
+                    continue
+                self.generated_tokens += answer_length(toks, ends)
+                text, reason = finish_answer(self.tokenizer, toks, ends)
+                take(i, text, reason, "")
+            if finished and time.monotonic() - last_yield >= FLUSH_S:
+                yield self.output_rows(batch, finished, histories, reasons, errors)
+                finished, last_yield = [], time.monotonic()
+        if finished:
+            yield self.output_rows(batch, finished, histories, reasons, errors)

@@ -141,3 +141,85 @@ def test_the_hf_udf_counts_generated_tokens_too(tiny_target_dir):
                       num_threads=1, max_prompt_tokens=64, seed=0)
     udf._generate([[5, 6, 7], [8, 9]], ["a:0", "b:0"])
     assert 2 <= udf.generated_tokens <= 8
+
+
+def _batch(rows: list[dict]) -> dict[str, np.ndarray]:
+    return {"id": np.array([r["id"] for r in rows]), "domain": np.array([r["domain"] for r in rows]),
+            "messages": np.array([json.dumps(r["messages"]) for r in rows])}
+
+
+def test_the_engine_walks_each_conversation_as_the_hf_backend_does_and_yields_rows_early(
+        smollm2_dir, monkeypatch):
+    """Multi-turn rows (user and system turns, as the prompts stage writes them), a row too long
+    for the prompt limit: the engine's
+    per-conversation walk (next turn queued when the previous answer ends) writes the hf
+    backend's turn-by-turn rows (greedy, fp32), every row once, in more than one chunk."""
+    import pipeline.generate_engine as generate_engine
+
+    monkeypatch.setattr(generate_engine, "FLUSH_S", 0.0)
+    greedy = dict(SAMPLING, temperature=0.0, max_new_tokens=5)
+    rows = [{"id": "one", "domain": "chat", "messages": [{"role": "user", "content": "Hi?"}]},
+            {"id": "three", "domain": "chat", "messages": [
+                {"role": "system", "content": "Be brief."},
+                {"role": "user", "content": "Name a colour."},
+                {"role": "user", "content": "Another one?"},
+                {"role": "user", "content": "And a third?"}]},
+            {"id": "long", "domain": "math", "messages": [{"role": "user", "content": "x " * 90}]},
+            {"id": "two", "domain": "code", "messages": [
+                {"role": "user", "content": "Write 1+1 in Python."},
+                {"role": "user", "content": "Now 2+2."}]}]
+    common = dict(target=str(smollm2_dir), dtype="float32", sampling=greedy, template_kwargs={},
+                  num_threads=None, max_prompt_tokens=64, seed=0)
+    engine = EngineGenerateUDF(**common, max_num_requests=2, kv_cache_memory_gib=0.05)
+    chunks = list(engine(_batch(rows)))
+    assert len(chunks) > 1  # finished conversations left before the last one ended
+    got = {c["id"][j]: {k: c[k][j] for k in c} for c in chunks for j in range(len(c["id"]))}
+    assert sorted(got) == sorted(r["id"] for r in rows)  # every row exactly once
+    assert sum(len(c["id"]) for c in chunks) == len(rows)
+    hf = GenerateUDF(**common)(_batch(rows))
+    for j, rid in enumerate(hf["id"]):
+        assert got[rid] == {k: hf[k][j] for k in hf}, rid
+    assert "max_prompt_tokens" in got["long"]["error"]
+    three = json.loads(got["three"]["messages"])
+    assert [t["role"] for t in three] == ["system", "user", "assistant", "user", "assistant",
+                                          "user", "assistant"]
+
+
+class _WaitsForItsFirstRow:
+    """A generate actor that yields one row, then waits until the stage has written it to the
+    output file (its ``target`` argument) before yielding the rest: it raises if rows only leave
+    an actor at the end of its batch."""
+
+    def __init__(self, target, **_):
+        from pathlib import Path
+
+        self.out = Path(target)
+
+    def __call__(self, batch):
+        import time
+
+        def rows(sl):
+            return {"id": list(batch["id"][sl]), "domain": list(batch["domain"][sl]),
+                    "messages": list(batch["messages"][sl]),
+                    "finish_reasons": ['["stop"]'] * len(batch["id"][sl]),
+                    "error": [""] * len(batch["id"][sl])}
+
+        yield rows(slice(0, 1))
+        deadline = time.monotonic() + 60
+        while str(batch["id"][0]) not in (self.out.read_text() if self.out.exists() else ""):
+            if time.monotonic() > deadline:
+                raise TimeoutError("the first yielded row was not written while the batch ran")
+            time.sleep(0.2)
+        yield rows(slice(1, None))
+
+
+def test_the_stage_writes_rows_an_actor_yields_before_its_batch_ends(tmp_path, ray_local):
+    rows = [{"id": f"p{i}", "domain": "chat",
+             "messages": [{"role": "user", "content": f"Question {i}?"}]} for i in range(5)]
+    cfg = GenerateConfig(batch_size=8, num_actors=1, cpus_per_actor=1, gpus_per_actor=0)
+    out = tmp_path / "train.jsonl"
+    counts = run_generate(rows, out, tmp_path / "errors.jsonl", cfg, target=str(out),
+                          dtype="float32", template_kwargs={}, seed=0, udf=_WaitsForItsFirstRow)
+    assert counts == {"generated": 5, "errors": 0, "skipped": 0}
+    assert sorted(json.loads(line)["id"] for line in out.read_text().splitlines()) == [
+        f"p{i}" for i in range(5)]
