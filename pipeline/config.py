@@ -138,8 +138,9 @@ class GenerateConfig(Strict):
         "installed). All write the same rows.")
     sampling: SamplingConfig = Field(default_factory=SamplingConfig)
     batch_size: int = Field(8, ge=1, description="backends hf / engine: prompts per Ray Data "
-                            "batch (hf: one padded generation; engine: queued, results written "
-                            "when the batch is done, so also the resume granularity).")
+                            "batch (hf: one padded generation, written when done; engine: "
+                            "queued at once, finished conversations written about every "
+                            "minute while the batch decodes).")
     num_actors: int = Field(1, ge=1, description="backends hf / engine: generation actors.")
     cpus_per_actor: float = Field(1.0, gt=0, description="backends hf / engine.")
     gpus_per_actor: float = Field(0.0, ge=0, description="backends hf / engine.")
