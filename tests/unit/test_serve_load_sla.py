@@ -52,3 +52,16 @@ def test_the_benchmark_prompts_load_from_the_shipped_sets():
     got = load_prompts(root / "infra" / "datasets" / "eval", 2, 0)
     assert len(got) == 2 * len(PROMPT_SETS) and all(isinstance(p, str) and p for p in got)
     assert got == load_prompts(root / "infra" / "datasets" / "eval", 2, 0)
+
+
+def test_the_floor_check_reads_each_floor_variants_slowest_request():
+    from benchmarks.serve_load import floor_of, render_floor_md
+
+    assert floor_of("dspark-min_tokens_per_s=12") == 12.0
+    assert floor_of("dspark-probe_budget=0.01") is None and floor_of("none") is None
+    points = POINTS + _points("dspark-min_tokens_per_s=9", [(14, 14.0), (25, 12.5), (38, 9.5),
+                                                             (44, 8.9)])
+    md = "\n".join(render_floor_md(points))
+    assert "| dspark-min_tokens_per_s=9 | 4 | 9 | 9.50 | yes |" in md
+    assert "| dspark-min_tokens_per_s=9 | 8 | 9 | 8.90 | no |" in md
+    assert "| none |" not in md and render_floor_md(POINTS) == []
