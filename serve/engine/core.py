@@ -211,9 +211,18 @@ class SpecEngine:
         self.planner.schedule(plan, [self._floor(row.request) for row in plan.rows])
         plan.verify_start_s = time.perf_counter()
         outs, prefill_outs = self._target_pass(plan, chunks)
-        for row, o in zip(plan.rows, outs):
+        undrafted = [i for i, row in enumerate(plan.rows) if row.length == 0]
+        tokens: list[int | None] = [None] * len(plan.rows)
+        try:  # the rows without a draft sample together (a per-row failure falls back below)
+            for i, tok in zip(undrafted, self.verifier.sample_undrafted(
+                    [plan.rows[i].request for i in undrafted], [outs[i].logits for i in undrafted])):
+                tokens[i] = tok
+        except Exception:  # noqa: BLE001 - each row then verifies alone, failing alone
+            logger.exception("batched sampling failed; verifying the rows one by one")
+            tokens = [None] * len(plan.rows)
+        for row, o, tok in zip(plan.rows, outs, tokens):
             try:
-                outputs.append(self._verify_and_commit(row, o, plan))
+                outputs.append(self._verify_and_commit(row, o, plan, tok))
             except Exception as err:  # noqa: BLE001 - this request fails, the engine goes on
                 outputs.append(self._fail(row.request, err, "verification"))
         self.planner.remember(plan)
@@ -243,13 +252,18 @@ class SpecEngine:
         self.stats.batch_tokens += sum(len(v) for v in verify_in)
         return outs[:len(plan.rows)], outs[len(plan.rows):]
 
-    def _verify_and_commit(self, row: PlanRow, o, plan: StepPlan) -> RequestOutput:
+    def _verify_and_commit(self, row: PlanRow, o, plan: StepPlan,
+                           token: int | None = None) -> RequestOutput:
         """Verify, commit and book-keep one request's round (everything that is its own); ``o``
-        is its part of the target pass."""
+        is its part of the target pass; ``token``: its next token when it verified no draft and
+        was sampled with the others (:meth:`Verifier.sample_undrafted`), else None."""
         r, l = row.request, row.length
         draft = torch.tensor(row.tokens[:l], dtype=torch.long)
-        n, nxt = self.verifier.verify(r, draft, None if row.probs is None else row.probs[:l],
-                                      o.logits, one_hot=row.source == "lookup")
+        if token is not None:
+            n, nxt = 0, token
+        else:
+            n, nxt = self.verifier.verify(r, draft, None if row.probs is None else row.probs[:l],
+                                          o.logits, one_hot=row.source == "lookup")
         committed = draft[:n].tolist() + [nxt]
         before = len(r.output)
         out = commit_tokens(r, committed, self.eos, token_logprobs(r, o.logits[:n + 1], committed))
