@@ -76,8 +76,9 @@ def check_request(request: EngineRequest, max_model_len: int, vocab_size: int,
 
 @dataclass
 class Pace:
-    """Slowly forgetting averages of decoding steps (no prefill in them): seconds per step,
-    tokens committed per running request per step, and tokens verified per step (B)."""
+    """Slowly forgetting averages of the steps running requests decode in: seconds per step,
+    tokens committed per running request per step, and tokens in the step's target pass (B:
+    verified tokens and the prompt chunks riding along)."""
 
     step_s: float | None = None
     tokens_per_step: float = 1.0
@@ -112,9 +113,15 @@ class Pace:
         batch = self.batch_tokens * (num_admitted + 1) / max(num_decoding, 1)
         step_s = self.step_s
         if sps is not None:
-            now = sps.sps(min(max(1, round(self.batch_tokens)), sps.max_tokens))
-            then = sps.sps(min(max(1, round(batch)), sps.max_tokens))
-            step_s *= now / then
+            step_s *= step_time(sps, batch) / step_time(sps, self.batch_tokens)
         else:
             step_s *= batch / max(self.batch_tokens, 1.0)
         return self.tokens_per_step / step_s >= max(floors)
+
+
+def step_time(sps: SPSTable, batch: float) -> float:
+    """Seconds of a step verifying ``batch`` tokens by the SPS(B) profile: 1 / SPS(B) within it,
+    growing in proportion to the batch beyond its largest B (compute-bound there)."""
+    b = max(1, round(batch))
+    top = sps.max_tokens
+    return max(1.0, b / top) / sps.sps(min(b, top))

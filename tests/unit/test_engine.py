@@ -650,3 +650,30 @@ def test_speed_floors_add_verification_losslessly_and_gate_admission(varied_targ
     # would keep everyone else waiting)
     engine.running[0].req.min_tokens_per_s = 1e9
     assert engine._floors_allow_one_more()
+
+
+def test_the_admission_pace_counts_prompt_chunks_and_grows_past_the_sps_profile(varied_target):
+    """The pace the speed floor is checked against is what running requests get: steps carrying
+    a newcomer's prompt chunk count, with the chunk's tokens in the step's batch; a batch past the
+    SPS(B) profile's largest B costs in proportion to its size (not the profile's last value)."""
+    from serve.engine.admission import Pace, step_time
+    from serve.engine.sps import SPSTable
+
+    table = SPSTable((100.0, 90.0, 80.0, 50.0))
+    assert step_time(table, 2) == pytest.approx(1 / 90)
+    assert step_time(table, 8) == pytest.approx(2 / 50)  # twice the largest profiled batch
+    # 4 decoding in 10 ms steps of B = 4, 1 token each: 100 tokens/s; a fifth makes B = 5, past
+    # the profile: 5/4 of B = 4's step, 80 tokens/s (read at the profile's end: still 100)
+    pace = Pace(step_s=0.01, tokens_per_step=1.0, batch_tokens=4.0)
+    assert pace.allows_one_more([90.0], 4, 4, table) is False
+    assert pace.allows_one_more([70.0], 4, 4, table) is True
+
+    engine = _engine(varied_target, None, "none", max_num_requests=4)
+    engine.add_request(EngineRequest("a", [1, 2, 3], SamplingParams(max_tokens=8,
+                                                                     temperature=0.0)))
+    engine.step()  # prefill only: nothing decoded, nothing observed
+    assert engine._pace.step_s is None
+    engine.add_request(EngineRequest("b", list(range(1, 40)), SamplingParams(
+        max_tokens=8, temperature=0.0)))
+    engine.step()  # "a" decodes one token while "b"'s 39-token prompt rides along
+    assert engine._pace.step_s is not None and engine._pace.batch_tokens == 1 + 39
