@@ -326,10 +326,10 @@ def run_generate(rows: list[dict], out_path: Path, errors_path: Path, cfg: Gener
     pending.sort(key=lambda r: sum(len(m["content"]) for m in r["messages"]))
     items = [{"id": r["id"], "domain": r["domain"],
               "messages": json.dumps(r["messages"], ensure_ascii=False)} for r in pending]
-    # Blocks as small as Ray Data makes them (one row): rows leave an actor as soon as its UDF yields them
-    # (the engine backend yields finished conversations while its batch decodes), so they are
-    # written, and kept by a stopped run, then rather than at the end of a batch of hundreds. The
-    # setting is captured by the datasets created under it (DataContext.get_current's docs).
+    # Blocks as small as Ray Data makes them (one row): rows leave an actor as soon as its UDF
+    # yields them (the engine backend yields finished conversations while its batch decodes),
+    # so they are written, and kept by a stopped run, then rather than at the end of a batch of
+    # hundreds. The datasets created under the setting keep it (DataContext.get_current's docs).
     context = ray.data.DataContext.get_current()
     block_size, context.target_max_block_size = context.target_max_block_size, 1
     try:

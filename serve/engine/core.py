@@ -218,8 +218,9 @@ class SpecEngine:
         undrafted = [i for i, row in enumerate(plan.rows) if row.length == 0]
         tokens: list[int | None] = [None] * len(plan.rows)
         try:  # the rows without a draft sample together (a per-row failure falls back below)
-            for i, tok in zip(undrafted, self.verifier.sample_undrafted(
-                    [plan.rows[i].request for i in undrafted], [outs[i].logits for i in undrafted])):
+            sampled = self.verifier.sample_undrafted([plan.rows[i].request for i in undrafted],
+                                                     [outs[i].logits for i in undrafted])
+            for i, tok in zip(undrafted, sampled):
                 tokens[i] = tok
         except Exception:  # noqa: BLE001 - each row then verifies alone, failing alone
             logger.exception("batched sampling failed; verifying the rows one by one")

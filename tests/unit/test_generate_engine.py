@@ -144,7 +144,8 @@ def test_the_hf_udf_counts_generated_tokens_too(tiny_target_dir):
 
 
 def _batch(rows: list[dict]) -> dict[str, np.ndarray]:
-    return {"id": np.array([r["id"] for r in rows]), "domain": np.array([r["domain"] for r in rows]),
+    return {"id": np.array([r["id"] for r in rows]),
+            "domain": np.array([r["domain"] for r in rows]),
             "messages": np.array([json.dumps(r["messages"]) for r in rows])}
 
 
