@@ -80,49 +80,6 @@ def draw(probs: torch.Tensor, generator: torch.Generator | None = None) -> int:
     return min(int(torch.searchsorted(cdf, u, right=True)), cdf.numel() - 1)
 
 
-def draw_rows(probs: torch.Tensor, generators: list, support: int | None = None
-              ) -> list[int | None]:
-    """:func:`draw` for every row of ``probs`` at once, each row with its own generator: the
-    token of each row is exactly the one ``draw(probs[i], generators[i])`` returns, and each
-    valid row takes exactly one number from its generator, so a row's token does not depend on
-    the other rows (one pass over the batch instead of a dozen small ones per row: per-row
-    sampling was a quarter of a 128-request target-only engine step).
-
-    With ``support`` = k, only each row's k most likely tokens are kept before the CDF, in token-id
-    order (a top-k-warped row has at most k tokens of non-zero probability): the CDF then has k
-    entries instead of V, and its values at those tokens are the full CDF's, since the tokens left
-    out add exact zeros to it.
-
-    Args:
-        probs: [m, V], non-negative rows (need not be normalised); moved to the CPU.
-        generators: m CPU ``torch.Generator`` (or None: torch's global one).
-        support: a bound on the non-zero entries of every row, or None (all V).
-    Returns:
-        m token ids; None for a row whose mass is not positive and finite (``draw`` raises for it,
-        so the caller fails that row alone); such a row takes no number from its generator.
-    """
-    p = probs.detach().to("cpu")
-    ids = None
-    if support is not None and support < p.shape[-1]:
-        ids = p.topk(support, dim=-1).indices.sort(dim=-1).values
-        p = p.gather(-1, ids)
-    cdf = p.to(torch.float64).cumsum(-1)
-    total = cdf[:, -1]
-    valid = ((total > 0) & torch.isfinite(total)).tolist()
-    tokens: list[int | None] = [None] * p.shape[0]
-    rows = [i for i, ok in enumerate(valid) if ok]
-    if not rows:
-        return tokens
-    u = torch.cat([torch.rand(1, generator=generators[i], dtype=torch.float64) for i in rows])
-    at = torch.tensor(rows)
-    pick = torch.searchsorted(cdf[at], (u * total[at])[:, None], right=True)[:, 0]
-    pick = pick.clamp(max=p.shape[-1] - 1)
-    if ids is not None:
-        pick = ids[at].gather(-1, pick[:, None])[:, 0]
-    for i, tok in zip(rows, pick.tolist()):
-        tokens[i] = tok
-    return tokens
-
 def _noise_key(seed: int, position: int) -> int:
     """A generator seed for (seed, position): a hash, so that no two requests' noise is the same
     sequence shifted by some positions (a linear key would make seed s + d at position p reuse

@@ -215,19 +215,9 @@ class SpecEngine:
         self.planner.schedule(plan, [self._floor(row.request) for row in plan.rows])
         plan.verify_start_s = time.perf_counter()
         outs, prefill_outs = self._target_pass(plan, chunks)
-        undrafted = [i for i, row in enumerate(plan.rows) if row.length == 0]
-        tokens: list[int | None] = [None] * len(plan.rows)
-        try:  # the rows without a draft sample together (a per-row failure falls back below)
-            sampled = self.verifier.sample_undrafted([plan.rows[i].request for i in undrafted],
-                                                     [outs[i].logits for i in undrafted])
-            for i, tok in zip(undrafted, sampled):
-                tokens[i] = tok
-        except Exception:  # noqa: BLE001 - each row then verifies alone, failing alone
-            logger.exception("batched sampling failed; verifying the rows one by one")
-            tokens = [None] * len(plan.rows)
-        for row, o, tok in zip(plan.rows, outs, tokens):
+        for row, o in zip(plan.rows, outs):
             try:
-                outputs.append(self._verify_and_commit(row, o, plan, tok))
+                outputs.append(self._verify_and_commit(row, o, plan))
             except Exception as err:  # noqa: BLE001 - this request fails, the engine goes on
                 outputs.append(self._fail(row.request, err, "verification"))
         self.planner.remember(plan)
@@ -257,18 +247,13 @@ class SpecEngine:
         self.stats.batch_tokens += sum(len(v) for v in verify_in)
         return outs[:len(plan.rows)], outs[len(plan.rows):]
 
-    def _verify_and_commit(self, row: PlanRow, o, plan: StepPlan,
-                           token: int | None = None) -> RequestOutput:
+    def _verify_and_commit(self, row: PlanRow, o, plan: StepPlan) -> RequestOutput:
         """Verify, commit and book-keep one request's round (everything that is its own); ``o``
-        is its part of the target pass; ``token``: its next token when it verified no draft and
-        was sampled with the others (:meth:`Verifier.sample_undrafted`), else None."""
+        is its part of the target pass."""
         r, l = row.request, row.length
         draft = torch.tensor(row.tokens[:l], dtype=torch.long)
-        if token is not None:
-            n, nxt = 0, token
-        else:
-            n, nxt = self.verifier.verify(r, draft, None if row.probs is None else row.probs[:l],
-                                          o.logits, one_hot=row.source == "lookup")
+        n, nxt = self.verifier.verify(r, draft, None if row.probs is None else row.probs[:l],
+                                      o.logits, one_hot=row.source == "lookup")
         committed = draft[:n].tolist() + [nxt]
         before = len(r.output)
         out = commit_tokens(r, committed, self.eos, token_logprobs(r, o.logits[:n + 1], committed))

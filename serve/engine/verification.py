@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from drafters.sampling import PositionNoise, draw, draw_rows, gumbel_argmax, warped_probs
+from drafters.sampling import PositionNoise, draw, gumbel_argmax, warped_probs
 
 from .rejection import verify_coupled, verify_greedy, verify_sampled
 from .request_state import RequestState
@@ -59,51 +59,6 @@ class Verifier:
         elif draft_probs is None:
             draft_probs = target_probs[:0]
         return verify_sampled(draft, draft_probs, target_probs, r.gen)
-
-    def sample_undrafted(self, reqs: list[RequestState], logits: list[torch.Tensor]
-                         ) -> list[int | None]:
-        """The next token of each request that verifies no draft this round, the requests with
-        the same sampling warps in one batched pass: for each, exactly the token
-        ``verify(r, <no draft>, None, logits)`` returns (greedy: the argmax; sampled: one draw
-        from its warped distribution with its own generator), at a fraction of the per-request
-        cost (warps and draw were a quarter of a 128-request target-only step).
-
-        Args:
-            reqs: m requests; logits: m tensors [1, V], each one's target logits after its
-                anchor.
-        Returns:
-            m tokens; None where the request takes :meth:`verify` (a seeded request drawing
-            position-keyed noise, or a distribution without positive finite mass: verify raises
-            for that request alone).
-        """
-        tokens: list[int | None] = [None] * len(reqs)
-        groups: dict[tuple, list[int]] = {}
-        for i, r in enumerate(reqs):
-            p = r.req.params
-            if p.temperature > 0 and self.noise(r) is not None:
-                continue
-            # rows share a pass only where warped_probs takes the same code path for each of
-            # them, so a request's distribution, to the last bit, does not depend on the others
-            key = ("greedy",) if p.temperature <= 0 else (p.top_k, p.top_p < 1, p.min_p > 0)
-            groups.setdefault(key, []).append(i)
-        for key, rows in groups.items():
-            batch = torch.cat([self.mask_early_stops(reqs[i], logits[i]) for i in rows])
-            if key == ("greedy",):
-                picked = batch.argmax(-1).tolist()
-            else:
-                params = [reqs[i].req.params for i in rows]
-                dev, m = batch.device, len(rows)
-                top_k, _, with_min_p = key
-                probs = warped_probs(
-                    batch, torch.tensor([p.temperature for p in params], device=dev),
-                    torch.tensor([p.top_p for p in params], device=dev),
-                    torch.full((m,), top_k, device=dev, dtype=torch.long) if top_k else None,
-                    torch.tensor([p.min_p for p in params], device=dev) if with_min_p else None)
-                picked = draw_rows(probs, [reqs[i].gen for i in rows],
-                                   support=top_k if top_k > 0 else None)
-            for i, tok in zip(rows, picked):
-                tokens[i] = tok
-        return tokens
 
     def noise(self, r: RequestState) -> PositionNoise | None:
         """The position-keyed noise a seeded sampled request draws with when load invariance is

@@ -72,37 +72,3 @@ def test_draw_follows_the_distribution_and_never_a_zero_probability_token():
     for bad in (torch.zeros(5), torch.tensor([0.5, float("nan")])):
         with pytest.raises(ValueError, match="cannot draw"):
             draw(bad, g)
-
-
-def test_draw_rows_draws_each_rows_token_exactly_as_draw_does():
-    """One batched draw gives, row by row, the token ``draw`` gives with the same generator state,
-    on full and top-k-supported rows; an invalid row gets None and leaves its generator alone."""
-    from drafters.sampling import draw_rows
-
-    torch.manual_seed(1)
-    m, V, k = 24, 3000, 20
-    logits = torch.randn(m, V) * 3
-    probs = warped_probs(logits, torch.full((m,), 0.7), torch.full((m,), 0.8),
-                         torch.full((m,), k, dtype=torch.long))
-    for support in (None, k, 2 * k):
-        for trial in range(5):
-            one = [torch.Generator().manual_seed(100 * trial + i) for i in range(m)]
-            alone = [torch.Generator().manual_seed(100 * trial + i) for i in range(m)]
-            got = draw_rows(probs, one, support=support)
-            assert got == [draw(probs[i], alone[i]) for i in range(m)]
-            # and the streams advanced alike: the next numbers agree
-            assert [float(torch.rand(1, generator=g)) for g in one] == [
-                float(torch.rand(1, generator=g)) for g in alone]
-    bad = probs[:3].clone()
-    bad[1] = 0.0
-    gens = [torch.Generator().manual_seed(i) for i in range(3)]
-    got = draw_rows(bad, gens, support=k)
-    assert got[1] is None and got[0] is not None and got[2] is not None
-    assert float(torch.rand(1, generator=gens[1])) == float(
-        torch.rand(1, generator=torch.Generator().manual_seed(1)))
-    # many draws from one row follow its distribution (top-k support, token ids kept)
-    counts = torch.zeros(V)
-    gens = [torch.Generator().manual_seed(i) for i in range(4000)]
-    for tok in draw_rows(probs[:1].expand(4000, V), gens, support=k):
-        counts[tok] += 1
-    assert float((counts / 4000 - probs[0]).abs().sum()) < 0.08
