@@ -34,6 +34,13 @@ ATTENTION_NAME = "dspark_slots"
 # every row to the longest): measured on 2 cores at ~300 positions, ~80 vs ~45 ns per position
 # and key/value head, the per-call dispatch included.
 PER_REQUEST_COST = 2.0
+# Cost of one key position of a group whose slots are gathered (copied out of the pool, then
+# multiplied), relative to one position of a product over a slot range read in place.
+GATHER_COST = 1.5
+# Fixed cost of one more group of single-token requests (its products' dispatches over every
+# layer), in key positions of a product over a slot range.
+GROUP_COST = 512
+MAX_GROUPS = 8
 # The batched product's width (keys per slot) is rounded up to a multiple of this: its scores,
 # weights and key copies then come in a few sizes that the allocator reuses. With the exact width
 # every step's buffers are a little larger than the last step's freed ones, glibc cannot reuse
@@ -146,23 +153,31 @@ class SingleTokenRows:
     """
 
     __slots__ = ("slots", "positions", "starts", "lo", "hi", "rows", "width", "mask",
-                 "in_slot_order")
+                 "in_slot_order", "gather")
 
     def __init__(self, slots: list[int], lengths: list[int], starts: list[int], device,
-                 max_width: int | None = None):
+                 max_width: int | None = None, gather: bool = False):
         self.slots = torch.tensor(slots, device=device)
         self.positions = torch.tensor(lengths, device=device)
         self.starts = torch.tensor(starts, device=device)
-        self.lo, self.hi = min(slots), max(slots) + 1
-        self.rows = self.slots - self.lo
-        # requests come in admission order, and a reused slot can put them in any slot order
-        self.in_slot_order = slots == list(range(self.lo, self.hi))
         longest = max(lengths) + 1
         width = -(-longest // WIDTH_STEP) * WIDTH_STEP  # WIDTH_STEP: few distinct buffer sizes
         self.width = min(width, max_width) if max_width is not None else width
-        visible = torch.ones(self.hi - self.lo, dtype=torch.long, device=device)
-        visible[self.rows] = self.positions + 1
-        self.mask = (torch.arange(self.width, device=device)[None] < visible[:, None])[:, None, None]
+        # gather: the rows' keys are copied out of their slots (a group of similar lengths from
+        # anywhere in the pool); else the product reads the slot range [lo, hi) in place
+        self.gather = gather
+        if gather:
+            self.lo, self.hi, self.rows, self.in_slot_order = 0, len(slots), None, True
+            visible = self.positions + 1
+        else:
+            self.lo, self.hi = min(slots), max(slots) + 1
+            self.rows = self.slots - self.lo
+            # requests come in admission order, and a reused slot can put them in any slot order
+            self.in_slot_order = slots == list(range(self.lo, self.hi))
+            visible = torch.ones(self.hi - self.lo, dtype=torch.long, device=device)
+            visible[self.rows] = self.positions + 1
+        keys_at = torch.arange(self.width, device=device)[None]
+        self.mask = (keys_at < visible[:, None])[:, None, None]
 
 
 def batched_single_tokens(slots: list[int], lengths: list[int], counts: list[int]) -> list[int]:
@@ -192,18 +207,56 @@ def batched_single_tokens(slots: list[int], lengths: list[int], counts: list[int
     return ones[:best]
 
 
+def single_token_groups(slots: list[int], lengths: list[int], counts: list[int]
+                        ) -> list[tuple[list[int], bool]]:
+    """How to attend the single-token requests of a pass: the cheapest by estimated cost of
+    (a) one product over a slot range read in place (:func:`batched_single_tokens`, the rest one
+    SDPA call each) and (b) g = 1..``MAX_GROUPS`` groups of similar lengths (the requests sorted
+    by length, cut into g equal parts), each a product over its rows' keys gathered from their
+    slots, costing ``GATHER_COST`` x rows x its longest row + ``GROUP_COST``. With mixed prompt
+    and answer lengths (a generate batch: prompts up to 600 tokens, answers up to 512) one range
+    pays for its longest row and its holes on every row; length groups pay about each row's own
+    length.
+
+    Args:
+        slots, lengths, counts: per request of the pass, its slot, committed length and new
+            tokens.
+    Returns:
+        (request indices, gathered?) per group; empty: none worth batching.
+    """
+    ones = sorted((j for j, n in enumerate(counts) if n == 1), key=lambda j: lengths[j])
+    if len(ones) < 2:
+        return []
+    ranged = batched_single_tokens(slots, lengths, counts)
+    best: list[tuple[list[int], bool]] = [(ranged, False)] if ranged else []
+    rest = sum(lengths[j] + 1 for j in ones if j not in set(ranged))
+    if ranged:
+        span = max(slots[j] for j in ranged) - min(slots[j] for j in ranged) + 1
+        best_cost = span * (max(lengths[j] for j in ranged) + 1) + PER_REQUEST_COST * rest
+    else:
+        best_cost = PER_REQUEST_COST * rest
+    for g in range(1, min(MAX_GROUPS, len(ones) // 2) + 1):
+        cuts = [round(i * len(ones) / g) for i in range(g + 1)]
+        groups = [ones[a:b] for a, b in zip(cuts, cuts[1:])]
+        cost = sum(GATHER_COST * len(grp) * (lengths[grp[-1]] + 1) + GROUP_COST
+                   for grp in groups)
+        if cost < best_cost:
+            best, best_cost = [(grp, True) for grp in groups], cost
+    return best
+
+
 class SlotViews:
     """What :meth:`PooledStepCache.update` hands the attention of one layer: each multi-token
     request's keys or values ``[Hkv, L_j + n_j, d]`` as views of its slot (no copy; None for a
     single-token request), its new tokens' offset s_j in the packed row and count n_j, its causal
-    mask bool ``[n_j, L_j + n_j]``, and the single-token requests (:class:`SingleTokenRows`, or
-    None) with this layer's whole pool tensor ``[slots, Hkv, capacity, d]``."""
+    mask bool ``[n_j, L_j + n_j]``, and the groups of single-token requests
+    (:class:`SingleTokenRows`; empty or None: none) with this layer's whole pool tensor ``[slots, Hkv, capacity, d]``."""
 
     __slots__ = ("rows", "starts", "counts", "masks", "_folded", "single", "pool")
 
     def __init__(self, rows: list, starts: list[int], counts: list[int],
                  masks: list[torch.Tensor | None], folded: dict,
-                 single: SingleTokenRows | None = None, pool: torch.Tensor | None = None):
+                 single: list[SingleTokenRows] | None = None, pool: torch.Tensor | None = None):
         self.rows, self.starts, self.counts = rows, starts, counts
         self.masks, self._folded = masks, folded
         self.single, self.pool = single, pool
@@ -241,13 +294,18 @@ class PooledStepCache:
                       <= (l + torch.arange(n, device=device))[:, None]
                       for l, n in zip(lengths, counts)]
         self._folded: dict = {}  # folded masks, shared by all layers of this pass
-        batched = batched_single_tokens(slots, lengths, counts)
-        self.single = (SingleTokenRows([slots[j] for j in batched], [lengths[j] for j in batched],
-                                       [self.starts[j] for j in batched], device,
-                                       max_width=pool.capacity)
-                       if batched else None)
-        chosen = set(batched)
-        self._multi = [j for j in range(len(counts)) if j not in chosen]
+        groups = single_token_groups(slots, lengths, counts)
+        self.single = [SingleTokenRows([slots[j] for j in grp], [lengths[j] for j in grp],
+                                       [self.starts[j] for j in grp], device,
+                                       max_width=pool.capacity, gather=gathered)
+                       for grp, gathered in groups]
+        chosen = [j for grp, _ in groups for j in grp]
+        # every single-token request's new key and value: one indexed store per tensor
+        self._single_writes = (
+            (torch.tensor([slots[j] for j in chosen], device=device),
+             torch.tensor([lengths[j] for j in chosen], device=device),
+             torch.tensor([self.starts[j] for j in chosen], device=device)) if chosen else None)
+        self._multi = [j for j in range(len(counts)) if j not in set(chosen)]
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int,
                *args, **kwargs) -> tuple[SlotViews, SlotViews]:
@@ -260,12 +318,14 @@ class PooledStepCache:
             values[slot, :, l:l + n] = value_states[0, :, s:s + n]
             krows[j] = keys[slot, :, :l + n]
             vrows[j] = values[slot, :, :l + n]
-        one = self.single
-        if one is not None:  # all single-token writes in one indexed store per tensor
-            keys[one.slots, :, one.positions] = key_states[0, :, one.starts].transpose(0, 1)
-            values[one.slots, :, one.positions] = value_states[0, :, one.starts].transpose(0, 1)
-        return (SlotViews(krows, self.starts, self.counts, self.masks, self._folded, one, keys),
-                SlotViews(vrows, self.starts, self.counts, self.masks, self._folded, one, values))
+        if self._single_writes is not None:
+            s, pos, at = self._single_writes
+            keys[s, :, pos] = key_states[0, :, at].transpose(0, 1)
+            values[s, :, pos] = value_states[0, :, at].transpose(0, 1)
+        return (SlotViews(krows, self.starts, self.counts, self.masks, self._folded, self.single,
+                          keys),
+                SlotViews(vrows, self.starts, self.counts, self.masks, self._folded, self.single,
+                          values))
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return max(self.lengths)
@@ -305,31 +365,36 @@ def slot_attention(module, query, key, value, attention_mask, scaling=None, drop
             o = sdpa(q[None], k[None], v[None], attn_mask=key.folded_mask(j, groups),
                      scale=scaling)
         out[0, s:s + nj] = o.reshape(hq, nj, d).transpose(0, 1)
-    if key.single is not None:
-        out[0, key.single.starts] = _single_token_attention(query, key, value, scaling)
+    for one in key.single or ():
+        out[0, one.starts] = _single_token_attention(query, one, key.pool, value.pool, scaling)
     return out, None
 
 
-def _single_token_attention(query: torch.Tensor, key: SlotViews, value: SlotViews,
-                            scaling: float | None) -> torch.Tensor:
-    """Attention of every single-token request at once over its slot's keys, as two batched
-    matrix products over the slot range [lo, hi) of the pool (views, no copy of any key).
+def _single_token_attention(query: torch.Tensor, one: SingleTokenRows, keys: torch.Tensor,
+                            values: torch.Tensor, scaling: float | None) -> torch.Tensor:
+    """Attention of a group of single-token requests at once over their slots' keys, as two
+    batched matrix products: over the slot range [lo, hi) of the pool (views, no copy of any
+    key), or over the group's keys gathered from its slots (``one.gather``).
 
     Args:
-        query: the packed row ``[1, Hq, T, d]``; key, value: :class:`SlotViews` with ``single``.
+        query: the packed row ``[1, Hq, T, d]``; one: the group; keys, values: this layer's pool
+            tensors ``[slots, Hkv, capacity, d]``.
     Returns:
-        ``[n, Hq, d]``, the attention output of the n single-token requests in their order.
+        ``[n, Hq, d]``, the attention output of the group's n requests in their order.
     """
-    one, keys, values = key.single, key.pool, value.pool
     _, hq, _, d = query.shape
     hkv = keys.shape[1]
     groups = hq // hkv
     q = query[0, :, one.starts].reshape(hkv, groups, -1, d).permute(2, 0, 1, 3)  # [n, Hkv, g, d]
-    span = one.hi - one.lo
-    if not one.in_slot_order:  # rows in slot order; slots of the range not in this pass: zeros
-        q = q.new_zeros(span, hkv, groups, d).index_copy_(0, one.rows, q)
-    k = keys[one.lo:one.hi, :, :one.width]
-    v = values[one.lo:one.hi, :, :one.width]
+    if one.gather:
+        k = keys[one.slots, :, :one.width]
+        v = values[one.slots, :, :one.width]
+    else:
+        span = one.hi - one.lo
+        if not one.in_slot_order:  # rows in slot order; slots of the range not in this pass: 0
+            q = q.new_zeros(span, hkv, groups, d).index_copy_(0, one.rows, q)
+        k = keys[one.lo:one.hi, :, :one.width]
+        v = values[one.lo:one.hi, :, :one.width]
     scale = scaling if scaling is not None else d ** -0.5
     # keys times queries, not queries times transposed keys: the pool's key rows are contiguous,
     # and this orientation multiplies 3x faster on them (measured on 2 cores, bf16). In bf16 the

@@ -295,3 +295,53 @@ def test_a_budget_too_small_for_a_useful_model_length_is_refused(model):
         SpecEngine(TargetRunner(model, [1, 3]), tiny_drafter(model, layer_ids=(1, 3)), [],
                    EngineConfig(scheduler="fixed", sps_profile="off", max_num_requests=4,
                                 kv_cache_memory_gib=4 * 10 * per_position / 2**30))
+
+
+def test_single_token_groups_gather_similar_lengths_and_keep_a_clean_range_in_place():
+    from serve.engine.kv_pool import single_token_groups
+
+    # four requests of one length filling slots 0..3: one product over the range, in place
+    assert single_token_groups([0, 1, 2, 3], [100] * 4, [1] * 4) == [([0, 1, 2, 3], False)]
+    # 64 requests, lengths 100..1,000, in slots among 128 others left free by finished ones:
+    # gathered groups of similar lengths
+    lengths = [100 + (j * 37) % 900 for j in range(64)]
+    slots = [3 * ((j * 11) % 64) for j in range(64)]
+    groups = single_token_groups(slots, lengths, [1] * 64)
+    assert len(groups) > 1 and all(gathered for _, gathered in groups)
+    assert sorted(j for grp, _ in groups for j in grp) == list(range(64))
+    tops = [max(lengths[j] for j in grp) for grp, _ in groups]
+    assert tops == sorted(tops)  # each group holds the next lengths
+    assert single_token_groups([0, 1], [100, 100], [1, 3]) == []  # one single: nothing to batch
+
+
+@pytest.mark.parametrize("mode", ["gathered", "in place"])
+def test_grouped_single_token_attention_matches_a_plain_forward(model, mode, monkeypatch):
+    """Single-token requests attended in gathered length groups (or one in-place range), beside a
+    multi-token one and a freed slot, give each request the logits of a plain forward."""
+    import serve.engine.kv_pool as kv_pool
+
+    monkeypatch.setattr(kv_pool, "PER_REQUEST_COST", 1e9)  # batch every single-token request
+    monkeypatch.setattr(kv_pool, "GROUP_COST", 0)
+    monkeypatch.setattr(kv_pool, "GATHER_COST", 1e-9 if mode == "gathered" else 1e9)
+    monkeypatch.setattr(kv_pool, "WIDTH_STEP", 1)  # groups of different widths
+    runner = TargetRunner(model, LAYERS)
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(2, 96, (n,), generator=g).tolist() for n in (6, 23, 2, 11, 8, 15)]
+    kvs = [TargetKV() for _ in prompts]
+    runner.forward_batch(kvs, prompts, with_features=False, logits="last")
+    for kv, p in zip(kvs, prompts):
+        kv.length = len(p)
+    seqs = [list(p) for p in prompts]
+    kvs[2].release()
+    live = [5, 0, 3, 1, 4]
+    for step in range(4):
+        blocks = {j: torch.randint(2, 96, (2 if j == live[step] else 1,),
+                                   generator=g).tolist() for j in live}
+        outs = runner.forward_batch([kvs[j] for j in live], [blocks[j] for j in live],
+                                    with_features=False)
+        for j, o in zip(live, outs):
+            n = len(blocks[j])
+            torch.testing.assert_close(o.logits, _full(model, seqs[j] + blocks[j])[0][-n:],
+                                       atol=1e-4, rtol=1e-4)
+            o.keep(n)
+            seqs[j] += blocks[j]
