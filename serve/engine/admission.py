@@ -18,6 +18,22 @@ from .target_runner import TargetRunner
 
 logger = logging.getLogger(__name__)
 
+# Admission aims this far above a speed floor: the floor is what the slowest request must get, and
+# requests spread around the engine's average pace (measured with a 12 tokens/s floor held on
+# average at 8-32 streams: slowest requests 0.73-0.88x the mean), and a client behind HTTP reads
+# a few % less than the engine (benchmarks/results/http_tax_dspark.md: 0.93-0.98x).
+FLOOR_MARGIN = 0.15
+# A running request's own decode speed counts once it has emitted this many tokens.
+MIN_OBSERVED_TOKENS = 8
+
+
+def observed_speed(output_tokens: int, first_token_s: float | None, now: float) -> float | None:
+    """A running request's decode speed so far (tokens/s after its first token), or None before
+    ``MIN_OBSERVED_TOKENS`` tokens (too few steps to say)."""
+    if first_token_s is None or output_tokens < MIN_OBSERVED_TOKENS:
+        return None
+    return (output_tokens - 1) / max(now - first_token_s, 1e-9)
+
 
 def size_kv_pool(target: TargetRunner, config: EngineConfig, num_speculative_tokens: int) -> int:
     """Allocate the engine's whole KV pool now (``serve/engine/kv_pool.py``: never grown under load)
@@ -99,7 +115,7 @@ class Pace:
                         sps: SPSTable | None) -> bool:
         """Whether one more request keeps every speed floor: the measured per-request speed,
         rescaled to one more request's batch by SPS(B) (the step time grows as 1 / SPS), stays
-        at or above the highest floor. Always true without floors, without a measurement yet,
+        ``FLOOR_MARGIN`` above the highest floor. Always true without floors, without a measurement yet,
         or with nothing decoding.
 
         Args:
@@ -116,7 +132,7 @@ class Pace:
             step_s *= step_time(sps, batch) / step_time(sps, self.batch_tokens)
         else:
             step_s *= batch / max(self.batch_tokens, 1.0)
-        return self.tokens_per_step / step_s >= max(floors)
+        return self.tokens_per_step / step_s >= max(floors) * (1 + FLOOR_MARGIN)
 
 
 def step_time(sps: SPSTable, batch: float) -> float:

@@ -32,7 +32,7 @@ from collections import deque
 
 import torch
 
-from .admission import Pace, check_request, size_kv_pool
+from .admission import FLOOR_MARGIN, Pace, check_request, observed_speed, size_kv_pool
 from .commit import commit_tokens, with_spec_details
 from .config import EngineConfig
 from .draft_planner import DraftCostTable
@@ -196,11 +196,18 @@ class SpecEngine:
         return own if own is not None else self.config.min_tokens_per_s
 
     def _floors_allow_one_more(self) -> bool:
-        """Admission under the deployment's speed floor (``engine.min_tokens_per_s``,
-        :meth:`serve.engine.admission.Pace.allows_one_more`). A request's own floor orders
+        """Admission under the deployment's speed floor (``engine.min_tokens_per_s``): no running
+        request's own speed so far within ``FLOOR_MARGIN`` of it, and the pace rescaled to one
+        more request above it (:meth:`serve.engine.admission.Pace.allows_one_more`). A request's own floor orders
         verification only: admission reading clients' floors would let one client with an
         unreachable floor keep everyone else waiting."""
         floor = self.config.min_tokens_per_s
+        if floor is not None:  # a running request already near its floor: no newcomer yet
+            now = time.perf_counter()
+            for r in self.running:
+                speed = observed_speed(len(r.output), r.first_token_s, now)
+                if speed is not None and speed < floor * (1 + FLOOR_MARGIN):
+                    return False
         return self._pace.allows_one_more([floor] if floor is not None else [],
                                           len(self.running), self.num_running, self.sps)
 

@@ -629,8 +629,9 @@ def test_speed_floors_add_verification_losslessly_and_gate_admission(varied_targ
 
     # admission: SPS(8) = 95, SPS(16) = 80 steps/s; 4 running requests verifying B = 8 tokens in
     # 10 ms steps, 2 tokens per request per step: 200 tokens/s each now; a fifth request makes
-    # B = 10 -> SPS 91.25, so 200 * 91.25 / 95 = 192.1 tokens/s
-    engine = _engine(varied_target, d, "dspark", min_tokens_per_s=190.0, max_num_requests=8)
+    # B = 10 -> SPS 91.25, so 200 * 91.25 / 95 = 192.1 tokens/s, against a floor of 167 plus
+    # FLOOR_MARGIN (15 %): 192.05
+    engine = _engine(varied_target, d, "dspark", min_tokens_per_s=167.0, max_num_requests=8)
     for i, p in enumerate(prompts + [[1, 2, 3]]):
         engine.add_request(EngineRequest(f"a{i}", p, SamplingParams(max_tokens=30,
                                                                     temperature=0.0)))
@@ -641,7 +642,7 @@ def test_speed_floors_add_verification_losslessly_and_gate_admission(varied_targ
     engine._pace = Pace(step_s=0.01, tokens_per_step=2.0, batch_tokens=8.0)
     assert engine._floors_allow_one_more()
     engine._pace = Pace(step_s=0.01, tokens_per_step=1.94, batch_tokens=8.0)
-    assert not engine._floors_allow_one_more()  # 194 * 91.25 / 95 = 186.3 < 190
+    assert not engine._floors_allow_one_more()  # 194 * 91.25 / 95 = 186.3 < 192.05
     queued[0].req.min_tokens_per_s = 1.0  # the newcomer's own floor is low, the others' are not
     assert not engine._floors_allow_one_more()
     engine.config = engine.config.model_copy(update={"min_tokens_per_s": None})
@@ -663,10 +664,11 @@ def test_the_admission_pace_counts_prompt_chunks_and_grows_past_the_sps_profile(
     assert step_time(table, 2) == pytest.approx(1 / 90)
     assert step_time(table, 8) == pytest.approx(2 / 50)  # twice the largest profiled batch
     # 4 decoding in 10 ms steps of B = 4, 1 token each: 100 tokens/s; a fifth makes B = 5, past
-    # the profile: 5/4 of B = 4's step, 80 tokens/s (read at the profile's end: still 100)
+    # the profile: 5/4 of B = 4's step, 80 tokens/s (read at the profile's end: still 100),
+    # against each floor plus FLOOR_MARGIN
     pace = Pace(step_s=0.01, tokens_per_step=1.0, batch_tokens=4.0)
     assert pace.allows_one_more([90.0], 4, 4, table) is False
-    assert pace.allows_one_more([70.0], 4, 4, table) is True
+    assert pace.allows_one_more([65.0], 4, 4, table) is True  # 80 >= 65 + 15 %
 
     engine = _engine(varied_target, None, "none", max_num_requests=4)
     engine.add_request(EngineRequest("a", [1, 2, 3], SamplingParams(max_tokens=8,
@@ -677,3 +679,28 @@ def test_the_admission_pace_counts_prompt_chunks_and_grows_past_the_sps_profile(
         max_tokens=8, temperature=0.0)))
     engine.step()  # "a" decodes one token while "b"'s 39-token prompt rides along
     assert engine._pace.step_s is not None and engine._pace.batch_tokens == 1 + 39
+
+
+def test_a_running_request_near_the_floor_holds_newcomers_back(varied_target, corrupted_table):
+    """Admission under a deployment floor also reads the running requests' own speeds: while one
+    that has emitted enough tokens to say runs within FLOOR_MARGIN of the floor, no newcomer
+    starts (the pace is an average; the floor is for the slowest request)."""
+    import time as clock
+
+    from serve.engine.admission import FLOOR_MARGIN, MIN_OBSERVED_TOKENS, Pace, observed_speed
+
+    assert observed_speed(MIN_OBSERVED_TOKENS - 1, 0.0, 1.0) is None
+    assert observed_speed(11, 0.0, 2.0) == pytest.approx(5.0)
+    d = randomize_heads(oracle_drafter(varied_target, corrupted_table, "markov", 4))
+    engine = _engine(varied_target, d, "dspark", min_tokens_per_s=10.0, max_num_requests=4)
+    engine.add_request(EngineRequest("a", [1, 2, 3], SamplingParams(max_tokens=40,
+                                                                     temperature=0.0)))
+    for _ in range(MIN_OBSERVED_TOKENS + 1):
+        engine.step()
+    engine._pace = Pace(step_s=0.001, tokens_per_step=1.0, batch_tokens=1.0)  # 1,000 tok/s
+    (r,) = engine.running
+    now = clock.perf_counter()
+    r.first_token_s = now - (len(r.output) - 1) / (10.0 * (1 + FLOOR_MARGIN) + 1)  # just above
+    assert engine._floors_allow_one_more()
+    r.first_token_s = now - (len(r.output) - 1) / (10.0 * (1 + FLOOR_MARGIN) - 1)  # just below
+    assert not engine._floors_allow_one_more()
