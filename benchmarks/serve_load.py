@@ -307,11 +307,9 @@ def render_sla_md(rows: list[dict]) -> list[str]:
 def floor_of(policy: str) -> float | None:
     """The per-user speed floor a policy variant sets (``dspark-min_tokens_per_s=12`` -> 12.0),
     else None."""
-    for part in policy.split("-")[1:]:
-        field, _, value = part.partition("=")
-        if field == "min_tokens_per_s":
-            return float(value)
-    return None
+    _, _, override = policy.partition("-")  # one override per variant (policy_engine's rule)
+    field, _, value = override.partition("=")
+    return float(value) if field == "min_tokens_per_s" else None
 
 
 def render_floor_md(points: list[dict]) -> list[str]:

@@ -351,6 +351,9 @@ def run_generate(rows: list[dict], out_path: Path, errors_path: Path, cfg: Gener
         # prefetch_batches=0: a prefetching iterator holds each block until the next one exists
         for batch in ds.iter_batches(batch_size=None, batch_format="numpy", prefetch_batches=0):
             for i in range(len(batch["id"])):
+                if str(batch["id"][i]) in done:  # a retried actor task may yield a row again
+                    continue
+                done.add(str(batch["id"][i]))
                 if batch["error"][i]:
                     _append(err, {"id": str(batch["id"][i]), "stage": "generate",
                                   "error": str(batch["error"][i])})

@@ -185,37 +185,46 @@ class EngineGenerateUDF(GenerateUDF):
             errors[i] = self.take_answer(histories[i], reasons[i], text, reason, failed)
             advance(i)
 
-        for i in range(len(ids)):
-            advance(i)
-        ends, last_yield = set(self.eos_ids), time.monotonic()
-        while in_flight:
-            try:
-                outputs = self.engine.step()
-            except Exception:
-                # a failed step (out of memory, say): free this batch's requests and KV slots,
-                # then decode each interrupted answer alone, so one bad row fails alone
-                rows = list(in_flight)
-                for i in rows:
-                    self.engine.abort(str(i))
-                retry = {i: in_flight.pop(i) for i in rows}
-                for i, (prompt, key, _) in retry.items():
-                    texts, why, failed = self.generate_isolated([prompt], [key])
-                    take(i, texts[0], why[0], failed[0])
-                continue
-            for out in outputs:
-                i = int(out.request_id)
-                in_flight[i][2].extend(out.new_token_ids)
-                if not out.finished:
+        try:
+            for i in range(len(ids)):
+                advance(i)
+            ends, last_yield = set(self.eos_ids), time.monotonic()
+            while in_flight:
+                try:
+                    outputs = self.engine.step()
+                except Exception:
+                    # a failed step (out of memory, say): free this batch's requests and KV
+                    # slots, then decode each interrupted answer alone (all of them before any
+                    # next turn is queued: the one-by-one decode needs the engine to itself), so
+                    # one bad row fails alone
+                    retry = {i: in_flight.pop(i) for i in list(in_flight)}
+                    for i in retry:
+                        self.engine.abort(str(i))
+                    answers = {i: self.generate_isolated([prompt], [key])
+                               for i, (prompt, key, _) in retry.items()}
+                    for i, (texts, why, failed) in answers.items():
+                        take(i, texts[0], why[0], failed[0])
                     continue
-                _, _, toks = in_flight.pop(i)
-                if out.finish_reason == "error":
-                    take(i, "", "error", str(out.error))
-                    continue
-                self.generated_tokens += answer_length(toks, ends)
-                text, reason = finish_answer(self.tokenizer, toks, ends)
-                take(i, text, reason, "")
-            if finished and time.monotonic() - last_yield >= FLUSH_S:
-                yield self.output_rows(batch, finished, histories, reasons, errors)
-                finished, last_yield = [], time.monotonic()
+                for out in outputs:
+                    i = int(out.request_id)
+                    in_flight[i][2].extend(out.new_token_ids)
+                    if not out.finished:
+                        continue
+                    _, _, toks = in_flight.pop(i)
+                    if out.finish_reason == "error":
+                        take(i, "", "error", str(out.error))
+                        continue
+                    self.generated_tokens += answer_length(toks, ends)
+                    text, reason = finish_answer(self.tokenizer, toks, ends)
+                    take(i, text, reason, "")
+                if finished and time.monotonic() - last_yield >= FLUSH_S:
+                    yield self.output_rows(batch, finished, histories, reasons, errors)
+                    finished, last_yield = [], time.monotonic()
+        except BaseException:
+            # whatever ends this call early (an error, the generator closed) must not leave its
+            # requests in the actor's engine for the next batch
+            for i in list(in_flight):
+                self.engine.abort(str(i))
+            raise
         if finished:
             yield self.output_rows(batch, finished, histories, reasons, errors)

@@ -224,3 +224,31 @@ def test_the_stage_writes_rows_an_actor_yields_before_its_batch_ends(tmp_path, r
     assert counts == {"generated": 5, "errors": 0, "skipped": 0}
     assert sorted(json.loads(line)["id"] for line in out.read_text().splitlines()) == [
         f"p{i}" for i in range(5)]
+
+
+def test_a_failed_engine_step_retries_each_answer_alone_and_the_walk_goes_on(smollm2_dir,
+                                                                              monkeypatch):
+    """engine.step raising mid-batch: every interrupted answer is decoded alone before any next
+    turn is queued, multi-turn rows go on, and the rows equal the hf backend's (greedy, fp32)."""
+    greedy = dict(SAMPLING, temperature=0.0, max_new_tokens=4)
+    rows = [{"id": f"r{i}", "domain": "chat", "messages": [
+        {"role": "user", "content": f"Say {i}."}, {"role": "user", "content": "Again?"}]}
+        for i in range(3)]
+    common = dict(target=str(smollm2_dir), dtype="float32", sampling=greedy, template_kwargs={},
+                  num_threads=None, max_prompt_tokens=64, seed=0)
+    engine = EngineGenerateUDF(**common, max_num_requests=4, kv_cache_memory_gib=0.05)
+    real_step, calls = engine.engine.step, {"n": 0}
+
+    def failing_step():
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise RuntimeError("step failed")
+        return real_step()
+
+    monkeypatch.setattr(engine.engine, "step", failing_step)
+    chunks = list(engine(_batch(rows)))
+    got = {c["id"][j]: {k: c[k][j] for k in c} for c in chunks for j in range(len(c["id"]))}
+    assert calls["n"] > 3 and not engine.engine.has_unfinished()
+    hf = GenerateUDF(**common)(_batch(rows))
+    for j, rid in enumerate(hf["id"]):
+        assert got[rid] == {k: hf[k][j] for k in hf}, rid

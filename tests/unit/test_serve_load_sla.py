@@ -58,6 +58,7 @@ def test_the_floor_check_reads_each_floor_variants_slowest_request():
     from benchmarks.serve_load import floor_of, render_floor_md
 
     assert floor_of("dspark-min_tokens_per_s=12") == 12.0
+    assert floor_of("dspark-min_tokens_per_s=1e-1") == 0.1
     assert floor_of("dspark-probe_budget=0.01") is None and floor_of("none") is None
     points = POINTS + _points("dspark-min_tokens_per_s=9", [(14, 14.0), (25, 12.5), (38, 9.5),
                                                              (44, 8.9)])
