@@ -229,7 +229,8 @@ def single_token_groups(slots: list[int], lengths: list[int], counts: list[int]
         return []
     ranged = batched_single_tokens(slots, lengths, counts)
     best: list[tuple[list[int], bool]] = [(ranged, False)] if ranged else []
-    rest = sum(lengths[j] + 1 for j in ones if j not in set(ranged))
+    in_range = set(ranged)
+    rest = sum(lengths[j] + 1 for j in ones if j not in in_range)
     if ranged:
         span = max(slots[j] for j in ranged) - min(slots[j] for j in ranged) + 1
         best_cost = span * (max(lengths[j] for j in ranged) + 1) + PER_REQUEST_COST * rest
@@ -305,7 +306,8 @@ class PooledStepCache:
             (torch.tensor([slots[j] for j in chosen], device=device),
              torch.tensor([lengths[j] for j in chosen], device=device),
              torch.tensor([self.starts[j] for j in chosen], device=device)) if chosen else None)
-        self._multi = [j for j in range(len(counts)) if j not in set(chosen)]
+        batched = set(chosen)
+        self._multi = [j for j in range(len(counts)) if j not in batched]
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int,
                *args, **kwargs) -> tuple[SlotViews, SlotViews]:
