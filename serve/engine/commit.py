@@ -5,6 +5,8 @@ dropped) or max_tokens, and a finished request's KV slot is freed at once.
 
 from __future__ import annotations
 
+import time
+
 from .metrics import request_spec_details
 from .request_state import RequestState
 from .requests import RequestOutput, TokenLogprob
@@ -41,7 +43,17 @@ def commit_tokens(r: RequestState, tokens: list[int], eos: set[int],
 
 
 def with_spec_details(r: RequestState, out: RequestOutput) -> RequestOutput:
-    """A finished output carries the request's speculation summary when it asked."""
+    """A finished output carries the request's speculation summary when it asked, with the
+    engine's own timing of it: ``engine_ttft_s`` (arrival in the engine to its first token, queue
+    and prefill included) and ``engine_decode_tokens_per_s`` (tokens after the first over the
+    seconds from the first to now, the last; None for a one-token answer). A client compares them
+    with what it reads behind HTTP to tell the engine's pace from the serving path's."""
     if out.finished and r.req.return_spec_details:
         out.spec_details = request_spec_details(r.rounds)
+        now = time.perf_counter()
+        first = r.first_token_s if r.first_token_s is not None else now
+        decode_s = now - first
+        out.spec_details["engine_ttft_s"] = first - r.arrival_s
+        out.spec_details["engine_decode_tokens_per_s"] = (
+            (len(r.output) - 1) / decode_s if len(r.output) > 1 and decode_s > 0 else None)
     return out

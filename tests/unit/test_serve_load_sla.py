@@ -62,7 +62,8 @@ def test_the_floor_check_reads_each_floor_variants_slowest_request():
     assert floor_of("dspark-probe_budget=0.01") is None and floor_of("none") is None
     points = POINTS + _points("dspark-min_tokens_per_s=9", [(14, 14.0), (25, 12.5), (38, 9.5),
                                                              (44, 8.9)])
+    points[-1]["engine_tok_s_min"] = 9.7  # the engine held what the client did not read
     md = "\n".join(render_floor_md(points))
-    assert "| dspark-min_tokens_per_s=9 | 4 | 9 | 9.50 | yes |" in md
-    assert "| dspark-min_tokens_per_s=9 | 8 | 9 | 8.90 | no |" in md
+    assert "| dspark-min_tokens_per_s=9 | 4 | 9 | 9.50 | 0.00 | yes |" in md
+    assert "| dspark-min_tokens_per_s=9 | 8 | 9 | 8.90 | 9.70 | no |" in md
     assert "| none |" not in md and render_floor_md(POINTS) == []

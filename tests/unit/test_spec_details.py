@@ -73,6 +73,11 @@ def test_details_of_concurrent_requests_add_up_to_the_engine_counters(varied_tar
             assert all(c is None or 0 <= c <= 1 for c in d["conditional_acceptance"])
         else:
             assert d["acceptance_rate"] is None
+        assert d["engine_ttft_s"] >= 0
+        # the engine's own decode speed: defined once a request emitted more than its first token
+        speed = d["engine_decode_tokens_per_s"]
+        assert (speed is None) == (generated[r.request_id] == 1)
+        assert speed is None or speed > 0
 
     # a request that did not ask carries none
     engine.add_request(EngineRequest("plain", [5, 6, 7], SamplingParams(max_tokens=6,
