@@ -180,7 +180,7 @@ class SpecEngine:
             # 12 tokens/s floor admitted 16 streams whose slowest decoded at 6.8)
             self._pace.observe(time.perf_counter() - start, committed / len(decoding),
                                self.stats.batch_tokens - batch_before
-                               + sum(c.take for c in chunks))
+                               + sum(c.take for c in chunks), len(decoding))
         self.stats.steps += 1
         return outputs
 
@@ -209,7 +209,7 @@ class SpecEngine:
                 if speed is not None and speed < floor * (1 + FLOOR_MARGIN):
                     return False
         return self._pace.allows_one_more([floor] if floor is not None else [],
-                                          len(self.running), self.num_running, self.sps)
+                                          self.num_running, self.sps)
 
     def _decode(self, reqs: list[RequestState], chunks: list[PrefillChunk]):
         """One speculative round for the running ``reqs``: plan -> propose -> verify -> commit,

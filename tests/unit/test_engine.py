@@ -615,16 +615,19 @@ def test_speed_floors_add_verification_losslessly_and_gate_admission(varied_targ
     g = torch.Generator().manual_seed(3)
     prompts = [torch.randint(0, 96, (n,), generator=g).tolist() for n in (4, 7, 3, 9)]
 
-    def run(**cfg):
-        engine = _engine(varied_target, d, "dspark", **cfg)
-        reqs = [EngineRequest(f"r{i}", p, SamplingParams(max_tokens=20, temperature=0.0))
+    def run(floor=None):
+        engine = _engine(varied_target, d, "dspark")
+        # the requests' own floors: they order verification and leave admission alone, so both
+        # runs decode the same batches
+        reqs = [EngineRequest(f"r{i}", p, SamplingParams(max_tokens=20, temperature=0.0),
+                              min_tokens_per_s=floor)
                 for i, p in enumerate(prompts)]
         out, _ = _run(engine, {0: reqs})
         for i, p in enumerate(prompts):
-            assert out[f"r{i}"] == greedy_reference(varied_target, p, 20), (cfg, i)
+            assert out[f"r{i}"] == greedy_reference(varied_target, p, 20), (floor, i)
         return engine.stats
 
-    plain, floored = run(), run(min_tokens_per_s=400.0)  # SPS(1) = 100 steps/s: out of reach
+    plain, floored = run(), run(floor=400.0)  # SPS(1) = 100 steps/s: out of reach
     assert floored.verified_tokens > plain.verified_tokens
 
     # admission: SPS(8) = 95, SPS(16) = 80 steps/s; 4 running requests verifying B = 8 tokens in
@@ -636,12 +639,13 @@ def test_speed_floors_add_verification_losslessly_and_gate_admission(varied_targ
         engine.add_request(EngineRequest(f"a{i}", p, SamplingParams(max_tokens=30,
                                                                     temperature=0.0)))
     engine.waiting, queued = deque(list(engine.waiting)[:4]), list(engine.waiting)[4:]
+    engine._pace = Pace(step_s=1e-6)  # measured as fast: all four start together
     engine.step()  # prefill the four
     assert len(engine.running) == 4
     engine.waiting.extend(queued)
-    engine._pace = Pace(step_s=0.01, tokens_per_step=2.0, batch_tokens=8.0)
+    engine._pace = Pace(step_s=0.01, tokens_per_step=2.0, batch_tokens=8.0, requests=4.0)
     assert engine._floors_allow_one_more()
-    engine._pace = Pace(step_s=0.01, tokens_per_step=1.94, batch_tokens=8.0)
+    engine._pace = Pace(step_s=0.01, tokens_per_step=1.94, batch_tokens=8.0, requests=4.0)
     assert not engine._floors_allow_one_more()  # 194 * 91.25 / 95 = 186.3 < 192.05
     queued[0].req.min_tokens_per_s = 1.0  # the newcomer's own floor is low, the others' are not
     assert not engine._floors_allow_one_more()
@@ -666,9 +670,9 @@ def test_the_admission_pace_counts_prompt_chunks_and_grows_past_the_sps_profile(
     # 4 decoding in 10 ms steps of B = 4, 1 token each: 100 tokens/s; a fifth makes B = 5, past
     # the profile: 5/4 of B = 4's step, 80 tokens/s (read at the profile's end: still 100),
     # against each floor plus FLOOR_MARGIN
-    pace = Pace(step_s=0.01, tokens_per_step=1.0, batch_tokens=4.0)
-    assert pace.allows_one_more([90.0], 4, 4, table) is False
-    assert pace.allows_one_more([65.0], 4, 4, table) is True  # 80 >= 65 + 15 %
+    pace = Pace(step_s=0.01, tokens_per_step=1.0, batch_tokens=4.0, requests=4.0)
+    assert pace.allows_one_more([90.0], 4, table) is False
+    assert pace.allows_one_more([65.0], 4, table) is True  # 80 >= 65 + 15 %
 
     engine = _engine(varied_target, None, "none", max_num_requests=4)
     engine.add_request(EngineRequest("a", [1, 2, 3], SamplingParams(max_tokens=8,
@@ -704,3 +708,30 @@ def test_a_running_request_near_the_floor_holds_newcomers_back(varied_target, co
     assert engine._floors_allow_one_more()
     r.first_token_s = now - (len(r.output) - 1) / (10.0 * (1 + FLOOR_MARGIN) - 1)  # just below
     assert not engine._floors_allow_one_more()
+
+
+def test_an_idle_engine_under_a_floor_admits_a_burst_only_as_far_as_the_floor_allows(
+        varied_target, corrupted_table):
+    """A burst of arrivals at an idle engine with a deployment floor: before any decoding step
+    is measured one request starts at a time; with a pace measured earlier (and nothing decoding
+    now), as many start as the pace rescaled to their batch holds, not the whole burst."""
+    from serve.engine.admission import Pace
+    from serve.engine.sps import SPSTable
+
+    d = randomize_heads(oracle_drafter(varied_target, corrupted_table, "markov", 4))
+    engine = _engine(varied_target, d, "dspark", min_tokens_per_s=20.0, max_num_requests=8)
+    for i in range(6):
+        engine.add_request(EngineRequest(f"b{i}", [1, 2, 3 + i], SamplingParams(
+            max_tokens=4, temperature=0.0)))
+    engine._admit()
+    assert len(engine.prefilling) == 1 and len(engine.waiting) == 5  # nothing measured yet
+    # measured before: 10 ms steps of one request's one token (100 tokens/s); past the SPS
+    # profile (B <= 1) the step time grows with the batch, so k requests get 100 / k tokens/s
+    # each, against the floor plus 15 %: 23 tokens/s
+    engine.sps = SPSTable((100.0,))
+    engine._pace = Pace(step_s=0.01, tokens_per_step=1.0, batch_tokens=1.0, requests=1.0)
+    engine.waiting.extendleft(reversed(engine.prefilling))
+    engine.prefilling.clear()
+    engine._admit()
+    # 100 / k >= 23 -> k <= 4: four start, two wait (without the fix: all six)
+    assert len(engine.prefilling) == 4 and len(engine.waiting) == 2
