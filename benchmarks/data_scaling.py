@@ -7,7 +7,8 @@ Each is trained by the pipeline's own train stage (Ray Train + DeepSpeed) in
 ``<run_dir>_scaling_<rows>`` (the data stages linked, not copied) with held-out evaluations every
 ``--eval-every`` steps, stopping at the plateau (``train.plateau_patience``) or ``--max-steps``;
 a point whose drafter exists is reused, and an interrupted one resumes from its newest
-checkpoint. The held-out metrics are the trainer's probabilistic ones (accept_rate@k = mean
+checkpoint. The ``all`` point is the base run's own train stage (trained to its plateau under the
+config's own ``eval_every`` and plateau rule; run or resumed here when it has not finished). The held-out metrics are the trainer's probabilistic ones (accept_rate@k = mean
 prod_{i<=k}(1 - TV_i), tau = 1 + sum_k accept_rate@k per block), at the best evaluation; per
 domain they are computed afterwards with the same loss code on every held-out cache row of the
 domain. Writes ``benchmarks/results/data_scaling.{json,md,png}``.
@@ -86,7 +87,8 @@ def domain_metrics(ctx, drafter_dir: Path, rows_per_batch: int = 8) -> dict:
 
 
 def train_point(base_cfg_path: str, sets: list[str], rows: int | None, args) -> dict:
-    """Train (or reuse) one point; returns its row, token and metric summary."""
+    """Train (or reuse) one point; returns its row, token and metric summary. The ``all`` point
+    is the base run's own train stage unless ``--no-all-from-run``."""
     from pipeline.cache_format import read_manifest
     from pipeline.train_data import subset_manifest
 
@@ -105,12 +107,18 @@ def train_point(base_cfg_path: str, sets: list[str], rows: int | None, args) -> 
     if not (src.run_dir / "cache" / "_SUCCESS.json").exists():
         raise FileNotFoundError(f"no finished cache stage under {src.run_dir}: run the pipeline's "
                                 "data stages first (pipeline/run.py --stages prompts,generate,cache)")
-    cfg.run_dir = str(Path(base.run_dir).with_name(f"{Path(base.run_dir).name}_scaling_{label}"))
-    ctx = stages.StageContext.create(cfg)
-    for stage in ("prompts", "generate", "cache"):  # share the data stages
-        link = ctx.run_dir / stage
-        if not link.exists():
-            link.symlink_to(src.run_dir / stage, target_is_directory=True)
+    if rows is None and args.all_from_run:
+        # the whole cache is what the base run itself trains on, to its own plateau: its train
+        # stage is this point (run or resumed here), not a second training of hours
+        cfg, ctx = base, src
+    else:
+        cfg.run_dir = str(Path(base.run_dir).with_name(
+            f"{Path(base.run_dir).name}_scaling_{label}"))
+        ctx = stages.StageContext.create(cfg)
+        for stage in ("prompts", "generate", "cache"):  # share the data stages
+            link = ctx.run_dir / stage
+            if not link.exists():
+                link.symlink_to(src.run_dir / stage, target_is_directory=True)
     start = time.time()
     summary = stages.run_stage(ctx, "train")
     seconds = time.time() - start
@@ -164,7 +172,9 @@ def write_results(points: list[dict], meta: dict, out: Path) -> None:
              "row of the domain, final weights. 'plateau': training stopped because held-out tau "
              f"rose less than {meta['min_delta']} over {meta['patience']} evaluations "
              f"(every {meta['eval_every']} steps); otherwise it ran to --max-steps "
-             f"{meta['max_steps']}.", "",
+             f"{meta['max_steps']}." + (" The 'all' point is the base run's own train stage, "
+                                          "under its config's eval cadence and plateau rule."
+                                          if meta.get("all_from_run") else ""), "",
              "| point | train rows | supervised tokens | steps | plateau | best step | "
              "accept_rate@1 | tau | " + " | ".join(f"tau {d}" for d in domains) + " |",
              "|---|---|---|---|---|---|---|---|" + "---|" * len(domains)]
@@ -187,6 +197,10 @@ def main() -> int:
     ap.add_argument("--patience", type=int, default=4)
     ap.add_argument("--min-delta", type=float, default=0.01)
     ap.add_argument("--max-steps", type=int, default=4000)
+    ap.add_argument("--all-from-run", action=argparse.BooleanOptionalAction, default=True,
+                    help="the 'all' point is the base run's own train stage (its config's eval "
+                         "cadence and plateau rule), run or resumed here; --no-all-from-run "
+                         "trains it again like the other points")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     args = ap.parse_args()
     try:
@@ -197,6 +211,7 @@ def main() -> int:
     meta = {"date": time.strftime("%Y-%m-%d"), "command": " ".join(sys.argv),
             "config": args.config, "set": args.set, "eval_every": args.eval_every,
             "patience": args.patience, "min_delta": args.min_delta, "max_steps": args.max_steps,
+            "all_from_run": args.all_from_run,
             "block_size": cfg.drafter.block_size, "drafter": cfg.drafter.model_dump(),
             "train": {k: v for k, v in cfg.train.model_dump().items()
                       if k in ("lr", "global_batch_size", "num_anchors", "warmup_ratio")}}
