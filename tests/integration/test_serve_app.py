@@ -437,6 +437,7 @@ def test_spec_details_over_http_when_asked(http):
         assert sum(d["accept_histogram"]) == d["rounds"] >= 1
         assert (d["accept_length"] or 0) * d["rounds"] == pytest.approx(generated - 1)
         assert d["draft_tokens_accepted"] <= d["draft_tokens_verified"] <= d["draft_tokens_proposed"]
+        assert d["engine_ttft_s"] >= 0 and d["engine_decode_tokens_per_s"] > 0
         with http.stream("POST", path, json={**req, "stream": True}) as r:
             events = [json.loads(line[len("data: "):]) for line in r.iter_lines()
                       if line.startswith("data: {")]
