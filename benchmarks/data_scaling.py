@@ -8,7 +8,8 @@ Each is trained by the pipeline's own train stage (Ray Train + DeepSpeed) in
 ``--eval-every`` steps, stopping at the plateau (``train.plateau_patience``) or ``--max-steps``;
 a point whose drafter exists is reused, and an interrupted one resumes from its newest
 checkpoint. The ``all`` point is the base run's own train stage (trained to its plateau under the
-config's own ``eval_every`` and plateau rule; run or resumed here when it has not finished). The held-out metrics are the trainer's probabilistic ones (accept_rate@k = mean
+config's own ``eval_every`` and plateau rule; run or resumed here when it has not finished, so do
+not run this while ``pipeline/run.py`` trains the same run). The held-out metrics are the trainer's probabilistic ones (accept_rate@k = mean
 prod_{i<=k}(1 - TV_i), tau = 1 + sum_k accept_rate@k per block), at the best evaluation; per
 domain they are computed afterwards with the same loss code on every held-out cache row of the
 domain. Writes ``benchmarks/results/data_scaling.{json,md,png}``.
@@ -86,6 +87,23 @@ def domain_metrics(ctx, drafter_dir: Path, rows_per_batch: int = 8) -> dict:
             for d, m in result.items()}
 
 
+def check_base_run(base, sets: list[str]) -> None:
+    """The base run's train stage can be the ``all`` point only as its config defines it.
+
+    Raises:
+        ValueError: a ``--set train.*`` override (it would change the base run's fingerprint: a
+            finished stage would be refused, an unfinished one would train under a config that
+            ``pipeline/run.py`` later refuses), or a config without held-out evaluations
+            (``train.eval_every`` unset: no curve to read the point from).
+    """
+    if any(s.split("=", 1)[0].strip().startswith("train.") for s in sets):
+        raise ValueError("--set train.* would change the base run's own train stage: pass "
+                         "--no-all-from-run to train the 'all' point apart")
+    if not base.train.eval_every:
+        raise ValueError("the base config sets no train.eval_every (no held-out evaluations): "
+                         "pass --no-all-from-run")
+
+
 def train_point(base_cfg_path: str, sets: list[str], rows: int | None, args) -> dict:
     """Train (or reuse) one point; returns its row, token and metric summary. The ``all`` point
     is the base run's own train stage unless ``--no-all-from-run``."""
@@ -110,6 +128,7 @@ def train_point(base_cfg_path: str, sets: list[str], rows: int | None, args) -> 
     if rows is None and args.all_from_run:
         # the whole cache is what the base run itself trains on, to its own plateau: its train
         # stage is this point (run or resumed here), not a second training of hours
+        check_base_run(base, sets)
         cfg, ctx = base, src
     else:
         cfg.run_dir = str(Path(base.run_dir).with_name(
@@ -139,6 +158,16 @@ def train_point(base_cfg_path: str, sets: list[str], rows: int | None, args) -> 
             "curve": [{"step": e["step"], "heldout_tau": e["heldout_tau"],
                        "heldout_accept_rate@1": e["heldout_accept_rate@1"]} for e in evals],
             "by_domain": domain_metrics(ctx, drafter_dir)}
+
+
+def all_point_note(meta: dict) -> str:
+    """What the markdown says of the 'all' point when it is the base run's own train stage."""
+    if not meta.get("all_from_run"):
+        return ""
+    t = meta["base_train"]
+    return (f" The 'all' point is the base run's own train stage: held-out evaluations every "
+            f"{t['eval_every']} steps, plateau after {t['plateau_patience']} of them rising "
+            f"less than {t['plateau_min_delta']}, at most {t['max_steps']} steps.")
 
 
 def write_results(points: list[dict], meta: dict, out: Path) -> None:
@@ -172,9 +201,7 @@ def write_results(points: list[dict], meta: dict, out: Path) -> None:
              "row of the domain, final weights. 'plateau': training stopped because held-out tau "
              f"rose less than {meta['min_delta']} over {meta['patience']} evaluations "
              f"(every {meta['eval_every']} steps); otherwise it ran to --max-steps "
-             f"{meta['max_steps']}." + (" The 'all' point is the base run's own train stage, "
-                                          "under its config's eval cadence and plateau rule."
-                                          if meta.get("all_from_run") else ""), "",
+             f"{meta['max_steps']}." + all_point_note(meta), "",
              "| point | train rows | supervised tokens | steps | plateau | best step | "
              "accept_rate@1 | tau | " + " | ".join(f"tau {d}" for d in domains) + " |",
              "|---|---|---|---|---|---|---|---|" + "---|" * len(domains)]
@@ -212,6 +239,10 @@ def main() -> int:
             "config": args.config, "set": args.set, "eval_every": args.eval_every,
             "patience": args.patience, "min_delta": args.min_delta, "max_steps": args.max_steps,
             "all_from_run": args.all_from_run,
+            # the 'all' point's own cadence and stopping rule when it is the base run's stage
+            "base_train": {k: v for k, v in cfg.train.model_dump().items()
+                           if k in ("eval_every", "plateau_patience", "plateau_min_delta",
+                                    "max_steps", "resume_from")},
             "block_size": cfg.drafter.block_size, "drafter": cfg.drafter.model_dump(),
             "train": {k: v for k, v in cfg.train.model_dump().items()
                       if k in ("lr", "global_batch_size", "num_anchors", "warmup_ratio")}}
@@ -219,7 +250,7 @@ def main() -> int:
     for rows in args.points:
         try:
             points.append(train_point(args.config, args.set, rows, args))
-        except FileNotFoundError as err:
+        except (FileNotFoundError, ValueError) as err:
             print(f"error: {err}", file=sys.stderr)
             return 1
         print(json.dumps({k: v for k, v in points[-1].items() if k != "curve"}), flush=True)

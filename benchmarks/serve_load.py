@@ -159,8 +159,9 @@ async def run_point(url: str, model: str, prompts: list[str], concurrency: int, 
             "per_user_tok_s": statistics.mean(per_user) if per_user else 0.0,
             # the slowest request of the point: what a per-user SLA is checked against
             "per_user_tok_s_min": min(per_user) if per_user else 0.0,
-            # the same request's speed as the engine measured it (no HTTP in between)
-            "engine_tok_s_min": min(engine_speeds) if engine_speeds else 0.0,
+            # the slowest request as the engine measured it (no HTTP in between; it may be
+            # another request than the client's slowest); None: no request reported one
+            "engine_tok_s_min": min(engine_speeds) if engine_speeds else None,
             "ttft_s_mean": statistics.mean(r[0] for r in results),
             "ttft_s_p50": statistics.median(r[0] for r in results)}
 
@@ -228,7 +229,8 @@ def summarize(runs: list[dict], policies: list[str], concurrency: list[int]) -> 
                 point[key] = statistics.mean(r[key] for r in rs)
             # every request of every repeat: the slowest one
             point["per_user_tok_s_min"] = min(r["per_user_tok_s_min"] for r in rs)
-            point["engine_tok_s_min"] = min(r.get("engine_tok_s_min", 0.0) for r in rs)
+            engine = [r["engine_tok_s_min"] for r in rs if r.get("engine_tok_s_min") is not None]
+            point["engine_tok_s_min"] = min(engine) if engine else None
             point["throughput_tok_s_each"] = [round(r["throughput_tok_s"], 2) for r in rs]
             points.append(point)
     return points
@@ -321,6 +323,10 @@ def floor_of(policy: str) -> float | None:
     return float(value) if field == "min_tokens_per_s" else None
 
 
+def fmt_speed(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.2f}"
+
+
 def render_floor_md(points: list[dict]) -> list[str]:
     """Per policy with a speed floor: at each concurrency, its slowest request against the floor
     (the engine queues what it cannot admit at the floor, so slow requests there are misses)."""
@@ -331,14 +337,15 @@ def render_floor_md(points: list[dict]) -> list[str]:
              "Every finished request's decode speed (tokens after the first over the time from "
              "the first to the last) against the floor its policy sets; requests the admission "
              "held back waited in the queue (their wait is in TTFT, not in the decode speed). "
-             "The engine's column is the slowest request's speed as the engine measured it "
-             "(`spec_details.engine_decode_tokens_per_s`, no HTTP in between).",
+             "The engine's column is the slowest request by the engine's own clock "
+             "(`spec_details.engine_decode_tokens_per_s`, no HTTP in between; not necessarily "
+             "the request the client read slowest; n/a: none reported).",
              "", "| policy | concurrency | floor tok/s | slowest request tok/s (client) | "
              "slowest request tok/s (engine) | held |",
              "|---|---|---|---|---|---|"]
     for p, floor in rows:
         lines.append(f"| {p['policy']} | {p['concurrency']} | {floor:g} | "
-                     f"{p['per_user_tok_s_min']:.2f} | {p.get('engine_tok_s_min', 0.0):.2f} | "
+                     f"{p['per_user_tok_s_min']:.2f} | {fmt_speed(p.get('engine_tok_s_min'))} | "
                      f"{'yes' if p['per_user_tok_s_min'] >= floor else 'no'} |")
     return lines
 

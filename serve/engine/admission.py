@@ -93,36 +93,46 @@ def check_request(request: EngineRequest, max_model_len: int, vocab_size: int,
 @dataclass
 class Pace:
     """Slowly forgetting averages of the steps running requests decode in: seconds per step,
-    tokens committed per running request per step, tokens in the step's target pass (B: verified
-    tokens and the prompt chunks riding along) and requests decoding in it."""
+    tokens committed per running request per step, the step's target-pass tokens split into the
+    decoding requests' (verified tokens, B's share that grows with each request) and the prompt
+    chunks riding along, and the requests decoding in it."""
 
     step_s: float | None = None
     tokens_per_step: float = 1.0
-    batch_tokens: float = 1.0
+    decode_tokens: float = 1.0
+    chunk_tokens: float = 0.0
     requests: float = 1.0
     decay: float = 0.9
 
-    def observe(self, step_s: float, tokens_per_step: float, batch_tokens: int,
-                requests: int) -> None:
+    @property
+    def batch_tokens(self) -> float:
+        """The measured steps' B: decoding requests' tokens and prompt chunks."""
+        return self.decode_tokens + self.chunk_tokens
+
+    def observe(self, step_s: float, tokens_per_step: float, decode_tokens: int,
+                chunk_tokens: int, requests: int) -> None:
+        now = (step_s, tokens_per_step, float(decode_tokens), float(chunk_tokens), float(requests))
         if self.step_s is None:
-            self.step_s, self.tokens_per_step = step_s, tokens_per_step
-            self.batch_tokens, self.requests = float(batch_tokens), float(requests)
+            (self.step_s, self.tokens_per_step, self.decode_tokens, self.chunk_tokens,
+             self.requests) = now
             return
         d = self.decay
-        self.step_s = d * self.step_s + (1 - d) * step_s
-        self.tokens_per_step = d * self.tokens_per_step + (1 - d) * tokens_per_step
-        self.batch_tokens = d * self.batch_tokens + (1 - d) * batch_tokens
-        self.requests = d * self.requests + (1 - d) * requests
+        self.step_s = d * self.step_s + (1 - d) * now[0]
+        self.tokens_per_step = d * self.tokens_per_step + (1 - d) * now[1]
+        self.decode_tokens = d * self.decode_tokens + (1 - d) * now[2]
+        self.chunk_tokens = d * self.chunk_tokens + (1 - d) * now[3]
+        self.requests = d * self.requests + (1 - d) * now[4]
 
     def allows_one_more(self, floors: list[float], num_admitted: int,
                         sps: SPSTable | None) -> bool:
         """Whether one more request keeps every speed floor: the measured per-request speed,
-        rescaled to the batch of ``num_admitted`` + 1 requests (each bringing the measured tokens
-        per request) by SPS(B) (the step time grows as 1 / SPS), stays ``FLOOR_MARGIN`` above the
-        highest floor. Always true without floors or with nothing admitted. Before the first
-        measured decoding step, one request at a time: an idle engine that let a whole burst of arrivals in at once ran
-        them all at the speed of the burst (measured: 32 streams arriving together decoded at
-        ~3 tokens/s under a 12 tokens/s floor).
+        rescaled by SPS(B) (the step time grows as 1 / SPS) to the batch of ``num_admitted`` + 1
+        requests (each bringing the measured decoding tokens per request, plus the measured
+        prompt-chunk tokens per step, which the arrivals keep bringing), stays ``FLOOR_MARGIN``
+        above the highest floor. Always true without floors or with nothing admitted. Before the
+        first measured decoding step, one request at a time: an idle engine that let a whole
+        burst of arrivals in at once ran them all at the speed of the burst (measured: 32 streams
+        arriving together decoded at ~3 tokens/s under a 12 tokens/s floor).
 
         Args:
             floors: the floors (tokens/s) of the admitted requests and the newcomer that have one.
@@ -134,8 +144,8 @@ class Pace:
             return True
         if self.step_s is None:
             return False
-        per_request = self.batch_tokens / max(self.requests, 1e-9)
-        batch = per_request * (num_admitted + 1)
+        per_request = self.decode_tokens / max(self.requests, 1e-9)
+        batch = per_request * (num_admitted + 1) + self.chunk_tokens
         step_s = self.step_s
         if sps is not None:
             step_s *= step_time(sps, batch) / step_time(sps, self.batch_tokens)

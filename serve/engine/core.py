@@ -106,8 +106,9 @@ class SpecEngine:
         self.prefilling: list[RequestState] = []  # admitted, prompt partly in the cache
         self.running: list[RequestState] = []
         self.stats = SpecDecodeStats()
-        # measured decode speed for admission under speed floors: seconds per decoding step and
-        # tokens committed per request per step (slowly forgetting averages), and that step's B
+        # measured decode speed for admission under speed floors: seconds per decoding step,
+        # tokens committed per request per step, that step's B (decoding and prompt-chunk
+        # tokens) and the requests decoding in it (slowly forgetting averages)
         self._pace = Pace()
 
     # ------------------------------------------------------------------ requests
@@ -179,8 +180,8 @@ class SpecEngine:
             # of pure decoding steps alone overrated the speed under arrivals (measured: a
             # 12 tokens/s floor admitted 16 streams whose slowest decoded at 6.8)
             self._pace.observe(time.perf_counter() - start, committed / len(decoding),
-                               self.stats.batch_tokens - batch_before
-                               + sum(c.take for c in chunks), len(decoding))
+                               self.stats.batch_tokens - batch_before,
+                               sum(c.take for c in chunks), len(decoding))
         self.stats.steps += 1
         return outputs
 

@@ -643,9 +643,9 @@ def test_speed_floors_add_verification_losslessly_and_gate_admission(varied_targ
     engine.step()  # prefill the four
     assert len(engine.running) == 4
     engine.waiting.extend(queued)
-    engine._pace = Pace(step_s=0.01, tokens_per_step=2.0, batch_tokens=8.0, requests=4.0)
+    engine._pace = Pace(step_s=0.01, tokens_per_step=2.0, decode_tokens=8.0, requests=4.0)
     assert engine._floors_allow_one_more()
-    engine._pace = Pace(step_s=0.01, tokens_per_step=1.94, batch_tokens=8.0, requests=4.0)
+    engine._pace = Pace(step_s=0.01, tokens_per_step=1.94, decode_tokens=8.0, requests=4.0)
     assert not engine._floors_allow_one_more()  # 194 * 91.25 / 95 = 186.3 < 192.05
     queued[0].req.min_tokens_per_s = 1.0  # the newcomer's own floor is low, the others' are not
     assert not engine._floors_allow_one_more()
@@ -670,7 +670,7 @@ def test_the_admission_pace_counts_prompt_chunks_and_grows_past_the_sps_profile(
     # 4 decoding in 10 ms steps of B = 4, 1 token each: 100 tokens/s; a fifth makes B = 5, past
     # the profile: 5/4 of B = 4's step, 80 tokens/s (read at the profile's end: still 100),
     # against each floor plus FLOOR_MARGIN
-    pace = Pace(step_s=0.01, tokens_per_step=1.0, batch_tokens=4.0, requests=4.0)
+    pace = Pace(step_s=0.01, tokens_per_step=1.0, decode_tokens=4.0, requests=4.0)
     assert pace.allows_one_more([90.0], 4, table) is False
     assert pace.allows_one_more([65.0], 4, table) is True  # 80 >= 65 + 15 %
 
@@ -683,6 +683,18 @@ def test_the_admission_pace_counts_prompt_chunks_and_grows_past_the_sps_profile(
         max_tokens=8, temperature=0.0)))
     engine.step()  # "a" decodes one token while "b"'s 39-token prompt rides along
     assert engine._pace.step_s is not None and engine._pace.batch_tokens == 1 + 39
+    assert (engine._pace.decode_tokens, engine._pace.chunk_tokens, engine._pace.requests) == (
+        1, 39, 1)
+    # a newcomer adds its share of the decoding tokens, not of the prompt chunks too: 4 requests
+    # decoding 1 token each beside 4 chunk tokens a step (B = 8, SPS(B) = 102 - 2B = 86) at
+    # 100 tokens/s each; with 6 admitted, a seventh makes B = 1 x 7 + 4 = 11 (SPS 80):
+    # 100 x 80 / 86 = 93.0 tokens/s, which clears a floor of 78 + 15 % = 89.7 (counting the
+    # chunks as per-request tokens would make B = 14, SPS 74: 86.0, and refuse)
+    table = SPSTable(tuple(102.0 - 2 * b for b in range(1, 17)))
+    pace = Pace(step_s=0.01, tokens_per_step=1.0, decode_tokens=4.0, chunk_tokens=4.0,
+                requests=4.0)
+    assert pace.allows_one_more([78.0], 6, table)
+    assert not pace.allows_one_more([81.0], 6, table)  # 81 + 15 % = 93.2 > 93.0
 
 
 def test_a_running_request_near_the_floor_holds_newcomers_back(varied_target, corrupted_table):
@@ -701,7 +713,7 @@ def test_a_running_request_near_the_floor_holds_newcomers_back(varied_target, co
                                                                      temperature=0.0)))
     for _ in range(MIN_OBSERVED_TOKENS + 1):
         engine.step()
-    engine._pace = Pace(step_s=0.001, tokens_per_step=1.0, batch_tokens=1.0)  # 1,000 tok/s
+    engine._pace = Pace(step_s=0.001, tokens_per_step=1.0, decode_tokens=1.0)  # 1,000 tok/s
     (r,) = engine.running
     now = clock.perf_counter()
     r.first_token_s = now - (len(r.output) - 1) / (10.0 * (1 + FLOOR_MARGIN) + 1)  # just above
@@ -729,9 +741,34 @@ def test_an_idle_engine_under_a_floor_admits_a_burst_only_as_far_as_the_floor_al
     # profile (B <= 1) the step time grows with the batch, so k requests get 100 / k tokens/s
     # each, against the floor plus 15 %: 23 tokens/s
     engine.sps = SPSTable((100.0,))
-    engine._pace = Pace(step_s=0.01, tokens_per_step=1.0, batch_tokens=1.0, requests=1.0)
+    engine._pace = Pace(step_s=0.01, tokens_per_step=1.0, decode_tokens=1.0, requests=1.0)
     engine.waiting.extendleft(reversed(engine.prefilling))
     engine.prefilling.clear()
     engine._admit()
     # 100 / k >= 23 -> k <= 4: four start, two wait (without the fix: all six)
     assert len(engine.prefilling) == 4 and len(engine.waiting) == 2
+
+
+def test_a_reachable_deployment_floor_serves_a_burst_together_and_stays_lossless(
+        varied_target, corrupted_table):
+    """A deployment floor the engine can hold: a burst starts one request at a time until a
+    decoding step is measured, then the rest join (the floor never serializes the engine for
+    good), greedy output stays the target's, and requests without a floor of their own are held
+    to the deployment's (``_floor``)."""
+    d = randomize_heads(oracle_drafter(varied_target, corrupted_table, "markov", 4))
+    engine = _engine(varied_target, d, "dspark", min_tokens_per_s=1.0, max_num_requests=8)
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(0, 96, (n,), generator=g).tolist() for n in (5, 3, 8, 4, 6)]
+    for i, p in enumerate(prompts):
+        engine.add_request(EngineRequest(f"f{i}", p, SamplingParams(max_tokens=16,
+                                                                    temperature=0.0)))
+    assert engine._floor(engine.waiting[0]) == 1.0
+    out, admitted = {}, []
+    while engine.has_unfinished():
+        for o in engine.step():
+            out[o.request_id] = out.get(o.request_id, []) + o.new_token_ids
+        admitted.append(engine.num_running)
+    assert admitted[0] == 1  # nothing measured yet: one request
+    assert max(admitted) == len(prompts)  # measured fast enough: all of them together
+    for i, p in enumerate(prompts):
+        assert out[f"f{i}"] == greedy_reference(varied_target, p, 16), i

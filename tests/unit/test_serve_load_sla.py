@@ -64,6 +64,6 @@ def test_the_floor_check_reads_each_floor_variants_slowest_request():
                                                              (44, 8.9)])
     points[-1]["engine_tok_s_min"] = 9.7  # the engine held what the client did not read
     md = "\n".join(render_floor_md(points))
-    assert "| dspark-min_tokens_per_s=9 | 4 | 9 | 9.50 | 0.00 | yes |" in md
+    assert "| dspark-min_tokens_per_s=9 | 4 | 9 | 9.50 | n/a | yes |" in md
     assert "| dspark-min_tokens_per_s=9 | 8 | 9 | 8.90 | 9.70 | no |" in md
     assert "| none |" not in md and render_floor_md(POINTS) == []
