@@ -167,7 +167,7 @@ class SpecEngine:
         self._admit()
         # the prompt chunks ride in the verification pass (one packed pass a step: a separate
         # prefill pass would pay a pass's fixed cost again whenever a request arrives)
-        chunks = (prefill_chunks(self.prefilling, self.config.max_prefill_tokens)
+        chunks = (prefill_chunks(self.prefilling, self._prefill_budget(len(decoding)))
                   if self.prefilling else [])
         batch_before = self.stats.batch_tokens
         outputs, prefill_outs = (self._decode(decoding, chunks) if decoding
@@ -190,6 +190,16 @@ class SpecEngine:
         while (self.waiting and self.num_running < self.config.max_num_requests
                and self._floors_allow_one_more()):
             self.prefilling.append(self.waiting.popleft())
+
+    def _prefill_budget(self, num_decoding: int) -> int:
+        """Prompt tokens this step carries: ``max_prefill_tokens``, or under a deployment floor
+        what keeps the decoding requests' step within it
+        (:meth:`serve.engine.admission.Pace.prefill_budget`)."""
+        most = self.config.max_prefill_tokens
+        floor = self.config.min_tokens_per_s
+        if floor is None:
+            return most
+        return self._pace.prefill_budget(floor, num_decoding, most, self.sps)
 
     def _floor(self, r: RequestState) -> float | None:
         """The request's per-user speed floor (tokens/s): its own, else the engine's."""

@@ -772,3 +772,53 @@ def test_a_reachable_deployment_floor_serves_a_burst_together_and_stays_lossless
     assert max(admitted) == len(prompts)  # measured fast enough: all of them together
     for i, p in enumerate(prompts):
         assert out[f"f{i}"] == greedy_reference(varied_target, p, 16), i
+
+
+def test_the_step_model_counts_per_request_work_and_sizes_prompt_chunks_by_the_floor(
+        varied_target, corrupted_table):
+    """Admission predicts a step as the profiled target pass plus the rest of the step in
+    proportion to the requests (what the measured step took beyond the pass); under a floor, a
+    step carries only the prompt tokens that keep the decoding requests above it (at least
+    MIN_PREFILL_TOKENS), and the engine cuts its prompt chunks to that."""
+    from serve.engine.admission import MIN_PREFILL_TOKENS, Pace, step_time
+    from serve.engine.sps import SPSTable
+
+    flat = SPSTable((100.0,) * 64)  # a 10 ms pass at any B
+    # 4 requests, one token each, in 40 ms steps: 7.5 ms a request beyond the pass; 8 requests
+    # -> 10 + 60 = 70 ms (the pass alone would say 40 ms: twice the speed)
+    pace = Pace(step_s=0.04, tokens_per_step=1.0, decode_tokens=4.0, requests=4.0)
+    assert pace.predict_step_s(8, 0, flat) == pytest.approx(0.07)
+    assert pace.allows_one_more([12.0], 7, flat)  # 1 / 0.07 = 14.3 >= 13.8
+    assert not pace.allows_one_more([12.5], 7, flat)  # 14.3 < 14.4
+
+    growing = SPSTable(tuple(100.0 / (1 + b / 32) for b in range(1, 65)))
+    pace = Pace(step_s=0.02, tokens_per_step=1.0, decode_tokens=4.0, requests=4.0)
+    for floor in (20.0, 25.0):
+        budget = pace.prefill_budget(floor, 4, 2048, growing)
+        longest = 1.0 / (floor * 1.15)
+        assert pace.predict_step_s(4, budget, growing) <= longest
+        assert pace.predict_step_s(4, budget + 1, growing) > longest
+        assert budget > MIN_PREFILL_TOKENS
+    assert step_time(growing, 80) > step_time(growing, 64)  # past the profile: grows on
+    assert pace.prefill_budget(45.0, 4, 2048, growing) == MIN_PREFILL_TOKENS  # out of reach
+    assert pace.prefill_budget(20.0, 0, 2048, growing) == 2048  # nothing decoding to slow
+    assert Pace().prefill_budget(20.0, 4, 2048, growing) == 2048  # nothing measured
+
+    d = randomize_heads(oracle_drafter(varied_target, corrupted_table, "markov", 4))
+    engine = _engine(varied_target, d, "dspark", min_tokens_per_s=20.0, max_num_requests=4)
+    engine.add_request(EngineRequest("a", [1, 2, 3], SamplingParams(max_tokens=30,
+                                                                     temperature=0.0)))
+    engine.step()
+    engine.sps = growing
+    engine._pace = pace
+    budget = pace.prefill_budget(20.0, 1, engine.config.max_prefill_tokens, growing)
+    assert MIN_PREFILL_TOKENS < budget < 90
+    engine._pace = Pace(step_s=1e-6)  # let the newcomer in ...
+    engine.add_request(EngineRequest("b", list(range(1, 91)), SamplingParams(
+        max_tokens=4, temperature=0.0)))
+    engine._admit()
+    engine._pace = pace  # ... and size its chunk by the slow pace
+    assert engine._prefill_budget(1) == budget
+    engine.step()
+    (b,) = engine.prefilling
+    assert b.prefilled == budget  # the rest of its prompt follows in the next steps
