@@ -132,8 +132,12 @@ class Pace:
         step (drafting, sampling, verification, commit: Python and small ops per request) in
         proportion to the requests. The rest is what the measured step took beyond the profiled
         pass; without it, the SPS profile alone predicted 32 requests would decode about as fast
-        as 2, and they ran ~2x slower (measured here). Without a profile: in proportion to B.
+        as 2, and they ran ~2x slower (measured here). Without a profile, or with one that cannot
+        explain the measured step (a profiled pass longer than the whole step: ``sps_profile:
+        off``'s flat table, or a profile from other hardware), in proportion to B (pessimistic).
 
+        Returns:
+            seconds (the measured step time, rescaled).
         Raises:
             ValueError: nothing measured yet (``step_s`` is None).
         """
@@ -141,10 +145,10 @@ class Pace:
             raise ValueError("no decoding step measured yet")
         per_request = self.decode_tokens / max(self.requests, 1e-9)
         batch = per_request * requests + chunk_tokens
-        if sps is None:
+        measured_pass = step_time(sps, self.batch_tokens) if sps is not None else None
+        if measured_pass is None or measured_pass > self.step_s:
             return self.step_s * batch / max(self.batch_tokens, 1.0)
-        measured_pass = step_time(sps, self.batch_tokens)
-        rest = max(self.step_s - measured_pass, 0.0) / max(self.requests, 1e-9)
+        rest = (self.step_s - measured_pass) / max(self.requests, 1e-9)
         model_now = measured_pass + rest * self.requests
         model_then = step_time(sps, batch) + rest * requests
         return self.step_s * model_then / model_now
@@ -175,10 +179,14 @@ class Pace:
     def prefill_budget(self, floor: float, num_decoding: int, most: int,
                        sps: SPSTable | None) -> int:
         """Prompt tokens a step may carry beside ``num_decoding`` requests without slowing them
-        below ``floor`` plus ``FLOOR_MARGIN`` (the stall-free chunked prefill of Sarathi-Serve,
-        sized by the floor): at most ``most``, at least ``MIN_PREFILL_TOKENS`` so prompts always
-        advance. Measured without it: a burst's prompts (1,918 tokens) rode in one 0.88 s step,
-        ten normal steps, and cost every running request a fifth of its speed."""
+        below ``floor`` (tokens/s) plus ``FLOOR_MARGIN`` (the stall-free chunked prefill of
+        Sarathi-Serve, sized by the floor): a chunk whose predicted step fits (the largest one
+        where the step time grows with B), at most ``most`` and at least
+        ``min(MIN_PREFILL_TOKENS, most)`` so prompts always advance; ``most`` when nothing is
+        measured yet or nothing decodes. Measured without it: a burst's prompts (1,918 tokens)
+        rode in one 0.88 s step, ten normal steps, and cost every running request a fifth of its
+        speed. (A request's drafter context is still extended over its whole prompt in its first
+        decoding step; the drafter is a small share of the target's cost.)"""
         if self.step_s is None or num_decoding == 0:
             return most
         longest = self.tokens_per_step / (floor * (1 + FLOOR_MARGIN))  # seconds a step may take

@@ -79,10 +79,13 @@ class EngineConfig(BaseModel):
         None, gt=0, description="Per-user speed floor (tokens/s) for every request (a request's "
         "own min_tokens_per_s overrides it); None = none. With a confidence-based scheduler, "
         "verification goes first to requests predicted below their floor "
-        "(serve.engine.scheduler.hold_speed_floors, lossless), and a waiting request is admitted "
-        "only while the engine's measured speed per request, rescaled by SPS(B) to one more "
-        "request, holds this floor (otherwise it queues; a full queue answers 429; a request's "
-        "own floor orders verification only). Needs scheduler dspark or async (profiled SPS).")
+        "(serve.engine.scheduler.hold_speed_floors, lossless), a waiting request is admitted "
+        "only while the engine's measured speed per request, rescaled to one more request "
+        "(serve.engine.admission.Pace.predict_step_s: the SPS(B) pass plus the per-request rest "
+        "of a step), holds this floor (otherwise it queues; a full queue answers 429), and a "
+        "step carries only the prompt tokens that keep the decoding requests above it (at least "
+        "MIN_PREFILL_TOKENS). A request's own floor orders verification only (it neither gates "
+        "admission nor sizes prompt chunks). Needs scheduler dspark or async (profiled SPS).")
     max_num_requests: int = Field(32, ge=1, description="Requests decoded together (batch).")
     max_prefill_tokens: int = Field(2048, ge=1, description="Prompt tokens prefilled per step "
                                     "(chunked prefill): a longer prompt, or several, continue in "

@@ -631,10 +631,10 @@ def test_speed_floors_add_verification_losslessly_and_gate_admission(varied_targ
     assert floored.verified_tokens > plain.verified_tokens
 
     # admission: SPS(8) = 95, SPS(16) = 80 steps/s; 4 running requests verifying B = 8 tokens in
-    # 10 ms steps, 2 tokens per request per step: 200 tokens/s each now; a fifth request makes
-    # B = 10 -> SPS 91.25, so 200 * 91.25 / 95 = 192.1 tokens/s, against a floor of 167 plus
-    # FLOOR_MARGIN (15 %): 192.05
-    engine = _engine(varied_target, d, "dspark", min_tokens_per_s=167.0, max_num_requests=8)
+    # steps as long as the profiled pass (1/95 s, nothing else per request), 2 tokens per request
+    # per step: 190 tokens/s each now; a fifth request makes B = 10 -> SPS 91.25, so
+    # 2 x 91.25 = 182.5 tokens/s, against a floor of 158 plus FLOOR_MARGIN (15 %): 181.7
+    engine = _engine(varied_target, d, "dspark", min_tokens_per_s=158.0, max_num_requests=8)
     for i, p in enumerate(prompts + [[1, 2, 3]]):
         engine.add_request(EngineRequest(f"a{i}", p, SamplingParams(max_tokens=30,
                                                                     temperature=0.0)))
@@ -643,10 +643,10 @@ def test_speed_floors_add_verification_losslessly_and_gate_admission(varied_targ
     engine.step()  # prefill the four
     assert len(engine.running) == 4
     engine.waiting.extend(queued)
-    engine._pace = Pace(step_s=0.01, tokens_per_step=2.0, decode_tokens=8.0, requests=4.0)
+    engine._pace = Pace(step_s=1 / 95, tokens_per_step=2.0, decode_tokens=8.0, requests=4.0)
     assert engine._floors_allow_one_more()
-    engine._pace = Pace(step_s=0.01, tokens_per_step=1.94, decode_tokens=8.0, requests=4.0)
-    assert not engine._floors_allow_one_more()  # 194 * 91.25 / 95 = 186.3 < 192.05
+    engine._pace = Pace(step_s=1 / 95, tokens_per_step=1.99, decode_tokens=8.0, requests=4.0)
+    assert not engine._floors_allow_one_more()  # 1.99 x 91.25 = 181.6 < 181.7
     queued[0].req.min_tokens_per_s = 1.0  # the newcomer's own floor is low, the others' are not
     assert not engine._floors_allow_one_more()
     engine.config = engine.config.model_copy(update={"min_tokens_per_s": None})
@@ -686,15 +686,15 @@ def test_the_admission_pace_counts_prompt_chunks_and_grows_past_the_sps_profile(
     assert (engine._pace.decode_tokens, engine._pace.chunk_tokens, engine._pace.requests) == (
         1, 39, 1)
     # a newcomer adds its share of the decoding tokens, not of the prompt chunks too: 4 requests
-    # decoding 1 token each beside 4 chunk tokens a step (B = 8, SPS(B) = 102 - 2B = 86) at
-    # 100 tokens/s each; with 6 admitted, a seventh makes B = 1 x 7 + 4 = 11 (SPS 80):
-    # 100 x 80 / 86 = 93.0 tokens/s, which clears a floor of 78 + 15 % = 89.7 (counting the
-    # chunks as per-request tokens would make B = 14, SPS 74: 86.0, and refuse)
+    # decoding 1 token each beside 4 chunk tokens a step (B = 8, SPS(B) = 102 - 2B = 86) in
+    # steps as long as the profiled pass: 86 tokens/s each; with 6 admitted, a seventh makes
+    # B = 1 x 7 + 4 = 11 (SPS 80): 80 tokens/s, which clears a floor of 67 + 15 % = 77.05
+    # (counting the chunks as per-request tokens would make B = 14, SPS 74, and refuse)
     table = SPSTable(tuple(102.0 - 2 * b for b in range(1, 17)))
-    pace = Pace(step_s=0.01, tokens_per_step=1.0, decode_tokens=4.0, chunk_tokens=4.0,
+    pace = Pace(step_s=1 / 86, tokens_per_step=1.0, decode_tokens=4.0, chunk_tokens=4.0,
                 requests=4.0)
-    assert pace.allows_one_more([78.0], 6, table)
-    assert not pace.allows_one_more([81.0], 6, table)  # 81 + 15 % = 93.2 > 93.0
+    assert pace.allows_one_more([67.0], 6, table)
+    assert not pace.allows_one_more([70.0], 6, table)  # 70 + 15 % = 80.5 > 80
 
 
 def test_a_running_request_near_the_floor_holds_newcomers_back(varied_target, corrupted_table):
@@ -822,3 +822,22 @@ def test_the_step_model_counts_per_request_work_and_sizes_prompt_chunks_by_the_f
     engine.step()
     (b,) = engine.prefilling
     assert b.prefilled == budget  # the rest of its prompt follows in the next steps
+
+
+def test_the_step_model_falls_back_to_proportional_where_the_profile_cannot_explain_a_step():
+    """A profile whose pass alone is as long as the measured step (``sps_profile: off``'s flat
+    table of 1 step/s, or a profile from slower hardware) says nothing about how a step grows:
+    the prediction is in proportion to B, as without a profile; the chunk budget likewise."""
+    from serve.engine.admission import MIN_PREFILL_TOKENS, Pace
+    from serve.engine.sps import SPSTable
+
+    off = SPSTable((1.0,) * 512)
+    pace = Pace(step_s=0.05, tokens_per_step=1.0, decode_tokens=4.0, requests=4.0)
+    assert pace.predict_step_s(8, 0, off) == pytest.approx(0.10)
+    assert pace.predict_step_s(8, 0, None) == pytest.approx(0.10)
+    assert not pace.allows_one_more([12.0], 31, off)  # 32 requests: 0.4 s steps
+    assert pace.allows_one_more([12.0], 4, off)  # 5: 62.5 ms, 16 >= 13.8
+    for sps in (off, None):  # 4 decoding, floor 10: steps up to 1 / 11.5 s -> B <= 6.96
+        assert pace.prefill_budget(10.0, 4, 2048, sps) == MIN_PREFILL_TOKENS
+        assert pace.prefill_budget(1.0, 4, 2048, sps) == 65  # B <= 69.6: 65 chunk tokens
+    assert pace.prefill_budget(10.0, 4, 8, off) == 8  # never above max_prefill_tokens
