@@ -160,8 +160,9 @@ class Pace:
         chunks per step (:meth:`predict_step_s`) stays ``FLOOR_MARGIN`` above the highest floor.
         Always true without floors or with nothing admitted. Before the first measured decoding
         step, one request at a time: an idle engine that let a whole burst of arrivals in at
-        once ran them all at the speed of the burst (measured: 32 streams arriving together
-        decoded at ~3 tokens/s under a 12 tokens/s floor).
+        once ran them all at the speed of the burst (one of the three causes of a slowest
+        request at 3-4 tokens/s among 32 streams under a 12 tokens/s floor; see
+        ``benchmarks/results/serve_load.md``).
 
         Args:
             floors: the floors (tokens/s) of the admitted requests and the newcomer that have one.
