@@ -34,14 +34,32 @@ OBJECTIVES = ("dspark", "ce", "soft_ce")
 DEFAULT_CHUNK_ROWS = 1024
 
 
+# rows of a [rows, V] target-logit matrix converted and normalised at a time: at V = 49k a slice
+# is ~12 MB in fp32 and stays in cache between its conversion, log-sum-exp and gather, where the
+# whole matrix (~170 MB at 880 rows) went through memory four times (measured on 1 CPU thread:
+# 250 against 400 ms for 880 rows, most of it the LM-head product itself)
+TARGET_SLICE_ROWS = 64
+
+
 def target_terms(target_logits: torch.Tensor, draft_vocab: torch.Tensor | None = None):
     """The target side of the losses for rows: (p_t on the drafter's vocabulary fp32 [R, N],
-    target mass outside it fp32 [R] or None without a draft vocabulary). No grad needed."""
-    logp_t = torch.log_softmax(target_logits.float(), dim=-1)
+    target mass outside it fp32 [R] or None without a draft vocabulary). No grad needed.
+
+    ``target_logits`` [R, V] may be bf16 (the LM head under autocast): each slice of
+    :data:`TARGET_SLICE_ROWS` rows is converted to fp32 before its log-sum-exp.
+    """
+    rows = target_logits.shape[0]
+    width = target_logits.shape[-1] if draft_vocab is None else draft_vocab.numel()
+    p_t = torch.empty(rows, width, dtype=torch.float32, device=target_logits.device)
+    for start in range(0, rows, TARGET_SLICE_ROWS):
+        x = target_logits[start:start + TARGET_SLICE_ROWS].float()
+        lse = torch.logsumexp(x, dim=-1, keepdim=True)
+        picked = x if draft_vocab is None else x.index_select(-1, draft_vocab)
+        torch.sub(picked, lse, out=p_t[start:start + TARGET_SLICE_ROWS])
+    p_t.exp_()
     if draft_vocab is None:
-        return logp_t.exp(), None
-    p_t_sub = logp_t[:, draft_vocab].exp()
-    return p_t_sub, (1.0 - p_t_sub.sum(-1)).clamp(min=0.0)
+        return p_t, None
+    return p_t, (1.0 - p_t.sum(-1)).clamp(min=0.0)
 
 
 def row_loss_terms(draft_logits: torch.Tensor, target_logits: torch.Tensor | None,
@@ -92,12 +110,13 @@ def chunked_drafter_losses(draft_logits_fn, target_logits_fn, labels: torch.Tens
                            objective: str = "dspark", draft_vocab: torch.Tensor | None = None,
                            chunk_rows: int = DEFAULT_CHUNK_ROWS) -> dict[str, torch.Tensor]:
     """The drafter losses computed over the R supervised rows in chunks of ``chunk_rows``: no
-    fp32 [rows, V] tensor lives longer than one chunk. Each chunk's draft-side work (draft logits
-    and the three terms) runs under activation checkpointing, so the backward pass recomputes it
-    chunk by chunk instead of keeping it. The target side (a [c, V] LM-head product and softmax)
-    is computed once per chunk outside the checkpoint when a draft vocabulary makes what it keeps
-    small ([c, N] subset probabilities and [c] outside mass); with the full vocabulary it is
-    recomputed in backward too, so that nothing [rows, V] outlives its chunk.
+    fp32 [rows, V] tensor lives longer than one chunk. With the full vocabulary each chunk's
+    work (target and draft logits and the three terms) runs under activation checkpointing, so
+    the backward pass recomputes it chunk by chunk instead of keeping it. A draft vocabulary makes
+    what a chunk keeps small ([c, N] subset probabilities and [c] outside mass of the target;
+    the draft log-probabilities, probabilities and their difference from the target's, 12 B per
+    [row, N] entry): then nothing is recomputed, which saves ~15 % of a step on CPU (measured on
+    the reference config: 1.14 against 0.96 s a micro-batch).
 
     Args:
         draft_logits_fn: ``fn(idx int64 [c]) -> fp32 [c, N]``, draft logits of supervised rows
@@ -142,7 +161,7 @@ def chunked_drafter_losses(draft_logits_fn, target_logits_fn, labels: torch.Tens
         if draft_vocab is not None:  # small: keep it instead of recomputing [c, V] in backward
             with torch.no_grad():
                 parts = target_terms(target_logits_fn(idx), draft_vocab)
-        if torch.is_grad_enabled():
+        if torch.is_grad_enabled() and draft_vocab is None:
             out = checkpoint(chunk_terms, idx, w_c, *parts, use_reentrant=False)
         else:
             out = chunk_terms(idx, w_c, *parts)

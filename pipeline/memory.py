@@ -24,6 +24,9 @@ Where the memory goes (bf16 = autocast around the forward, fp32 weights, gradien
 - **the loss chunk**: ``drafters.losses.chunked_drafter_losses`` holds at most six fp32
   [chunk_rows, V] tensors at a time, when backward recomputes a chunk (target probabilities,
   draft logits, log-probabilities, probabilities, their difference and its absolute value).
+  With a draft vocabulary of N tokens nothing is recomputed: every supervised row keeps its
+  target subset probabilities and the draft log-probabilities, probabilities and difference
+  (16 B per [row, N] entry) from forward to backward.
 
 The peak is the largest of four moments: the last decoder layer's attention in forward and in
 backward (one chunk of recomputed scores on top of the kept activations), the last loss chunk of
@@ -54,6 +57,7 @@ BF16_BYTES = 2
 INT64_BYTES = 8
 DEEPSPEED_REDUCE_BUCKET_ELEMENTS = 500_000_000  # DeepSpeedZeroConfig.reduce_bucket_size default
 ANCHOR_CHUNK = 64  # drafters.packing.packed_attention's default anchor_chunk
+TARGET_SLICE_ROWS = 64  # drafters.losses.TARGET_SLICE_ROWS (this module does not import torch)
 GB = 1e9
 
 
@@ -277,8 +281,8 @@ def estimate_step_memory(cfg: BoundDrafterConfig, shape: StepShape, *, precision
     per_slot = ((BF16_BYTES if cast else f4) * (h + r) if conf else 0)
     # per supervised row: final states (fp32), cached target states, head features, small
     # per-row tensors (labels, weights, l1, masks), and with a draft vocabulary the target's
-    # subset probabilities kept between forward and backward
-    per_row = f4 * h + feature_bytes * h + f4 * r + 32 + (f4 * (vd + 1) if subset else 0)
+    # subset probabilities and the draft side's log-probs, probs and difference (not recomputed)
+    per_row = f4 * h + feature_bytes * h + f4 * r + 32 + (f4 * (4 * vd + 1) if subset else 0)
     # autocast's bf16 copies of the layer weights, kept by the matmuls for backward
     weight_copies = (BF16_BYTES * layers * (2 * h * nh * hd + 2 * h * nkv * hd + 3 * h * inter)
                      if cast else 0)
@@ -308,20 +312,26 @@ def estimate_step_memory(cfg: BoundDrafterConfig, shape: StepShape, *, precision
     # ---- moment 3: the last loss chunk of the forward pass. Also alive: the packed batch, the
     # final norm's output [N, S, H] fp32, head features, autocast's other weight copies, and the
     # chunk: target probabilities + draft logits, log-probs, |p_d - p_t| and its input (20 B per
-    # [c, V_d] entry), or the target side alone (fp32 logits and log-probs [c, V], then the
-    # probabilities: [c, V], or the subset's [c, V_d] gathered and exponentiated)
-    draft_chunk = (4 if subset else 5) * chunk * vd  # subset: p_t is counted per row
-    target_chunk = 2 * chunk * v + (2 * chunk * vd if subset else chunk * v)
-    fwd_loss = f4 * max(draft_chunk, target_chunk)
+    # [c, V_d] entry; with a draft vocabulary the kept ones are counted per row, leaving the
+    # logits and |p_d - p_t|), or the target side alone (its logits, bf16 under autocast, one
+    # slice of them in fp32 with its log-sum-exp's exponentials, and the fp32 probabilities:
+    # [c, V], or the subset's [c, V_d], counted per row)
+    draft_chunk = f4 * (2 if subset else 5) * chunk * vd
+    target_chunk = ((BF16_BYTES if cast else f4) * chunk * v
+                    + 2 * f4 * min(chunk, TARGET_SLICE_ROWS) * v
+                    + (0 if subset else f4 * chunk * v))
+    fwd_loss = max(draft_chunk, target_chunk)
     loss_fwd = (kept + packed + autocast_cache + f4 * h * tokens + f4 * (r + 1) * slots
                 + fwd_loss)
-    # ---- moment 4: backward recomputes a loss chunk. Also alive: the gradients of the final
-    # states and head features (once a first chunk is done), autocast's bf16 copies of the draft
-    # LM head [V_d, H] and of W2 [V_d, r], and the chunk: target probabilities, draft logits,
-    # log-probs, probs, their difference and its absolute value (24 B per [c, V_d] entry)
+    # ---- moment 4: backward of a loss chunk. Also alive: the gradients of the final states and
+    # head features (once a first chunk is done), autocast's bf16 copies of the draft LM head
+    # [V_d, H] and of W2 [V_d, r], and the chunk: with the full vocabulary recomputed (target
+    # probabilities, draft logits, log-probs, probs, their difference and its absolute value:
+    # 24 B per [c, V] entry), with a draft vocabulary kept (per row) plus the gradients flowing
+    # through it (12 B per [c, V_d] entry)
     row_grads = f4 * (h + r) * rows if rows > chunk else 0
     loss_bwd = (kept + row_grads + (BF16_BYTES * vd * (h + r) if cast else 0)
-                + f4 * (5 if subset else 6) * chunk * vd)
+                + f4 * (3 if subset else 6) * chunk * vd)
     moments = {"layer_forward": int(layer_fwd), "layer_backward": int(layer_bwd),
                "loss_forward": loss_fwd, "loss_backward": loss_bwd}
     peak_moment = max(moments, key=moments.get)

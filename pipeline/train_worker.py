@@ -86,8 +86,8 @@ def batch_losses(model, samples: list[dict], tc: TrainConfig, objective: str, we
         def draft_logits(idx):
             return module.logits_from(hidden_rows[idx], None if feat_rows is None else feat_rows[idx])
 
-        def target_logits(idx):
-            return torch.nn.functional.linear(target_rows[idx].to(head_w.dtype), head_w).float()
+        def target_logits(idx):  # bf16 under autocast: target_terms converts it slice by slice
+            return torch.nn.functional.linear(target_rows[idx].to(head_w.dtype), head_w)
 
         return chunked_drafter_losses(draft_logits, target_logits, pb.labels, valid, weights, conf,
                                       tuple(tc.loss_weights), objective=objective,

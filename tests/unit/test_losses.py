@@ -20,7 +20,8 @@ import math
 import pytest
 import torch
 
-from drafters.losses import eagle3_step_weights, drafter_losses, position_weights
+from drafters.losses import (TARGET_SLICE_ROWS, drafter_losses, eagle3_step_weights,
+                             position_weights, target_terms)
 
 LN2, LN3, LN5 = math.log(2), math.log(3), math.log(5)
 W2 = math.exp(-0.5)
@@ -208,3 +209,19 @@ def test_unknown_objective_is_rejected():
 
 def test_eagle3_step_weights():
     assert eagle3_step_weights(3).tolist() == pytest.approx([1.0, 0.8, 0.64])
+
+
+@pytest.mark.parametrize("rows", [1, TARGET_SLICE_ROWS, 2 * TARGET_SLICE_ROWS + 5])
+def test_target_terms_in_slices_equal_the_whole_softmax(rows):
+    """target_terms normalises [rows, V] slice by slice (bf16 logits converted per slice): the
+    same probabilities and outside mass as one fp32 softmax over all rows."""
+    g = torch.Generator().manual_seed(rows)
+    logits = (3 * torch.randn(rows, 300, generator=g)).bfloat16()
+    subset = torch.randperm(300, generator=g)[:40]
+    full = torch.softmax(logits.float(), dim=-1)
+    p, outside = target_terms(logits)
+    assert outside is None
+    torch.testing.assert_close(p, full, rtol=1e-5, atol=1e-7)
+    p_sub, outside = target_terms(logits, subset)
+    torch.testing.assert_close(p_sub, full[:, subset], rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(outside, 1 - full[:, subset].sum(-1), rtol=1e-5, atol=1e-6)

@@ -33,10 +33,15 @@ SHAPES = {
     "dspark_bf16": dict(h=96, nh=4, nkv=2, hd=24, inter=288, layers=2, vocab=4096, seq=160,
                         batch=2, anchors=40, chunk=64, kind="dspark", precision="bf16",
                         subset=0, tied=True),
-    # long context, small vocabulary: the last layer's attention chunk peaks, not the loss
+    # long context, small vocabulary: the last layer's attention chunk comes close to the loss
     "dflash_bf16_draft_vocab": dict(h=64, nh=4, nkv=1, hd=16, inter=256, layers=3, vocab=2048,
                                     seq=384, batch=1, anchors=96, chunk=96, kind="dflash",
                                     precision="bf16", subset=512, tied=False),
+    # a draft vocabulary: the loss keeps every row's [N]-wide tensors for backward (no recompute)
+    "dspark_bf16_draft_vocab_loss": dict(h=64, nh=4, nkv=2, hd=16, inter=192, layers=2,
+                                         vocab=8192, seq=128, batch=2, anchors=32, chunk=48,
+                                         kind="dspark", precision="bf16", subset=2048,
+                                         tied=True),
     "dspark_fp32": dict(h=64, nh=2, nkv=2, hd=32, inter=192, layers=2, vocab=2048, seq=128,
                         batch=2, anchors=32, chunk=48, kind="dspark", precision="fp32",
                         subset=0, tied=True),
@@ -135,6 +140,18 @@ def test_memory_model_catches_an_unchunked_loss(monkeypatch):
     monkeypatch.setattr(losses, "chunked_drafter_losses", unchunked)
     measured, predicted = _measure_and_predict(SHAPES["dspark_bf16"])
     assert measured.activations > (1 + TOLERANCE) * predicted.activations
+
+
+def test_the_model_s_constants_are_the_code_s():
+    import inspect
+
+    import pipeline.memory as memory
+    from drafters.losses import TARGET_SLICE_ROWS
+    from drafters.packing import packed_attention
+
+    assert memory.TARGET_SLICE_ROWS == TARGET_SLICE_ROWS
+    assert memory.ANCHOR_CHUNK == inspect.signature(packed_attention).parameters[
+        "anchor_chunk"].default
 
 
 def test_parameter_count_is_the_model_s():
