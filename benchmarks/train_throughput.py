@@ -10,7 +10,10 @@ step is one micro-batch per worker), supervised tokens per second, peak resident
 process's state before the first step. Writes ``benchmarks/results/train_throughput.{md,json}``.
 
 Arms: ``landed`` (dense [N, K, V] draft and target logits, as before the chunked loss),
-``chunked_full`` (chunked loss, full vocabulary), ``chunked_dv<N>`` (chunked, draft vocabulary N).
+``chunked_full`` (chunked loss, full vocabulary), ``chunked_dv<N>`` (chunked, draft vocabulary N),
+``recompute_dv<N>`` (chunked with a draft vocabulary as it ran before session 15: each chunk's
+target logits normalised whole in fp32, the draft side recomputed in backward; now the target side
+goes in cache-sized slices and nothing is recomputed, ``drafters.losses``).
 
     .venv/bin/python benchmarks/train_throughput.py --config infra/configs/quickstart.yaml
 """
@@ -87,6 +90,13 @@ def worker(args) -> dict:
     batches = [list(range(i * mb, (i + 1) * mb)) for i in range(args.warmup + args.steps)]
     data = [reader.read([r % index.num_rows for r in rows]) for rows in batches]
     loss_fn = landed_batch_losses if args.arm == "landed" else batch_losses
+    if args.arm.startswith("recompute_"):  # batch_losses imports it at each call
+        import functools
+
+        import drafters.losses
+
+        drafters.losses.chunked_drafter_losses = functools.partial(
+            drafters.losses.chunked_drafter_losses, recompute=True, target_slice_rows=1 << 30)
     device = torch.device("cpu")
     rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     times, supervised = [], []

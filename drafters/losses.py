@@ -41,21 +41,22 @@ DEFAULT_CHUNK_ROWS = 1024
 TARGET_SLICE_ROWS = 64
 
 
-def target_terms(target_logits: torch.Tensor, draft_vocab: torch.Tensor | None = None):
+def target_terms(target_logits: torch.Tensor, draft_vocab: torch.Tensor | None = None,
+                 slice_rows: int = TARGET_SLICE_ROWS):
     """The target side of the losses for rows: (p_t on the drafter's vocabulary fp32 [R, N],
     target mass outside it fp32 [R] or None without a draft vocabulary). No grad needed.
 
     ``target_logits`` [R, V] may be bf16 (the LM head under autocast): each slice of
-    :data:`TARGET_SLICE_ROWS` rows is converted to fp32 before its log-sum-exp.
+    ``slice_rows`` rows is converted to fp32 before its log-sum-exp.
     """
     rows = target_logits.shape[0]
     width = target_logits.shape[-1] if draft_vocab is None else draft_vocab.numel()
     p_t = torch.empty(rows, width, dtype=torch.float32, device=target_logits.device)
-    for start in range(0, rows, TARGET_SLICE_ROWS):
-        x = target_logits[start:start + TARGET_SLICE_ROWS].float()
+    for start in range(0, rows, slice_rows):
+        x = target_logits[start:start + slice_rows].float()
         lse = torch.logsumexp(x, dim=-1, keepdim=True)
         picked = x if draft_vocab is None else x.index_select(-1, draft_vocab)
-        torch.sub(picked, lse, out=p_t[start:start + TARGET_SLICE_ROWS])
+        torch.sub(picked, lse, out=p_t[start:start + slice_rows])
     p_t.exp_()
     if draft_vocab is None:
         return p_t, None
@@ -108,15 +109,17 @@ def chunked_drafter_losses(draft_logits_fn, target_logits_fn, labels: torch.Tens
                            confidence_logits: torch.Tensor | None = None,
                            coefficients: tuple[float, float, float] = (0.1, 0.9, 1.0),
                            objective: str = "dspark", draft_vocab: torch.Tensor | None = None,
-                           chunk_rows: int = DEFAULT_CHUNK_ROWS) -> dict[str, torch.Tensor]:
+                           chunk_rows: int = DEFAULT_CHUNK_ROWS, recompute: bool | None = None,
+                           target_slice_rows: int = TARGET_SLICE_ROWS
+                           ) -> dict[str, torch.Tensor]:
     """The drafter losses computed over the R supervised rows in chunks of ``chunk_rows``: no
     fp32 [rows, V] tensor lives longer than one chunk. With the full vocabulary each chunk's
     work (target and draft logits and the three terms) runs under activation checkpointing, so
     the backward pass recomputes it chunk by chunk instead of keeping it. A draft vocabulary makes
     what a chunk keeps small ([c, N] subset probabilities and [c] outside mass of the target;
     the draft log-probabilities, probabilities and their difference from the target's, 12 B per
-    [row, N] entry): then nothing is recomputed, which saves ~15 % of a step on CPU (measured on
-    the reference config: 1.14 against 0.96 s a micro-batch).
+    [row, N] entry): then nothing is recomputed (``benchmarks/results/train_throughput.md``
+    measures both).
 
     Args:
         draft_logits_fn: ``fn(idx int64 [c]) -> fp32 [c, N]``, draft logits of supervised rows
@@ -127,6 +130,8 @@ def chunked_drafter_losses(draft_logits_fn, target_logits_fn, labels: torch.Tens
         coefficients, objective: see :func:`drafter_losses`;
         draft_vocab: int64 [N] or None (see :func:`row_loss_terms`);
         chunk_rows: rows per chunk (>= 1).
+        recompute: run each chunk's terms under activation checkpointing (None: only without a
+            draft vocabulary, as above); target_slice_rows: see :func:`target_terms`.
     Returns / Raises: as :func:`drafter_losses`.
     """
     from torch.utils.checkpoint import checkpoint
@@ -145,7 +150,7 @@ def chunked_drafter_losses(draft_logits_fn, target_logits_fn, labels: torch.Tens
     def chunk_terms(idx: torch.Tensor, w_c: torch.Tensor, p_t_sub=None, outside=None):
         if p_t_sub is None:
             with torch.no_grad():
-                parts = target_terms(target_logits_fn(idx), draft_vocab)
+                parts = target_terms(target_logits_fn(idx), draft_vocab, target_slice_rows)
         else:
             parts = (p_t_sub, outside)
         ce, l1, soft, in_vocab = row_loss_terms(draft_logits_fn(idx), None, labels_v[idx],
@@ -160,8 +165,8 @@ def chunked_drafter_losses(draft_logits_fn, target_logits_fn, labels: torch.Tens
         parts = ()
         if draft_vocab is not None:  # small: keep it instead of recomputing [c, V] in backward
             with torch.no_grad():
-                parts = target_terms(target_logits_fn(idx), draft_vocab)
-        if torch.is_grad_enabled() and draft_vocab is None:
+                parts = target_terms(target_logits_fn(idx), draft_vocab, target_slice_rows)
+        if torch.is_grad_enabled() and (draft_vocab is None if recompute is None else recompute):
             out = checkpoint(chunk_terms, idx, w_c, *parts, use_reentrant=False)
         else:
             out = chunk_terms(idx, w_c, *parts)

@@ -6,6 +6,8 @@ Usage::
     python pipeline/run.py --config infra/configs/quickstart.yaml --stages train,eval \\
         --set train.max_steps=50
     python pipeline/run.py --config infra/configs/quickstart.yaml --repair-cache  # damaged shards
+    python pipeline/run.py --config infra/configs/smollm2_reference.yaml \\
+        --release runs/smollm2_reference/release   # + the shippable drafter (pipeline/release.py)
     ray job submit --address http://127.0.0.1:8265 --working-dir . -- \\
         python pipeline/run.py --config infra/configs/quickstart.yaml
 
@@ -49,6 +51,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--force", action="append", default=[], metavar="STAGE",
                         help="delete a stage's outputs and redo it (later stages are redone too; "
                              "repeatable)")
+    parser.add_argument("--release", default=None, metavar="DIR",
+                        help="after the stages, package the calibrated drafter with its records "
+                             "into DIR (python -m pipeline.release; DIR must not exist)")
     parser.add_argument("--repair-cache", action="store_true",
                         help="check every cache shard against the manifest's sha256 first and "
                              "rewrite only the damaged ones (with the cache stage)")
@@ -85,8 +90,16 @@ def main(argv: list[str] | None = None) -> int:
                         f", rewritten by the cache stage: {damaged}" if damaged else "")
             if damaged and "cache" not in ordered:
                 ordered = [s for s in stages.STAGE_NAMES if s in ordered or s == "cache"]
+        if args.release and Path(args.release).exists():  # now, not after hours of stages
+            raise ValueError(f"--release {args.release} exists; choose a new directory")
         for name in ordered:
             stages.run_stage(ctx, name, force=name in args.force)
+        if args.release:
+            from pipeline.release import release
+
+            info = release(ctx.run_dir, args.release)
+            logger.info("released the calibrated drafter to %s (%s parameters in %s)",
+                        args.release, f"{info['trainable_parameters']:,}", info["dtype"])
     except (ConfigError, FileNotFoundError, ConnectionError, PermissionError, ValueError,
             TrainingFailedError, VllmNotInstalledError) as err:
         logger.error("%s", err)

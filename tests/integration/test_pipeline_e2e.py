@@ -26,9 +26,16 @@ def test_end_to_end_smoke_and_rerun(tmp_path, tiny_target_dir):
     # one malformed row among the prompts: reported with file and line, the others go on
     with open(tmp_path / "prompts.jsonl", "a") as fh:
         fh.write('{"id": "bad", "messages": [{"role": "user", "content": ""}]}\n')
-    proc = run_pipeline(config)
+    proc = run_pipeline(config, "--release", str(tmp_path / "release"))
     assert proc.returncode == 0, proc.stderr[-3000:]
     run = tmp_path / "run"
+    released = json.loads((tmp_path / "release" / "release.json").read_text())
+    assert released["dtype"] == "bfloat16" and released["source_run"] == str(run)
+    assert (tmp_path / "release" / "config.json").read_bytes() == (
+        run / "calibrate" / "drafter" / "config.json").read_bytes()
+    # a second release never overwrites the first (checked before any stage runs)
+    refused = run_pipeline(config, "--stages", "eval", "--release", str(tmp_path / "release"))
+    assert refused.returncode == 1 and "exists; choose a new directory" in refused.stderr
     errors = [json.loads(l) for l in (run / "prompts" / "errors.jsonl").open()]
     assert errors == [{"file": str(tmp_path / "prompts.jsonl"), "line": 13, "id": "bad",
                        "error": "messages[0] (user) has empty or missing 'content'"}]

@@ -197,7 +197,7 @@ def test_chunked_losses_and_gradients_equal_dense(objective, subset):
     weights = position_weights(k, 2.0)
     d2t = None if subset is None else torch.tensor(subset)
 
-    def run(chunk_rows):
+    def run(chunk_rows, recompute=None):
         d.zero_grad()
         hidden = hidden0.clone().requires_grad_(True)
         feat, conf = d.head_features(hidden, prev)
@@ -210,7 +210,8 @@ def test_chunked_losses_and_gradients_equal_dense(objective, subset):
             out = chunked_drafter_losses(lambda i: d.logits_from(h_rows[i], f_rows[i]),
                                          lambda i: t_rows[i] @ head_w.T, labels, valid, weights,
                                          conf, objective=objective, draft_vocab=d2t,
-                                         chunk_rows=chunk_rows)
+                                         chunk_rows=chunk_rows, recompute=recompute,
+                                         target_slice_rows=2)
         out["loss"].backward()
         grads = {"hidden": hidden.grad.clone(), "w2": d.head.w2.weight.grad.clone(),
                  "w1": d.head.w1.weight.grad.clone()}
@@ -218,8 +219,9 @@ def test_chunked_losses_and_gradients_equal_dense(objective, subset):
 
     dense, dense_grads = run(None)
     assert dense["draft_vocab_coverage"] <= 1.0
-    for chunk_rows in (1, 3, 100):
-        out, grads = run(chunk_rows)
+    # each chunk size with the default recomputation policy, kept and recomputed
+    for chunk_rows, recompute in ((1, None), (3, None), (100, None), (3, True), (3, False)):
+        out, grads = run(chunk_rows, recompute)
         for key in ("loss", "ce", "tv", "conf", "soft_ce", "tau", "accept_rate"):
             torch.testing.assert_close(out[key], dense[key], rtol=1e-5, atol=1e-6)
         for key, grad in dense_grads.items():
