@@ -167,9 +167,9 @@ def main() -> int:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
-    lines = ["# Drafter training throughput (DSpark, quickstart shapes; measured)", "",
+    lines = [f"# Drafter training throughput (DSpark, {Path(args.config).name}; measured)", "",
              f"{args.rounds} rounds x {args.steps} timed steps per arm (median), arms alternating, "
-             f"{args.threads} torch thread(s) per process as each quickstart Ray Train worker; "
+             f"{args.threads} torch thread(s) per process as each Ray Train worker of the config; "
              f"{meta['date']}.", "",
              f"| arm | s / step | steps / min | speed-up vs {arms[0]} | supervised tokens / s | "
              "peak RSS above start (MB) | trainable params |", "|---|---|---|---|---|---|---|"]
