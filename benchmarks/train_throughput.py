@@ -11,9 +11,10 @@ process's state before the first step. Writes ``benchmarks/results/train_through
 
 Arms: ``landed`` (dense [N, K, V] draft and target logits, as before the chunked loss),
 ``chunked_full`` (chunked loss, full vocabulary), ``chunked_dv<N>`` (chunked, draft vocabulary N),
-``recompute_dv<N>`` (chunked with a draft vocabulary as it ran before session 15: each chunk's
-target logits normalised whole in fp32, the draft side recomputed in backward; now the target side
-goes in cache-sized slices and nothing is recomputed, ``drafters.losses``).
+``recompute_dv<N>`` (the draft side recomputed in backward, as before session 15, while one
+chunk now keeps it) and ``unsliced_recompute_dv<N>`` (also each chunk's target logits normalised
+whole in fp32 instead of in cache-sized slices: close to the loss path before session 15, which
+also used ``log_softmax`` and advanced indexing; ``drafters.losses``).
 
     .venv/bin/python benchmarks/train_throughput.py --config infra/configs/quickstart.yaml
 """
@@ -90,13 +91,14 @@ def worker(args) -> dict:
     batches = [list(range(i * mb, (i + 1) * mb)) for i in range(args.warmup + args.steps)]
     data = [reader.read([r % index.num_rows for r in rows]) for rows in batches]
     loss_fn = landed_batch_losses if args.arm == "landed" else batch_losses
-    if args.arm.startswith("recompute_"):  # batch_losses imports it at each call
+    if "recompute_" in args.arm:  # batch_losses imports it at each call
         import functools
 
         import drafters.losses
 
+        slices = 1 << 30 if args.arm.startswith("unsliced_") else drafters.losses.TARGET_SLICE_ROWS
         drafters.losses.chunked_drafter_losses = functools.partial(
-            drafters.losses.chunked_drafter_losses, recompute=True, target_slice_rows=1 << 30)
+            drafters.losses.chunked_drafter_losses, recompute=True, target_slice_rows=slices)
     device = torch.device("cpu")
     rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     times, supervised = [], []

@@ -36,8 +36,8 @@ DEFAULT_CHUNK_ROWS = 1024
 
 # rows of a [rows, V] target-logit matrix converted and normalised at a time: at V = 49k a slice
 # is ~12 MB in fp32 and stays in cache between its conversion, log-sum-exp and gather, where the
-# whole matrix (~170 MB at 880 rows) went through memory four times (measured on 1 CPU thread:
-# 250 against 400 ms for 880 rows, most of it the LM-head product itself)
+# whole matrix (~170 MB at 880 rows) went through memory several times (1.16x a training step,
+# ~330 MB less peak: benchmarks/results/train_throughput_loss_path.md)
 TARGET_SLICE_ROWS = 64
 
 
@@ -47,8 +47,16 @@ def target_terms(target_logits: torch.Tensor, draft_vocab: torch.Tensor | None =
     target mass outside it fp32 [R] or None without a draft vocabulary). No grad needed.
 
     ``target_logits`` [R, V] may be bf16 (the LM head under autocast): each slice of
-    ``slice_rows`` rows is converted to fp32 before its log-sum-exp.
+    ``slice_rows`` rows (>= 1) is converted to fp32 before its log-sum-exp.
+
+    Raises:
+        ValueError: ``slice_rows`` < 1.
     """
+    if slice_rows < 1:
+        raise ValueError(f"slice_rows must be >= 1, got {slice_rows}")
+    target_logits = target_logits.detach()
+    if draft_vocab is not None:
+        draft_vocab = draft_vocab.to(target_logits.device)
     rows = target_logits.shape[0]
     width = target_logits.shape[-1] if draft_vocab is None else draft_vocab.numel()
     p_t = torch.empty(rows, width, dtype=torch.float32, device=target_logits.device)
@@ -113,13 +121,14 @@ def chunked_drafter_losses(draft_logits_fn, target_logits_fn, labels: torch.Tens
                            target_slice_rows: int = TARGET_SLICE_ROWS
                            ) -> dict[str, torch.Tensor]:
     """The drafter losses computed over the R supervised rows in chunks of ``chunk_rows``: no
-    fp32 [rows, V] tensor lives longer than one chunk. With the full vocabulary each chunk's
-    work (target and draft logits and the three terms) runs under activation checkpointing, so
-    the backward pass recomputes it chunk by chunk instead of keeping it. A draft vocabulary makes
-    what a chunk keeps small ([c, N] subset probabilities and [c] outside mass of the target;
-    the draft log-probabilities, probabilities and their difference from the target's, 12 B per
-    [row, N] entry): then nothing is recomputed
-    (``benchmarks/results/train_throughput_loss_path.md`` measures both: 1.28-1.39x a step).
+    fp32 [rows, V] tensor lives longer than one chunk. With the full vocabulary, or with several
+    chunks, each chunk's work (target and draft logits and the three terms) runs under activation
+    checkpointing, so the backward pass recomputes it chunk by chunk instead of keeping it. A
+    draft vocabulary makes what one chunk keeps small ([c, N] subset probabilities and [c]
+    outside mass of the target; the draft log-probabilities, probabilities and their difference
+    from the target's, 12 B per [row, N] entry): when all rows fit one chunk (the usual CPU
+    micro-batch) nothing is recomputed, which is pure saving, as backward would recompute the
+    same chunk at once (1.13x a step: ``benchmarks/results/train_throughput_loss_path.md``).
 
     Args:
         draft_logits_fn: ``fn(idx int64 [c]) -> fp32 [c, N]``, draft logits of supervised rows
@@ -130,8 +139,9 @@ def chunked_drafter_losses(draft_logits_fn, target_logits_fn, labels: torch.Tens
         coefficients, objective: see :func:`drafter_losses`;
         draft_vocab: int64 [N] or None (see :func:`row_loss_terms`);
         chunk_rows: rows per chunk (>= 1).
-        recompute: run each chunk's terms under activation checkpointing (None: only without a
-            draft vocabulary, as above); target_slice_rows: see :func:`target_terms`.
+        recompute: run each chunk's terms under activation checkpointing (None: without a draft
+            vocabulary or with more than one chunk, as above; False keeps every chunk's tensors,
+            memory growing with the rows); target_slice_rows: see :func:`target_terms` (>= 1).
     Returns / Raises: as :func:`drafter_losses`.
     """
     from torch.utils.checkpoint import checkpoint
@@ -140,12 +150,15 @@ def chunked_drafter_losses(draft_logits_fn, target_logits_fn, labels: torch.Tens
         raise ValueError(f"unknown objective {objective!r}; expected one of {OBJECTIVES}")
     if not bool(valid.any()):
         raise ValueError("drafter_losses got a batch without any supervised slot")
-    if chunk_rows < 1:
-        raise ValueError(f"chunk_rows must be >= 1, got {chunk_rows}")
+    if chunk_rows < 1 or target_slice_rows < 1:
+        raise ValueError(f"chunk_rows and target_slice_rows must be >= 1, got {chunk_rows} and "
+                         f"{target_slice_rows}")
     device = valid.device
     w = weights.to(device)[None, :].expand_as(valid)[valid]  # [R]
     labels_v = labels[valid]
     rows = labels_v.numel()
+    if recompute is None:
+        recompute = draft_vocab is None or rows > chunk_rows
 
     def chunk_terms(idx: torch.Tensor, w_c: torch.Tensor, p_t_sub=None, outside=None):
         if p_t_sub is None:
@@ -166,7 +179,7 @@ def chunked_drafter_losses(draft_logits_fn, target_logits_fn, labels: torch.Tens
         if draft_vocab is not None:  # small: keep it instead of recomputing [c, V] in backward
             with torch.no_grad():
                 parts = target_terms(target_logits_fn(idx), draft_vocab, target_slice_rows)
-        if torch.is_grad_enabled() and (draft_vocab is None if recompute is None else recompute):
+        if torch.is_grad_enabled() and recompute:
             out = checkpoint(chunk_terms, idx, w_c, *parts, use_reentrant=False)
         else:
             out = chunk_terms(idx, w_c, *parts)

@@ -209,7 +209,8 @@ class TrainConfig(Strict):
     loss_weights: tuple[float, float, float] = Field((0.1, 0.9, 1.0),
                                                      description="(ce, tv, conf), Eq. 12.")
     loss_chunk_rows: int = Field(1024, ge=1, description="Supervised rows per chunk of the "
-                                 "vocabulary-sized loss work (recomputed in backward).")
+                                 "vocabulary-sized loss work (recomputed in backward unless a "
+                                 "draft vocabulary is used and all rows fit one chunk).")
     log_every: int = Field(1, ge=1)
     eval_every: int | None = Field(None, ge=1, description="Held-out losses, tau and "
                                    "accept_rate@k every N steps (and at the end); None = never.")

@@ -24,14 +24,14 @@ Where the memory goes (bf16 = autocast around the forward, fp32 weights, gradien
 - **the loss chunk**: ``drafters.losses.chunked_drafter_losses`` holds at most six fp32
   [chunk_rows, V] tensors at a time, when backward recomputes a chunk (target probabilities,
   draft logits, log-probabilities, probabilities, their difference and its absolute value).
-  With a draft vocabulary of N tokens nothing is recomputed: every supervised row keeps its
-  target subset probabilities and the draft log-probabilities, probabilities and difference
-  (16 B per [row, N] entry) from forward to backward.
+  With a draft vocabulary of N tokens and all rows in one chunk nothing is recomputed: every
+  supervised row keeps its target subset probabilities and the draft log-probabilities,
+  probabilities and difference (16 B per [row, N] entry) from forward to backward.
 
 The peak is the largest of four moments: the last decoder layer's attention in forward and in
 backward (one chunk of recomputed scores on top of the kept activations), the last loss chunk of
-the forward pass, and the recomputed loss chunk in backward (the usual peak at real shapes: every
-activation is still kept, plus the row gradients and the bf16 LM-head copy). Not modelled: the
+the forward pass, and the backward of a loss chunk, recomputed or kept (the usual peak at GPU
+shapes: every activation is still kept, plus the row gradients and the bf16 LM-head copy). Not modelled: the
 CUDA caching allocator's rounding and fragmentation, the CUDA context, NCCL buffers and kernels'
 workspaces; the 20 % headroom the memory test demands is meant for those.
 
@@ -244,6 +244,8 @@ def estimate_step_memory(cfg: BoundDrafterConfig, shape: StepShape, *, precision
     n, nc, rows = shape.blocks, shape.context_rows, shape.supervised_rows
     tokens, slots = n * s, n * k
     chunk = min(loss_chunk_rows, rows)
+    # chunked_drafter_losses keeps the draft side instead of recomputing it (one chunk, subset)
+    keeps = subset and rows <= loss_chunk_rows
     qk = 8 * (nh + nkv) * hd if cfg.qk_norm else 0  # q/k RMSNorm: fp32 input copy + normalised
 
     # ---- model states
@@ -280,9 +282,11 @@ def estimate_step_memory(cfg: BoundDrafterConfig, shape: StepShape, *, precision
     # per block slot: the confidence head's input ([H + r], bf16 copy or the fp32 concatenation)
     per_slot = ((BF16_BYTES if cast else f4) * (h + r) if conf else 0)
     # per supervised row: final states (fp32), cached target states, head features, small
-    # per-row tensors (labels, weights, l1, masks), and with a draft vocabulary the target's
-    # subset probabilities and the draft side's log-probs, probs and difference (not recomputed)
-    per_row = f4 * h + feature_bytes * h + f4 * r + 32 + (f4 * (4 * vd + 1) if subset else 0)
+    # per-row tensors (labels, weights, l1, masks), with a draft vocabulary the target's subset
+    # probabilities, and when the draft side is kept its log-probs, probs and difference and the
+    # bf16 inputs of the draft head and W2
+    per_row = (f4 * h + feature_bytes * h + f4 * r + 32 + (f4 * (vd + 1) if subset else 0)
+               + ((3 * f4 * vd + (BF16_BYTES * (h + r) if cast else 0)) if keeps else 0))
     # autocast's bf16 copies of the layer weights, kept by the matmuls for backward
     weight_copies = (BF16_BYTES * layers * (2 * h * nh * hd + 2 * h * nkv * hd + 3 * h * inter)
                      if cast else 0)
@@ -316,22 +320,26 @@ def estimate_step_memory(cfg: BoundDrafterConfig, shape: StepShape, *, precision
     # logits and |p_d - p_t|), or the target side alone (its logits, bf16 under autocast, one
     # slice of them in fp32 with its log-sum-exp's exponentials, and the fp32 probabilities:
     # [c, V], or the subset's [c, V_d], counted per row)
-    draft_chunk = f4 * (2 if subset else 5) * chunk * vd
+    draft_chunk = f4 * (2 if keeps else 4 if subset else 5) * chunk * vd
     target_chunk = ((BF16_BYTES if cast else f4) * chunk * v
-                    + 2 * f4 * min(chunk, TARGET_SLICE_ROWS) * v
+                    + (2 if cast else 1) * f4 * min(chunk, TARGET_SLICE_ROWS) * v
                     + (0 if subset else f4 * chunk * v))
-    fwd_loss = max(draft_chunk, target_chunk)
+    # the draft LM head rows [V_d, H] are not a leaf, so autocast does not cache their bf16 copy:
+    # each chunk makes one, and a kept chunk keeps it for backward
+    head_copy = BF16_BYTES * vd * h if cast and keeps else 0
+    fwd_loss = max(draft_chunk + head_copy, target_chunk)
     loss_fwd = (kept + packed + autocast_cache + f4 * h * tokens + f4 * (r + 1) * slots
                 + fwd_loss)
     # ---- moment 4: backward of a loss chunk. Also alive: the gradients of the final states and
     # head features (once a first chunk is done), autocast's bf16 copies of the draft LM head
-    # [V_d, H] and of W2 [V_d, r], and the chunk: with the full vocabulary recomputed (target
-    # probabilities, draft logits, log-probs, probs, their difference and its absolute value:
-    # 24 B per [c, V] entry), with a draft vocabulary kept (per row) plus the gradients flowing
-    # through it (12 B per [c, V_d] entry)
+    # [V_d, H] and of W2 [V_d, r], and the chunk: recomputed (target probabilities, draft
+    # logits, log-probs, probs, their difference and its absolute value: 24 B per [c, V] entry;
+    # 20 B with a draft vocabulary, whose subset probabilities are counted per row), or kept (a
+    # draft vocabulary and one chunk: counted per row) plus the gradient flowing through it,
+    # while each kept tensor is freed as its node runs (4 B per [c, V_d] entry)
     row_grads = f4 * (h + r) * rows if rows > chunk else 0
     loss_bwd = (kept + row_grads + (BF16_BYTES * vd * (h + r) if cast else 0)
-                + f4 * (3 if subset else 6) * chunk * vd)
+                + f4 * (1 if keeps else 5 if subset else 6) * chunk * vd)
     moments = {"layer_forward": int(layer_fwd), "layer_backward": int(layer_bwd),
                "loss_forward": loss_fwd, "loss_backward": loss_bwd}
     peak_moment = max(moments, key=moments.get)

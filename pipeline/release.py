@@ -8,7 +8,8 @@ The run must have finished its calibrate and eval stages. The release holds:
 - ``config.json`` (with the calibration temperatures) and ``model.safetensors``: the drafter's
   weights in ``--dtype`` (bf16 by default; integer buffers such as the draft vocabulary map stay
   int64). :func:`drafters.loading.load_drafter` casts them to the dtype it serves in;
-- ``draft_vocab.json``, ``training_config.yaml`` (the run's whole pipeline config),
+- ``draft_vocab.json`` (when the drafter has a draft vocabulary), ``training_config.yaml`` (the
+  run's whole pipeline config, checked to be the one every stage up to eval ran under),
   ``cache_summary.json`` (the cache manifest without its per-token frequency table),
   ``training_log.jsonl.gz`` (every step, held-out evaluations included), ``eval_report.md`` /
   ``eval_report.json`` and ``calibration.json`` (the stage records);
@@ -17,8 +18,9 @@ The run must have finished its calibrate and eval stages. The release holds:
 
 Hardware-specific profiles (``sps_profile.json``, ``draft_cost_profile.json``) are left out: a
 serving engine measures them on its own machine. Nothing is written unless all of it fits
-``--max-mb``; the directory appears whole (written beside it, then renamed) or not at all, and an
-existing one is replaced only with ``--force``.
+``--max-mb`` (when given); the directory appears whole (written beside it under a temporary name,
+then renamed) or not at all, and an existing one is replaced only with ``--force`` (moved aside
+first, deleted once the new one is in place).
 """
 
 from __future__ import annotations
@@ -30,12 +32,12 @@ import json
 import shutil
 import subprocess
 import sys
+import tempfile
 from datetime import datetime, timezone
 from pathlib import Path
 
 # the cache manifest's per-split keys worth keeping (the token frequency table is ~1 MB of ids)
 SPLIT_SUMMARY_KEYS = ("rows", "tokens", "supervised_tokens")
-HARDWARE_PROFILES = ("sps_profile.json", "draft_cost_profile.json")
 
 
 class ReleaseError(ValueError):
@@ -43,12 +45,38 @@ class ReleaseError(ValueError):
     file or option to fix."""
 
 
+def _read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError) as err:
+        raise ReleaseError(f"{path}: unreadable ({type(err).__name__}: {err})") from err
+
+
 def _require_stage(run_dir: Path, name: str) -> dict:
     marker = run_dir / name / "_SUCCESS.json"
     if not marker.is_file():
         raise ReleaseError(f"{run_dir}: the {name} stage has not finished ({marker} missing); "
                            f"run `python pipeline/run.py --config {run_dir / 'config.yaml'}` first")
-    return json.loads(marker.read_text())
+    return _read_json(marker)
+
+
+def _run_config(run_dir: Path, eval_marker: dict):
+    """The run's ``config.yaml``, checked against the eval stage's fingerprint (which covers
+    every section the stages up to eval read): a later ``run.py`` call with other settings
+    rewrites the file, and then it no longer describes the drafter."""
+    from .config import ConfigError, load_config
+    from .stages import stage_fingerprint
+
+    path = run_dir / "config.yaml"
+    try:
+        cfg = load_config(path)
+    except (ConfigError, OSError) as err:
+        raise ReleaseError(f"{path}: {err}") from err
+    if stage_fingerprint(cfg, "eval") != eval_marker.get("config_fingerprint"):
+        raise ReleaseError(f"{path} is not the config the run's stages ran under (a later "
+                           "run.py call with other settings rewrote it); re-run the pipeline with "
+                           "the run's config to restore it")
+    return cfg
 
 
 def _cast_weights(src: Path, dst: Path, dtype_name: str) -> tuple[int, str]:
@@ -105,7 +133,7 @@ def _model_card(name: str, info: dict, config: dict, eval_report: dict) -> str:
         f"{config['num_hidden_layers']} layers, {config.get('head_type') or 'no'} head, draft "
         f"vocabulary {config.get('draft_vocab_size') or 'full'}) for "
         f"`{Path(config['target_name_or_path']).name}`, packaged by `python -m pipeline.release` "
-        f"from `{info['source_run']}` (commit {info['git_commit'] or 'unknown'}).",
+        f"from `{info['source_run']}` at commit {info['packaged_at_commit'] or 'unknown'}.",
         "",
         f"- weights: {info['trainable_parameters']:,} parameters in {info['dtype']} "
         f"(`model.safetensors`, sha256 {info['weights_sha256'][:16]}...)",
@@ -114,7 +142,7 @@ def _model_card(name: str, info: dict, config: dict, eval_report: dict) -> str:
         (f"- held-out at step {heldout['step']}: accept_rate@1 {heldout['accept_rate@1']:.3f}, "
          f"tau {heldout['tau']:.2f} (teacher-forced blocks, `training_log.jsonl.gz`)"
          if heldout else "- no held-out evaluation during training (`train.eval_every` unset)"),
-        "- end-to-end macro tau on the nine benchmark sets, by temperature: "
+        "- end-to-end macro tau on the eval stage's benchmark sets, by temperature: "
         + ", ".join(f"T={t}: {v:.2f}" for t, v in macro.items() if v is not None)
         + " (`eval_report.md`)",
         "- calibration temperatures (STS): "
@@ -129,7 +157,7 @@ def _model_card(name: str, info: dict, config: dict, eval_report: dict) -> str:
 
 
 def release(run_dir: str | Path, out_dir: str | Path, dtype: str = "bfloat16",
-            max_mb: float = 30.0, force: bool = False) -> dict:
+            max_mb: float | None = None, force: bool = False) -> dict:
     """Write the release directory of ``run_dir``'s calibrated drafter to ``out_dir``.
 
     Args:
@@ -137,33 +165,54 @@ def release(run_dir: str | Path, out_dir: str | Path, dtype: str = "bfloat16",
         out_dir: the release directory (created; replaced only with ``force``).
         dtype: torch dtype name of the released floating weights ("bfloat16", "float16",
             "float32").
-        max_mb: refuse a release larger than this many MB (10^6 bytes), all files together.
+        max_mb: refuse a release larger than this many MB (10^6 bytes), all files together
+            (None: no limit).
     Returns:
         the ``release.json`` record.
     Raises:
-        ReleaseError: a stage has not finished, ``out_dir`` exists without ``force``, an unknown
-            dtype, or the release exceeds ``max_mb`` (nothing is written then).
-        drafters.config.DrafterCheckpointError: the calibrated drafter is damaged.
+        ReleaseError: a stage has not finished, the run's config is not the one its stages ran
+            under, an unreadable record (file named), ``out_dir`` exists without ``force`` or
+            would overlap the run, an unknown dtype, or the release exceeds ``max_mb`` (nothing
+            is written then).
+        drafters.config.DrafterCheckpointError (a ValueError): the calibrated drafter is damaged.
+        FileNotFoundError: the calibrated drafter or the cache manifest is missing.
     """
     from drafters.loading import check_checkpoint
 
-    run_dir, out_dir = Path(run_dir), Path(out_dir)
+    from .cache_format import read_manifest
+
+    run_dir, out_dir = Path(run_dir).resolve(), Path(out_dir).resolve()
     if dtype not in ("bfloat16", "float16", "float32"):
         raise ReleaseError(f"--dtype {dtype!r}: use bfloat16, float16 or float32")
     if out_dir.exists() and not force:
         raise ReleaseError(f"{out_dir} exists; pass --force to replace it")
+    from .stages import STAGE_NAMES
+
+    stage_dirs = [run_dir / name for name in STAGE_NAMES]
+    if (out_dir == run_dir or out_dir in run_dir.parents
+            or any(out_dir == d or d in out_dir.parents for d in stage_dirs)):
+        raise ReleaseError(f"--out {out_dir} overlaps the run directory {run_dir} or one of its "
+                           "stages; choose a directory of its own")
     calibration = _require_stage(run_dir, "calibrate")
-    _require_stage(run_dir, "eval")
+    eval_marker = _require_stage(run_dir, "eval")
+    cfg = _run_config(run_dir, eval_marker)
     source = run_dir / "calibrate" / "drafter"
     check_checkpoint(source)
-    manifest = json.loads((run_dir / "cache" / "manifest.json").read_text())
-    eval_report = json.loads((run_dir / "eval" / "report.json").read_text())
-    log_path = source / "training_log.jsonl"
-    log_rows = [json.loads(line) for line in log_path.read_text().splitlines() if line.strip()]
+    from . import storage
 
-    tmp = out_dir.with_name(out_dir.name + ".partial")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
+    cache_dir = storage.resolve(cfg.cache.output) if cfg.cache.output else str(run_dir / "cache")
+    manifest = read_manifest(cache_dir, cfg.storage_options)
+    eval_report = _read_json(run_dir / "eval" / "report.json")
+    log_path = source / "training_log.jsonl"
+    try:
+        log_text = log_path.read_text() if log_path.is_file() else ""
+        log_rows = [json.loads(line) for line in log_text.splitlines() if line.strip()]
+    except ValueError as err:
+        raise ReleaseError(f"{log_path}: unreadable ({err})") from err
+
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
+    aside = None
     try:
         params, sha = _cast_weights(source / "model.safetensors", tmp / "model.safetensors", dtype)
         shutil.copyfile(source / "config.json", tmp / "config.json")
@@ -176,11 +225,11 @@ def release(run_dir: str | Path, out_dir: str | Path, dtype: str = "bfloat16",
         summary = cache_summary(manifest)
         (tmp / "cache_summary.json").write_text(json.dumps(summary, indent=1) + "\n")
         with gzip.open(tmp / "training_log.jsonl.gz", "wt") as fh:
-            fh.write(log_path.read_text())
+            fh.write(log_text)
         train_split = summary["splits"].get("train", {})
         info = {
             "source_run": str(run_dir),
-            "git_commit": _git_commit(),
+            "packaged_at_commit": _git_commit(),
             "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
             "dtype": dtype,
             "trainable_parameters": params,
@@ -192,18 +241,25 @@ def release(run_dir: str | Path, out_dir: str | Path, dtype: str = "bfloat16",
             "eval_macro_tau": {t: d.get("macro") for t, d in eval_report.get("domains", {}).items()},
         }
         (tmp / "release.json").write_text(json.dumps(info, indent=1) + "\n")
-        config = json.loads((source / "config.json").read_text())
+        config = _read_json(source / "config.json")
         (tmp / "README.md").write_text(_model_card(out_dir.name, info, config, eval_report))
         size_mb = sum(f.stat().st_size for f in tmp.iterdir()) / 1e6
-        if size_mb > max_mb:
+        if max_mb is not None and size_mb > max_mb:
             raise ReleaseError(f"the release of {source} is {size_mb:.1f} MB, over --max-mb "
                                f"{max_mb} (a smaller --dtype, or a larger --max-mb)")
+        tmp.chmod(0o755)  # mkdtemp makes it 0700
+        if out_dir.exists() or out_dir.is_symlink():  # --force: keep it until the new one is in
+            aside = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.old.", dir=out_dir.parent))
+            out_dir.rename(aside / out_dir.name)
+        tmp.rename(out_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
+        if aside is not None and not out_dir.exists():  # put the old release back
+            (aside / out_dir.name).rename(out_dir)
+            shutil.rmtree(aside, ignore_errors=True)
         raise
-    if out_dir.exists():
-        shutil.rmtree(out_dir)
-    tmp.rename(out_dir)
+    if aside is not None:
+        shutil.rmtree(aside, ignore_errors=True)
     return info
 
 
@@ -213,12 +269,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--run", required=True, help="run directory (calibrate and eval finished)")
     parser.add_argument("--out", required=True, help="release directory to write")
     parser.add_argument("--dtype", default="bfloat16", help="dtype of the floating weights")
-    parser.add_argument("--max-mb", type=float, default=30.0, help="refuse a larger release")
+    parser.add_argument("--max-mb", type=float, default=None,
+                        help="refuse a larger release (the repository ships at most 30)")
     parser.add_argument("--force", action="store_true", help="replace an existing --out")
     args = parser.parse_args(argv)
     try:
         info = release(args.run, args.out, args.dtype, args.max_mb, args.force)
-    except (ReleaseError, FileNotFoundError) as err:
+    except (ValueError, FileNotFoundError) as err:  # ReleaseError, a damaged checkpoint
         print(f"error: {err}", file=sys.stderr)
         return 2
     size = sum(f.stat().st_size for f in Path(args.out).iterdir()) / 1e6

@@ -53,7 +53,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                              "repeatable)")
     parser.add_argument("--release", default=None, metavar="DIR",
                         help="after the stages, package the calibrated drafter with its records "
-                             "into DIR (python -m pipeline.release; DIR must not exist)")
+                             "into DIR (python -m pipeline.release; DIR must not exist; relative "
+                             "paths resolve against the project root)")
     parser.add_argument("--repair-cache", action="store_true",
                         help="check every cache shard against the manifest's sha256 first and "
                              "rewrite only the damaged ones (with the cache stage)")
@@ -75,9 +76,18 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return 2
     ordered = [s for s in stages.STAGE_NAMES if s in wanted]
+    release_to = storage.resolve(args.release) if args.release else None
+    if release_to and Path(release_to).exists():  # now, not after hours of stages
+        print(f"--release {release_to} exists; choose a new directory", file=sys.stderr)
+        return 2
     started = time.time()
     try:
         ctx = stages.StageContext.create(cfg)
+        missing = [s for s in ("calibrate", "eval")
+                   if release_to and s not in ordered and not ctx.marker(s).exists()]
+        if missing:
+            raise ValueError(f"--release needs the {' and '.join(missing)} stage(s): add them to "
+                             "--stages")
         # inputs a later stage reads are checked now: not after hours of the earlier stages, and
         # not after --force has cleared the outputs they would replace
         stages.preflight(ctx, ordered, forced=args.force)
@@ -90,16 +100,14 @@ def main(argv: list[str] | None = None) -> int:
                         f", rewritten by the cache stage: {damaged}" if damaged else "")
             if damaged and "cache" not in ordered:
                 ordered = [s for s in stages.STAGE_NAMES if s in ordered or s == "cache"]
-        if args.release and Path(args.release).exists():  # now, not after hours of stages
-            raise ValueError(f"--release {args.release} exists; choose a new directory")
         for name in ordered:
             stages.run_stage(ctx, name, force=name in args.force)
-        if args.release:
+        if release_to:
             from pipeline.release import release
 
-            info = release(ctx.run_dir, args.release)
+            info = release(ctx.run_dir, release_to)
             logger.info("released the calibrated drafter to %s (%s parameters in %s)",
-                        args.release, f"{info['trainable_parameters']:,}", info["dtype"])
+                        release_to, f"{info['trainable_parameters']:,}", info["dtype"])
     except (ConfigError, FileNotFoundError, ConnectionError, PermissionError, ValueError,
             TrainingFailedError, VllmNotInstalledError) as err:
         logger.error("%s", err)

@@ -35,7 +35,7 @@ def test_end_to_end_smoke_and_rerun(tmp_path, tiny_target_dir):
         run / "calibrate" / "drafter" / "config.json").read_bytes()
     # a second release never overwrites the first (checked before any stage runs)
     refused = run_pipeline(config, "--stages", "eval", "--release", str(tmp_path / "release"))
-    assert refused.returncode == 1 and "exists; choose a new directory" in refused.stderr
+    assert refused.returncode == 2 and "exists; choose a new directory" in refused.stderr
     errors = [json.loads(l) for l in (run / "prompts" / "errors.jsonl").open()]
     assert errors == [{"file": str(tmp_path / "prompts.jsonl"), "line": 13, "id": "bad",
                        "error": "messages[0] (user) has empty or missing 'content'"}]

@@ -7,9 +7,13 @@ import pytest
 import torch
 
 from drafters.loading import load_drafter
+from pipeline.config import load_config
 from pipeline.release import ReleaseError, cache_summary, last_heldout_evaluation, main, release
+from pipeline.stages import stage_fingerprint
 from tests.tiny import tiny_drafter, tiny_target
 
+CONFIG = ("run_dir: {run}\ntarget: {{name_or_path: {target}}}\n"
+          "prompts: {{sources: [{{path: p.jsonl}}]}}\n")
 LOG = [{"step": 1, "tau": 1.1, "loss": 3.0},
        {"step": 2, "tau": 1.3, "loss": 2.5, "heldout_tau": 1.2, "heldout_accept_rate@1": 0.2},
        {"step": 3, "tau": 1.4, "loss": 2.4}]
@@ -26,8 +30,10 @@ def finished_run(tmp_path):
     (src / "training_log.jsonl").write_text("".join(json.dumps(r) + "\n" for r in LOG))
     (src / "sps_profile.json").write_text("{}")  # hardware-specific: must not be released
     (run / "calibrate" / "_SUCCESS.json").write_text(json.dumps({"calibrated": True}))
+    (run / "config.yaml").write_text(CONFIG.format(run=run, target="tiny-qwen3"))
+    fingerprint = stage_fingerprint(load_config(run / "config.yaml"), "eval")
     (run / "eval").mkdir()
-    (run / "eval" / "_SUCCESS.json").write_text("{}")
+    (run / "eval" / "_SUCCESS.json").write_text(json.dumps({"config_fingerprint": fingerprint}))
     (run / "eval" / "report.md").write_text("# Evaluation\n")
     (run / "eval" / "report.json").write_text(json.dumps(
         {"domains": {"0.0": {"macro": 2.6}, "1.0": {"macro": 2.1}}}))
@@ -36,7 +42,6 @@ def finished_run(tmp_path):
         {"format": "dspark-target-cache/v1", "layer_ids": [1, 3],
          "splits": {"train": {"rows": 4, "tokens": 100, "supervised_tokens": 60,
                               "token_frequency": [[5, 9], [7, 3]]}}}))
-    (run / "config.yaml").write_text("run_dir: run\n")
     return target, drafter, run
 
 
@@ -81,12 +86,31 @@ def test_release_refuses_unfinished_runs_oversize_and_overwrites(finished_run, t
     with pytest.raises(ReleaseError, match="over --max-mb"):
         release(run, out, max_mb=0.001, force=True)
     assert (out / "keep.txt").read_text() == "mine"  # nothing replaced by a refused release
-    assert not (tmp_path / "release.partial").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["release", "run"]  # no leftovers
+    release(run, out, force=True)  # --force replaces it whole
+    assert not (out / "keep.txt").exists() and (out / "release.json").is_file()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["release", "run"]
+    for inside in (run, run / "calibrate", run / "calibrate" / "drafter", tmp_path):
+        with pytest.raises(ReleaseError, match="overlaps the run directory"):
+            release(run, inside, force=True)
+    assert (run / "calibrate" / "drafter" / "config.json").is_file()
     (run / "eval" / "_SUCCESS.json").unlink()
     with pytest.raises(ReleaseError, match="eval stage has not finished"):
         release(run, tmp_path / "other")
     assert main(["--run", str(run), "--out", str(tmp_path / "other")]) == 2
     assert not (tmp_path / "other").exists()
+
+
+def test_release_refuses_a_rewritten_config_and_names_damaged_records(finished_run, tmp_path):
+    _, _, run = finished_run
+    (run / "eval" / "report.json").write_text("{not json")
+    with pytest.raises(ReleaseError, match="report.json: unreadable"):
+        release(run, tmp_path / "a")
+    (run / "config.yaml").write_text(CONFIG.format(run=run, target="other"))
+    with pytest.raises(ReleaseError, match="not the config the run's stages ran under"):
+        release(run, tmp_path / "a")
+    assert main(["--run", str(run), "--out", str(tmp_path / "a")]) == 2
+    assert not (tmp_path / "a").exists()
 
 
 def test_summaries_drop_tables_and_find_the_last_evaluation():
