@@ -15,7 +15,9 @@ Where the memory goes (bf16 = autocast around the forward, fp32 weights, gradien
   (12P, divided by the data-parallel world size from ZeRO stage 1 on) and DeepSpeed's gradient
   reduction buffers;
 - **frozen target tensors**: the embedding and LM head [V, H] (one tensor when tied), in the dtype
-  they were loaded in (``drafters.target_weights.load_frozen_head``: fp32);
+  they were loaded in (``drafters.target_weights.load_frozen_head``: fp32), and the worker's
+  :class:`pipeline.train_worker.TargetHead`: the LM head cast once to bf16 (under bf16) and its
+  reused target-logits buffer [min(rows, chunk_rows), V];
 - **activations** kept for backward: per block token (N blocks x S slots) and layer the norm
   inputs, the bf16 inputs of every projection, q/k/v and the MLP's [I]-wide tensors; per context
   row the projected context and each layer's context keys/values; per supervised row the final
@@ -263,6 +265,8 @@ def estimate_step_memory(cfg: BoundDrafterConfig, shape: StepShape, *, precision
     frozen = frozen_bytes * v * h * (1 if tied_embeddings else 2)
     if subset:
         frozen += frozen_bytes * vd * h + INT64_BYTES * (vd + v)  # lm_head[d2t] copy, d2t, t2d
+    # the worker's TargetHead: its bf16 copy of the LM head and its target-logits buffer
+    frozen += (BF16_BYTES * v * h if cast else 0) + (BF16_BYTES if cast else f4) * chunk * v
 
     # ---- activations kept for backward
     # per block token and layer, first half: the input RMSNorm (fp32 input + normalised, 8H),
@@ -317,12 +321,11 @@ def estimate_step_memory(cfg: BoundDrafterConfig, shape: StepShape, *, precision
     # final norm's output [N, S, H] fp32, head features, autocast's other weight copies, and the
     # chunk: target probabilities + draft logits, log-probs, |p_d - p_t| and its input (20 B per
     # [c, V_d] entry; with a draft vocabulary the kept ones are counted per row, leaving the
-    # logits and |p_d - p_t|), or the target side alone (its logits, bf16 under autocast, one
-    # slice of them in fp32 with its log-sum-exp's exponentials, and the fp32 probabilities:
-    # [c, V], or the subset's [c, V_d], counted per row)
+    # logits and |p_d - p_t|), or the target side alone (its logits are in the TargetHead's
+    # buffer, counted as frozen; one slice of them in fp32 with its log-sum-exp's exponentials,
+    # and the fp32 probabilities: [c, V], or the subset's [c, V_d], counted per row)
     draft_chunk = f4 * (2 if keeps else 4 if subset else 5) * chunk * vd
-    target_chunk = ((BF16_BYTES if cast else f4) * chunk * v
-                    + (2 if cast else 1) * f4 * min(chunk, TARGET_SLICE_ROWS) * v
+    target_chunk = ((2 if cast else 1) * f4 * min(chunk, TARGET_SLICE_ROWS) * v
                     + (0 if subset else f4 * chunk * v))
     # the draft LM head rows [V_d, H] are not a leaf, so autocast does not cache their bf16 copy:
     # each chunk makes one, and a kept chunk keeps it for backward

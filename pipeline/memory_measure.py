@@ -72,11 +72,14 @@ def measure_step_peak(model, samples: list[dict], tc, objective: str, weights, g
     """
     from torch.distributed._tools.mem_tracker import MemTracker
 
-    from .train_worker import batch_losses
+    from .train_worker import batch_losses, target_head
 
     device = next(model.parameters()).device
     copies = lambda: [torch.Generator().set_state(g.get_state()) for g in generators]
     shape = StepShape.of_packed(model.pack_blocks(samples, tc.num_anchors, copies()))
+    # the worker's head, as in training: made once, its buffer already sized by earlier steps
+    head = target_head(model, tc)
+    head.reserve(min(shape.supervised_rows, tc.loss_chunk_rows))
 
     class _Step(torch.nn.Module):
         # MemTracker attributes memory to modules and refuses a second top-level call of one
@@ -87,7 +90,8 @@ def measure_step_peak(model, samples: list[dict], tc, objective: str, weights, g
             self.drafter = model
 
         def forward(self):
-            return batch_losses(self.drafter, samples, tc, objective, weights, device, copies())
+            return batch_losses(self.drafter, samples, tc, objective, weights, device, copies(),
+                                head)
 
     step = _Step()
     tracker = MemTracker()
@@ -104,7 +108,11 @@ def measure_step_peak(model, samples: list[dict], tc, objective: str, weights, g
                for kind, b in snap.get(device, {}).items()}
     other = by_kind.pop("Other", 0)
     total = by_kind.pop("Total", 0)
-    return MeasuredPeak(peak=total - other, by_kind=by_kind,
+    # the head's tensors are no module's buffers (MemTracker files them under "Other"): counted
+    # with the frozen target tensors, as the model counts them
+    held = head.owned_bytes(model.lm_head_weight)
+    by_kind["Buffer"] = by_kind.get("Buffer", 0) + held
+    return MeasuredPeak(peak=total - other + held, by_kind=by_kind,
                         in_backward=total > forward_peak, shape=shape)
 
 

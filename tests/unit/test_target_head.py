@@ -1,0 +1,75 @@
+"""The training worker's frozen target head (``pipeline.train_worker.TargetHead``): the same
+logits as the LM head under autocast, written into one reused buffer, and the same losses and
+gradients through ``batch_losses`` as a head made for each call."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pipeline.config import TrainConfig
+from pipeline.train_worker import TargetHead, batch_losses, target_head
+from tests.tiny import tiny_target
+from tests.unit.helpers import _drafter_config
+
+LAYERS = (1, 3)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_logits_equal_the_lm_head_under_autocast_and_reuse_one_buffer(dtype):
+    g = torch.Generator().manual_seed(0)
+    weight, rows = torch.randn(300, 16, generator=g), torch.randn(40, 16, generator=g)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
+        expected = torch.nn.functional.linear(rows, weight)
+    head = TargetHead(weight, dtype)
+    got = head.logits(rows)
+    assert got.dtype == expected.dtype == dtype and torch.equal(got, expected)
+    first = got.data_ptr()
+    assert head.logits(rows[:7]).data_ptr() == first  # fewer rows: the same buffer
+    bigger = head.logits(torch.cat([rows, rows]))     # more rows: the buffer grows once
+    assert bigger.shape == (80, 300) and head.buffer.shape[0] == 80
+    assert head.logits(rows).data_ptr() == bigger.data_ptr()
+
+
+def _samples(target, n, seed):
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    with torch.no_grad():
+        for _ in range(n):
+            ids = torch.randint(2, target.config.vocab_size, (1, 24), generator=g)
+            hs = target(input_ids=ids, output_hidden_states=True).hidden_states
+            mask = torch.zeros(24, dtype=torch.uint8)
+            mask[6:] = 1
+            out.append({"input_ids": ids[0], "loss_mask": mask,
+                        "context_hidden": torch.cat([hs[l + 1][0] for l in LAYERS], -1),
+                        "last_hidden": hs[-1][0]})
+    return out
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp32"])
+def test_a_reused_head_gives_the_losses_and_gradients_of_a_fresh_one(precision):
+    from drafters.loading import build_drafter
+
+    target = tiny_target()
+    torch.manual_seed(0)
+    cfg = _drafter_config(target, LAYERS, block_size=3, head_type="markov", rank=8)
+    drafter = build_drafter(cfg, target.get_input_embeddings().weight,
+                            target.get_output_embeddings().weight)
+    tc = TrainConfig(num_workers=1, micro_batch_size=2, global_batch_size=2, num_anchors=4,
+                     precision=precision)
+    objective, weights = cfg.spec.training_objective(cfg)
+    reused = target_head(drafter, tc)
+    for seed in (1, 2):  # two micro-batches of different sizes through the same buffer
+        samples = _samples(target, 2 + seed, seed)
+        results = []
+        for head in (reused, None):
+            gens = [torch.Generator().manual_seed(seed * 10 + i) for i in range(len(samples))]
+            drafter.zero_grad()
+            out = batch_losses(drafter, samples, tc, objective, weights, torch.device("cpu"),
+                               gens, head)
+            out["loss"].backward()
+            results.append((out["loss"].detach(),
+                            [p.grad.clone() for p in drafter.parameters() if p.grad is not None]))
+        (loss_a, grads_a), (loss_b, grads_b) = results
+        assert torch.equal(loss_a, loss_b) and grads_a
+        assert all(torch.equal(a, b) for a, b in zip(grads_a, grads_b))
