@@ -98,6 +98,7 @@ def measure_step_peak(model, samples: list[dict], tc, objective: str, weights, g
     tracker.track_external(model, *([optimizer] if optimizer is not None else []))
     sample_tensors = [t for s in samples for t in s.values() if isinstance(t, torch.Tensor)]
     tracker.track_external(*sample_tensors)
+    tracker.track_external(head.weight, head.buffer)  # counted below, with the frozen tensors
     with tracker:
         out = step()
         forward_peak = _total(tracker.get_tracker_snapshot("peak"), device)
@@ -110,7 +111,7 @@ def measure_step_peak(model, samples: list[dict], tc, objective: str, weights, g
     total = by_kind.pop("Total", 0)
     # the head's tensors are no module's buffers (MemTracker files them under "Other"): counted
     # with the frozen target tensors, as the model counts them
-    held = head.owned_bytes(model.lm_head_weight)
+    held = head.owned_bytes()
     by_kind["Buffer"] = by_kind.get("Buffer", 0) + held
     return MeasuredPeak(peak=total - other + held, by_kind=by_kind,
                         in_backward=total > forward_peak, shape=shape)

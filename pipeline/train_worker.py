@@ -79,6 +79,7 @@ class TargetHead:
 
     def __init__(self, weight, dtype):
         self.weight = weight.detach().to(dtype)
+        self.copied = weight.dtype != dtype  # else the head itself, shared
         self.buffer = None
 
     def reserve(self, n: int):
@@ -98,10 +99,10 @@ class TargetHead:
         x = rows.detach().to(self.weight.dtype)
         return torch.mm(x, self.weight.t(), out=self.reserve(x.shape[0])[:x.shape[0]])
 
-    def owned_bytes(self, lm_head_weight) -> int:
-        """Bytes this head holds beyond ``lm_head_weight`` (its cast copy, if any, and buffer)."""
-        copy = self.weight.data_ptr() != lm_head_weight.data_ptr()
-        return ((self.weight.numel() * self.weight.element_size() if copy else 0)
+    def owned_bytes(self) -> int:
+        """Bytes this head holds beyond the LM head it was made from (its cast copy, if any, and
+        its buffer)."""
+        return ((self.weight.numel() * self.weight.element_size() if self.copied else 0)
                 + (0 if self.buffer is None else self.buffer.numel() * self.buffer.element_size()))
 
 
