@@ -14,7 +14,11 @@ Arms: ``landed`` (dense [N, K, V] draft and target logits, as before the chunked
 ``recompute_dv<N>`` (the draft side recomputed in backward, as before session 15, while one
 chunk now keeps it) and ``unsliced_recompute_dv<N>`` (also each chunk's target logits normalised
 whole in fp32 instead of in cache-sized slices: close to the loss path before session 15, which
-also used ``log_softmax`` and advanced indexing; ``drafters.losses``).
+also used ``log_softmax`` and advanced indexing; ``drafters.losses``) and ``per_call_head_dv<N>``
+(the target LM head cast to bf16 and a fresh target-logits tensor at every call, as before the
+trainer's ``pipeline.train_worker.TargetHead``; every other arm holds one head as the trainer
+does). The steps run in a thread of their own, as Ray Train runs the training loop (glibc gives a
+second thread its own malloc arena, which returns freed memory to the kernel differently).
 
     .venv/bin/python benchmarks/train_throughput.py --config infra/configs/quickstart.yaml
 """
@@ -27,6 +31,7 @@ import resource
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -34,7 +39,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 
-def landed_batch_losses(model, samples, tc, objective, weights, device, generators):
+def landed_batch_losses(model, samples, tc, objective, weights, device, generators, head=None):
     """The loss path as it was before chunking: dense fp32 [N, K, V] draft logits and a
     zero-filled [N, K, V] target-logit tensor (kept here only as the benchmark's reference arm)."""
     import torch
@@ -67,7 +72,7 @@ def worker(args) -> dict:
     from pipeline.config import load_config
     from pipeline.stages import StageContext
     from pipeline.train import select_draft_vocab
-    from pipeline.train_worker import batch_losses
+    from pipeline.train_worker import batch_losses, target_head
     from pipeline.train_data import CacheRowIndex, CacheRowReader, row_generator
 
     torch.set_num_threads(args.threads)
@@ -100,23 +105,36 @@ def worker(args) -> dict:
         drafters.losses.chunked_drafter_losses = functools.partial(
             drafters.losses.chunked_drafter_losses, recompute=True, target_slice_rows=slices)
     device = torch.device("cpu")
+    # one head for the whole run, as each training worker holds (None: one per call)
+    head = None if args.arm.startswith("per_call_head_") else target_head(model, tc)
     rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    times, supervised = [], []
-    for i, (rows, samples) in enumerate(zip(batches, data)):
-        start = time.perf_counter()
-        out = loss_fn(model, samples, tc, objective, weights, device,
-                      [row_generator(tc.seed, 0, r) for r in rows])
-        out["loss"].backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), tc.grad_clip)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        if i >= args.warmup:
-            times.append(time.perf_counter() - start)
-            supervised.append(sum(int(s["loss_mask"].sum()) for s in samples))
+    times, supervised, faults = [], [], []
+
+    def loop():
+        torch.set_num_threads(args.threads)
+        for i, (rows, samples) in enumerate(zip(batches, data)):
+            start, minflt = time.perf_counter(), resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+            out = loss_fn(model, samples, tc, objective, weights, device,
+                          [row_generator(tc.seed, 0, r) for r in rows], head)
+            out["loss"].backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), tc.grad_clip)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            if i >= args.warmup:
+                times.append(time.perf_counter() - start)
+                faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - minflt)
+                supervised.append(sum(int(s["loss_mask"].sum()) for s in samples))
+
+    thread = threading.Thread(target=loop, name="training")  # as Ray Train's TrainingThread
+    thread.start()
+    thread.join()
+    if len(times) != args.steps:
+        raise RuntimeError("the training thread failed (its traceback is above)")
     rss1 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return {"arm": args.arm, "step_s": statistics.median(times), "mean_step_s": statistics.fmean(times),
             "steps": len(times), "supervised_tokens_per_s": sum(supervised) / sum(times),
             "peak_rss_delta_mb": (rss1 - rss0) / 1024, "peak_rss_mb": rss1 / 1024,
+            "minor_faults_per_step": statistics.median(faults),
             "trainable_parameters": model.num_trainable_parameters(),
             "draft_vocab": report or None}
 
@@ -161,6 +179,8 @@ def main() -> int:
                          r["supervised_tokens_per_s"] for r in runs[arm]),
                      "peak_rss_delta_mb": max(r["peak_rss_delta_mb"] for r in runs[arm]),
                      "peak_rss_mb": max(r["peak_rss_mb"] for r in runs[arm]),
+                     "minor_faults_per_step": statistics.median(
+                         r["minor_faults_per_step"] for r in runs[arm]),
                      "trainable_parameters": runs[arm][0]["trainable_parameters"],
                      "draft_vocab": runs[arm][0]["draft_vocab"], "runs": runs[arm]})
     meta = {"config": args.config, "set": args.set, "rounds": args.rounds, "steps": args.steps,
@@ -174,11 +194,13 @@ def main() -> int:
              f"{args.threads} torch thread(s) per process as each Ray Train worker of the config; "
              f"{meta['date']}.", "",
              f"| arm | s / step | steps / min | speed-up vs {arms[0]} | supervised tokens / s | "
-             "peak RSS above start (MB) | trainable params |", "|---|---|---|---|---|---|---|"]
+             "peak RSS above start (MB) | minor page faults / step | trainable params |",
+             "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['arm']} | {r['step_s']:.2f} | {r['steps_per_min']:.1f} | "
                      f"{r['speedup_vs_' + arms[0]]:.2f}x | {r['supervised_tokens_per_s']:.0f} | "
-                     f"{r['peak_rss_delta_mb']:.0f} | {r['trainable_parameters'] / 1e6:.1f} M |")
+                     f"{r['peak_rss_delta_mb']:.0f} | {r['minor_faults_per_step']:.0f} | "
+                     f"{r['trainable_parameters'] / 1e6:.1f} M |")
     out.with_suffix(".md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0
