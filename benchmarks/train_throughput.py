@@ -16,8 +16,8 @@ chunk now keeps it) and ``unsliced_recompute_dv<N>`` (also each chunk's target l
 whole in fp32 instead of in cache-sized slices: close to the loss path before session 15, which
 also used ``log_softmax`` and advanced indexing; ``drafters.losses``) and ``per_call_head_dv<N>``
 (the target LM head cast to bf16 and a fresh target-logits tensor at every call, as before the
-trainer's ``pipeline.train_worker.TargetHead``; every other arm holds one head as the trainer
-does). The steps run in a thread of their own, as Ray Train runs the training loop (glibc gives a
+trainer's ``pipeline.train_worker.TargetHead``; the chunked arms hold one head as the trainer
+does, its copy and buffer counted in their peak memory). The steps run in a thread of their own, as Ray Train runs the training loop (glibc gives a
 second thread its own malloc arena, which returns freed memory to the kernel differently).
 
     .venv/bin/python benchmarks/train_throughput.py --config infra/configs/quickstart.yaml
@@ -105,9 +105,11 @@ def worker(args) -> dict:
         drafters.losses.chunked_drafter_losses = functools.partial(
             drafters.losses.chunked_drafter_losses, recompute=True, target_slice_rows=slices)
     device = torch.device("cpu")
-    # one head for the whole run, as each training worker holds (None: one per call)
-    head = None if args.arm.startswith("per_call_head_") else target_head(model, tc)
-    rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # the head counts in the peak
+    # one head for the whole run, as each training worker holds (None: one per call; the landed
+    # arm computes its target logits itself)
+    per_call = args.arm == "landed" or args.arm.startswith("per_call_head_")
+    head = None if per_call else target_head(model, tc)
     times, supervised, faults = [], [], []
 
     def loop():

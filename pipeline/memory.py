@@ -266,7 +266,9 @@ def estimate_step_memory(cfg: BoundDrafterConfig, shape: StepShape, *, precision
     if subset:
         frozen += frozen_bytes * vd * h + INT64_BYTES * (vd + v)  # lm_head[d2t] copy, d2t, t2d
     # the worker's TargetHead: its bf16 copy of the LM head and its target-logits buffer
-    frozen += (BF16_BYTES * v * h if cast else 0) + (BF16_BYTES if cast else f4) * chunk * v
+    copied = cast and frozen_bytes != BF16_BYTES  # a bf16 head is used as it is
+    frozen += ((BF16_BYTES * v * h if copied else 0)
+               + (BF16_BYTES if cast else frozen_bytes) * chunk * v)
 
     # ---- activations kept for backward
     # per block token and layer, first half: the input RMSNorm (fp32 input + normalised, 8H),

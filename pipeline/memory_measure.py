@@ -98,7 +98,8 @@ def measure_step_peak(model, samples: list[dict], tc, objective: str, weights, g
     tracker.track_external(model, *([optimizer] if optimizer is not None else []))
     sample_tensors = [t for s in samples for t in s.values() if isinstance(t, torch.Tensor)]
     tracker.track_external(*sample_tensors)
-    tracker.track_external(head.weight, head.buffer)  # counted below, with the frozen tensors
+    # counted below with the frozen tensors (a head used uncast is the model's own buffer)
+    tracker.track_external(*([head.weight] if head.copied else []), head.buffer)
     with tracker:
         out = step()
         forward_peak = _total(tracker.get_tracker_snapshot("peak"), device)

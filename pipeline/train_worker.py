@@ -123,7 +123,8 @@ def batch_losses(model, samples: list[dict], tc: TrainConfig, objective: str, we
 
     Target probabilities come from the cached O(H) ``last_hidden`` through the frozen LM head,
     only at supervised rows and one chunk of rows at a time (SPEC 3: never V-sized tensors on the
-    wire; no [rows, V] tensor lives longer than a chunk). ``head``: the worker's
+    wire; no [rows, V] tensor lives longer than a chunk, but for the head's one reused [chunk, V]
+    logits buffer). ``head``: the worker's
     :class:`TargetHead`, reused across calls (None: one for this call).
     """
     import torch

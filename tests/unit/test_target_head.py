@@ -9,8 +9,7 @@ import torch
 
 from pipeline.config import TrainConfig
 from pipeline.train_worker import TargetHead, batch_losses, target_head
-from tests.tiny import tiny_target
-from tests.unit.helpers import _drafter_config
+from tests.tiny import tiny_drafter, tiny_target
 
 LAYERS = (1, 3)
 
@@ -46,23 +45,34 @@ def _samples(target, n, seed):
     return out
 
 
-@pytest.mark.parametrize("precision", ["bf16", "fp32"])
-def test_a_reused_head_gives_the_losses_and_gradients_of_a_fresh_one(precision):
-    from drafters.loading import build_drafter
+class PerCallHead:
+    """The path before TargetHead: ``F.linear`` under the ambient autocast, a fresh tensor per
+    chunk (an independent reference: it shares no buffer with TargetHead)."""
 
+    def __init__(self, weight):
+        self.weight = weight
+
+    def logits(self, rows):
+        return torch.nn.functional.linear(rows.to(self.weight.dtype), self.weight)
+
+
+@pytest.mark.parametrize("draft_vocab", [None, list(range(2, 60))])
+@pytest.mark.parametrize("precision", ["bf16", "fp32"])
+def test_a_reused_head_gives_the_losses_and_gradients_of_the_per_call_path(precision,
+                                                                           draft_vocab):
+    """Several loss chunks per micro-batch (recomputed in backward) and micro-batches of
+    different sizes all go through one buffer: a chunk reading another chunk's logits, or a
+    recomputation reading a later call's, would change the losses or the gradients."""
     target = tiny_target()
-    torch.manual_seed(0)
-    cfg = _drafter_config(target, LAYERS, block_size=3, head_type="markov", rank=8)
-    drafter = build_drafter(cfg, target.get_input_embeddings().weight,
-                            target.get_output_embeddings().weight)
+    drafter = tiny_drafter(target, LAYERS, block_size=3, draft_vocab=draft_vocab).train()
     tc = TrainConfig(num_workers=1, micro_batch_size=2, global_batch_size=2, num_anchors=4,
-                     precision=precision)
-    objective, weights = cfg.spec.training_objective(cfg)
+                     precision=precision, loss_chunk_rows=5)
+    objective, weights = drafter.config.spec.training_objective(drafter.config)
     reused = target_head(drafter, tc)
-    for seed in (1, 2):  # two micro-batches of different sizes through the same buffer
+    for seed in (1, 2):
         samples = _samples(target, 2 + seed, seed)
         results = []
-        for head in (reused, None):
+        for head in (reused, PerCallHead(drafter.lm_head_weight)):
             gens = [torch.Generator().manual_seed(seed * 10 + i) for i in range(len(samples))]
             drafter.zero_grad()
             out = batch_losses(drafter, samples, tc, objective, weights, torch.device("cpu"),
@@ -73,3 +83,4 @@ def test_a_reused_head_gives_the_losses_and_gradients_of_a_fresh_one(precision):
         (loss_a, grads_a), (loss_b, grads_b) = results
         assert torch.equal(loss_a, loss_b) and grads_a
         assert all(torch.equal(a, b) for a, b in zip(grads_a, grads_b))
+    assert reused.buffer.shape[0] == 5  # one chunk's rows, reused by every chunk
