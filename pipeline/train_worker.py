@@ -69,8 +69,10 @@ class TargetHead:
     casts a weight that needs no grad anew on every call (its cast cache keeps only leaf tensors
     that require grad), and each chunk's logits were a fresh [~880, 49,152] bf16 tensor (~86 MB);
     glibc serves blocks that large with mmap and unmaps them on free, so every micro-batch
-    page-faulted ~150 MB in again (measured on the reference run: ~35 k minor faults/s, 15 % of a
-    worker's time in the kernel). Results are identical (same product in the same dtype).
+    page-faulted them in again. This is a part of the reference run's page faults, not most of
+    them (a smoke run of ``benchmarks/train_throughput.py``: 88 k -> 77 k minor faults a step; the
+    rest come from glibc trimming the training thread's arena). Results are identical (same
+    product in the same dtype).
 
     Args:
         weight: the LM head [V, H] (frozen; cast once here).
