@@ -27,5 +27,6 @@ def test_points_and_the_all_point_guards():
     with pytest.raises(ValueError, match="eval_every"):
         check_base_run(quiet, [])
     note = all_point_note({"all_from_run": True, "base_train": base.train.model_dump()})
-    assert "every 250 steps" in note and "at most 6000 steps" in note
+    assert f"every {base.train.eval_every} steps" in note
+    assert f"at most {base.train.max_steps} steps" in note
     assert all_point_note({"all_from_run": False}) == ""
