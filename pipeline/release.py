@@ -52,6 +52,13 @@ def _read_json(path: Path) -> dict:
         raise ReleaseError(f"{path}: unreadable ({type(err).__name__}: {err})") from err
 
 
+def _display_path(path: Path) -> str:
+    """``path`` relative to the checkout when it lies inside it (a shipped release then names
+    ``runs/...``, not the packaging machine's absolute path)."""
+    root = Path(__file__).resolve().parents[1]
+    return str(path.relative_to(root)) if path.is_relative_to(root) else str(path)
+
+
 def _require_stage(run_dir: Path, name: str) -> dict:
     marker = run_dir / name / "_SUCCESS.json"
     if not marker.is_file():
@@ -228,7 +235,7 @@ def release(run_dir: str | Path, out_dir: str | Path, dtype: str = "bfloat16",
             fh.write(log_text)
         train_split = summary["splits"].get("train", {})
         info = {
-            "source_run": str(run_dir),
+            "source_run": _display_path(run_dir),
             "packaged_at_commit": _git_commit(),
             "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
             "dtype": dtype,

@@ -89,5 +89,6 @@ def test_greedy_fp32_output_is_the_targets_and_drafts_are_accepted(reference_mod
     assert speculative.tokens == target_alone.tokens
     # tokens committed per round after the prefill's first token: accepted drafts + the anchor
     tau = sum(r.committed for r in speculative.rounds) / len(speculative.rounds)
-    # the quickstart's drafter reaches ~1.8 greedy; an untrained one ~1.0
-    assert tau >= 2.0, f"tau {tau:.2f} over {len(speculative.rounds)} rounds"
+    # the shipped drafter: 1.91 (the GSM8K question) and 3.00 (Fibonacci) here; a drafter that
+    # does not match its target (wrong layers, wrong vocabulary map) or an untrained one: ~1.0
+    assert tau >= 1.6, f"tau {tau:.2f} over {len(speculative.rounds)} rounds"
