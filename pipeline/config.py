@@ -323,6 +323,11 @@ class EvalConfig(Strict):
                                          "hardware (bf16 on the project's CPU: "
                                          "benchmarks/results/spec_vs_target.md).")
     max_new_tokens: int = Field(2048, ge=1)
+    fixed_gamma_pass: bool = Field(
+        True, description="When the engine's scheduler is not `fixed`, also decode every prompt "
+        "verifying the drafter's whole gamma-token block each round (no baseline): the drafter's "
+        "own tau, the convention of the paper's Table 1 (SPEC 7), which a confidence scheduler's "
+        "shorter verified drafts understate. Adds ~half the speculative decoding time.")
     shuffle_seed: int = 980406
     num_threads: int | None = Field(None, ge=1)
     cpus: float = Field(1.0, gt=0)

@@ -159,7 +159,8 @@ def evaluate(*, target: str, dtype: str, drafter_dir: str, template_kwargs: dict
              datasets: dict[str, list[str]], temperatures: list[float], max_new_tokens: int,
              num_threads: int | None, seed: int, progress: bool = True,
              speed_baseline: bool = True, baseline_dtype: str = "bfloat16",
-             engine=None, storage_options: dict | None = None) -> dict:
+             engine=None, storage_options: dict | None = None,
+             fixed_gamma_pass: bool = False) -> dict:
     """Run the evaluation in this process (the pipeline runs it inside a Ray task).
 
     Args:
@@ -168,11 +169,15 @@ def evaluate(*, target: str, dtype: str, drafter_dir: str, template_kwargs: dict
             speed-up (doubles the time).
         engine: ``serve.engine.config.EngineConfig`` of the speculative engine (its scheduler); None =
             fixed gamma-token verification.
+        fixed_gamma_pass: when the engine's scheduler is not fixed, decode every prompt again
+            verifying the whole gamma-token block each round, without prompt lookup or baseline
+            (the drafter's own tau at gamma, paper Table 1 / SPEC 7).
         drafter_dir: local directory or URL (``s3://``, read with ``storage_options``; fetched
             on the node this runs on).
     Returns:
         ``{"gamma", "drafter", "results": {dataset: {str(temperature): summary}},
-        "domains": {str(temperature): {domain: tau, "macro": tau}}, "sps_profile", ...}``
+        "domains": {str(temperature): {domain: tau, "macro": tau}}, "sps_profile",
+        "fixed_gamma": {"results": ..., "domains": ...} (with ``fixed_gamma_pass``), ...}``
         (``sps_profile``: the stored ``sps_profile.json`` payload, None when the scheduler
         profiled none).
     Raises:
@@ -232,6 +237,11 @@ def evaluate(*, target: str, dtype: str, drafter_dir: str, template_kwargs: dict
             results[name][str(temp)] = summarize(records, gamma,
                                                  drafter.config.calibration_temperatures)
     bar.close()
+    fixed = None
+    if fixed_gamma_pass and decoder.scheduler != "fixed":
+        fixed = _fixed_gamma_results(decoder, tokenizer, datasets, temperatures,
+                                     template_kwargs, max_new_tokens, seed, gamma,
+                                     drafter.config.calibration_temperatures, progress)
     # the SPS(B) profile the engine measured or reused, for the engine files the eval stage
     # writes (serve/engine/engine_files.py): read here because a remote drafter's local copy (where the
     # profile is stored) lives on this task's node only
@@ -243,7 +253,53 @@ def evaluate(*, target: str, dtype: str, drafter_dir: str, template_kwargs: dict
             "trainable_parameters": drafter.num_trainable_parameters(), "target": target,
             "dtype": dtype, "baseline": f"transformers generate ({baseline_dtype})"
             if speed_baseline else None, "max_new_tokens": max_new_tokens, "results": results,
-            "domains": {str(t): domain_summary(results, str(t)) for t in temperatures}}
+            "domains": {str(t): domain_summary(results, str(t)) for t in temperatures},
+            **({"fixed_gamma": {"results": fixed, "domains": {
+                str(t): domain_summary(fixed, str(t)) for t in temperatures}}} if fixed else {})}
+
+
+def _fixed_gamma_results(decoder, tokenizer, datasets: dict[str, list[str]],
+                         temperatures: list[float], template_kwargs: dict, max_new_tokens: int,
+                         seed: int, gamma: int, sts_temperatures: list[float] | None,
+                         progress: bool) -> dict:
+    """``{dataset: {str(temperature): summary}}`` of ``decoder`` verifying ``gamma`` draft
+    tokens every round (its fixed engine) on the same prompts and request seeds as the main pass:
+    tau, acceptance and calibration over full-block rounds, no speed baseline."""
+    from tqdm import tqdm
+
+    from serve.engine.chat import render_prompt_ids
+
+    results: dict[str, dict] = {}
+    total = sum(len(p) for p in datasets.values()) * len(temperatures)
+    bar = tqdm(total=total, desc="eval (fixed gamma)", unit="prompt", mininterval=5,
+               disable=not progress)
+    for name, prompts in datasets.items():
+        results[name] = {}
+        for temp in temperatures:
+            records = []
+            for i, text in enumerate(prompts):
+                ids = render_prompt_ids(tokenizer, [{"role": "user", "content": text}],
+                                        template_kwargs)
+                spec = decoder.generate(ids, max_new_tokens, temp, seed + i,
+                                        num_draft_tokens=gamma)
+                records.append({"spec_tokens": len(spec.tokens), "spec_s": spec.total_s,
+                                "base_tokens": 0, "base_s": 0.0, "spec_rounds": spec.rounds})
+                bar.update(1)
+            results[name][str(temp)] = summarize(records, gamma, sts_temperatures)
+    bar.close()
+    return results
+
+
+def _domain_table(domains: dict) -> list[str]:
+    """Markdown rows: mean tau per domain and the macro average, one row per temperature."""
+    names = sorted({d for by_d in domains.values() for d in by_d if d != "macro"})
+    lines = ["| temperature | " + " | ".join(names) + " | macro |",
+             "|---|" + "---|" * (len(names) + 1)]
+    for temp, by_d in domains.items():
+        lines.append(f"| {temp} | " + " | ".join(
+            f"{by_d[d]:.2f}" if d in by_d else "-" for d in names) +
+            f" | {by_d.get('macro', 0.0):.2f} |")
+    return lines
 
 
 def _cells_with(report: dict, key: str) -> list[tuple[str, str, object]]:
@@ -295,14 +351,24 @@ def render_report_md(report: dict) -> str:
                                                 s.get("reached_per_position"))) + " |")
     domains = report.get("domains", {})
     if domains:
-        names = sorted({d for by_d in domains.values() for d in by_d if d != "macro"})
-        lines += ["", "Mean tau per domain (mean over the domain's datasets) and macro average:", "",
-                  "| temperature | " + " | ".join(names) + " | macro |",
-                  "|---|" + "---|" * (len(names) + 1)]
-        for temp, by_d in domains.items():
-            lines.append(f"| {temp} | " + " | ".join(
-                f"{by_d[d]:.2f}" if d in by_d else "-" for d in names) +
-                f" | {by_d.get('macro', 0.0):.2f} |")
+        lines += ["", "Mean tau per domain (mean over the domain's datasets) and macro average:", ""]
+        lines += _domain_table(domains)
+    fixed = report.get("fixed_gamma")
+    if fixed:
+        lines += ["", f"The drafter at fixed gamma = {gamma} (the same prompts and seeds, every "
+                  "round verifying the whole block, no prompt lookup: the drafter's own tau, the "
+                  "convention of the paper's Table 1):", "",
+                  "| dataset | temperature | rounds | tau | accept_rate@1..k | conditional "
+                  "acceptance k=1..k |", "|---|---|---|---|---|---|"]
+        for name, by_temp in fixed["results"].items():
+            for temp, s in by_temp.items():
+                rates = " / ".join(_rate_cells(s["accept_rate"], s.get("verified_per_position")))
+                cond = " / ".join(_rate_cells(s["conditional_acceptance"],
+                                              s.get("reached_per_position")))
+                lines.append(f"| {name} | {temp} | {s['rounds']} | {s['tau']:.2f} | {rates} | "
+                             f"{cond} |")
+        lines += ["", f"Mean tau per domain at fixed gamma = {gamma} and macro average:", ""]
+        lines += _domain_table(fixed["domains"])
     cal_rows = _cells_with(report, "calibration")
     if cal_rows:
         lines += ["", "Calibration of the prefix survival a_k on these rounds (ECE, 20 bins; 'after' "

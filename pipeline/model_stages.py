@@ -147,7 +147,8 @@ def stage_eval(ctx: StageContext) -> dict:
         temperatures=e.temperatures, max_new_tokens=e.max_new_tokens,
         num_threads=e.num_threads, seed=ctx.cfg.seed, speed_baseline=e.speed_baseline,
         baseline_dtype=e.baseline_dtype or e.dtype,
-        engine=ctx.cfg.engine.model_copy(update={"max_num_requests": 1})))
+        engine=ctx.cfg.engine.model_copy(update={"max_num_requests": 1}),
+        fixed_gamma_pass=e.fixed_gamma_pass))
     out = ctx.stage_dir("eval")
     engine_files = export_engine_files(ctx, report.pop("sps_profile", None), out / "engine_files")
     (out / "report.json").write_text(json.dumps(report, indent=1))
@@ -167,6 +168,8 @@ def stage_eval(ctx: StageContext) -> dict:
         log_evaluation(run, report, out)
         run.finish()
     return {"domains": report["domains"], "engine_files": engine_files,
+            **({"fixed_gamma_domains": report["fixed_gamma"]["domains"]}
+               if "fixed_gamma" in report else {}),
             **{name: {t: {"tau": round(s["tau"], 3),
                           "speedup": None if s["speedup"] is None else round(s["speedup"], 3)}
                       for t, s in by_t.items()} for name, by_t in report["results"].items()}}

@@ -133,6 +133,8 @@ def _git_commit() -> str | None:
 def _model_card(name: str, info: dict, config: dict, eval_report: dict) -> str:
     heldout = info["heldout"]
     macro = {t: d.get("macro") for t, d in eval_report.get("domains", {}).items()}
+    fixed = {t: d.get("macro")
+             for t, d in eval_report.get("fixed_gamma", {}).get("domains", {}).items()}
     lines = [
         f"# {name}",
         "",
@@ -151,7 +153,10 @@ def _model_card(name: str, info: dict, config: dict, eval_report: dict) -> str:
          if heldout else "- no held-out evaluation during training (`train.eval_every` unset)"),
         "- end-to-end macro tau on the eval stage's benchmark sets, by temperature: "
         + ", ".join(f"T={t}: {v:.2f}" for t, v in macro.items() if v is not None)
-        + " (`eval_report.md`)",
+        + f" with the {eval_report.get('scheduler', 'fixed')} scheduler"
+        + ("; verifying the whole block every round (fixed gamma, the paper's Table 1 "
+           "convention): " + ", ".join(f"T={t}: {v:.2f}" for t, v in fixed.items() if v is not None)
+           if fixed else "") + " (`eval_report.md`)",
         "- calibration temperatures (STS): "
         + (", ".join(f"{t:.3g}" for t in config["calibration_temperatures"])
            if config.get("calibration_temperatures") else "identity") + " (`calibration.json`)",
@@ -246,6 +251,10 @@ def release(run_dir: str | Path, out_dir: str | Path, dtype: str = "bfloat16",
             "steps": log_rows[-1]["step"] if log_rows else 0,
             "heldout": last_heldout_evaluation(log_rows),
             "eval_macro_tau": {t: d.get("macro") for t, d in eval_report.get("domains", {}).items()},
+            "eval_scheduler": eval_report.get("scheduler", "fixed"),
+            "eval_macro_tau_fixed_gamma": {
+                t: d.get("macro")
+                for t, d in eval_report.get("fixed_gamma", {}).get("domains", {}).items()},
         }
         (tmp / "release.json").write_text(json.dumps(info, indent=1) + "\n")
         config = _read_json(source / "config.json")

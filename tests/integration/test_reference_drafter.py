@@ -19,10 +19,6 @@ ROOT = Path(__file__).resolve().parents[2]
 REFERENCE = ROOT / "infra" / "drafters" / "smollm2_reference"
 # written beside a served drafter by the engine on this machine (git-ignored), not shipped
 ENGINE_PROFILES = {"sps_profile.json", "draft_cost_profile.json"}
-# The release is committed once the reference run has finished (issue 21); until then there is
-# nothing to check.
-pytestmark = pytest.mark.skipif(not REFERENCE.is_dir(),
-                                reason="infra/drafters/smollm2_reference is not shipped yet")
 
 
 def _release() -> dict:
@@ -71,11 +67,14 @@ def reference_models(smollm2_dir):
     return load_models(str(smollm2_dir), "float32", str(REFERENCE), device="cpu")
 
 
-@pytest.mark.parametrize("question", [
+QUESTIONS = [
     "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in "
     "May. How many clips did Natalia sell altogether in April and May?",
     "Write a Python function that returns the n-th Fibonacci number.",
-])
+]
+
+
+@pytest.mark.parametrize("question", QUESTIONS)
 def test_greedy_fp32_output_is_the_targets_and_drafts_are_accepted(reference_models, question):
     from serve.engine.chat import render_prompt_ids
     from serve.engine.decoding import SpeculativeDecoder
@@ -92,3 +91,34 @@ def test_greedy_fp32_output_is_the_targets_and_drafts_are_accepted(reference_mod
     # the shipped drafter: 1.91 (the GSM8K question) and 3.00 (Fibonacci) here; a drafter that
     # does not match its target (wrong layers, wrong vocabulary map) or an untrained one: ~1.0
     assert tau >= 1.6, f"tau {tau:.2f} over {len(speculative.rounds)} rounds"
+
+
+def test_eval_reports_the_drafters_own_tau_beside_the_schedulers(smollm2_dir):
+    """With a confidence scheduler the eval stage also decodes at fixed gamma (the paper's Table 1
+    convention): those rounds verify the whole block, the scheduler's verify shorter drafts."""
+    from pipeline.evaluate import evaluate, render_report_md
+    from serve.engine.config import EngineConfig
+
+    prompts = {"gsm8k": [QUESTIONS[0]], "humaneval": [QUESTIONS[1]]}
+    kwargs = dict(target=str(smollm2_dir), dtype="float32", drafter_dir=str(REFERENCE),
+                  template_kwargs={"enable_thinking": False}, datasets=prompts,
+                  temperatures=[0.0], max_new_tokens=48, num_threads=None, seed=0,
+                  progress=False, speed_baseline=False, fixed_gamma_pass=True)
+    report = evaluate(engine=EngineConfig(scheduler="static_threshold", threshold=0.5), **kwargs)
+    gamma = report["gamma"]
+    fixed = report["fixed_gamma"]
+    for name in prompts:
+        full, scheduled = fixed["results"][name]["0.0"], report["results"][name]["0.0"]
+        # every fixed round verifies gamma drafts except those the token budget cuts short: they
+        # start within the last gamma tokens and each commits at least one, so at most gamma
+        assert full["verified_per_position"][gamma - 1] >= max(1, full["rounds"] - gamma)
+        assert sum(scheduled["verified_per_position"]) < sum(full["verified_per_position"])
+    taus = {d: fixed["results"][n]["0.0"]["tau"] for n, d in (("gsm8k", "math"),
+                                                               ("humaneval", "code"))}
+    assert fixed["domains"]["0.0"]["macro"] == pytest.approx(sum(taus.values()) / 2)
+    md = render_report_md(report)
+    assert f"The drafter at fixed gamma = {gamma}" in md
+    assert f"| 0.0 | {taus['code']:.2f} | {taus['math']:.2f} |" in md
+    # a fixed scheduler already is the drafter's own tau: no second pass
+    plain = evaluate(engine=None, **dict(kwargs, max_new_tokens=4))
+    assert "fixed_gamma" not in plain and plain["scheduler"] == "fixed"

@@ -36,7 +36,8 @@ def finished_run(tmp_path):
     (run / "eval" / "_SUCCESS.json").write_text(json.dumps({"config_fingerprint": fingerprint}))
     (run / "eval" / "report.md").write_text("# Evaluation\n")
     (run / "eval" / "report.json").write_text(json.dumps(
-        {"domains": {"0.0": {"macro": 2.6}, "1.0": {"macro": 2.1}}}))
+        {"domains": {"0.0": {"macro": 2.6}, "1.0": {"macro": 2.1}}, "scheduler": "dspark",
+         "fixed_gamma": {"domains": {"0.0": {"macro": 2.9}, "1.0": {"macro": 2.3}}}}))
     (run / "cache").mkdir()
     (run / "cache" / "manifest.json").write_text(json.dumps(
         {"format": "dspark-target-cache/v1", "layer_ids": [1, 3],
@@ -66,13 +67,16 @@ def test_release_is_bf16_and_loads_to_the_same_drafter(finished_run, tmp_path):
         v.numel() for v in drafter.state_dict().values() if v.is_floating_point())
     assert info["heldout"] == {"step": 2, "tau": 1.2, "accept_rate@1": 0.2}
     assert info["eval_macro_tau"] == {"0.0": 2.6, "1.0": 2.1}
+    assert info["eval_scheduler"] == "dspark"
+    assert info["eval_macro_tau_fixed_gamma"] == {"0.0": 2.9, "1.0": 2.3}
     assert json.loads((out / "release.json").read_text()) == info
     with gzip.open(out / "training_log.jsonl.gz", "rt") as fh:
         assert [json.loads(line) for line in fh] == LOG
     summary = json.loads((out / "cache_summary.json").read_text())
     assert summary["splits"] == {"train": {"rows": 4, "tokens": 100, "supervised_tokens": 60}}
     card = (out / "README.md").read_text()
-    assert "accept_rate@1 0.200, tau 1.20" in card and "T=0.0: 2.60" in card
+    assert "accept_rate@1 0.200, tau 1.20" in card and "T=0.0: 2.60, T=1.0: 2.10 with the dspark scheduler" in card
+    assert "(fixed gamma, the paper's Table 1 convention): T=0.0: 2.90, T=1.0: 2.30" in card
 
 
 def test_release_refuses_unfinished_runs_oversize_and_overwrites(finished_run, tmp_path):
