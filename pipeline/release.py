@@ -236,8 +236,8 @@ def release(run_dir: str | Path, out_dir: str | Path, dtype: str = "bfloat16",
         (tmp / "calibration.json").write_text(json.dumps(calibration, indent=1) + "\n")
         summary = cache_summary(manifest)
         (tmp / "cache_summary.json").write_text(json.dumps(summary, indent=1) + "\n")
-        with gzip.open(tmp / "training_log.jsonl.gz", "wt") as fh:
-            fh.write(log_text)
+        # mtime 0: the same log gives the same bytes, so a re-release adds no new blob to git
+        (tmp / "training_log.jsonl.gz").write_bytes(gzip.compress(log_text.encode(), mtime=0))
         train_split = summary["splits"].get("train", {})
         info = {
             "source_run": _display_path(run_dir),

@@ -2,6 +2,7 @@
 
 import gzip
 import json
+import time
 
 import pytest
 import torch
@@ -93,6 +94,10 @@ def test_release_refuses_unfinished_runs_oversize_and_overwrites(finished_run, t
     assert sorted(p.name for p in tmp_path.iterdir()) == ["release", "run"]  # no leftovers
     release(run, out, force=True)  # --force replaces it whole
     assert not (out / "keep.txt").exists() and (out / "release.json").is_file()
+    log = (out / "training_log.jsonl.gz").read_bytes()
+    time.sleep(1.1)  # gzip stamps whole seconds: a later second must not change the bytes
+    release(run, out, force=True)  # a re-release of the same run writes the same bytes
+    assert (out / "training_log.jsonl.gz").read_bytes() == log
     assert sorted(p.name for p in tmp_path.iterdir()) == ["release", "run"]
     for inside in (run, run / "calibrate", run / "calibrate" / "drafter", tmp_path):
         with pytest.raises(ReleaseError, match="overlaps the run directory"):
