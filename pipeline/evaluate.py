@@ -184,10 +184,8 @@ def evaluate(*, target: str, dtype: str, drafter_dir: str, template_kwargs: dict
         FileNotFoundError / ValueError: missing drafter, or one trained for another target.
     """
     import torch
-    from tqdm import tqdm
 
     from serve.engine.builder import load_models
-    from serve.engine.chat import render_prompt_ids
     from serve.engine.decoding import SpeculativeDecoder
     from serve.engine.profiling import PROFILE_NAME
     from serve.engine.target_loading import load_target
@@ -204,39 +202,30 @@ def evaluate(*, target: str, dtype: str, drafter_dir: str, template_kwargs: dict
              else load_target(target, baseline_dtype).to(model.device)) if speed_baseline else None
     pad = tokenizer.pad_token_id
     gamma = drafter.config.block_size
-    results: dict[str, dict] = {}
-    total = sum(len(p) for p in datasets.values()) * len(temperatures)
-    bar = tqdm(total=total, desc="eval", unit="prompt", mininterval=5, disable=not progress)
-    for name, prompts in datasets.items():
-        results[name] = {}
-        for temp in temperatures:
-            records = []
-            for i, text in enumerate(prompts):
-                ids = render_prompt_ids(tokenizer, [{"role": "user", "content": text}],
-                                        template_kwargs)
-                req_seed = seed + i
-                order = ("base", "spec") if i % 2 == 0 else ("spec", "base")
-                if not speed_baseline:
-                    order = ("spec",)
-                outs = {}
-                for kind in order:
-                    outs[kind] = (hf_generate(plain, ids, max_new_tokens, temp, req_seed, eos, pad)
-                                  if kind == "base" else
-                                  decoder.generate(ids, max_new_tokens, temp, req_seed))
-                spec, base = outs["spec"], outs.get("base")
-                same_dtype = baseline_dtype == dtype
-                records.append({
-                    "spec_tokens": len(spec.tokens), "spec_s": spec.total_s,
-                    "base_tokens": len(base.tokens) if base else 0,
-                    "base_s": base.seconds if base else 0.0,
-                    "spec_rounds": spec.rounds,
-                    "identical": (spec.tokens == base.tokens)
-                    if temp <= 0 and base and same_dtype else None,
-                })
-                bar.update(1)
-            results[name][str(temp)] = summarize(records, gamma,
-                                                 drafter.config.calibration_temperatures)
-    bar.close()
+    cells: dict[tuple[str, float], list[dict]] = {}
+    for name, temp, i, ids in _rendered_prompts(tokenizer, datasets, temperatures,
+                                                template_kwargs, "eval", progress):
+        req_seed = seed + i
+        order = ("base", "spec") if i % 2 == 0 else ("spec", "base")
+        if not speed_baseline:
+            order = ("spec",)
+        outs = {}
+        for kind in order:
+            outs[kind] = (hf_generate(plain, ids, max_new_tokens, temp, req_seed, eos, pad)
+                          if kind == "base" else
+                          decoder.generate(ids, max_new_tokens, temp, req_seed))
+        spec, base = outs["spec"], outs.get("base")
+        same_dtype = baseline_dtype == dtype
+        cells.setdefault((name, temp), []).append({
+            "spec_tokens": len(spec.tokens), "spec_s": spec.total_s,
+            "base_tokens": len(base.tokens) if base else 0,
+            "base_s": base.seconds if base else 0.0,
+            "spec_rounds": spec.rounds,
+            "identical": (spec.tokens == base.tokens)
+            if temp <= 0 and base and same_dtype else None,
+        })
+    results = _summaries(cells, datasets, temperatures, gamma,
+                         drafter.config.calibration_temperatures)
     fixed = None
     if fixed_gamma_pass and decoder.scheduler != "fixed":
         fixed = _fixed_gamma_results(decoder, tokenizer, datasets, temperatures,
@@ -258,6 +247,33 @@ def evaluate(*, target: str, dtype: str, drafter_dir: str, template_kwargs: dict
                 str(t): domain_summary(fixed, str(t)) for t in temperatures}}} if fixed else {})}
 
 
+def _rendered_prompts(tokenizer, datasets: dict[str, list[str]], temperatures: list[float],
+                      template_kwargs: dict, desc: str, progress: bool):
+    """Yield ``(dataset, temperature, prompt index, prompt ids)`` for every prompt at every
+    temperature, in the eval's order, with a progress bar."""
+    from tqdm import tqdm
+
+    from serve.engine.chat import render_prompt_ids
+
+    total = sum(len(p) for p in datasets.values()) * len(temperatures)
+    bar = tqdm(total=total, desc=desc, unit="prompt", mininterval=5, disable=not progress)
+    for name, prompts in datasets.items():
+        for temp in temperatures:
+            for i, text in enumerate(prompts):
+                yield name, temp, i, render_prompt_ids(
+                    tokenizer, [{"role": "user", "content": text}], template_kwargs)
+                bar.update(1)
+    bar.close()
+
+
+def _summaries(cells: dict, datasets: dict, temperatures: list[float], gamma: int,
+               sts_temperatures: list[float] | None) -> dict:
+    """``{dataset: {str(temperature): summarize(records)}}`` of ``{(dataset, temperature):
+    records}``."""
+    return {name: {str(t): summarize(cells[(name, t)], gamma, sts_temperatures)
+                   for t in temperatures} for name in datasets}
+
+
 def _fixed_gamma_results(decoder, tokenizer, datasets: dict[str, list[str]],
                          temperatures: list[float], template_kwargs: dict, max_new_tokens: int,
                          seed: int, gamma: int, sts_temperatures: list[float] | None,
@@ -265,29 +281,14 @@ def _fixed_gamma_results(decoder, tokenizer, datasets: dict[str, list[str]],
     """``{dataset: {str(temperature): summary}}`` of ``decoder`` verifying ``gamma`` draft
     tokens every round (its fixed engine) on the same prompts and request seeds as the main pass:
     tau, acceptance and calibration over full-block rounds, no speed baseline."""
-    from tqdm import tqdm
-
-    from serve.engine.chat import render_prompt_ids
-
-    results: dict[str, dict] = {}
-    total = sum(len(p) for p in datasets.values()) * len(temperatures)
-    bar = tqdm(total=total, desc="eval (fixed gamma)", unit="prompt", mininterval=5,
-               disable=not progress)
-    for name, prompts in datasets.items():
-        results[name] = {}
-        for temp in temperatures:
-            records = []
-            for i, text in enumerate(prompts):
-                ids = render_prompt_ids(tokenizer, [{"role": "user", "content": text}],
-                                        template_kwargs)
-                spec = decoder.generate(ids, max_new_tokens, temp, seed + i,
-                                        num_draft_tokens=gamma)
-                records.append({"spec_tokens": len(spec.tokens), "spec_s": spec.total_s,
-                                "base_tokens": 0, "base_s": 0.0, "spec_rounds": spec.rounds})
-                bar.update(1)
-            results[name][str(temp)] = summarize(records, gamma, sts_temperatures)
-    bar.close()
-    return results
+    cells: dict[tuple[str, float], list[dict]] = {}
+    for name, temp, i, ids in _rendered_prompts(tokenizer, datasets, temperatures,
+                                                template_kwargs, "eval (fixed gamma)", progress):
+        spec = decoder.generate(ids, max_new_tokens, temp, seed + i, num_draft_tokens=gamma)
+        cells.setdefault((name, temp), []).append(
+            {"spec_tokens": len(spec.tokens), "spec_s": spec.total_s, "base_tokens": 0,
+             "base_s": 0.0, "spec_rounds": spec.rounds})
+    return _summaries(cells, datasets, temperatures, gamma, sts_temperatures)
 
 
 def _domain_table(domains: dict) -> list[str]:
