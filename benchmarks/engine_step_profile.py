@@ -31,14 +31,17 @@ os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "64")
 
 from benchmarks.serve_load import load_prompts  # noqa: E402
 
-# (label, qualified function whose cumulative time is the part); the step itself is SpecEngine.step
+# (label, module file, function) whose cumulative time is the part; the step itself is STEP
+# (serve.engine.core.SpecEngine.step). A name that no longer exists fails the run (LookupError)
+# instead of reading as a part that costs nothing.
+STEP = ("core.py", "step")
 PARTS = [
     ("target forward", "target_runner.py", "forward_batch"),
-    ("drafter (context + block)", "engine.py", "_propose"),
-    ("goodput planner", "engine.py", "_plan"),
-    ("length scheduler", "engine.py", "_schedule"),
-    ("verify + commit", "engine.py", "_finish_round"),
-    ("pending context append", "engine.py", "_add_pending"),
+    ("drafter (context + block)", "core.py", "_propose"),
+    ("goodput planner", "step_plan.py", "plan"),
+    ("length scheduler", "step_plan.py", "schedule"),
+    ("verify + commit", "core.py", "_verify_and_commit"),
+    ("pending context append", "drafting.py", "add_pending"),
 ]
 
 
@@ -71,7 +74,7 @@ def run_arm(models, scheduler: str, prompts: list[str], args) -> dict:
         engine.add_request(EngineRequest(f"r{added}", ids[:256], SamplingParams(
             max_tokens=args.request_tokens or args.warmup + args.steps + 64,
             temperature=args.temperature,
-            seed=added, ignore_eos=True)))
+            seed=added if args.seeded else None, ignore_eos=True)))
         added += 1
 
     def step() -> int:
@@ -96,7 +99,9 @@ def run_arm(models, scheduler: str, prompts: list[str], args) -> dict:
     prof.disable()
     wall = time.perf_counter() - start
     stats = pstats.Stats(prof)
-    step_total = cumulative(stats, "engine.py", "step")
+    step_total = cumulative(stats, *STEP)
+    if not step_total:
+        raise LookupError(f"no {STEP} in the profile: update STEP / PARTS")
     parts = {label: cumulative(stats, f, fn) / args.steps * 1e3 for label, f, fn in PARTS}
     return {"policy": scheduler, "ms_per_step": wall / args.steps * 1e3,
             "tokens_per_s": tokens / wall, "tokens_per_step": tokens / args.steps,
@@ -115,6 +120,9 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--policies", default="none,dspark")
     ap.add_argument("--temperature", type=float, default=1.0, help="every request's (0 = greedy)")
+    ap.add_argument("--seeded", action=argparse.BooleanOptionalAction, default=True,
+                    help="seeded requests (with a drafter they sample load-invariantly: a Gumbel "
+                    "draw over the vocabulary per token); --no-seeded as serve_load's requests")
     ap.add_argument("--request-tokens", type=int, default=0, help="end each request after this "
                     "many tokens and admit the next prompt in its place (serving churn); 0 = "
                     "the same B requests throughout")
@@ -153,14 +161,15 @@ def main() -> int:
             "threads": torch.get_num_threads(), "target": args.target, "drafter": args.drafter,
             "dtype": args.dtype, "batch": args.batch, "steps": args.steps,
             "repeats": args.repeats, "request_tokens": args.request_tokens,
-            "temperature": args.temperature}
+            "temperature": args.temperature, "seeded": args.seeded}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps({"meta": meta, "summary": summary,
                                                     "rows": rows}, indent=1))
     base = summary[policies[0]]["tokens_per_s"]
-    lines = [f"# Engine step profile at {args.batch} requests, temperature {args.temperature:g} "
-             f"({meta['date']})", "",
+    kind = "seeded" if args.seeded else "unseeded"
+    lines = [f"# Engine step profile at {args.batch} requests, temperature "
+             f"{args.temperature:g}, {kind} requests ({meta['date']})", "",
              f"`{' '.join(sys.argv)}`; {args.steps} timed steps per arm after {args.warmup} "
              f"warm-up steps, {args.repeats} repeats, arms alternating; medians. Parts are "
              "cProfile cumulative times (profiling inflates Python-heavy parts alike in both "
