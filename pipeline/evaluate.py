@@ -270,7 +270,7 @@ def _summaries(cells: dict, datasets: dict, temperatures: list[float], gamma: in
                sts_temperatures: list[float] | None) -> dict:
     """``{dataset: {str(temperature): summarize(records)}}`` of ``{(dataset, temperature):
     records}``."""
-    return {name: {str(t): summarize(cells[(name, t)], gamma, sts_temperatures)
+    return {name: {str(t): summarize(cells.get((name, t), []), gamma, sts_temperatures)
                    for t in temperatures} for name in datasets}
 
 

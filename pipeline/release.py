@@ -130,11 +130,14 @@ def _git_commit() -> str | None:
     return out.stdout.strip() or None
 
 
-def _model_card(name: str, info: dict, config: dict, eval_report: dict) -> str:
+def _macro_taus(report: dict) -> dict:
+    """{temperature: macro tau} of an eval report's (or its fixed-gamma pass's) ``domains``."""
+    return {t: d.get("macro") for t, d in report.get("domains", {}).items()}
+
+
+def _model_card(name: str, info: dict, config: dict) -> str:
     heldout = info["heldout"]
-    macro = {t: d.get("macro") for t, d in eval_report.get("domains", {}).items()}
-    fixed = {t: d.get("macro")
-             for t, d in eval_report.get("fixed_gamma", {}).get("domains", {}).items()}
+    macro, fixed = info["eval_macro_tau"], info["eval_macro_tau_fixed_gamma"]
     lines = [
         f"# {name}",
         "",
@@ -153,7 +156,7 @@ def _model_card(name: str, info: dict, config: dict, eval_report: dict) -> str:
          if heldout else "- no held-out evaluation during training (`train.eval_every` unset)"),
         "- end-to-end macro tau on the eval stage's benchmark sets, by temperature: "
         + ", ".join(f"T={t}: {v:.2f}" for t, v in macro.items() if v is not None)
-        + f" with the {eval_report.get('scheduler', 'fixed')} scheduler"
+        + f" with the {info['eval_scheduler']} scheduler"
         + ("; verifying the whole block every round (fixed gamma, the paper's Table 1 "
            "convention): " + ", ".join(f"T={t}: {v:.2f}" for t, v in fixed.items() if v is not None)
            if fixed else "") + " (`eval_report.md`)",
@@ -250,15 +253,13 @@ def release(run_dir: str | Path, out_dir: str | Path, dtype: str = "bfloat16",
             "training_supervised_tokens": train_split.get("supervised_tokens", 0),
             "steps": log_rows[-1]["step"] if log_rows else 0,
             "heldout": last_heldout_evaluation(log_rows),
-            "eval_macro_tau": {t: d.get("macro") for t, d in eval_report.get("domains", {}).items()},
+            "eval_macro_tau": _macro_taus(eval_report),
             "eval_scheduler": eval_report.get("scheduler", "fixed"),
-            "eval_macro_tau_fixed_gamma": {
-                t: d.get("macro")
-                for t, d in eval_report.get("fixed_gamma", {}).get("domains", {}).items()},
+            "eval_macro_tau_fixed_gamma": _macro_taus(eval_report.get("fixed_gamma", {})),
         }
         (tmp / "release.json").write_text(json.dumps(info, indent=1) + "\n")
         config = _read_json(source / "config.json")
-        (tmp / "README.md").write_text(_model_card(out_dir.name, info, config, eval_report))
+        (tmp / "README.md").write_text(_model_card(out_dir.name, info, config))
         size_mb = sum(f.stat().st_size for f in tmp.iterdir()) / 1e6
         if max_mb is not None and size_mb > max_mb:
             raise ReleaseError(f"the release of {source} is {size_mb:.1f} MB, over --max-mb "
