@@ -29,7 +29,7 @@ sys.path.insert(0, str(ROOT))
 # as the CPU serve config sets it (infra/configs/serve_quickstart.yaml): bounded oneDNN kernel cache
 os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "64")
 
-from benchmarks.serve_load import load_prompts  # noqa: E402
+from benchmarks.serve_load import load_prompts, policy_engine  # noqa: E402
 
 # (label, module file, function) whose cumulative time is the part; the step itself is STEP
 # (serve.engine.core.SpecEngine.step). A name that no longer exists fails the run (LookupError)
@@ -61,7 +61,7 @@ def run_arm(models, scheduler: str, prompts: list[str], args) -> dict:
     from serve.engine.requests import EngineRequest, SamplingParams
 
     engine = build_engine(models, EngineConfig(
-        scheduler=scheduler, max_num_requests=args.batch, max_waiting=args.batch,
+        **policy_engine(scheduler), max_num_requests=args.batch, max_waiting=args.batch,
         kv_cache_memory_gib=1.0, max_model_len=1024),
         profile_dir=args.profile_dir or None)
     added = 0
@@ -118,7 +118,8 @@ def main() -> int:
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--policies", default="none,dspark")
+    ap.add_argument("--policies", default="none,dspark",
+                    help="comma-separated serve_load policies or variants (dspark-probe_budget=0)")
     ap.add_argument("--temperature", type=float, default=1.0, help="every request's (0 = greedy)")
     ap.add_argument("--seeded", action=argparse.BooleanOptionalAction, default=True,
                     help="seeded requests (with a drafter they sample load-invariantly: a Gumbel "

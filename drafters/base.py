@@ -28,6 +28,34 @@ if TYPE_CHECKING:
 WEIGHTS_NAME = "model.safetensors"
 
 
+def row_pieces(n: int, small: int = 8) -> list[int]:
+    """Split ``n`` rows of an inference product into pieces of bounded shapes: powers of two
+    >= ``small``, largest first, then one remainder piece < ``small`` (150 -> [128, 16, 6]).
+
+    Why: on CPU every new row count of a bf16 matmul makes oneDNN build a kernel, which costs
+    ~4x the product itself (measured on the reference drafter's context extension: 45 against
+    11 us a position), and a served request's context backlog has a length seen for the first
+    time almost every call. With these pieces the row counts come from a set of ~15, so kernels
+    are built once, and a kernel cache capped for memory (``ONEDNN_PRIMITIVE_CACHE_CAPACITY``)
+    keeps them.
+
+    Args:
+        n: rows (>= 0).
+        small: pieces below this are not split further (one call, not several tiny ones).
+    Returns:
+        positive piece lengths summing to ``n`` (empty for 0).
+    """
+    pieces, size = [], 1 << max(n.bit_length() - 1, 0)
+    while n >= small and size >= small:
+        if n >= size:
+            pieces.append(size)
+            n -= size
+        size //= 2
+    if n:
+        pieces.append(n)
+    return pieces
+
+
 @dataclass
 class BlockProposal:
     """One drafted block.
@@ -192,6 +220,28 @@ class DrafterBase(nn.Module):
         cfg = self.config
         return pack_blocks(samples, num_anchors, cfg.block_size, generators,
                            min_anchor=cfg.spec.min_anchor)
+
+    @torch.no_grad()
+    def extend_context_batch(self, states: list, context_features: list[torch.Tensor],
+                             next_tokens: list[torch.Tensor]) -> None:
+        """Extend R requests' draft contexts by their committed positions (each from its state's
+        ``length`` on). This generic version calls ``extend_context`` per request, in
+        :func:`row_pieces` (the same context as one call: extension is causal); DSpark's packs
+        every request into one product.
+
+        Args:
+            states: R per-request draft states (``new_draft_state``).
+            context_features: R tensors [n_r, m*H_t], the target features of the new positions.
+            next_tokens: R int64 [n_r], the token after each new position.
+        """
+        for state, feats, tokens in zip(states, context_features, next_tokens):
+            done = 0
+            for n in row_pieces(feats.shape[0]):
+                start = state.length
+                self.extend_context(state, feats[None, done:done + n],
+                                    torch.arange(start, start + n, device=feats.device)[None],
+                                    tokens[None, done:done + n])
+                done += n
 
     @torch.no_grad()
     def propose_block_batch(self, states: list, anchor_tokens: torch.Tensor,

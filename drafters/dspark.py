@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .base import BlockProposal, DrafterBase
+from .base import BlockProposal, DrafterBase, row_pieces
 from .export.dspark import EXPORTERS
 from .heads import ConfidenceHead, MarkovHead, RNNHead
 from .layers import DrafterLayer, RMSNorm, RotaryEmbedding
@@ -223,6 +223,51 @@ class DSparkDrafter(DrafterBase):
             else:
                 cache.keys[i] = torch.cat((cache.keys[i], k), dim=2)
                 cache.values[i] = torch.cat((cache.values[i], v), dim=2)
+
+    @torch.no_grad()
+    def extend_context_batch(self, states: list[DraftContextCache],
+                             context_features: list[torch.Tensor],
+                             next_tokens: list[torch.Tensor]) -> None:
+        """Extend R requests' context caches in one packed pass: a position's context keys and
+        values depend on its own features and position only (no attention among context rows),
+        so every request's new rows go through the projections together, in
+        :func:`~drafters.base.row_pieces` of the packed rows (bounded matmul shapes), and are
+        split back per request. The caches end as R ``extend_context`` calls would leave them.
+
+        Args:
+            states: R caches (each of batch 1).
+            context_features: R tensors [n_r, m*H_t]; next_tokens: unused (the protocol's).
+        """
+        lengths = [f.shape[0] for f in context_features]
+        if not any(lengths):
+            return
+        dev = context_features[0].device
+        feats = torch.cat(context_features)  # [N, m*H_t]
+        positions = torch.cat([torch.arange(c.length, c.length + n, device=dev)
+                               for c, n in zip(states, lengths)])
+        keys: list[list[torch.Tensor]] = [[] for _ in self.layers]
+        values: list[list[torch.Tensor]] = [[] for _ in self.layers]
+        done = 0
+        for n in row_pieces(feats.shape[0]):
+            ctx = self.context_states(feats[None, done:done + n])
+            rope = self.rotary(positions[None, done:done + n], ctx.dtype)
+            for i, layer in enumerate(self.layers):
+                k, v = layer.self_attn.project_kv(ctx, *rope)  # [1, nkv, n, hd]
+                keys[i].append(k)
+                values[i].append(v)
+            done += n
+        for i in range(len(self.layers)):
+            k_rows = torch.cat(keys[i], dim=2).split(lengths, dim=2)
+            v_rows = torch.cat(values[i], dim=2).split(lengths, dim=2)
+            for cache, k, v in zip(states, k_rows, v_rows):
+                if not k.shape[2]:
+                    continue
+                if len(cache.keys) <= i:
+                    cache.keys.append(k.contiguous())
+                    cache.values.append(v.contiguous())
+                else:
+                    cache.keys[i] = torch.cat((cache.keys[i], k), dim=2)
+                    cache.values[i] = torch.cat((cache.values[i], v), dim=2)
 
     @torch.no_grad()
     def block_hidden(self, cache: DraftContextCache, anchor_tokens: torch.Tensor,

@@ -59,6 +59,12 @@ class EngineConfig(BaseModel):
                                 "average (predicted from the profiles); due probes beyond it "
                                 "wait and are drafted together once it allows (under load they "
                                 "batch instead of taxing every step); 0 = no probes unless free.")
+    probe_alpha: float = Field(0.8, gt=0.0, le=1.0, description="goodput planning: probes "
+                               "are drafted only in steps where a request accepting this share "
+                               "of its draft tokens would be drafted for (under load on a CPU "
+                               "even good drafts do not pay, so a probe's answer could not "
+                               "change the plan and it would only cost); 1.0 = whenever a "
+                               "perfect draft would pay.")
     prompt_lookup_max_ngram: int = Field(
         0, ge=0, le=16, description="goodput planning: also consider a prompt-lookup draft (the "
         "tokens that followed the latest earlier occurrence of the request's last n tokens, n "

@@ -210,7 +210,8 @@ class DraftPlan:
 
 def plan_drafts(options: list[RequestOptions], sps: SPSTable, draft_cost: DraftCostTable | None,
                 sampled: bool, max_batch_tokens: int | None = None,
-                probe_allowance_s: float = math.inf, min_gain: float = 0.0) -> DraftPlan:
+                probe_allowance_s: float = math.inf, min_gain: float = 0.0,
+                probe_alpha: float = 1.0) -> DraftPlan:
     """Choose, for every request, whether the drafter drafts for it and how many tokens, or
     whether it verifies its prompt-lookup draft, maximising the predicted goodput of the whole
     step.
@@ -225,8 +226,11 @@ def plan_drafts(options: list[RequestOptions], sps: SPSTable, draft_cost: DraftC
     4. A kept drafter row drafts l_r + 1 tokens (one beyond the prediction, so Algorithm 1 can
        verify deeper when this step's confidences are higher), capped at ``cap``; a probe drafts
        at least one.
-    5. The due probes are drafted (all together) when what they add to the drafter call's cost is
-       within ``probe_allowance_s``; otherwise none is, and they stay due.
+    5. The due probes are drafted (all together) when a request accepting ``probe_alpha`` of
+       its draft tokens would be kept at this step's batch (otherwise no probe result could
+       change the plan: under load on a CPU the verification a draft adds costs more than even
+       a well-predicted draft returns) and what they add to the drafter call's cost is within
+       ``probe_allowance_s``; otherwise none is, and they stay due.
 
     Args:
         options: one :class:`RequestOptions` per running request.
@@ -237,6 +241,9 @@ def plan_drafts(options: list[RequestOptions], sps: SPSTable, draft_cost: DraftC
         probe_allowance_s: seconds of drafter time the probes may add this step (the engine's
             probe budget); inf = probes are always drafted when due.
         min_gain: the relative goodput gain a plan that drafts must promise (0 = any gain).
+        probe_alpha: the per-token acceptance a probed request is credited with when asking
+            whether any probe result could pay this step (1.0 = probe whenever a perfect draft
+            would pay).
     Returns:
         a :class:`DraftPlan`.
     Source: DSpark paper section 3.2.2 (goodput tau * SPS(B)), extended with the drafting time.
@@ -301,6 +308,26 @@ def plan_drafts(options: list[RequestOptions], sps: SPSTable, draft_cost: DraftC
     plan.predicted_tps_without_drafter = value  # the last cut: nobody drafted
     kept_set = set(kept)
     probes = [i for i in probes if i not in kept_set]
+    if probes and draft_cost is not None:
+        # could a probe's answer matter now? Only if a request drafting at probe_alpha would be
+        # kept beside the plan's rows (its best length, the cheapest backlog among the probes)
+        longest = max(options[i].cap for i in probes)
+        backlog = min(draft_cost.backlog_seconds(options[i].pending) for i in probes)
+        could_pay = False
+        for l in range(1, longest + 1):
+            batch = n + look_len + len_suffix[cut] + l
+            if batch > sps.max_tokens:
+                break
+            cost = (draft_cost.seconds(m - cut + 1, max(drafted_suffix[cut], min(longest, l + 1)),
+                                       sampled) + backlog_suffix[cut] + backlog)
+            with_probe = ((n + look_tokens + gain_suffix[cut] + expected_accepted(probe_alpha, l))
+                          / (1.0 / sps.sps(batch) + cost))
+            if with_probe > best and with_probe >= (1.0 + min_gain) * value:
+                could_pay = True
+                break
+        if not could_pay:
+            probes = []  # they stay due: probed once the load makes a good draft pay again
+
     if probes and draft_cost is not None:
         def call_s(rows: list[int]) -> float:
             num_draft_tokens = max((min(options[i].cap, max(1, lengths[i] + 1)) for i in rows),

@@ -35,17 +35,22 @@ class Drafting:
         r.pending.features.append(features.to(device=self.device, dtype=self.dtype, copy=True))
         r.pending.tokens += next_tokens
 
-    def flush(self, r: RequestState) -> None:
-        """Extend the request's draft context with everything committed since its last draft."""
-        p = r.pending
-        if not p.features:
+    def flush(self, reqs: list[RequestState]) -> None:
+        """Extend the requests' draft contexts with everything each committed since its last
+        draft, in one batched drafter call (``extend_context_batch``)."""
+        reqs = [r for r in reqs if r.pending.features]
+        if not reqs:
             return
-        feats = torch.cat(p.features)[None]
-        n = feats.shape[1]
-        self.drafter.extend_context(r.draft_state, feats,
-                                    torch.arange(p.start, p.start + n, device=self.device)[None],
-                                    torch.tensor(p.tokens, device=self.device)[None])
-        r.pending = PendingContext()
+        for r in reqs:
+            if r.pending.start != r.draft_state.length:  # positions would be misplaced
+                raise RuntimeError(f"request {r.req.request_id}: pending context starts at "
+                                   f"{r.pending.start}, its draft context holds "
+                                   f"{r.draft_state.length} positions")
+        self.drafter.extend_context_batch(
+            [r.draft_state for r in reqs], [torch.cat(r.pending.features) for r in reqs],
+            [torch.tensor(r.pending.tokens, device=self.device) for r in reqs])
+        for r in reqs:
+            r.pending = PendingContext()
 
     def propose(self, rows: list[PlanRow],
                 noise: Callable[[RequestState], PositionNoise | None]) -> dict[int, Exception]:
@@ -102,8 +107,7 @@ class Drafting:
     def _call(self, reqs: list[RequestState], anchors, positions, num_draft_tokens: list[int],
               temps, gens, top_p):
         """One drafter call for ``reqs`` (their pending context extended first)."""
-        for r in reqs:
-            self.flush(r)
+        self.flush(reqs)
         if len(reqs) == 1:
             return self.drafter.propose_block(reqs[0].draft_state, anchors, positions,
                                               num_draft_tokens[0], temps, gens, top_p)

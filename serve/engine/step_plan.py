@@ -133,7 +133,8 @@ class StepPlanner:
         sampled = any(r.req.params.temperature > 0 for r in reqs)
         plan = plan_drafts(options, self.sps, self.draft_cost, sampled,
                            self.config.max_batch_tokens, probe_allowance_s=self.probe_credit,
-                           min_gain=self.config.min_draft_gain)
+                           min_gain=self.config.min_draft_gain,
+                           probe_alpha=self.config.probe_alpha)
         # the budget grows by its share of a target-only step of this batch (a prediction, so
         # the plan stays a function of the past only), up to one full-block call for everyone
         ceiling = (self.draft_cost.seconds(len(reqs), self.draft_cost.block_size, sampled)

@@ -157,3 +157,21 @@ def test_a_context_backlog_is_priced_into_drafting_and_probes():
     assert plan_drafts([RequestOptions(4, 0.6, pending=202)], FLAT, cost, False).sources == [None]
     with pytest.raises(ValueError, match="extend_s_per_position"):
         DraftCostTable((1,), ((0.1, 0.1),), ((0.1, 0.1),), 4, extend_s_per_position=-1.0)
+
+
+def test_probes_wait_while_even_a_good_draft_would_not_pay_at_this_load():
+    """A CPU-like linear SPS curve: every verified token costs what a decoded one does, so at
+    a batch of 16 a request accepting 80 % of its drafts would not pay for its drafter call and
+    the extra verification; no probe result could change the plan, so the due probes wait (and
+    stay due). At a batch of 2 the same probes go ahead."""
+    linear = SPSTable.from_measurements({b: 100.0 / b for b in (1, 2, 4, 8, 16, 32, 64, 128)})
+    cost = _cost(0.004, 0.006)
+    busy = [RequestOptions(4, 0.05, probe_due=True) for _ in range(16)]
+    held = plan_drafts(busy, linear, cost, True, probe_allowance_s=1.0, probe_alpha=0.8)
+    assert held.sources == [None] * 16 and held.probe_cost_s == 0
+    # a perfect draft (alpha 1) pays even here: with probe_alpha 1.0 the probes go ahead
+    eager = plan_drafts(busy, linear, cost, True, probe_allowance_s=1.0, probe_alpha=1.0)
+    assert eager.probed == [True] * 16
+    quiet = [RequestOptions(4, 0.05, probe_due=True) for _ in range(2)]
+    flat = plan_drafts(quiet, FLAT, cost, True, probe_allowance_s=1.0, probe_alpha=0.8)
+    assert flat.probed == [True, True] and flat.probe_cost_s > 0

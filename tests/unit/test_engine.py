@@ -224,9 +224,10 @@ HALF_STEP = DraftCostTable((1,), ((0.005, 0.005),), ((0.005, 0.005),), 4)
 
 
 def _counting(drafter):
-    """Count propose_block and extend_context calls (the drafter's work per step)."""
+    """Count propose_block and context-extension calls (the drafter's work per step; the engine
+    extends contexts through extend_context_batch)."""
     calls = {"propose": 0, "extend": 0}
-    propose, extend = drafter.propose_block, drafter.extend_context
+    propose, extend = drafter.propose_block, drafter.extend_context_batch
 
     def counting_propose(*args, **kwargs):
         calls["propose"] += 1
@@ -236,7 +237,7 @@ def _counting(drafter):
         calls["extend"] += 1
         return extend(*args, **kwargs)
 
-    drafter.propose_block, drafter.extend_context = counting_propose, counting_extend
+    drafter.propose_block, drafter.extend_context_batch = counting_propose, counting_extend
     return calls
 
 
@@ -260,6 +261,26 @@ def test_planner_stops_drafting_a_request_whose_drafts_do_not_pay_and_probes_wit
     assert calls == {"propose": 3, "extend": 3}
     sources = [rec.source for rec in engine.running or []]
     assert sources == []
+
+
+def test_probe_alpha_gates_probes_in_the_engine(varied_target):
+    """engine.probe_alpha reaches the planner: with a drafter at half a verification's cost, a
+    draft pays only if it is accepted often enough, so at probe_alpha 0.2 the engine drafts once
+    (the first round) and never probes; at 1.0 it probes as before."""
+    prompt, budget = [3, 1, 4, 1, 5], 21
+    counts = {}
+    for alpha in (0.2, 1.0):
+        d = tiny_drafter(varied_target, block_size=4)
+        with torch.no_grad():
+            d.confidence.proj.bias.fill_(-20.0)
+        calls = _counting(d)
+        engine = SpecEngine(TargetRunner(varied_target, LAYERS), d, [],
+                            EngineConfig(scheduler="dspark", probe_interval=4, probe_budget=1.0,
+                                         probe_alpha=alpha), sps=SPS, draft_cost=HALF_STEP)
+        out, _ = _run(engine, {0: [EngineRequest("a", prompt, SamplingParams(budget, 0.0))]})
+        assert out["a"] == greedy_reference(varied_target, prompt, budget)
+        counts[alpha] = calls["propose"]
+    assert counts == {0.2: 1, 1.0: 3}
 
 
 def _drafter_calls(drafter):
@@ -293,8 +314,12 @@ def test_probe_budget_defers_due_probes_and_drafts_them_together(varied_target):
             d.confidence.proj.bias.fill_(-20.0)  # c ~ 0: never worth verifying
         rows = calls[budget] = _drafter_calls(d)
         engine = SpecEngine(TargetRunner(varied_target, LAYERS), d, [],
+                            # probe_alpha 1: probes pass the could-it-pay gate (a drafter
+                            # at half a verification's cost pays only for perfect drafts),
+                            # so the budget alone decides here
                             EngineConfig(scheduler="dspark", probe_interval=2,
-                                         max_probe_interval=4, probe_budget=budget),
+                                         max_probe_interval=4, probe_budget=budget,
+                                         probe_alpha=1.0),
                             sps=SPS, draft_cost=HALF_STEP)
         out, _ = _run(engine, {i: [EngineRequest(f"r{i}", p, SamplingParams(40, 0.0))]
                                for i, p in enumerate(prompts)})
