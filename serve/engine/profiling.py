@@ -165,8 +165,9 @@ def load_or_profile(runner: TargetRunner, directory: str | Path | None, max_toke
 # bumped when the drafter's inference cost changes for the same weights, so stored tables made
 # before are re-measured (2: the draft head no longer runs a strided slice as a batched matmul,
 # which had made drafts shorter than block_size cost up to 10x more at 64 rows; 3: the cost per
-# context position of a backlog, for requests whose context fell behind)
-DRAFT_COST_METHOD = 3
+# context position of a backlog, for requests whose context fell behind; 4: contexts are
+# extended in one packed call for all rows, in bounded shapes, as the engine now does)
+DRAFT_COST_METHOD = 4
 
 
 def _drafter_fingerprint(drafter) -> dict:
@@ -181,8 +182,8 @@ def _drafter_fingerprint(drafter) -> dict:
 @torch.no_grad()
 def profile_draft_cost(drafter, max_rows: int, context_len: int = 128, repeats: int = 3,
                        seed: int = 0) -> DraftCostTable:
-    """Time one batched drafter call as the engine makes it: extend each request's context by 2
-    committed positions, then propose a block of 1 and of block_size draft tokens, greedy and
+    """Time one batched drafter call as the engine makes it: extend every request's context by 2
+    committed positions (one ``extend_context_batch`` call), then propose a block of 1 and of block_size draft tokens, greedy and
     sampled (temperature 1), for every row count of :func:`batch_grid` up to ``max_rows``; and the
     cost per position of extending one row's context by a backlog of 128 positions.
 
@@ -210,12 +211,11 @@ def profile_draft_cost(drafter, max_rows: int, context_len: int = 128, repeats: 
         states.append(st)
 
     def one_call(rows: int, num_draft_tokens: int, temperature: float) -> float:
+        feats = [torch.randn(2, width, generator=g).to(device=dev, dtype=dtype)
+                 for _ in range(rows)]
+        ids = [torch.randint(0, vocab, (2,), generator=g).to(dev) for _ in range(rows)]
         start = time.perf_counter()
-        for st in states[:rows]:
-            pos = st.length
-            drafter.extend_context(st, torch.randn(1, 2, width, generator=g).to(device=dev, dtype=dtype),
-                                   torch.arange(pos, pos + 2, device=dev)[None],
-                                   torch.randint(0, vocab, (1, 2), generator=g).to(dev))
+        drafter.extend_context_batch(states[:rows], feats, ids)  # as the engine extends them
         anchors = torch.randint(0, vocab, (rows,), generator=g).to(dev)
         positions = torch.tensor([st.length for st in states[:rows]], device=dev)
         temps = torch.full((rows,), temperature)
@@ -242,12 +242,10 @@ def profile_draft_cost(drafter, max_rows: int, context_len: int = 128, repeats: 
             out.append(tuple(pair))
 
     def extend_call(positions: int) -> float:  # one row's context extended by that many
-        st = states[0]
-        pos = st.length
-        feats = torch.randn(1, positions, width, generator=g).to(device=dev, dtype=dtype)
-        ids = torch.randint(0, vocab, (1, positions), generator=g).to(dev)
+        feats = torch.randn(positions, width, generator=g).to(device=dev, dtype=dtype)
+        ids = torch.randint(0, vocab, (positions,), generator=g).to(dev)
         start = time.perf_counter()
-        drafter.extend_context(st, feats, torch.arange(pos, pos + positions, device=dev)[None], ids)
+        drafter.extend_context_batch(states[:1], [feats], [ids])
         if dev.type == "cuda":
             torch.cuda.synchronize(dev)
         return time.perf_counter() - start
