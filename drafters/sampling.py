@@ -7,6 +7,8 @@ Shapes: B rows (requests), V vocabulary.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 
@@ -119,7 +121,9 @@ class PositionNoise:
         key = _noise_key(self.seed, self.start + offset)
         u = torch.rand(self.vocab_size, generator=torch.Generator().manual_seed(key),
                        dtype=torch.float64)
-        return -torch.log(-torch.log(u))  # u = 0 gives -inf: that token can never win
+        # -log(-log(u)) in place (a seeded request pays this over V for every output token);
+        # u = 0 gives -inf: that token can never win
+        return u.log_().neg_().log_().neg_()
 
 
 def gumbel_argmax(probs: torch.Tensor, gumbel: torch.Tensor) -> int:
@@ -130,9 +134,10 @@ def gumbel_argmax(probs: torch.Tensor, gumbel: torch.Tensor) -> int:
         ValueError: ``probs`` has no positive finite mass.
     """
     p = probs.detach().to("cpu", torch.float64)
-    if not bool((p > 0).any()) or not bool(torch.isfinite(p).all()):
+    total = float(p.sum())  # one pass: positive and finite iff some mass and no inf/nan
+    if not (total > 0 and math.isfinite(total)):
         raise ValueError("cannot draw from a distribution without positive finite mass")
-    return int((p.log() + gumbel).argmax())
+    return int(p.log().add_(gumbel).argmax())
 
 
 def _per_row(value, b: int, device) -> torch.Tensor:
