@@ -184,7 +184,8 @@ STEP_PARTS = (
     ("target forward", "target_runner.py", "forward_batch"),
     ("drafter: block + sampling", "dspark.py", "propose_block"),
     ("drafter: batched block", "dspark.py", "propose_block_batch"),
-    ("drafter: extend context", "dspark.py", "extend_context"),
+    ("drafter: extend context", "dspark.py", "extend_context_batch"),
+    ("eagle3: extend context", "base.py", "extend_context_batch"),
     ("eagle3 drafting", "eagle3.py", "propose_block"),
     ("verification + commit", "core.py", "_verify_and_commit"),
 )

@@ -41,10 +41,15 @@ def row_pieces(n: int, small: int = 8) -> list[int]:
 
     Args:
         n: rows (>= 0).
-        small: pieces below this are not split further (one call, not several tiny ones).
+        small: a power of two; pieces below it are not split further (one call, not several
+            tiny ones).
     Returns:
         positive piece lengths summing to ``n`` (empty for 0).
+    Raises:
+        ValueError: a negative ``n``, or ``small`` not a power of two.
     """
+    if n < 0 or small < 1 or small & (small - 1):
+        raise ValueError(f"row_pieces needs n >= 0 and a power-of-two small, got {n}, {small}")
     pieces, size = [], 1 << max(n.bit_length() - 1, 0)
     while n >= small and size >= small:
         if n >= size:
@@ -227,13 +232,20 @@ class DrafterBase(nn.Module):
         """Extend R requests' draft contexts by their committed positions (each from its state's
         ``length`` on). This generic version calls ``extend_context`` per request, in
         :func:`row_pieces` (the same context as one call: extension is causal); DSpark's packs
-        every request into one product.
+        every request into one product. If a request's extension raises, the requests before
+        it are extended and the later ones untouched (a caller tells them apart by
+        ``length``).
 
         Args:
             states: R per-request draft states (``new_draft_state``).
             context_features: R tensors [n_r, m*H_t], the target features of the new positions.
             next_tokens: R int64 [n_r], the token after each new position.
+        Raises:
+            ValueError: the three lists differ in length; whatever ``extend_context`` raises.
         """
+        if not len(states) == len(context_features) == len(next_tokens):
+            raise ValueError(f"{len(states)} states, {len(context_features)} feature tensors and "
+                             f"{len(next_tokens)} token tensors")
         for state, feats, tokens in zip(states, context_features, next_tokens):
             done = 0
             for n in row_pieces(feats.shape[0]):

@@ -50,6 +50,15 @@ class DraftContextCache:
 
 
 
+def _grown(cache: DraftContextCache, new: list[tuple[torch.Tensor, torch.Tensor]]):
+    """The per-layer keys and values ``cache`` would hold with ``new`` (per layer (k, v), each
+    [B, nkv, n, hd]) appended: (keys, values) lists, the cache itself untouched."""
+    if not cache.keys:
+        return [k.contiguous() for k, _ in new], [v.contiguous() for _, v in new]
+    return ([torch.cat((old, k), dim=2) for old, (k, _) in zip(cache.keys, new)],
+            [torch.cat((old, v), dim=2) for old, (_, v) in zip(cache.values, new)])
+
+
 class DSparkDrafter(DrafterBase):
     """DSpark drafter (and, through :class:`~drafters.dflash.DFlashDrafter`, DFlash's).
 
@@ -215,14 +224,8 @@ class DSparkDrafter(DrafterBase):
         """
         ctx = self.context_states(context_features)
         rope = self.rotary(positions, ctx.dtype)
-        for i, layer in enumerate(self.layers):
-            k, v = layer.self_attn.project_kv(ctx, *rope)
-            if len(cache.keys) <= i:
-                cache.keys.append(k)
-                cache.values.append(v)
-            else:
-                cache.keys[i] = torch.cat((cache.keys[i], k), dim=2)
-                cache.values[i] = torch.cat((cache.values[i], v), dim=2)
+        new = [layer.self_attn.project_kv(ctx, *rope) for layer in self.layers]
+        cache.keys, cache.values = _grown(cache, new)
 
     @torch.no_grad()
     def extend_context_batch(self, states: list[DraftContextCache],
@@ -232,12 +235,18 @@ class DSparkDrafter(DrafterBase):
         values depend on its own features and position only (no attention among context rows),
         so every request's new rows go through the projections together, in
         :func:`~drafters.base.row_pieces` of the packed rows (bounded matmul shapes), and are
-        split back per request. The caches end as R ``extend_context`` calls would leave them.
+        split back per request. The caches end as R ``extend_context`` calls would leave them,
+        and if anything raises no cache has changed.
 
         Args:
             states: R caches (each of batch 1).
             context_features: R tensors [n_r, m*H_t]; next_tokens: unused (the protocol's).
+        Raises:
+            ValueError: ``states`` and ``context_features`` differ in length.
+            RuntimeError: features of another width than the context projection reads.
         """
+        if len(states) != len(context_features):
+            raise ValueError(f"{len(states)} states for {len(context_features)} feature tensors")
         lengths = [f.shape[0] for f in context_features]
         if not any(lengths):
             return
@@ -245,29 +254,22 @@ class DSparkDrafter(DrafterBase):
         feats = torch.cat(context_features)  # [N, m*H_t]
         positions = torch.cat([torch.arange(c.length, c.length + n, device=dev)
                                for c, n in zip(states, lengths)])
-        keys: list[list[torch.Tensor]] = [[] for _ in self.layers]
-        values: list[list[torch.Tensor]] = [[] for _ in self.layers]
+        pieces: list[list[tuple[torch.Tensor, torch.Tensor]]] = []  # per piece, per layer
         done = 0
         for n in row_pieces(feats.shape[0]):
             ctx = self.context_states(feats[None, done:done + n])
             rope = self.rotary(positions[None, done:done + n], ctx.dtype)
-            for i, layer in enumerate(self.layers):
-                k, v = layer.self_attn.project_kv(ctx, *rope)  # [1, nkv, n, hd]
-                keys[i].append(k)
-                values[i].append(v)
+            pieces.append([layer.self_attn.project_kv(ctx, *rope) for layer in self.layers])
             done += n
+        per_request: list[list] = [[] for _ in states]  # per request, per layer: (k, v)
         for i in range(len(self.layers)):
-            k_rows = torch.cat(keys[i], dim=2).split(lengths, dim=2)
-            v_rows = torch.cat(values[i], dim=2).split(lengths, dim=2)
-            for cache, k, v in zip(states, k_rows, v_rows):
-                if not k.shape[2]:
-                    continue
-                if len(cache.keys) <= i:
-                    cache.keys.append(k.contiguous())
-                    cache.values.append(v.contiguous())
-                else:
-                    cache.keys[i] = torch.cat((cache.keys[i], k), dim=2)
-                    cache.values[i] = torch.cat((cache.values[i], v), dim=2)
+            k_rows = torch.cat([p[i][0] for p in pieces], dim=2).split(lengths, dim=2)
+            v_rows = torch.cat([p[i][1] for p in pieces], dim=2).split(lengths, dim=2)
+            for mine, k, v in zip(per_request, k_rows, v_rows):
+                mine.append((k, v))
+        grown = [_grown(c, kv) for c, kv, n in zip(states, per_request, lengths) if n]
+        for cache, (keys, values) in zip([c for c, n in zip(states, lengths) if n], grown):
+            cache.keys, cache.values = keys, values  # only now: all or nothing
 
     @torch.no_grad()
     def block_hidden(self, cache: DraftContextCache, anchor_tokens: torch.Tensor,

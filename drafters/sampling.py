@@ -134,7 +134,9 @@ def gumbel_argmax(probs: torch.Tensor, gumbel: torch.Tensor) -> int:
         ValueError: ``probs`` has no positive finite mass.
     """
     p = probs.detach().to("cpu", torch.float64)
-    total = float(p.sum())  # one pass: positive and finite iff some mass and no inf/nan
+    # one pass: for non-negative probabilities (a distribution's), the sum is positive and
+    # finite iff some token has mass and none is inf or nan
+    total = float(p.sum())
     if not (total > 0 and math.isfinite(total)):
         raise ValueError("cannot draw from a distribution without positive finite mass")
     return int(p.log().add_(gumbel).argmax())

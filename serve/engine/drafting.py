@@ -37,7 +37,13 @@ class Drafting:
 
     def flush(self, reqs: list[RequestState]) -> None:
         """Extend the requests' draft contexts with everything each committed since its last
-        draft, in one batched drafter call (``extend_context_batch``)."""
+        draft, in one batched drafter call (``extend_context_batch``).
+
+        Raises:
+            RuntimeError: a request's pending positions do not start where its draft context
+                ends (nothing is extended then); whatever the drafter raises (requests it
+                extended fully are done).
+        """
         reqs = [r for r in reqs if r.pending.features]
         if not reqs:
             return
@@ -46,11 +52,17 @@ class Drafting:
                 raise RuntimeError(f"request {r.req.request_id}: pending context starts at "
                                    f"{r.pending.start}, its draft context holds "
                                    f"{r.draft_state.length} positions")
-        self.drafter.extend_context_batch(
-            [r.draft_state for r in reqs], [torch.cat(r.pending.features) for r in reqs],
-            [torch.tensor(r.pending.tokens, device=self.device) for r in reqs])
-        for r in reqs:
-            r.pending = PendingContext()
+        try:
+            self.drafter.extend_context_batch(
+                [r.draft_state for r in reqs], [torch.cat(r.pending.features) for r in reqs],
+                [torch.tensor(r.pending.tokens, device=self.device) for r in reqs])
+        finally:
+            # a call that raised may have extended some requests fully (a drafter extending
+            # one request after another): theirs is done, so the row-by-row retry that follows
+            # does not see them as broken
+            for r in reqs:
+                if r.draft_state.length == r.pending.start + len(r.pending.tokens):
+                    r.pending = PendingContext()
 
     def propose(self, rows: list[PlanRow],
                 noise: Callable[[RequestState], PositionNoise | None]) -> dict[int, Exception]:

@@ -489,6 +489,40 @@ def test_one_request_failing_in_its_own_processing_never_harms_the_others(varied
     assert later.tokens == greedy_reference(varied_target, [7, 7, 2], 6)
 
 
+@pytest.mark.parametrize("kind", ["dspark", "eagle3"])
+def test_a_request_failing_inside_the_batched_context_extension_fails_alone(varied_target, kind):
+    """The middle one of three requests carries context features of the wrong width, so the
+    drafter call that extends all three contexts raises inside the extension (DSpark's packed
+    pass before touching any cache; the generic Eagle3 path after extending the first request).
+    The engine retries row by row: only that request fails, the others finish with the target's
+    exact greedy output (the first request's finished extension is kept, not redone)."""
+    from tests.unit.test_eagle3 import _eagle3
+
+    d = (_eagle3(varied_target) if kind == "eagle3"
+         else tiny_drafter(varied_target, block_size=4))
+    engine = _engine(varied_target, d, "fixed", max_num_requests=4)
+    prompts = {"a": [3, 1, 4], "bad": [1, 5, 9], "c": [2, 6, 5]}
+    for rid, p in prompts.items():
+        engine.add_request(EngineRequest(rid, p, SamplingParams(10, 0.0)))
+    outs = {rid: [] for rid in prompts}
+    final = {}
+    for out in engine.step():  # prefill: the contexts are pending, not yet extended
+        outs[out.request_id] += out.new_token_ids
+    bad = next(r for r in engine.running if r.req.request_id == "bad")
+    assert bad.pending.features
+    bad.pending.features = [f[:, :-1] for f in bad.pending.features]  # one column short
+    while engine.has_unfinished():
+        for out in engine.step():
+            outs[out.request_id] += out.new_token_ids
+            if out.finished:
+                final[out.request_id] = out
+    assert final["bad"].finish_reason == "error"
+    for rid in ("a", "c"):
+        assert outs[rid] == greedy_reference(varied_target, prompts[rid], 10), rid
+        assert final[rid].finish_reason == "length" and final[rid].error is None
+    assert engine.stats.failed_requests == 1
+
+
 # ----------------------------------------------------------------------------- request fields
 def test_min_tokens_ignore_eos_and_stop_token_ids_inside_accepted_blocks(varied_target,
                                                                          corrupted_table):
