@@ -449,6 +449,33 @@ def test_tiny_temperature_is_greedy_and_never_nan(varied_target):
 
 
 # ----------------------------------------------------------------------------- failure isolation
+BROKEN_PROMPTS = {"a": [3, 1, 4], "bad": [1, 5, 9], "c": [2, 6, 5]}
+
+
+def _run_with_one_broken(target, engine, tokens: int, break_it) -> dict:
+    """Run BROKEN_PROMPTS greedily; after the prefill step ``break_it(request state)`` breaks
+    request "bad". Checks that only "bad" fails and that the others finish with the target's
+    exact greedy output; returns the final outputs by request id."""
+    for rid, p in BROKEN_PROMPTS.items():
+        engine.add_request(EngineRequest(rid, p, SamplingParams(tokens, 0.0)))
+    outs = {rid: [] for rid in BROKEN_PROMPTS}
+    final = {}
+    for out in engine.step():  # prefill: everyone gets a first token
+        outs[out.request_id] += out.new_token_ids
+    break_it(next(r for r in engine.running if r.req.request_id == "bad"))
+    while engine.has_unfinished():
+        for out in engine.step():
+            outs[out.request_id] += out.new_token_ids
+            if out.finished:
+                final[out.request_id] = out
+    assert final["bad"].finish_reason == "error"
+    for rid in ("a", "c"):
+        assert outs[rid] == greedy_reference(target, BROKEN_PROMPTS[rid], tokens), rid
+        assert final[rid].finish_reason == "length" and final[rid].error is None
+    assert engine.stats.failed_requests == 1
+    return final
+
+
 @pytest.mark.parametrize("where", ["detokenize", "drafting"])
 def test_one_request_failing_in_its_own_processing_never_harms_the_others(varied_target,
                                                                           corrupted_table, where):
@@ -458,33 +485,18 @@ def test_one_request_failing_in_its_own_processing_never_harms_the_others(varied
     serving new requests."""
     from serve.engine.errors import RequestFailedError
 
+    def break_it(bad):
+        if where == "detokenize":
+            def broken(tokens):
+                raise UnicodeError("a detokenizer bug")
+            bad.detok = type("Broken", (), {"add": staticmethod(broken)})()
+        else:
+            bad.draft_state = None  # its drafter context is gone: extending it raises
+
     d = oracle_drafter(varied_target, corrupted_table, "markov", 4)
     engine = _engine(varied_target, d, "fixed", max_num_requests=4)
-    prompts = {"a": [3, 1, 4], "bad": [1, 5, 9], "c": [2, 6, 5]}
-    for rid, p in prompts.items():
-        engine.add_request(EngineRequest(rid, p, SamplingParams(12, 0.0)))
-    outs = {rid: [] for rid in prompts}
-    final = {}
-    for out in engine.step():  # prefill: everyone gets a first token
-        outs[out.request_id] += out.new_token_ids
-    bad = next(r for r in engine.running if r.req.request_id == "bad")
-    if where == "detokenize":
-        def broken(tokens):
-            raise UnicodeError("a detokenizer bug")
-        bad.detok = type("Broken", (), {"add": staticmethod(broken)})()
-    else:
-        bad.draft_state = None  # its drafter context is gone: extending it raises
-    while engine.has_unfinished():
-        for out in engine.step():
-            outs[out.request_id] += out.new_token_ids
-            if out.finished:
-                final[out.request_id] = out
-    assert final["bad"].finish_reason == "error"
+    final = _run_with_one_broken(varied_target, engine, 12, break_it)
     assert isinstance(final["bad"].error, RequestFailedError) and final["bad"].error.status == 500
-    for rid in ("a", "c"):
-        assert outs[rid] == greedy_reference(varied_target, prompts[rid], 12), rid
-        assert final[rid].finish_reason == "length" and final[rid].error is None
-    assert engine.stats.failed_requests == 1
     later = engine.generate([EngineRequest("later", [7, 7, 2], SamplingParams(6, 0.0))])[0]
     assert later.tokens == greedy_reference(varied_target, [7, 7, 2], 6)
 
@@ -498,29 +510,14 @@ def test_a_request_failing_inside_the_batched_context_extension_fails_alone(vari
     exact greedy output (the first request's finished extension is kept, not redone)."""
     from tests.unit.test_eagle3 import _eagle3
 
+    def break_it(bad):
+        assert bad.pending.features  # the contexts are pending after the prefill
+        bad.pending.features = [f[:, :-1] for f in bad.pending.features]  # a column short
+
     d = (_eagle3(varied_target) if kind == "eagle3"
          else tiny_drafter(varied_target, block_size=4))
-    engine = _engine(varied_target, d, "fixed", max_num_requests=4)
-    prompts = {"a": [3, 1, 4], "bad": [1, 5, 9], "c": [2, 6, 5]}
-    for rid, p in prompts.items():
-        engine.add_request(EngineRequest(rid, p, SamplingParams(10, 0.0)))
-    outs = {rid: [] for rid in prompts}
-    final = {}
-    for out in engine.step():  # prefill: the contexts are pending, not yet extended
-        outs[out.request_id] += out.new_token_ids
-    bad = next(r for r in engine.running if r.req.request_id == "bad")
-    assert bad.pending.features
-    bad.pending.features = [f[:, :-1] for f in bad.pending.features]  # one column short
-    while engine.has_unfinished():
-        for out in engine.step():
-            outs[out.request_id] += out.new_token_ids
-            if out.finished:
-                final[out.request_id] = out
-    assert final["bad"].finish_reason == "error"
-    for rid in ("a", "c"):
-        assert outs[rid] == greedy_reference(varied_target, prompts[rid], 10), rid
-        assert final[rid].finish_reason == "length" and final[rid].error is None
-    assert engine.stats.failed_requests == 1
+    _run_with_one_broken(varied_target, _engine(varied_target, d, "fixed", max_num_requests=4),
+                         10, break_it)
 
 
 # ----------------------------------------------------------------------------- request fields
