@@ -171,6 +171,7 @@ def all_point_note(meta: dict) -> str:
 
 
 def write_results(points: list[dict], meta: dict, out: Path) -> None:
+    """data_scaling.{json,png,md} for the points so far (the md keeps its readings)."""
     out.mkdir(parents=True, exist_ok=True)
     (out / "data_scaling.json").write_text(json.dumps({"meta": meta, "points": points}, indent=1))
     import matplotlib
@@ -211,8 +212,18 @@ def write_results(points: list[dict], meta: dict, out: Path) -> None:
                      f"{p['heldout_accept_rate@1']:.3f} | {p['heldout_tau']:.3f} | " +
                      " | ".join(f"{p['by_domain'].get(d, {}).get('tau', float('nan')):.3f}"
                                 for d in domains) + " |")
-    (out / "data_scaling.md").write_text("\n".join(lines) + "\n")
+    md = out / "data_scaling.md"
+    # the readings written by hand below the table survive the rewrite after every point
+    readings = kept_readings(md.read_text()) if md.exists() else ""
+    md.write_text("\n".join(lines) + "\n" + readings)
     print("\n".join(lines))
+
+
+def kept_readings(markdown: str) -> str:
+    """The part of a results file from its first ``## Reading`` heading on ("" if none), with
+    one blank line before it."""
+    at = markdown.find("\n## Reading")
+    return "" if at < 0 else "\n" + markdown[at + 1:]
 
 
 def main() -> int:

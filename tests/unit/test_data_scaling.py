@@ -30,3 +30,24 @@ def test_points_and_the_all_point_guards():
     assert f"every {base.train.eval_every} steps" in note
     assert f"at most {base.train.max_steps} steps" in note
     assert all_point_note({"all_from_run": False}) == ""
+
+
+def test_results_keep_their_readings_when_a_point_is_added(tmp_path):
+    """The md is rewritten after every point; a reading added below the table must survive."""
+    from benchmarks.data_scaling import write_results
+
+    def point(label, tokens, tau):
+        return {"label": label, "rows": 10, "supervised_tokens": tokens, "steps": 100,
+                "plateau": True, "best_step": 50, "heldout_accept_rate@1": 0.3,
+                "heldout_tau": tau, "by_domain": {"chat": {"tau": tau - 0.1}}}
+
+    meta = {"date": "d", "command": "c", "min_delta": 0.01, "patience": 4, "eval_every": 50,
+            "max_steps": 4000, "block_size": 7}
+    write_results([point("240", 1000, 1.5)], meta, tmp_path)
+    md = tmp_path / "data_scaling.md"
+    md.write_text(md.read_text() + "\n## Reading (today)\n\nThe curve rises.\n")
+    write_results([point("240", 1000, 1.5), point("960", 4000, 1.8)], meta, tmp_path)
+    text = md.read_text()
+    assert "| 960 |" in text and text.count("## Reading (today)") == 1
+    assert text.index("| 960 |") < text.index("## Reading (today)")
+    assert text.rstrip().endswith("The curve rises.")
