@@ -135,9 +135,11 @@ def main() -> int:
 
     from serve.engine.builder import load_models
 
+    policies = args.policies.split(",")
+    for pol in policies:  # a bad name or variant fails here, before minutes of model loading
+        policy_engine(pol)
     models = load_models(args.target, args.dtype, args.drafter)
     prompts = load_prompts(ROOT / "infra" / "datasets" / "eval", 16, 0)
-    policies = args.policies.split(",")
     for pol in policies:  # untimed: first-use kernel creation must not land in either arm
         run_arm(models, pol, prompts, argparse.Namespace(**{**vars(args), "steps": 2,
                                                             "warmup": 1}))
