@@ -69,6 +69,10 @@ class PromptSource(Strict):
 class PromptsConfig(Strict):
     sources: list[PromptSource] = Field(min_length=1)
     heldout_fraction: float = Field(0.05, ge=0.0, lt=0.9)
+    heldout_ids_from: str | None = Field(
+        None, description="A JSONL (.jsonl.gz) or Parquet file whose rows' ids are the held-out "
+        "split (e.g. an earlier run's prompts/heldout.jsonl), instead of heldout_fraction: a run "
+        "that grows its sources keeps the held-out prompts it is compared on.")
     seed: int = 0
 
 
@@ -155,6 +159,11 @@ class GenerateConfig(Strict):
                                    "(both backends).")
     vllm: VllmGenerateConfig = Field(default_factory=VllmGenerateConfig,
                                      description="Engines of backend vllm (read only there).")
+    reuse_from: list[str] = Field(
+        default_factory=list, description="Files of conversations an earlier run regenerated with "
+        "the same target and sampling (its generate/<split>.jsonl, or a shipped copy, .jsonl.gz "
+        "too): a prompt whose id and user turns match one of their rows takes that row instead "
+        "of being regenerated (all backends).")
 
 
 # Limits of the cache's row groups (why: pipeline/cache_writer.py, above row_group_sizes): one Arrow

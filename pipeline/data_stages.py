@@ -14,11 +14,16 @@ logger = logging.getLogger(__name__)
 
 
 def stage_prompts(ctx: StageContext) -> dict:
-    from .prompts import load_prompts, write_jsonl
+    from .prompts import load_prompts, read_ids, write_jsonl
 
     cfg = ctx.cfg.prompts
     sources = [(storage.resolve(s.path), s.max_rows) for s in cfg.sources]
-    split = load_prompts(sources, cfg.heldout_fraction, cfg.seed, ctx.cfg.storage_options)
+    heldout_ids, ids_file = None, "prompts.heldout_ids_from"
+    if cfg.heldout_ids_from:
+        ids_file = storage.resolve(cfg.heldout_ids_from)
+        heldout_ids = read_ids(ids_file, ctx.cfg.storage_options)
+    split = load_prompts(sources, cfg.heldout_fraction, cfg.seed, ctx.cfg.storage_options,
+                         heldout_ids=heldout_ids, heldout_ids_file=ids_file)
     out = ctx.stage_dir("prompts")
     write_jsonl(str(out / "train.jsonl"), split.train)
     write_jsonl(str(out / "heldout.jsonl"), split.heldout)
@@ -32,11 +37,19 @@ def stage_generate(ctx: StageContext) -> dict:
     from tqdm import tqdm
 
     from .generate import run_generate
+    from .generate_reuse import reuse_answers
     from .prompts import read_jsonl
 
     ensure_ray(ctx.cfg)
     g = ctx.cfg.generate
     out = ctx.stage_dir("generate")
+    reused = {}
+    if g.reuse_from:
+        sources = [storage.resolve(p) for p in g.reuse_from]
+        for split in SPLITS:
+            rows = read_jsonl(str(ctx.run_dir / "prompts" / f"{split}.jsonl"))
+            reused[split] = reuse_answers(rows, out / f"{split}.jsonl", out / "errors.jsonl",
+                                          sources, ctx.cfg.storage_options)
     target = dict(target=ctx.target, dtype=ctx.cfg.target.dtype,
                   template_kwargs=ctx.cfg.target.chat_template_kwargs, seed=ctx.cfg.seed)
     if g.backend == "vllm":
@@ -46,14 +59,17 @@ def stage_generate(ctx: StageContext) -> dict:
                           out / f"{split}.jsonl") for split in SPLITS}
         with tqdm(total=sum(len(rows) for rows, _ in splits.values()), desc="generate (vllm)",
                   unit="prompt", mininterval=5) as bar:
-            return run_generate_vllm(splits, out / "errors.jsonl", g, **target, progress=bar)
+            summary = run_generate_vllm(splits, out / "errors.jsonl", g, **target, progress=bar)
+        for split, counts in reused.items():
+            summary[split].update(counts)
+        return summary
     summary = {}
     for split in SPLITS:
         rows = read_jsonl(str(ctx.run_dir / "prompts" / f"{split}.jsonl"))
         with tqdm(total=len(rows), desc=f"generate {split}", unit="prompt", mininterval=5) as bar:
             counts = run_generate(rows, out / f"{split}.jsonl", out / "errors.jsonl", g, **target,
                                   progress=bar)
-        summary[split] = counts
+        summary[split] = {**counts, **reused.get(split, {})}
     return summary
 
 

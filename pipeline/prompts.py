@@ -65,7 +65,7 @@ def validate_row(row, file: str, line: int) -> dict:
     return {"id": str(rid), "domain": str(row.get("domain") or "unknown"), "messages": kept}
 
 
-def _iter_raw_rows(path: str, storage_options: dict):
+def iter_raw_rows(path: str, storage_options: dict):
     """Yield (line number, parsed row or exception) for a JSONL or Parquet file."""
     fs = storage.get_fsspec(path, storage_options)
     if path.endswith(".parquet"):
@@ -107,7 +107,7 @@ def read_prompt_file(path: str, storage_options: dict | None = None) -> tuple[li
     if not storage.exists(path, storage_options):
         raise FileNotFoundError(f"prompt file not found: {path}")
     rows, errors = [], []
-    for line, item in _iter_raw_rows(path, storage_options or {}):
+    for line, item in iter_raw_rows(path, storage_options or {}):
         rid = item.get("id") if isinstance(item, dict) else getattr(item, "row_id", None)
         try:
             if isinstance(item, Exception):
@@ -136,26 +136,62 @@ def _file_name(path: str) -> str:
     return path.rstrip("/").rsplit("/", 1)[-1]
 
 
+def read_ids(path: str, storage_options: dict | None = None) -> set[str]:
+    """The ``id`` of every row of a JSONL (``.jsonl.gz``) or Parquet file, e.g. an earlier run's
+    ``prompts/heldout.jsonl`` or ``generate/heldout.jsonl``.
+
+    Raises:
+        FileNotFoundError: no such file (naming it).
+        PromptError: a row that is not an object with an ``id``, or no rows at all (file, line).
+    """
+    if not storage.exists(path, storage_options):
+        raise FileNotFoundError(f"id file not found: {path}")
+    ids = set()
+    for line, item in iter_raw_rows(path, storage_options or {}):
+        if isinstance(item, Exception):
+            raise PromptError(f"{path}, line {line}: {item}")
+        if not isinstance(item, dict) or item.get("id") in (None, ""):
+            raise PromptError(f"{path}, line {line}: a row without an 'id'")
+        ids.add(str(item["id"]))
+    if not ids:
+        raise PromptError(f"{path}: no rows")
+    return ids
+
+
 def load_prompts(sources: list[tuple[str, int | None]], heldout_fraction: float, seed: int,
-                 storage_options: dict | None = None) -> PromptSplit:
+                 storage_options: dict | None = None, heldout_ids: set[str] | None = None,
+                 heldout_ids_file: str = "heldout_ids") -> PromptSplit:
     """Read all sources, subsample each with a seeded shuffle, drop duplicate ids, split.
 
     Args:
         sources: (path, max_rows or None) pairs; paths already resolved.
-        heldout_fraction: share of rows for the held-out split (at least one row when > 0).
+        heldout_fraction: share of rows for the held-out split (at least one row when > 0);
+            not used when ``heldout_ids`` is given.
         seed: seeds the held-out split and each source's ``max_rows`` subsample; a subsample is
             keyed on the seed and the file's name, so it does not depend on where the file lies.
+        heldout_ids: the held-out split by id, instead of a seeded share: these rows are taken
+            from the sources whether or not a ``max_rows`` subsample drew them, and the training
+            split is the subsample without them. A run that grows its sources keeps the same
+            held-out prompts (``prompts.heldout_ids_from``), and with unchanged sources the split
+            is the one the seeded share made when the ids came from it.
+        heldout_ids_file: where ``heldout_ids`` came from (named in errors).
+    Raises:
+        ValueError: an id of ``heldout_ids`` is in no source (the first few named).
     """
     out = PromptSplit()
     seen: set[str] = set()
     rng = random.Random(seed)
-    selected = []
+    selected, held = [], {}
     for spec_path, max_rows in sources:
         for path in expand_sources(spec_path, storage_options):
             rows, errors = read_prompt_file(path, storage_options)
             out.errors.extend(errors)
             if errors:
                 logger.warning("%s: %d bad row(s) written to the error file", path, len(errors))
+            if heldout_ids:  # before the subsample: a held-out row need not be drawn
+                for row in rows:
+                    if row["id"] in heldout_ids:
+                        held.setdefault(row["id"], row)
             if max_rows is not None and len(rows) > max_rows:
                 # Keyed on the file name, not its full path: the same config must draw the same
                 # subsample in any checkout, on any machine and from local or object storage.
@@ -167,6 +203,15 @@ def load_prompts(sources: list[tuple[str, int | None]], heldout_fraction: float,
                     continue
                 seen.add(row["id"])
                 selected.append(row)
+    if heldout_ids is not None:
+        missing = sorted(heldout_ids - held.keys())
+        if missing:
+            raise ValueError(f"{heldout_ids_file}: {len(missing)} held-out id(s) are in no prompt "
+                             f"source, e.g. {missing[:5]}")
+        out.heldout = sorted(held.values(), key=lambda r: r["id"])
+        out.train = sorted((r for r in selected if r["id"] not in heldout_ids),
+                           key=lambda r: r["id"])
+        return out
     rng.shuffle(selected)
     n_held = int(round(len(selected) * heldout_fraction))
     if heldout_fraction > 0 and len(selected) > 1:

@@ -87,7 +87,8 @@ ADDED_LATER = [("drafter", "qk_norm", None), ("engine", "kv_cache_memory_gib", 2
                ("eval", "fixed_gamma_pass", True),
                # no value reproduces the ungated probes exactly (1.0 is closest), but the eval
                # stage decodes one request at a time, where the gate lets due probes through
-               ("engine", "probe_alpha", 0.8)]
+               ("engine", "probe_alpha", 0.8), ("prompts", "heldout_ids_from", None),
+               ("generate", "reuse_from", [])]
 # config fields renamed after run directories existed: fingerprinted under their old names, so
 # runs made before the rename still count as complete
 RENAMED = [("engine", "num_speculative_tokens", "num_draft_tokens")]
@@ -194,7 +195,8 @@ def run_stage(ctx: StageContext, name: str, force: bool = False) -> dict:
 
 def preflight(ctx: StageContext, ordered: list[str], forced: list[str]) -> None:
     """Check what the stages in ``ordered`` will read, before any of them runs (or is cleared by
-    ``--force``): vLLM for ``generate.backend: vllm`` (generate), the benchmark files (eval),
+    ``--force``): vLLM for ``generate.backend: vllm`` (generate), the files of
+    ``prompts.heldout_ids_from`` and ``generate.reuse_from``, the benchmark files (eval),
     ``train.init_from`` (train), and that an existing cache at the cache location belongs to this
     target (train, and cache unless forced).
 
@@ -209,6 +211,18 @@ def preflight(ctx: StageContext, ordered: list[str], forced: list[str]) -> None:
         from .generate_vllm import require_vllm
 
         require_vllm()
+    def will_run(name: str) -> bool:
+        return name in ordered and (not ctx.marker(name).exists() or name in forced)
+
+    inputs = []  # files named in the config that the stages about to run read
+    if will_run("prompts") and ctx.cfg.prompts.heldout_ids_from:
+        inputs.append(("prompts.heldout_ids_from", ctx.cfg.prompts.heldout_ids_from))
+    if will_run("generate"):
+        inputs += [(f"generate.reuse_from[{i}]", p)
+                   for i, p in enumerate(ctx.cfg.generate.reuse_from)]
+    for field, path in inputs:
+        if not storage.exists(storage.resolve(path), ctx.cfg.storage_options):
+            raise FileNotFoundError(f"{field}: no such file: {path}")
     if "eval" in ordered:
         eval_datasets(ctx.cfg)
     init_from = ctx.cfg.train.init_from

@@ -231,3 +231,22 @@ def test_preflight_refuses_before_force_clears_anything(tmp_path, tiny_target_di
     with pytest.raises(DrafterCheckpointError, match="config.json"):
         preflight(ctx, ["train"], forced=["train"])
     assert (drafter / "model.safetensors").read_bytes() == b"weights of an earlier run"
+
+
+def test_preflight_names_a_missing_heldout_ids_or_reuse_file(tmp_path, tiny_target_dir):
+    """prompts.heldout_ids_from and generate.reuse_from are checked before any stage runs, by
+    field; a stage already complete does not read them, so they are not asked for then."""
+    from pipeline.stages import preflight
+
+    ctx = StageContext.create(load_config(tiny_pipeline_config(tmp_path, tiny_target_dir)))
+    cfg = ctx.cfg.model_copy(update={
+        "prompts": ctx.cfg.prompts.model_copy(update={"heldout_ids_from": str(tmp_path / "ids")}),
+        "generate": ctx.cfg.generate.model_copy(update={"reuse_from": [str(tmp_path / "old")]})})
+    ctx = StageContext(cfg, ctx.run_dir, ctx.target, ctx.layer_ids, ctx.cache_dir)
+    with pytest.raises(FileNotFoundError, match=r"prompts.heldout_ids_from: no such file: .*ids"):
+        preflight(ctx, ["prompts", "generate"], forced=[])
+    with pytest.raises(FileNotFoundError, match=r"generate.reuse_from\[0\]: no such file: .*old"):
+        preflight(ctx, ["generate"], forced=[])
+    ctx.marker("generate").parent.mkdir(parents=True, exist_ok=True)
+    ctx.marker("generate").write_text("{}")
+    preflight(ctx, ["generate"], forced=[])  # complete: nothing to read

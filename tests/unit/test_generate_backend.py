@@ -108,14 +108,16 @@ def test_missing_vllm_is_reported_before_any_stage_runs(tmp_path, monkeypatch):
 def test_configs_without_the_backend_fields_keep_their_fingerprints():
     cfg = load_config(QUICKSTART)
     dumped = cfg.model_dump(mode="json")
-    for key in ("backend", "vllm", "max_num_requests", "kv_cache_memory_gib"):
+    for key in ("backend", "vllm", "max_num_requests", "kv_cache_memory_gib", "reuse_from"):
         del dumped["generate"][key]  # the generate section as it was dumped before them
+    del dumped["prompts"]["heldout_ids_from"]  # and the prompts section
     sections = ["prompts", "storage_options", "target", "generate", "seed"]  # as they were read
     before = hashlib.sha256(json.dumps({s: dumped[s] for s in sections},
                                        sort_keys=True).encode()).hexdigest()
     assert stage_fingerprint(cfg, "generate") == before
     for override in ("generate.backend=vllm", "generate.backend=engine",
-                     "generate.max_num_requests=64"):
+                     "generate.max_num_requests=64", "generate.reuse_from=[old.jsonl]",
+                     "prompts.heldout_ids_from=heldout.jsonl"):
         assert stage_fingerprint(load_config(QUICKSTART, [override]), "generate") != before
 
 
@@ -158,7 +160,7 @@ def test_train_fields_added_this_release_keep_train_fingerprints():
     for key in ("plateau_patience", "plateau_min_delta", "max_train_rows", "placement_strategy",
                 "data_mode", "stream_object_store_gib", "stream_shuffle_rows"):
         del dumped["train"][key]
-    for key in ("backend", "vllm", "max_num_requests", "kv_cache_memory_gib"):
+    for key in ("backend", "vllm", "max_num_requests", "kv_cache_memory_gib", "reuse_from"):
         del dumped["generate"][key]
     sections = ["prompts", "storage_options", "target", "generate", "seed", "cache", "drafter",
                 "train"]  # what the stages up to train read, written out as they were

@@ -79,3 +79,32 @@ def test_subsample_does_not_depend_on_where_the_file_lies(tmp_path):
         picked.append(([r["id"] for r in split.train], [r["id"] for r in split.heldout]))
     assert picked[0] == picked[1]
     assert len(picked[0][0]) == 8 and len(picked[0][1]) == 2
+
+
+def test_heldout_ids_keep_the_split_as_the_sources_grow(tmp_path):
+    """prompts.heldout_ids_from: with the ids of a seeded split, the same sources give the same
+    split, and a larger subsample keeps those held-out rows out of training, drawn or not."""
+    from pipeline.prompts import PromptError, read_ids
+
+    rows = [json.dumps({"id": f"r{i}", "domain": "chat",
+                        "messages": [{"role": "user", "content": f"q{i}"}]}) for i in range(200)]
+    path = _write(tmp_path / "p.jsonl", rows)
+    small = load_prompts([(path, 40)], 0.1, seed=5)
+    ids_file = _write(tmp_path / "heldout.jsonl", [json.dumps(r) for r in small.heldout])
+    held = read_ids(ids_file)
+    assert held == {r["id"] for r in small.heldout} and len(held) == 4
+
+    again = load_prompts([(path, 40)], 0.3, seed=5, heldout_ids=held)  # the fraction is unused
+    assert again.train == small.train and again.heldout == small.heldout
+
+    grown = load_prompts([(path, 120)], 0.1, seed=5, heldout_ids=held)
+    assert grown.heldout == small.heldout
+    train_ids = {r["id"] for r in grown.train}
+    assert not train_ids & held and len(train_ids) >= 116
+
+    with pytest.raises(ValueError, match=r"ids.jsonl: 1 held-out id\(s\) are in no prompt source"):
+        load_prompts([(path, 40)], 0.1, seed=5, heldout_ids=held | {"gone"},
+                     heldout_ids_file="ids.jsonl")
+    bad = _write(tmp_path / "bad.jsonl", [json.dumps({"id": "a"}), json.dumps({"x": 1})])
+    with pytest.raises(PromptError, match=r"bad.jsonl, line 2: a row without an 'id'"):
+        read_ids(bad)

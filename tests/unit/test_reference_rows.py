@@ -34,3 +34,22 @@ def test_the_shipped_rows_are_the_reference_configs_split():
     assert set(train) <= wanted
     # only prompts beyond generate.max_prompt_tokens are left unanswered (the stage's error file)
     assert len(wanted) - len(train) == 11
+
+
+def test_the_grown_reference_config_keeps_the_heldout_rows_and_reuses_the_answers():
+    """smollm2_reference_xl.yaml is compared with the reference on the same held-out prompts, and
+    its generate stage takes the reference answers it asks for again instead of regenerating."""
+    from pipeline.prompts import read_ids
+
+    cfg = load_config(str(ROOT / "infra" / "configs" / "smollm2_reference_xl.yaml"))
+    p = cfg.prompts
+    heldout_ids = read_ids(storage.resolve(p.heldout_ids_from))
+    split = load_prompts([(storage.resolve(s.path), s.max_rows) for s in p.sources],
+                         p.heldout_fraction, p.seed, cfg.storage_options, heldout_ids=heldout_ids)
+    assert {r["id"] for r in split.heldout} == set(_ids("heldout.jsonl.gz"))
+    train = {r["id"] for r in split.train}
+    assert not train & heldout_ids and len(train) > 2 * len(_ids("train.jsonl.gz"))
+    reused = train & set(_ids("train.jsonl.gz"))
+    assert len(reused) > 4000
+    assert {storage.resolve(f) for f in cfg.generate.reuse_from} == {
+        str(ROWS / "train.jsonl.gz"), str(ROWS / "heldout.jsonl.gz")}

@@ -1,0 +1,63 @@
+"""generate.reuse_from: answers an earlier run regenerated are taken instead of regenerated, only
+for the same conversation, without duplicates, and a torn output line is cut first."""
+
+import gzip
+import json
+
+import pytest
+
+from pipeline.generate import done_ids
+from pipeline.generate_reuse import reuse_answers
+
+
+def _prompt(rid, *turns):
+    return {"id": rid, "domain": "chat", "messages": [{"role": "user", "content": t} for t in turns]}
+
+
+def _answered(rid, *turns):
+    messages = []
+    for t in turns:
+        messages += [{"role": "user", "content": t}, {"role": "assistant", "content": f"A:{t}"}]
+    return {"id": rid, "domain": "chat", "messages": messages,
+            "finish_reasons": ["stop"] * len(turns)}
+
+
+def _rows(path):
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_reuse_takes_matching_conversations_and_regenerates_the_rest(tmp_path):
+    earlier = tmp_path / "earlier.jsonl.gz"
+    with gzip.open(earlier, "wt") as fh:
+        for row in (_answered("a", "hi"), _answered("b", "other question"),  # b: another prompt
+                    _answered("c", "one", "two"), {"id": "d", "messages": "broken"},
+                    _answered("z", "not wanted")):
+            fh.write(json.dumps(row) + "\n")
+    partial = _answered("c", "one", "two")
+    partial["finish_reasons"] = ["stop"]  # one reason for two answers: not a finished row
+    second = tmp_path / "second.jsonl"
+    second.write_text(json.dumps(partial) + "\n" + json.dumps(_answered("e", "five")) + "\n")
+    out, errors = tmp_path / "gen" / "train.jsonl", tmp_path / "gen" / "errors.jsonl"
+    out.parent.mkdir()
+    out.write_text(json.dumps(_answered("e", "five")) + "\n" + '{"id": "x", "mess')  # torn tail
+    rows = [_prompt("a", "hi"), _prompt("b", "b's question"), _prompt("c", "one", "two"),
+            _prompt("d", "dee"), _prompt("e", "five")]
+
+    counts = reuse_answers(rows, out, errors, [str(earlier), str(second)])
+
+    assert counts == {"reused": 2, "reuse_mismatched": 2}  # b and d found but not reusable
+    written = _rows(out)  # e was already there (not duplicated); the torn line is gone
+    assert [r["id"] for r in written] == ["e", "a", "c"]
+    assert written[1] == _answered("a", "hi")
+    assert written[2]["messages"][3] == {"role": "assistant", "content": "A:two"}
+    assert done_ids(out, errors) == {"a", "c", "e"}
+    # a second call finds everything it can reuse done already (b and d still do not match)
+    assert reuse_answers(rows, out, errors, [str(earlier)]) == {"reused": 0,
+                                                                  "reuse_mismatched": 2}
+    assert len(_rows(out)) == 3
+
+
+def test_reuse_source_must_exist(tmp_path):
+    with pytest.raises(FileNotFoundError, match="reuse_from: file not found: .*nope.jsonl"):
+        reuse_answers([_prompt("a", "hi")], tmp_path / "o.jsonl", tmp_path / "e.jsonl",
+                      [str(tmp_path / "nope.jsonl")])
