@@ -87,8 +87,10 @@ ADDED_LATER = [("drafter", "qk_norm", None), ("engine", "kv_cache_memory_gib", 2
                ("eval", "fixed_gamma_pass", True),
                # no value reproduces the ungated probes exactly (1.0 is closest), but the eval
                # stage decodes one request at a time, where the gate lets due probes through
-               ("engine", "probe_alpha", 0.8), ("prompts", "heldout_ids_from", None),
-               ("generate", "reuse_from", [])]
+               ("engine", "probe_alpha", 0.8), ("prompts", "heldout_ids_from", None)]
+# config fields that say where a stage may take its outputs from, not what they are: never
+# fingerprinted, so adding the shipped answers to a run that regenerated them changes nothing
+NOT_FINGERPRINTED = [("generate", "reuse_from")]
 # config fields renamed after run directories existed: fingerprinted under their old names, so
 # runs made before the rename still count as complete
 RENAMED = [("engine", "num_speculative_tokens", "num_draft_tokens")]
@@ -102,6 +104,8 @@ def stage_fingerprint(cfg: PipelineConfig, name: str) -> str:
     for section, key, default in ADDED_LATER:  # at their defaults, as if absent
         if dumped.get(section, {}).get(key, object()) == default:
             del dumped[section][key]
+    for section, key in NOT_FINGERPRINTED:
+        dumped.get(section, {}).pop(key, None)
     for section, key, old in RENAMED:
         if key in dumped.get(section, {}):
             dumped[section][old] = dumped[section].pop(key)
