@@ -79,6 +79,28 @@ def test_end_to_end_smoke_and_rerun(tmp_path, tiny_target_dir):
     assert again.stderr.count("complete, skipped") == 4
     assert (run / "generate" / "train.jsonl").read_text() == before
 
+    # a grown run on the same held-out prompts takes the answers it asks for again
+    grown = yaml.safe_load(config.read_text())
+    extra = tmp_path / "more_prompts.jsonl"
+    extra.write_text("".join(json.dumps({"id": f"new{i}", "domain": "chat", "messages": [
+        {"role": "user", "content": f"Name {i + 2} colours."}]}) + "\n" for i in range(2)))
+    grown["run_dir"] = str(tmp_path / "grown")
+    grown["prompts"]["sources"].append({"path": str(extra)})
+    grown["prompts"]["heldout_ids_from"] = str(run / "prompts" / "heldout.jsonl")
+    grown["generate"]["reuse_from"] = [str(run / "generate" / f"{s}.jsonl")
+                                       for s in ("train", "heldout")]
+    (tmp_path / "grown.yaml").write_text(yaml.safe_dump(grown))
+    proc = run_pipeline(tmp_path / "grown.yaml", "--stages", "prompts,generate")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert ((tmp_path / "grown" / "prompts" / "heldout.jsonl").read_text()
+            == (run / "prompts" / "heldout.jsonl").read_text())
+    summary = json.loads((tmp_path / "grown" / "generate" / "_SUCCESS.json").read_text())
+    assert summary["train"]["reused"] == len(generated)
+    assert summary["train"]["generated"] + summary["train"]["errors"] == 2 + len(failed)
+    rows = {json.loads(l)["id"]: json.loads(l)
+            for l in (tmp_path / "grown" / "generate" / "train.jsonl").open()}
+    assert all(rows[g["id"]] == g for g in generated) and {"new0", "new1"} <= rows.keys()
+
     # a shard damaged after writing: --repair-cache rewrites that shard alone, training re-runs
     shards = sorted((run / "cache" / "train").glob("shard-*.parquet"))
     untouched = {p: p.stat().st_mtime_ns for p in shards[1:]}
