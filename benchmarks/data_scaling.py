@@ -15,7 +15,10 @@ domain they are computed afterwards with the same loss code on every held-out ca
 domain. Writes ``benchmarks/results/data_scaling.{json,md,png}``.
 
     .venv/bin/python benchmarks/data_scaling.py --config infra/configs/smollm2_reference.yaml \
-        --points 240,960,3840,all
+        --points 240,960,3840,all [--also-runs infra/configs/smollm2_reference_xl.yaml]
+
+``--also-runs`` adds further points past the whole cache: other configs' own runs on the same
+held-out prompts (checked), each its own train stage like the ``all`` point.
 """
 
 from __future__ import annotations
@@ -104,13 +107,37 @@ def check_base_run(base, sets: list[str]) -> None:
                          "pass --no-all-from-run")
 
 
-def train_point(base_cfg_path: str, sets: list[str], rows: int | None, args) -> dict:
+def check_same_heldout(base_run: Path, other_run: Path) -> None:
+    """A run added with ``--also-runs`` is a point of this curve only on the same held-out
+    prompts (e.g. ``prompts.heldout_ids_from`` naming the base run's held-out rows).
+
+    Raises:
+        FileNotFoundError: either run has no prompts stage yet.
+        ValueError: the held-out prompt ids differ (how many on each side).
+    """
+    from pipeline.prompts import read_ids
+
+    files = [run / "prompts" / "heldout.jsonl" for run in (base_run, other_run)]
+    for f in files:
+        if not f.exists():
+            raise FileNotFoundError(f"{f}: no prompts stage there yet")
+    base, other = (read_ids(str(f)) for f in files)
+    if base != other:
+        raise ValueError(f"{other_run} holds out other prompts than {base_run} ({len(other - base)} "
+                         f"not in the base run's, {len(base - other)} missing): its tau is not a "
+                         "point of this curve")
+
+
+def train_point(base_cfg_path: str, sets: list[str], rows: int | None, args,
+                label: str | None = None) -> dict:
     """Train (or reuse) one point; returns its row, token and metric summary. The ``all`` point
-    is the base run's own train stage unless ``--no-all-from-run``."""
+    is the base run's own train stage unless ``--no-all-from-run``; ``label`` names an
+    ``--also-runs`` point (another config's own train stage, ``rows`` None)."""
     from pipeline.cache_format import read_manifest
     from pipeline.train_data import subset_manifest
 
-    label = "all" if rows is None else str(rows)
+    own_run = label is not None or (rows is None and args.all_from_run)  # a run's own stage
+    label = label or ("all" if rows is None else str(rows))
     overrides = sets + [f"train.max_steps={args.max_steps}", "train.num_epochs=100000",
                         f"train.eval_every={args.eval_every}",
                         f"train.checkpoint_every={args.eval_every}",
@@ -125,7 +152,7 @@ def train_point(base_cfg_path: str, sets: list[str], rows: int | None, args) -> 
     if not (src.run_dir / "cache" / "_SUCCESS.json").exists():
         raise FileNotFoundError(f"no finished cache stage under {src.run_dir}: run the pipeline's "
                                 "data stages first (pipeline/run.py --stages prompts,generate,cache)")
-    if rows is None and args.all_from_run:
+    if own_run:
         # the whole cache is what the base run itself trains on, to its own plateau: its train
         # stage is this point (run or resumed here), not a second training of hours
         check_base_run(base, sets)
@@ -162,12 +189,15 @@ def train_point(base_cfg_path: str, sets: list[str], rows: int | None, args) -> 
 
 def all_point_note(meta: dict) -> str:
     """What the markdown says of the 'all' point when it is the base run's own train stage."""
+    also = ("" if not meta.get("also_runs") else
+            f" Points named after a config ({', '.join(meta['also_runs'])}) are that config's own "
+            "run on the same held-out prompts, trained by its own train stage and rule.")
     if not meta.get("all_from_run"):
-        return ""
+        return also
     t = meta["base_train"]
     return (f" The 'all' point is the base run's own train stage: held-out evaluations every "
             f"{t['eval_every']} steps, plateau after {t['plateau_patience']} of them rising "
-            f"less than {t['plateau_min_delta']}, at most {t['max_steps']} steps.")
+            f"less than {t['plateau_min_delta']}, at most {t['max_steps']} steps." + also)
 
 
 def write_results(points: list[dict], meta: dict, out: Path) -> None:
@@ -239,17 +269,31 @@ def main() -> int:
                     help="the 'all' point is the base run's own train stage (its config's eval "
                          "cadence and plateau rule), run or resumed here; --no-all-from-run "
                          "trains it again like the other points")
+    ap.add_argument("--also-runs", default="", metavar="CONFIG[,CONFIG]",
+                    help="further points: each config's own finished (or resumed here) run, "
+                         "e.g. infra/configs/smollm2_reference_xl.yaml, on the same held-out "
+                         "prompts as --config's run (checked); labelled by the config's name")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     args = ap.parse_args()
+    also = [c.strip() for c in args.also_runs.split(",") if c.strip()]
     try:
         cfg = load_config(args.config, args.set)
+        also_cfgs = [load_config(c) for c in also]
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
+        return 2
+    try:  # before hours of training the base points
+        base_dir = stages.StageContext.create(cfg).run_dir
+        for other in also_cfgs:
+            check_base_run(other, [])
+            check_same_heldout(base_dir, stages.StageContext.create(other).run_dir)
+    except (FileNotFoundError, ValueError) as err:
+        print(f"error: --also-runs: {err}", file=sys.stderr)
         return 2
     meta = {"date": time.strftime("%Y-%m-%d"), "command": " ".join(sys.argv),
             "config": args.config, "set": args.set, "eval_every": args.eval_every,
             "patience": args.patience, "min_delta": args.min_delta, "max_steps": args.max_steps,
-            "all_from_run": args.all_from_run,
+            "all_from_run": args.all_from_run, "also_runs": also,
             # the 'all' point's own cadence and stopping rule when it is the base run's stage
             "base_train": {k: v for k, v in cfg.train.model_dump().items()
                            if k in ("eval_every", "plateau_patience", "plateau_min_delta",
@@ -258,9 +302,11 @@ def main() -> int:
             "train": {k: v for k, v in cfg.train.model_dump().items()
                       if k in ("lr", "global_batch_size", "num_anchors", "warmup_ratio")}}
     points = []
-    for rows in args.points:
+    runs = [(args.config, args.set, rows, None) for rows in args.points]
+    runs += [(c, [], None, Path(c).stem) for c in also]
+    for config, sets, rows, label in runs:
         try:
-            points.append(train_point(args.config, args.set, rows, args))
+            points.append(train_point(config, sets, rows, args, label))
         except (FileNotFoundError, ValueError) as err:
             print(f"error: {err}", file=sys.stderr)
             return 1

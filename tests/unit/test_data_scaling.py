@@ -51,3 +51,24 @@ def test_results_keep_their_readings_when_a_point_is_added(tmp_path):
     assert "| 960 |" in text and text.count("## Reading (today)") == 1
     assert text.index("| 960 |") < text.index("## Reading (today)")
     assert text.rstrip().endswith("The curve rises.")
+
+
+def test_an_added_run_must_hold_out_the_same_prompts(tmp_path):
+    import json
+
+    from benchmarks.data_scaling import all_point_note, check_same_heldout
+
+    def run(name, ids):
+        (tmp_path / name / "prompts").mkdir(parents=True)
+        (tmp_path / name / "prompts" / "heldout.jsonl").write_text(
+            "".join(json.dumps({"id": i, "messages": []}) + "\n" for i in ids))
+        return tmp_path / name
+
+    base, same, other = run("base", ["a", "b"]), run("same", ["b", "a"]), run("other", ["a", "c"])
+    check_same_heldout(base, same)
+    with pytest.raises(ValueError, match=r"other prompts .*\(1 not in the base run's, 1 missing\)"):
+        check_same_heldout(base, other)
+    with pytest.raises(FileNotFoundError, match="no prompts stage there yet"):
+        check_same_heldout(base, tmp_path / "absent")
+    note = all_point_note({"all_from_run": False, "also_runs": ["smollm2_reference_xl.yaml"]})
+    assert "(smollm2_reference_xl.yaml) are that config's own run" in note
