@@ -109,13 +109,15 @@ def check_base_run(base, sets: list[str]) -> None:
 
 def check_same_heldout(base_run: Path, other_run: Path) -> None:
     """A run added with ``--also-runs`` is a point of this curve only on the same held-out
-    prompts (e.g. ``prompts.heldout_ids_from`` naming the base run's held-out rows).
+    prompts (e.g. ``prompts.heldout_ids_from`` naming the base run's held-out rows) and, where
+    both runs have generated, the same held-out answers (``generate.reuse_from``).
 
     Raises:
         FileNotFoundError: either run has no prompts stage yet.
-        ValueError: the held-out prompt ids differ (how many on each side).
+        ValueError: the held-out prompt ids differ (how many on each side), or a held-out
+            prompt's answer differs.
     """
-    from pipeline.prompts import read_ids
+    from pipeline.prompts import read_ids, read_jsonl
 
     files = [run / "prompts" / "heldout.jsonl" for run in (base_run, other_run)]
     for f in files:
@@ -126,6 +128,15 @@ def check_same_heldout(base_run: Path, other_run: Path) -> None:
         raise ValueError(f"{other_run} holds out other prompts than {base_run} ({len(other - base)} "
                          f"not in the base run's, {len(base - other)} missing): its tau is not a "
                          "point of this curve")
+    answers = [run / "generate" / "heldout.jsonl" for run in (base_run, other_run)]
+    if all(a.exists() for a in answers):  # the held-out cache rows are these answers
+        base_rows, other_rows = ({r["id"]: r["messages"] for r in read_jsonl(str(a))}
+                                 for a in answers)
+        differ = sorted(i for i in base_rows.keys() & other_rows.keys()
+                        if base_rows[i] != other_rows[i])
+        if differ:
+            raise ValueError(f"{other_run} answers {len(differ)} held-out prompt(s) differently "
+                             f"from {base_run} (e.g. {differ[:3]}): its held-out rows differ")
 
 
 def train_point(base_cfg_path: str, sets: list[str], rows: int | None, args,
@@ -293,7 +304,7 @@ def main() -> int:
     meta = {"date": time.strftime("%Y-%m-%d"), "command": " ".join(sys.argv),
             "config": args.config, "set": args.set, "eval_every": args.eval_every,
             "patience": args.patience, "min_delta": args.min_delta, "max_steps": args.max_steps,
-            "all_from_run": args.all_from_run, "also_runs": also,
+            "all_from_run": args.all_from_run, "also_runs": [Path(c).stem for c in also],
             # the 'all' point's own cadence and stopping rule when it is the base run's stage
             "base_train": {k: v for k, v in cfg.train.model_dump().items()
                            if k in ("eval_every", "plateau_patience", "plateau_min_delta",
@@ -304,6 +315,10 @@ def main() -> int:
     points = []
     runs = [(args.config, args.set, rows, None) for rows in args.points]
     runs += [(c, [], None, Path(c).stem) for c in also]
+    labels = [label for *_, label in runs if label]
+    if len(set(labels)) < len(labels):
+        print(f"error: --also-runs: two configs share a name ({labels})", file=sys.stderr)
+        return 2
     for config, sets, rows, label in runs:
         try:
             points.append(train_point(config, sets, rows, args, label))

@@ -20,8 +20,8 @@ def stage_prompts(ctx: StageContext) -> dict:
     sources = [(storage.resolve(s.path), s.max_rows) for s in cfg.sources]
     heldout_ids, ids_file = None, "prompts.heldout_ids_from"
     if cfg.heldout_ids_from:
-        ids_file = storage.resolve(cfg.heldout_ids_from)
-        heldout_ids = read_ids(ids_file, ctx.cfg.storage_options)
+        ids_file = f"prompts.heldout_ids_from ({storage.resolve(cfg.heldout_ids_from)})"
+        heldout_ids = read_ids(storage.resolve(cfg.heldout_ids_from), ctx.cfg.storage_options)
     split = load_prompts(sources, cfg.heldout_fraction, cfg.seed, ctx.cfg.storage_options,
                          heldout_ids=heldout_ids, heldout_ids_file=ids_file)
     out = ctx.stage_dir("prompts")
@@ -37,26 +37,29 @@ def stage_generate(ctx: StageContext) -> dict:
     from tqdm import tqdm
 
     from .generate import run_generate
-    from .generate_reuse import reuse_answers
+    from .generate_reuse import refile_answers, reuse_answers
     from .prompts import read_jsonl
 
     ensure_ray(ctx.cfg)
     g = ctx.cfg.generate
     out = ctx.stage_dir("generate")
+    prompts = {split: read_jsonl(str(ctx.run_dir / "prompts" / f"{split}.jsonl"))
+               for split in SPLITS}
+    refile_answers(out, {split: {r["id"] for r in rows} for split, rows in prompts.items()})
     reused = {}
     if g.reuse_from:
+        logger.info("generate.reuse_from: taking earlier answers as if made with this target "
+                    "and sampling %s", g.sampling.model_dump())
         sources = [storage.resolve(p) for p in g.reuse_from]
         for split in SPLITS:
-            rows = read_jsonl(str(ctx.run_dir / "prompts" / f"{split}.jsonl"))
-            reused[split] = reuse_answers(rows, out / f"{split}.jsonl", out / "errors.jsonl",
-                                          sources, ctx.cfg.storage_options)
+            reused[split] = reuse_answers(prompts[split], out / f"{split}.jsonl",
+                                          out / "errors.jsonl", sources, ctx.cfg.storage_options)
     target = dict(target=ctx.target, dtype=ctx.cfg.target.dtype,
                   template_kwargs=ctx.cfg.target.chat_template_kwargs, seed=ctx.cfg.seed)
     if g.backend == "vllm":
         from .generate_vllm import run_generate_vllm
 
-        splits = {split: (read_jsonl(str(ctx.run_dir / "prompts" / f"{split}.jsonl")),
-                          out / f"{split}.jsonl") for split in SPLITS}
+        splits = {split: (prompts[split], out / f"{split}.jsonl") for split in SPLITS}
         with tqdm(total=sum(len(rows) for rows, _ in splits.values()), desc="generate (vllm)",
                   unit="prompt", mininterval=5) as bar:
             summary = run_generate_vllm(splits, out / "errors.jsonl", g, **target, progress=bar)
@@ -65,7 +68,7 @@ def stage_generate(ctx: StageContext) -> dict:
         return summary
     summary = {}
     for split in SPLITS:
-        rows = read_jsonl(str(ctx.run_dir / "prompts" / f"{split}.jsonl"))
+        rows = prompts[split]
         with tqdm(total=len(rows), desc=f"generate {split}", unit="prompt", mininterval=5) as bar:
             counts = run_generate(rows, out / f"{split}.jsonl", out / "errors.jsonl", g, **target,
                                   progress=bar)

@@ -4,8 +4,12 @@ Regeneration is the slow part of the data stages (hours for a million answer tok
 CPU machine), and a run that grows its prompt set asks again for most of the answers an earlier
 run already has. A reused row must come from the same target and sampling settings; the stage can
 only check that it answers the same conversation: its user (and system) turns equal the prompt
-row's, and it carries one finish reason per regenerated answer. Rows are written to the split's
-output file exactly as the generate stage writes them, so the stage's resume-by-id then skips them.
+row's, and it carries one answer and one finish reason per user turn (the stage logs the sampling
+it assumes). Rows are written to the split's output file exactly as the generate stage writes
+them, so the stage's resume-by-id then skips them.
+
+Also here: :func:`refile_answers`, which keeps a run's answer files consistent with its current
+prompt split before anything is generated or reused.
 """
 
 from __future__ import annotations
@@ -20,23 +24,23 @@ from .prompts import PromptError, iter_raw_rows, validate_row
 logger = logging.getLogger(__name__)
 
 
-def _answers(row: dict) -> int:
-    return sum(1 for m in row.get("messages", []) if isinstance(m, dict)
-               and m.get("role") == "assistant")
+def _turns(row: dict, role: str) -> int:
+    return sum(1 for m in row.get("messages", []) if isinstance(m, dict) and m.get("role") == role)
 
 
 def reusable_rows(path: str, wanted: dict[str, dict], storage_options: dict | None = None
-                  ) -> tuple[dict[str, dict], int]:
+                  ) -> tuple[dict[str, dict], set[str]]:
     """The rows of a regenerated-conversations file that answer prompts in ``wanted``.
 
     Args:
         path: a JSONL (``.jsonl.gz``) or Parquet file of generate-stage rows (``id``, ``domain``,
-            ``messages`` with the answers, ``finish_reasons``), e.g. an earlier run's
-            ``generate/train.jsonl`` or ``infra/datasets/regenerated/smollm2_reference/``.
+            ``messages`` with the answers, ``finish_reasons``; in Parquet both may be JSON
+            strings), e.g. an earlier run's ``generate/train.jsonl`` or
+            ``infra/datasets/regenerated/smollm2_reference/train.jsonl.gz``.
         wanted: prompt rows (the prompts stage's form) by id.
     Returns:
-        (rows by id, each ready to append to the output; the number of rows whose id is wanted
-        but whose conversation differs or carries no complete answer, which are regenerated).
+        (rows by id, each ready to append to the output; the ids that are wanted but whose row
+        answers another conversation or not every user turn).
     Raises:
         FileNotFoundError: no such file (naming it).
     """
@@ -44,7 +48,7 @@ def reusable_rows(path: str, wanted: dict[str, dict], storage_options: dict | No
 
     if not storage.exists(path, storage_options):
         raise FileNotFoundError(f"generate.reuse_from: file not found: {path}")
-    found, mismatched = {}, 0
+    found, mismatched = {}, set()
     for line, item in iter_raw_rows(path, storage_options or {}):
         if not isinstance(item, dict) or str(item.get("id")) not in wanted:
             continue
@@ -54,10 +58,16 @@ def reusable_rows(path: str, wanted: dict[str, dict], storage_options: dict | No
         except PromptError:
             prompt = None
         reasons = item.get("finish_reasons")
+        if isinstance(reasons, str):  # a Parquet column written as the stage's JSON string
+            try:
+                reasons = json.loads(reasons)
+            except json.JSONDecodeError:
+                reasons = None
+        answers = _turns(item, "assistant")
         if (prompt is None or prompt["messages"] != wanted[rid]["messages"]
-                or not isinstance(reasons, list) or not reasons
-                or len(reasons) != _answers(item)):
-            mismatched += 1
+                or not isinstance(reasons, list) or not reasons or len(reasons) != answers
+                or answers != _turns(prompt, "user")):
+            mismatched.add(rid)
             continue
         found.setdefault(rid, {"id": rid, "domain": wanted[rid]["domain"],
                                "messages": item["messages"], "finish_reasons": reasons})
@@ -74,7 +84,9 @@ def reuse_answers(rows: list[dict], out_path: Path, errors_path: Path, sources: 
         sources: files of regenerated conversations (:func:`reusable_rows`), resolved paths;
             the first file holding an id wins.
     Returns:
-        ``{"reused": rows appended, "reuse_mismatched": rows found with another conversation}``.
+        ``{"reused": rows appended, "reuse_mismatched": rows left to regenerate that a source
+        holds with another conversation or an incomplete answer}`` (reused rows are also among
+        the ``skipped`` of the stage's generation counts).
     Raises:
         FileNotFoundError: a source does not exist.
     """
@@ -83,18 +95,19 @@ def reuse_answers(rows: list[dict], out_path: Path, errors_path: Path, sources: 
     truncate_torn_line(out_path)  # an append after a torn line would corrupt both rows
     done = done_ids(out_path, errors_path)
     wanted = {r["id"]: r for r in rows if r["id"] not in done}
-    reused, mismatched = [], 0
+    reused, mismatched = [], set()
     for path in sources:
         if not wanted:
             break
         found, bad = reusable_rows(path, wanted, storage_options)
-        mismatched += bad
+        mismatched |= bad
         for rid in sorted(found):
             reused.append(found[rid])
             del wanted[rid]
+    mismatched &= wanted.keys()  # a later source may have held a good row for the id
     if mismatched:
         logger.warning("generate.reuse_from: %d row(s) answer another conversation under the same "
-                       "id (or carry no complete answer): regenerated", mismatched)
+                       "id (or not every user turn): regenerated", len(mismatched))
     if reused:
         out_path.parent.mkdir(parents=True, exist_ok=True)
         with open(out_path, "a", encoding="utf-8") as fh:
@@ -103,4 +116,62 @@ def reuse_answers(rows: list[dict], out_path: Path, errors_path: Path, sources: 
             fh.flush()
             os.fsync(fh.fileno())
         logger.info("generate.reuse_from: %d answer(s) taken from earlier runs", len(reused))
-    return {"reused": len(reused), "reuse_mismatched": mismatched}
+    return {"reused": len(reused), "reuse_mismatched": len(mismatched)}
+
+
+def refile_answers(out_dir: Path, splits: dict[str, set[str]]) -> dict:
+    """Make a run's answer files agree with its current prompt split, before the generate stage
+    reuses or generates anything: an answer filed under another split (the split changed, e.g.
+    ``prompts.heldout_ids_from`` added and ``--force prompts``) moves to its split's file, and one
+    whose prompt is in no split moves to ``unused.jsonl`` (kept: ``generate.reuse_from`` can
+    take it back). The cache stage reads the answer files whole, so a held-out prompt's answer
+    left in ``train.jsonl`` would be trained on.
+
+    Args:
+        out_dir: the run's ``generate`` directory (``<split>.jsonl`` files).
+        splits: split name -> the ids of its prompts.
+    Returns:
+        ``{"moved": answers refiled under another split, "unused": answers set aside}`` (an id
+        filed twice keeps its first row).
+    """
+    from .generate import truncate_torn_line
+
+    split_of = {rid: split for split, ids in splits.items() for rid in ids}
+    files = {split: out_dir / f"{split}.jsonl" for split in splits}
+    kept: dict[str, list[str]] = {split: [] for split in splits}
+    moved, unused, changed, seen = 0, [], False, set()
+    for split, path in files.items():
+        if not path.exists():
+            continue
+        truncate_torn_line(path)
+        for raw in path.read_text(encoding="utf-8").splitlines(keepends=True):
+            try:
+                rid = str(json.loads(raw)["id"])
+            except (json.JSONDecodeError, KeyError, TypeError):
+                kept[split].append(raw)  # not this function's to judge
+                continue
+            home = split_of.get(rid)
+            if rid in seen:  # filed twice (once under each split): keep the first
+                changed = True
+                continue
+            seen.add(rid)
+            if home is None:
+                unused.append(raw)
+            else:
+                kept[home].append(raw)
+                moved += home != split
+            changed |= home != split
+    if not changed:
+        return {"moved": 0, "unused": 0}
+    from . import storage
+
+    if unused:
+        with open(out_dir / "unused.jsonl", "a", encoding="utf-8") as fh:
+            fh.writelines(unused)
+            fh.flush()
+            os.fsync(fh.fileno())
+    for split, path in files.items():
+        storage.write_bytes_atomic(str(path), "".join(kept[split]).encode())
+    logger.warning("generate: %d answer(s) refiled under their current split, %d whose prompt is "
+                   "in no split set aside in %s", moved, len(unused), out_dir / "unused.jsonl")
+    return {"moved": moved, "unused": len(unused)}

@@ -121,8 +121,9 @@ def plan(cfg, hidden_size: int, num_layers: int, tokens_per_sample: float | None
         rows = sum(count_rows(f, cfg.storage_options)
                    for f in expand_sources(storage.resolve(src.path), cfg.storage_options))
         prompts += min(rows, src.max_rows) if src.max_rows else rows
-    if cfg.prompts.heldout_ids_from:  # an upper bound: held-out rows the subsamples drew are
-        # counted twice (the prompts stage takes them out of the training split)
+    if cfg.prompts.heldout_ids_from:  # an upper bound: held-out rows that a source's rows
+        # (all of them, or its max_rows subsample) include are counted twice (the prompts stage
+        # takes them out of the training split)
         from .prompts import read_ids
 
         heldout = len(read_ids(storage.resolve(cfg.prompts.heldout_ids_from),

@@ -205,8 +205,8 @@ def preflight(ctx: StageContext, ordered: list[str], forced: list[str]) -> None:
     target (train, and cache unless forced).
 
     Raises:
-        VllmNotInstalledError, EvalDataError, FileNotFoundError, DrafterCheckpointError,
-        CacheMismatchError.
+        VllmNotInstalledError, EvalDataError, FileNotFoundError, ValueError (a directory where
+        a file is wanted), DrafterCheckpointError, CacheMismatchError.
     """
     from .cache_format import read_manifest
 
@@ -215,6 +215,7 @@ def preflight(ctx: StageContext, ordered: list[str], forced: list[str]) -> None:
         from .generate_vllm import require_vllm
 
         require_vllm()
+
     def will_run(name: str) -> bool:
         return name in ordered and (not ctx.marker(name).exists() or name in forced)
 
@@ -225,8 +226,11 @@ def preflight(ctx: StageContext, ordered: list[str], forced: list[str]) -> None:
         inputs += [(f"generate.reuse_from[{i}]", p)
                    for i, p in enumerate(ctx.cfg.generate.reuse_from)]
     for field, path in inputs:
-        if not storage.exists(storage.resolve(path), ctx.cfg.storage_options):
+        resolved = storage.resolve(path)
+        if not storage.exists(resolved, ctx.cfg.storage_options):
             raise FileNotFoundError(f"{field}: no such file: {path}")
+        if storage.get_fsspec(resolved, ctx.cfg.storage_options).isdir(resolved):
+            raise ValueError(f"{field}: {path} is a directory; name its files")
     if "eval" in ordered:
         eval_datasets(ctx.cfg)
     init_from = ctx.cfg.train.init_from

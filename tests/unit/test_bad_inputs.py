@@ -247,6 +247,11 @@ def test_preflight_names_a_missing_heldout_ids_or_reuse_file(tmp_path, tiny_targ
         preflight(ctx, ["prompts", "generate"], forced=[])
     with pytest.raises(FileNotFoundError, match=r"generate.reuse_from\[0\]: no such file: .*old"):
         preflight(ctx, ["generate"], forced=[])
+    cfg = ctx.cfg.model_copy(update={
+        "generate": ctx.cfg.generate.model_copy(update={"reuse_from": [str(tmp_path)]})})
+    ctx = StageContext(cfg, ctx.run_dir, ctx.target, ctx.layer_ids, ctx.cache_dir)
+    with pytest.raises(ValueError, match=r"generate.reuse_from\[0\]: .* is a directory"):
+        preflight(ctx, ["generate"], forced=[])
     ctx.marker("generate").parent.mkdir(parents=True, exist_ok=True)
     ctx.marker("generate").write_text("{}")
     preflight(ctx, ["generate"], forced=[])  # complete: nothing to read

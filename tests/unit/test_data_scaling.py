@@ -70,5 +70,14 @@ def test_an_added_run_must_hold_out_the_same_prompts(tmp_path):
         check_same_heldout(base, other)
     with pytest.raises(FileNotFoundError, match="no prompts stage there yet"):
         check_same_heldout(base, tmp_path / "absent")
-    note = all_point_note({"all_from_run": False, "also_runs": ["smollm2_reference_xl.yaml"]})
-    assert "(smollm2_reference_xl.yaml) are that config's own run" in note
+    for name, answer in (("base", "one"), ("same", "one")):
+        (tmp_path / name / "generate").mkdir()
+        (tmp_path / name / "generate" / "heldout.jsonl").write_text(json.dumps(
+            {"id": "a", "messages": [{"role": "assistant", "content": answer}]}) + "\n")
+    check_same_heldout(base, same)
+    (same / "generate" / "heldout.jsonl").write_text(json.dumps(
+        {"id": "a", "messages": [{"role": "assistant", "content": "two"}]}) + "\n")
+    with pytest.raises(ValueError, match=r"answers 1 held-out prompt\(s\) differently"):
+        check_same_heldout(base, same)
+    note = all_point_note({"all_from_run": False, "also_runs": ["smollm2_reference_xl"]})
+    assert "(smollm2_reference_xl) are that config's own run" in note

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from pipeline.generate import done_ids
-from pipeline.generate_reuse import reuse_answers
+from pipeline.generate_reuse import refile_answers, reuse_answers
 
 
 def _prompt(rid, *turns):
@@ -61,3 +61,40 @@ def test_reuse_source_must_exist(tmp_path):
     with pytest.raises(FileNotFoundError, match="reuse_from: file not found: .*nope.jsonl"):
         reuse_answers([_prompt("a", "hi")], tmp_path / "o.jsonl", tmp_path / "e.jsonl",
                       [str(tmp_path / "nope.jsonl")])
+
+
+def test_the_first_source_wins_and_errored_ids_are_not_reused(tmp_path):
+    first, second = tmp_path / "first.jsonl", tmp_path / "second.jsonl"
+    a1, a2 = _answered("a", "hi"), _answered("a", "hi")
+    a2["messages"][1]["content"] = "another answer"
+    b_bad, b_good = _answered("b", "other"), _answered("b", "bee")
+    first.write_text(json.dumps(a1) + "\n" + json.dumps(b_bad) + "\n")
+    second.write_text(json.dumps(a2) + "\n" + json.dumps(b_good) + "\n"
+                      + json.dumps(_answered("c", "sea")) + "\n")
+    out, errors = tmp_path / "train.jsonl", tmp_path / "errors.jsonl"
+    errors.write_text(json.dumps({"id": "c", "stage": "generate", "error": "too long"}) + "\n")
+    counts = reuse_answers([_prompt("a", "hi"), _prompt("b", "bee"), _prompt("c", "sea")], out,
+                           errors, [str(first), str(second)])
+    # b is mismatched in the first file but taken from the second: not counted as mismatched
+    assert counts == {"reused": 2, "reuse_mismatched": 0}
+    assert [r["messages"][1]["content"] for r in _rows(out)] == ["A:hi", "A:bee"]
+
+
+def test_answers_are_refiled_under_the_current_split(tmp_path):
+    """A split that changed under existing answers: a held-out prompt's answer leaves train.jsonl
+    (the cache stage would train on it), one in no split is set aside, duplicates go."""
+    out = tmp_path / "generate"
+    out.mkdir()
+    (out / "train.jsonl").write_text("".join(json.dumps(_answered(i, i)) + "\n"
+                                             for i in ("a", "b", "gone")))
+    (out / "heldout.jsonl").write_text(json.dumps(_answered("c", "c")) + "\n"
+                                       + json.dumps(_answered("a", "a")) + "\n")
+    counts = refile_answers(out, {"train": {"a", "c"}, "heldout": {"b"}})
+    assert counts == {"moved": 2, "unused": 1}
+    assert [r["id"] for r in _rows(out / "train.jsonl")] == ["a", "c"]
+    assert [r["id"] for r in _rows(out / "heldout.jsonl")] == ["b"]
+    assert [r["id"] for r in _rows(out / "unused.jsonl")] == ["gone"]
+    before = {p.name: p.read_text() for p in out.iterdir()}
+    assert refile_answers(out, {"train": {"a", "c"}, "heldout": {"b"}}) == {"moved": 0,
+                                                                            "unused": 0}
+    assert {p.name: p.read_text() for p in out.iterdir()} == before

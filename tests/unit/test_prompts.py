@@ -101,6 +101,12 @@ def test_heldout_ids_keep_the_split_as_the_sources_grow(tmp_path):
     assert grown.heldout == small.heldout
     train_ids = {r["id"] for r in grown.train}
     assert not train_ids & held and len(train_ids) >= 116
+    # held-out rows the subsample did not draw are held out all the same
+    undrawn = {f"r{i}" for i in range(200)} - {r["id"] for r in small.train + small.heldout}
+    picked = set(sorted(undrawn)[:3])
+    other = load_prompts([(path, 40)], 0.1, seed=5, heldout_ids=picked)
+    assert {r["id"] for r in other.heldout} == picked
+    assert {r["id"] for r in other.train} == {r["id"] for r in small.train + small.heldout}
 
     with pytest.raises(ValueError, match=r"ids.jsonl: 1 held-out id\(s\) are in no prompt source"):
         load_prompts([(path, 40)], 0.1, seed=5, heldout_ids=held | {"gone"},
