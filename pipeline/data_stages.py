@@ -20,8 +20,9 @@ def stage_prompts(ctx: StageContext) -> dict:
     sources = [(storage.resolve(s.path), s.max_rows) for s in cfg.sources]
     heldout_ids, ids_file = None, "prompts.heldout_ids_from"
     if cfg.heldout_ids_from:
-        ids_file = f"prompts.heldout_ids_from ({storage.resolve(cfg.heldout_ids_from)})"
-        heldout_ids = read_ids(storage.resolve(cfg.heldout_ids_from), ctx.cfg.storage_options)
+        path = storage.resolve(cfg.heldout_ids_from)
+        ids_file = f"prompts.heldout_ids_from ({path})"
+        heldout_ids = read_ids(path, ctx.cfg.storage_options)
     split = load_prompts(sources, cfg.heldout_fraction, cfg.seed, ctx.cfg.storage_options,
                          heldout_ids=heldout_ids, heldout_ids_file=ids_file)
     out = ctx.stage_dir("prompts")

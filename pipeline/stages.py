@@ -210,14 +210,13 @@ def preflight(ctx: StageContext, ordered: list[str], forced: list[str]) -> None:
     """
     from .cache_format import read_manifest
 
-    if ("generate" in ordered and ctx.cfg.generate.backend == "vllm"
-            and (not ctx.marker("generate").exists() or "generate" in forced)):
+    def will_run(name: str) -> bool:
+        return name in ordered and (not ctx.marker(name).exists() or name in forced)
+
+    if will_run("generate") and ctx.cfg.generate.backend == "vllm":
         from .generate_vllm import require_vllm
 
         require_vllm()
-
-    def will_run(name: str) -> bool:
-        return name in ordered and (not ctx.marker(name).exists() or name in forced)
 
     inputs = []  # files named in the config that the stages about to run read
     if will_run("prompts") and ctx.cfg.prompts.heldout_ids_from:
