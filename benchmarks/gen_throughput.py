@@ -68,8 +68,10 @@ def build_arm(name: str, size: int, cfg, target: str, max_new_tokens: int):
                   max_prompt_tokens=g.max_prompt_tokens, seed=cfg.seed)
     if name == "hf":
         return GenerateUDF(**common)
+    # engine_pytorch: the engine with PyTorch attention only (serve.engine.config: attention)
     return EngineGenerateUDF(**common, max_num_requests=size,
-                             kv_cache_memory_gib=g.kv_cache_memory_gib)
+                             kv_cache_memory_gib=g.kv_cache_memory_gib,
+                             attention="pytorch" if name == "engine_pytorch" else "kernel")
 
 
 def run_arm(name: str, size: int, udf, rows: list[dict]) -> dict:
@@ -100,10 +102,14 @@ def main() -> int:
                     help="default: the config's generate.sampling.max_new_tokens")
     ap.add_argument("--hf-batch-sizes", type=int_list, default=[32, 64])
     ap.add_argument("--engine-batch-sizes", type=int_list, default=[64, 128])
+    ap.add_argument("--engine-pytorch-batch-sizes", type=int_list, default=[],
+                    help="also the engine with PyTorch attention only (engine.attention: "
+                    "pytorch) at these batch sizes")
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "gen_throughput"))
     args = ap.parse_args()
-    if not args.hf_batch_sizes or any(b < 1 for b in args.hf_batch_sizes + args.engine_batch_sizes):
+    if not args.hf_batch_sizes or any(b < 1 for b in args.hf_batch_sizes + args.engine_batch_sizes
+                                                + args.engine_pytorch_batch_sizes):
         ap.error("--hf-batch-sizes needs at least one size (the baseline) and every size >= 1")
 
     from pipeline.stages import StageContext
@@ -113,7 +119,8 @@ def main() -> int:
     max_new = args.max_new_tokens or cfg.generate.sampling.max_new_tokens
     rows = pick_prompts(cfg, args.prompts)
     arms = ([("hf", b) for b in args.hf_batch_sizes]
-            + [("engine", b) for b in args.engine_batch_sizes])
+            + [("engine", b) for b in args.engine_batch_sizes]
+            + [("engine_pytorch", b) for b in args.engine_pytorch_batch_sizes])
     udfs = {arm: build_arm(arm[0], arm[1], cfg, target, max_new) for arm in arms}
     results = []
     for rep in range(args.repeats):

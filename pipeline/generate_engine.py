@@ -4,8 +4,9 @@ batching engine that serving and evaluation run.
 
 What differs from the hf backend is how the answers of one Ray Data batch are decoded: the engine
 keeps ``generate.max_num_requests`` sequences in flight, a finished one's KV slot takes the next
-prompt at once (no padding, no batch waiting for its longest answer), and single-token decode
-rows attend together in one batched product (``serve/engine/kv_pool.py``). A conversation's next
+prompt at once (no padding, no batch waiting for its longest answer), and every decode row of a
+step attends its own KV slot in one call of the decode attention kernel
+(``serve/engine/decode_attention.py``). A conversation's next
 turn is queued the moment its previous answer ends (no turn waits for the batch's other
 conversations), and finished conversations leave the actor in small chunks while the rest of the
 batch decodes (:meth:`EngineGenerateUDF.__call__` is a generator), so the stage writes them, and a
@@ -49,13 +50,14 @@ class EngineGenerateUDF(GenerateUDF):
         max_num_requests: sequences decoded together (the engine's batch).
         kv_cache_memory_gib: the engine's KV pool (GiB): ``max_num_requests`` slots of
             ``max_prompt_tokens + sampling.max_new_tokens`` positions must fit.
+        attention: the engine's ``attention`` (``serve.engine.config.EngineConfig``).
     Raises:
         ValueError: the KV budget holds too few positions for the longest prompt + answer.
     """
 
     def __init__(self, target: str, dtype: str, sampling: dict, template_kwargs: dict,
                  num_threads: int | None, max_prompt_tokens: int, seed: int,
-                 max_num_requests: int, kv_cache_memory_gib: float):
+                 max_num_requests: int, kv_cache_memory_gib: float, attention: str = "kernel"):
         import torch
 
         from serve.engine.builder import build_engine, load_models
@@ -72,7 +74,8 @@ class EngineGenerateUDF(GenerateUDF):
         wanted = max_prompt_tokens + sampling["max_new_tokens"]
         self.engine = build_engine(models, EngineConfig(
             scheduler="none", max_num_requests=max_num_requests, max_model_len=wanted,
-            kv_cache_memory_gib=kv_cache_memory_gib, max_waiting=1_000_000), tokenizer=False)
+            kv_cache_memory_gib=kv_cache_memory_gib, max_waiting=1_000_000, attention=attention),
+            tokenizer=False)
         if self.engine.max_model_len < wanted:
             raise ValueError(
                 f"generate.kv_cache_memory_gib {kv_cache_memory_gib} holds "

@@ -92,6 +92,12 @@ class EngineConfig(BaseModel):
         "step carries only the prompt tokens that keep the decoding requests above it (at least "
         "MIN_PREFILL_TOKENS). A request's own floor orders verification only (it neither gates "
         "admission nor sizes prompt chunks). Needs scheduler dspark or async (profiled SPS).")
+    attention: Literal["kernel", "pytorch"] = Field(
+        "kernel", description="How decode and verify rows attend the KV cache on a CPU. kernel: "
+        "one call of the decode attention kernel for all of them (serve/engine/csrc, compiled "
+        "for this CPU on first use, ~30 s once; where it cannot be built a warning says so and "
+        "pytorch is used); pytorch: batched products and per-request SDPA calls. Same results "
+        "up to rounding; on a GPU always pytorch.")
     max_num_requests: int = Field(32, ge=1, description="Requests decoded together (batch).")
     max_prefill_tokens: int = Field(2048, ge=1, description="Prompt tokens prefilled per step "
                                     "(chunked prefill): a longer prompt, or several, continue in "

@@ -86,6 +86,7 @@ class SpecEngine:
             raise ValueError(f"scheduler {name!r} needs a drafter with a confidence head "
                              f"({drafter.config.drafter_type} has none): use 'fixed' or 'none'")
         self.scheduler_name = name
+        target.use_decode_kernel(self.config.attention == "kernel")
         self.target, self.drafter, self.tokenizer, self.sps = target, drafter, tokenizer, sps
         self.draft_cost = draft_cost
         plans = drafter is not None and self.config.plans_drafts

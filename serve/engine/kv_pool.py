@@ -28,6 +28,8 @@ from __future__ import annotations
 
 import torch
 
+from .decode_attention import MAX_KERNEL_QUERIES
+
 ATTENTION_NAME = "dspark_slots"
 # Cost of attending one key position in a request's own SDPA call, relative to one position of
 # the batched product over a slot range (which also pays for the range's holes and for padding
@@ -246,21 +248,40 @@ def single_token_groups(slots: list[int], lengths: list[int], counts: list[int]
     return best
 
 
+class KernelRows:
+    """The query rows of a pass that the decode attention kernel attends
+    (:func:`serve.engine.decode_attention.decode_kernel`): every new token of each request that
+    runs at most ``MAX_KERNEL_QUERIES`` of them (decode and verify), one row per token.
+
+    Fields (N rows): op: the kernel; slots: int64 [N], the row's request's slot; lengths: int64
+    [N], the keys the row sees (its position + 1: causal within a verify block); offsets: int64
+    [N], the row's token in the packed row.
+    """
+
+    __slots__ = ("op", "slots", "lengths", "offsets")
+
+    def __init__(self, op, slots: torch.Tensor, lengths: torch.Tensor, offsets: torch.Tensor):
+        self.op, self.slots, self.lengths, self.offsets = op, slots, lengths, offsets
+
+
 class SlotViews:
     """What :meth:`PooledStepCache.update` hands the attention of one layer: each multi-token
     request's keys or values ``[Hkv, L_j + n_j, d]`` as views of its slot (no copy; None for a
-    single-token request), its new tokens' offset s_j in the packed row and count n_j, its causal
-    mask bool ``[n_j, L_j + n_j]``, and the groups of single-token requests
-    (:class:`SingleTokenRows`; empty or None: none) with this layer's whole pool tensor ``[slots, Hkv, capacity, d]``."""
+    request attended otherwise), its new tokens' offset s_j in the packed row and count n_j, its
+    causal mask bool ``[n_j, L_j + n_j]``, the rows the decode attention kernel attends
+    (:class:`KernelRows`, or None) or else the groups of single-token requests
+    (:class:`SingleTokenRows`; empty or None: none), with this layer's whole pool tensor
+    ``[slots, Hkv, capacity, d]``."""
 
-    __slots__ = ("rows", "starts", "counts", "masks", "_folded", "single", "pool")
+    __slots__ = ("rows", "starts", "counts", "masks", "_folded", "single", "pool", "kernel_rows")
 
     def __init__(self, rows: list, starts: list[int], counts: list[int],
                  masks: list[torch.Tensor | None], folded: dict,
-                 single: list[SingleTokenRows] | None = None, pool: torch.Tensor | None = None):
+                 single: list[SingleTokenRows] | None = None, pool: torch.Tensor | None = None,
+                 kernel_rows: KernelRows | None = None):
         self.rows, self.starts, self.counts = rows, starts, counts
         self.masks, self._folded = masks, folded
-        self.single, self.pool = single, pool
+        self.single, self.pool, self.kernel_rows = single, pool, kernel_rows
 
     def folded_mask(self, j: int, groups: int) -> torch.Tensor:
         """Row j's mask repeated for ``groups`` folded query heads ``[groups * n_j, L_j + n_j]``,
@@ -280,34 +301,52 @@ class PooledStepCache:
     Args:
         pool: the :class:`SlotKVPool`.
         slots: R slot ids; lengths: R committed lengths L_j; counts: R new-token counts n_j.
+        kernel: the decode attention kernel (:func:`serve.engine.decode_attention.decode_kernel`)
+            for requests of at most ``MAX_KERNEL_QUERIES`` new tokens, or None: PyTorch only
+            (single-token requests in batched products, the rest one SDPA call each).
     """
 
-    def __init__(self, pool: SlotKVPool, slots: list[int], lengths: list[int], counts: list[int]):
+    def __init__(self, pool: SlotKVPool, slots: list[int], lengths: list[int], counts: list[int],
+                 kernel=None):
         self.pool, self.slots, self.lengths, self.counts = pool, slots, lengths, counts
         self.starts = [0] * len(counts)
         for j in range(1, len(counts)):
             self.starts[j] = self.starts[j - 1] + counts[j - 1]
         pool.reserve(max(l + n for l, n in zip(lengths, counts)))
         device = pool.keys[0].device
-        # query i of row j (position L_j + i) sees keys [0, L_j + i]; a single query sees all
-        self.masks = [None if n == 1 else
-                      torch.arange(l + n, device=device)[None]
-                      <= (l + torch.arange(n, device=device))[:, None]
-                      for l, n in zip(lengths, counts)]
         self._folded: dict = {}  # folded masks, shared by all layers of this pass
-        groups = single_token_groups(slots, lengths, counts)
-        self.single = [SingleTokenRows([slots[j] for j in grp], [lengths[j] for j in grp],
-                                       [self.starts[j] for j in grp], device,
-                                       max_width=pool.capacity, gather=gathered)
-                       for grp, gathered in groups]
-        chosen = [j for grp, _ in groups for j in grp]
-        # every single-token request's new key and value: one indexed store per tensor
-        self._single_writes = (
-            (torch.tensor([slots[j] for j in chosen], device=device),
-             torch.tensor([lengths[j] for j in chosen], device=device),
-             torch.tensor([self.starts[j] for j in chosen], device=device)) if chosen else None)
+        self.kernel_rows: KernelRows | None = None
+        self.single: list[SingleTokenRows] = []
+        if kernel is not None:
+            chosen = [j for j, n in enumerate(counts) if n <= MAX_KERNEL_QUERIES]
+            tokens = [(slots[j], lengths[j] + i, self.starts[j] + i)
+                      for j in chosen for i in range(counts[j])]
+            writes = torch.tensor(tokens, device=device).T if tokens else None
+            if tokens:
+                self.kernel_rows = KernelRows(kernel, writes[0].contiguous(),
+                                              (writes[1] + 1).contiguous(), writes[2].contiguous())
+        else:
+            groups = single_token_groups(slots, lengths, counts)
+            self.single = [SingleTokenRows([slots[j] for j in grp], [lengths[j] for j in grp],
+                                           [self.starts[j] for j in grp], device,
+                                           max_width=pool.capacity, gather=gathered)
+                           for grp, gathered in groups]
+            chosen = [j for grp, _ in groups for j in grp]
+            writes = (torch.tensor([[slots[j] for j in chosen], [lengths[j] for j in chosen],
+                                    [self.starts[j] for j in chosen]], device=device)
+                      if chosen else None)
+        # every new key and value of those requests: one indexed store per tensor
+        # (rows: slot, position, offset in the packed row)
+        self._token_writes = writes
         batched = set(chosen)
         self._multi = [j for j in range(len(counts)) if j not in batched]
+        # query i of request j (position L_j + i) sees keys [0, L_j + i]; a single query sees all
+        self.masks = [None] * len(counts)
+        for j in self._multi:
+            l, n = lengths[j], counts[j]
+            if n > 1:
+                self.masks[j] = (torch.arange(l + n, device=device)[None]
+                                 <= (l + torch.arange(n, device=device))[:, None])
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int,
                *args, **kwargs) -> tuple[SlotViews, SlotViews]:
@@ -320,14 +359,14 @@ class PooledStepCache:
             values[slot, :, l:l + n] = value_states[0, :, s:s + n]
             krows[j] = keys[slot, :, :l + n]
             vrows[j] = values[slot, :, :l + n]
-        if self._single_writes is not None:
-            s, pos, at = self._single_writes
+        if self._token_writes is not None:
+            s, pos, at = self._token_writes
             keys[s, :, pos] = key_states[0, :, at].transpose(0, 1)
             values[s, :, pos] = value_states[0, :, at].transpose(0, 1)
         return (SlotViews(krows, self.starts, self.counts, self.masks, self._folded, self.single,
-                          keys),
+                          keys, self.kernel_rows),
                 SlotViews(vrows, self.starts, self.counts, self.masks, self._folded, self.single,
-                          values))
+                          values, self.kernel_rows))
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return max(self.lengths)
@@ -335,9 +374,11 @@ class PooledStepCache:
 
 def slot_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
                    **kwargs):
-    """Attention over slot views: one SDPA call per request, its query heads folded into the
-    query axis per key/value head (so keys and values are never repeated for grouped-query
-    attention). Any other input goes to transformers' SDPA attention unchanged, so the model
+    """Attention over slot views: the decode and verify rows in one call of the decode attention
+    kernel where it is in use (:class:`KernelRows`), else single-token requests in batched
+    products (:class:`SingleTokenRows`); every other request one SDPA call, its query heads
+    folded into the query axis per key/value head (so keys and values are never repeated for
+    grouped-query attention). Any other input goes to transformers' SDPA attention unchanged, so the model
     still works outside the engine (plain ``generate``).
 
     Args:
@@ -356,7 +397,7 @@ def slot_attention(module, query, key, value, attention_mask, scaling=None, drop
     sdpa = torch.nn.functional.scaled_dot_product_attention
     for j, (k, v, s, nj, mask) in enumerate(zip(key.rows, value.rows, key.starts, key.counts,
                                                 key.masks)):
-        if k is None:  # a single-token request: attended below with the others
+        if k is None:  # attended below with the others (kernel rows or single-token groups)
             continue
         hkv = k.shape[0]
         groups = hq // hkv
@@ -369,6 +410,11 @@ def slot_attention(module, query, key, value, attention_mask, scaling=None, drop
         out[0, s:s + nj] = o.reshape(hq, nj, d).transpose(0, 1)
     for one in key.single or ():
         out[0, one.starts] = _single_token_attention(query, one, key.pool, value.pool, scaling)
+    rows = key.kernel_rows
+    if rows is not None:
+        q = query[0, :, rows.offsets].transpose(0, 1).contiguous()  # [N, Hq, d]
+        out[0, rows.offsets] = rows.op(q, key.pool, value.pool, rows.slots, rows.lengths,
+                                       scaling if scaling is not None else d ** -0.5)
     return out, None
 
 

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 import torch
 
 from . import kv_pool
+from .decode_attention import decode_kernel
 from .kv_pool import PooledStepCache, SlotKVPool
 
 
@@ -109,9 +110,21 @@ class TargetRunner:
         self._feature_modules = {l: decoder.norm if l == self.num_layers - 1 else decoder.layers[l]
                                  for l in self.layer_ids}
         self._pool: SlotKVPool | None = None
+        self.decode_kernel = None  # set by use_decode_kernel
+        self.use_decode_kernel(True)
         self._no_mask = torch.ones(1, 1, 1, 1, dtype=torch.bool)
         # attention over per-request slot views; any other call (plain generate) stays SDPA
         model.set_attn_implementation(kv_pool.register())
+
+    def use_decode_kernel(self, enabled: bool) -> bool:
+        """Attend decode and verify rows with the decode attention kernel
+        (:func:`serve.engine.decode_attention.decode_kernel`, CPU only) or with PyTorch alone;
+        returns whether the kernel is in use (False where it cannot be built: a warning says why).
+        """
+        self.decode_kernel = None
+        if enabled and self.device.type == "cpu":
+            self.decode_kernel = decode_kernel()
+        return self.decode_kernel is not None
 
     @property
     def dtype(self) -> torch.dtype:
@@ -164,7 +177,9 @@ class TargetRunner:
             # the 1x1 4-D mask makes transformers skip building a [1, 1, T, L] mask: the
             # per-request causal masks live in the step cache (serve/engine/kv_pool.py)
             out = self.model(input_ids=ids, attention_mask=self._no_mask, position_ids=positions,
-                             cache=PooledStepCache(pool, slots, lengths, counts), use_cache=True,
+                             cache=PooledStepCache(pool, slots, lengths, counts,
+                                                   self.decode_kernel),
+                             use_cache=True,
                              logits_to_keep=keep_idx)
         finally:
             for h in hooks:

@@ -31,8 +31,10 @@ def model():
     return tiny_target()
 
 
-def test_batched_slots_match_a_plain_forward_over_each_sequence(model):
+@pytest.mark.parametrize("kernel", [True, False], ids=["decode kernel", "pytorch"])
+def test_batched_slots_match_a_plain_forward_over_each_sequence(model, kernel):
     runner = TargetRunner(model, LAYERS)
+    assert runner.use_decode_kernel(kernel) == kernel  # CI builds the kernel: it must be in use
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(2, 96, (n,), generator=g).tolist() for n in (5, 17, 9, 1)]
     kvs = [TargetKV() for _ in prompts]
@@ -90,6 +92,7 @@ def test_single_token_requests_attended_together_match_a_plain_forward(model, or
 
     monkeypatch.setattr(kv_pool, "PER_REQUEST_COST", 1e9)  # every single-token request batched
     runner = TargetRunner(model, LAYERS)
+    runner.use_decode_kernel(False)  # the PyTorch path (where the kernel cannot be built)
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(2, 96, (n,), generator=g).tolist() for n in (6, 23, 2, 11, 8)]
     kvs = [TargetKV() for _ in prompts]
@@ -325,6 +328,7 @@ def test_grouped_single_token_attention_matches_a_plain_forward(model, mode, mon
     monkeypatch.setattr(kv_pool, "GATHER_COST", 1e-9 if mode == "gathered" else 1e9)
     monkeypatch.setattr(kv_pool, "WIDTH_STEP", 1)  # groups of different widths
     runner = TargetRunner(model, LAYERS)
+    runner.use_decode_kernel(False)
     g = torch.Generator().manual_seed(2)
     prompts = [torch.randint(2, 96, (n,), generator=g).tolist() for n in (6, 23, 2, 11, 8, 15)]
     kvs = [TargetKV() for _ in prompts]

@@ -1,0 +1,141 @@
+"""The decode attention kernel (serve/engine/csrc/decode_attention.cpp, built by
+serve/engine/decode_attention.py): each row's attention over its slot's first positions equals
+SDPA's, in fp32 and bf16, for grouped-query shapes on the vectorised and the portable paths; bad
+input is refused; an engine decoding with it gives the greedy text of the PyTorch path; where it
+cannot be built the engine says so and attends with PyTorch."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from serve.engine.config import EngineConfig
+from serve.engine.core import SpecEngine
+from serve.engine.decode_attention import build_directory, decode_kernel
+from serve.engine.requests import EngineRequest, SamplingParams
+from serve.engine.target_runner import TargetRunner
+from tests.tiny import tiny_drafter, tiny_target
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    op = decode_kernel()
+    assert op is not None, "the decode attention kernel did not build (see the warning above)"
+    return op
+
+
+def _reference(q, keys, values, slots, lengths, scale):
+    """Per row: SDPA (fp32) of its query heads over its slot's first ``lengths[r]`` positions."""
+    hkv = keys.shape[1]
+    out = torch.empty(q.shape, dtype=torch.float32)
+    for r, (s, n) in enumerate(zip(slots.tolist(), lengths.tolist())):
+        k = keys[s, :, :n].float().repeat_interleave(q.shape[1] // hkv, dim=0)
+        v = values[s, :, :n].float().repeat_interleave(q.shape[1] // hkv, dim=0)
+        out[r] = torch.nn.functional.scaled_dot_product_attention(
+            q[r].float()[:, None], k, v, scale=scale)[:, 0]
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("hq,hkv,d", [(9, 3, 64), (4, 4, 64), (8, 1, 32), (4, 2, 16)])
+def test_rows_match_sdpa_over_their_slots(kernel, dtype, hq, hkv, d):
+    g = torch.Generator().manual_seed(hq * 100 + d)
+    num_slots, capacity = 7, 300
+    keys = torch.randn(num_slots, hkv, capacity, d, generator=g).to(dtype)
+    values = torch.randn(num_slots, hkv, capacity, d, generator=g).to(dtype)
+    # rows in any slot order, one slot read by several rows (a verify block), lengths from one
+    # position to the whole slot
+    slots = torch.tensor([4, 0, 6, 2, 2, 2, 5, 1])
+    lengths = torch.tensor([1, capacity, 57, 120, 121, 122, 2, 200])
+    q = torch.randn(len(slots), hq, d, generator=g).to(dtype)
+    scale = d ** -0.5
+    out = kernel(q, keys, values, slots, lengths, scale)
+    assert out.dtype == dtype and out.shape == q.shape
+    expected = _reference(q, keys, values, slots, lengths, scale)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2  # bf16: the output's own rounding
+    torch.testing.assert_close(out.float(), expected, atol=tol, rtol=tol)
+    # positions past a row's length do not matter
+    short = lengths <= 250
+    keys[:, :, 250:] = 1e4
+    values[:, :, 250:] = float("nan")
+    torch.testing.assert_close(kernel(q[short].contiguous(), keys, values, slots[short],
+                                      lengths[short], scale), out[short])
+
+
+def test_bad_input_is_refused(kernel):
+    keys = torch.zeros(2, 1, 8, 16)
+    q = torch.zeros(1, 2, 16)
+    ok = dict(slots=torch.tensor([1]), lengths=torch.tensor([8]))
+    kernel(q, keys, keys, **ok, scale=1.0)
+    for bad, match in [(dict(ok, lengths=torch.tensor([0])), "length"),
+                       (dict(ok, lengths=torch.tensor([9])), "length"),
+                       (dict(ok, slots=torch.tensor([2])), "slot"),
+                       (dict(ok, slots=torch.tensor([1], dtype=torch.int32)), "int64")]:
+        with pytest.raises(RuntimeError, match=match):
+            kernel(q, keys, keys, **bad, scale=1.0)
+    with pytest.raises(RuntimeError, match="dtype"):
+        kernel(q.double(), keys.double(), keys.double(), **ok, scale=1.0)
+    with pytest.raises(RuntimeError, match="heads"):
+        kernel(torch.zeros(1, 3, 16), torch.zeros(2, 2, 8, 16), torch.zeros(2, 2, 8, 16), **ok,
+               scale=1.0)
+
+
+def _greedy_text(runner, drafter, prompts):
+    engine = SpecEngine(runner, drafter, [], EngineConfig(
+        scheduler="fixed" if drafter is not None else "none", sps_profile="off"))
+    for i, p in enumerate(prompts):
+        engine.add_request(EngineRequest(f"r{i}", p, SamplingParams(max_tokens=40,
+                                                                    temperature=0.0)))
+    out = {f"r{i}": [] for i in range(len(prompts))}
+    while engine.has_unfinished():
+        for o in engine.step():
+            out[o.request_id] += o.new_token_ids
+    return out
+
+
+@pytest.mark.parametrize("with_drafter", [False, True])
+def test_an_engine_on_the_kernel_decodes_the_text_of_the_pytorch_path(kernel, with_drafter):
+    """fp32 greedy, decode steps (target only) and verify blocks (a drafter): token-identical,
+    with a prompt longer than the kernel's rows per request (prefilled by SDPA) beside them."""
+    model = tiny_target(seed=5)
+    drafter = tiny_drafter(model, layer_ids=(1, 3)) if with_drafter else None
+    g = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(2, 96, (n,), generator=g).tolist() for n in (3, 45, 11, 7)]
+    texts = {}
+    for attention in ("kernel", "pytorch"):
+        runner = TargetRunner(model, [1, 3])
+        engine_cfg = EngineConfig(attention=attention)
+        runner.use_decode_kernel(engine_cfg.attention == "kernel")
+        assert (runner.decode_kernel is not None) == (attention == "kernel")
+        texts[attention] = _greedy_text(runner, drafter, prompts)
+    assert texts["kernel"] == texts["pytorch"]
+    assert all(len(t) == 40 for t in texts["kernel"].values())
+
+
+def test_where_it_cannot_be_built_the_engine_attends_with_pytorch(monkeypatch, caplog):
+    import torch.utils.cpp_extension as cpp_extension
+
+    def no_compiler(*args, **kwargs):
+        raise RuntimeError("no C++ compiler")
+
+    monkeypatch.setattr(cpp_extension, "load", no_compiler)
+    decode_kernel.cache_clear()
+    try:
+        with caplog.at_level(logging.WARNING):
+            runner = TargetRunner(tiny_target(), [1])
+        assert runner.decode_kernel is None
+        assert "no C++ compiler" in caplog.text and "PyTorch" in caplog.text
+        assert _greedy_text(runner, None, [[5, 9, 11]])["r0"]  # still decodes
+    finally:
+        decode_kernel.cache_clear()  # the next caller builds (loads) it again
+
+
+def test_builds_are_kept_per_cpu_and_torch_version(monkeypatch, tmp_path):
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    directory = build_directory()
+    assert directory.parent == tmp_path
+    assert directory.name.startswith("dspark_decode_attention_")
+    monkeypatch.setattr(torch, "__version__", "0.0.0-other")
+    assert build_directory() != directory
