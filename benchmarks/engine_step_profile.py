@@ -40,6 +40,7 @@ PARTS = [
     ("drafter (context + block)", "core.py", "_propose"),
     ("goodput planner", "step_plan.py", "plan"),
     ("length scheduler", "step_plan.py", "schedule"),
+    ("target distributions", "verification.py", "target_distributions"),
     ("verify + commit", "core.py", "_verify_and_commit"),
     ("pending context append", "drafting.py", "add_pending"),
 ]

@@ -187,6 +187,7 @@ STEP_PARTS = (
     ("drafter: extend context", "dspark.py", "extend_context_batch"),
     ("eagle3: extend context", "base.py", "extend_context_batch"),
     ("eagle3 drafting", "eagle3.py", "propose_block"),
+    ("target distributions", "verification.py", "target_distributions"),
     ("verification + commit", "core.py", "_verify_and_commit"),
 )
 STEP = ("core.py", "step")  # serve.engine.core.SpecEngine.step: the whole engine step

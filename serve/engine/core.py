@@ -234,9 +234,14 @@ class SpecEngine:
         self.planner.schedule(plan, [self._floor(row.request) for row in plan.rows])
         plan.verify_start_s = time.perf_counter()
         outs, prefill_outs = self._target_pass(plan, chunks)
-        for row, o in zip(plan.rows, outs):
+        try:  # every sampled request's target distribution at once
+            dists = self.verifier.target_distributions([row.request for row in plan.rows],
+                                                       [o.logits for o in outs])
+        except Exception:  # noqa: BLE001 - each request then warps its own, and fails alone
+            dists = [None] * len(outs)
+        for row, o, dist in zip(plan.rows, outs, dists):
             try:
-                outputs.append(self._verify_and_commit(row, o, plan))
+                outputs.append(self._verify_and_commit(row, o, plan, dist))
             except Exception as err:  # noqa: BLE001 - this request fails, the engine goes on
                 outputs.append(self._fail(row.request, err, "verification"))
         self.planner.remember(plan)
@@ -266,13 +271,16 @@ class SpecEngine:
         self.stats.batch_tokens += sum(len(v) for v in verify_in)
         return outs[:len(plan.rows)], outs[len(plan.rows):]
 
-    def _verify_and_commit(self, row: PlanRow, o, plan: StepPlan) -> RequestOutput:
+    def _verify_and_commit(self, row: PlanRow, o, plan: StepPlan,
+                           target_probs: torch.Tensor | None = None) -> RequestOutput:
         """Verify, commit and book-keep one request's round (everything that is its own); ``o``
-        is its part of the target pass."""
+        is its part of the target pass, ``target_probs`` its target distribution if computed
+        with the step's others (``Verifier.target_distributions``)."""
         r, l = row.request, row.length
         draft = torch.tensor(row.tokens[:l], dtype=torch.long)
         n, nxt = self.verifier.verify(r, draft, None if row.probs is None else row.probs[:l],
-                                      o.logits, one_hot=row.source == "lookup")
+                                      o.logits, one_hot=row.source == "lookup",
+                                      target_probs=target_probs)
         committed = draft[:n].tolist() + [nxt]
         before = len(r.output)
         out = commit_tokens(r, committed, self.eos, token_logprobs(r, o.logits[:n + 1], committed))

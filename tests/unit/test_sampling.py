@@ -46,6 +46,25 @@ def test_topk_fast_path_equals_the_full_sort():
     assert (fast > 0).sum(-1).tolist()[3] == 1
 
 
+def test_the_top_k_path_on_the_largest_logits_equals_the_whole_vocabulary_path():
+    """Every row limiting top-k: warped on its k_max largest logits only; a row without top-k in
+    the same call sends all rows through softmax over the whole vocabulary, min-p, top-k, top-p.
+    Same distributions, with temperatures, min-p, top-p and -inf logits (min_tokens masking)."""
+    torch.manual_seed(2)
+    logits = torch.randn(6, 400) * 3
+    logits[2, :390] = float("-inf")  # fewer finite logits than its top-k
+    t = torch.tensor([0.3, 1.0, 0.7, 1.5, 0.9, 1.0])
+    p = torch.tensor([1.0, 0.9, 0.5, 0.7, 0.95, 0.2])
+    k = torch.tensor([20, 5, 50, 40, 1, 7])
+    m = torch.tensor([0.0, 0.05, 0.0, 0.2, 0.0, 0.01])
+    fast = warped_probs(logits, t, p, k, m)
+    pad = lambda x, v: torch.cat([x, torch.tensor([v], dtype=x.dtype)])  # noqa: E731
+    whole = warped_probs(torch.cat([logits, logits[:1]]), pad(t, 1.0), pad(p, 1.0), pad(k, 0),
+                         pad(m, 0.0))[:6]
+    torch.testing.assert_close(fast, whole, atol=1e-6, rtol=1e-5)
+    assert (fast > 0).sum(-1).tolist()[4] == 1 and (fast[2, :390] == 0).all()
+
+
 def test_draw_follows_the_distribution_and_never_a_zero_probability_token():
     """draw (inverse CDF, one uniform number per call) has the distribution it is given
     (chi-square over 20,000 draws), never returns a zero-probability token, and a seeded
