@@ -38,7 +38,8 @@ def stage_generate(ctx: StageContext) -> dict:
     from tqdm import tqdm
 
     from .generate import run_generate
-    from .generate_reuse import refile_answers, reuse_answers
+    from .generate_reuse import (check_generation_record, generation_record, refile_answers,
+                                 reuse_answers, write_generation_record)
     from .prompts import read_jsonl
 
     ensure_ray(ctx.cfg)
@@ -46,12 +47,14 @@ def stage_generate(ctx: StageContext) -> dict:
     out = ctx.stage_dir("generate")
     prompts = {split: read_jsonl(str(ctx.run_dir / "prompts" / f"{split}.jsonl"))
                for split in SPLITS}
+    record = generation_record(ctx.cfg)
+    sources = [storage.resolve(p) for p in g.reuse_from or []]
+    for source in sources:  # before anything is written: a refused source changes nothing
+        check_generation_record(source, record, ctx.cfg.storage_options)
+    write_generation_record(out, record)
     refile_answers(out, {split: {r["id"] for r in rows} for split, rows in prompts.items()})
     reused = {}
-    if g.reuse_from:
-        logger.info("generate.reuse_from: taking earlier answers as if made with this target "
-                    "and sampling %s", g.sampling.model_dump())
-        sources = [storage.resolve(p) for p in g.reuse_from]
+    if sources:
         for split in SPLITS:
             reused[split] = reuse_answers(prompts[split], out / f"{split}.jsonl",
                                           out / "errors.jsonl", sources, ctx.cfg.storage_options)

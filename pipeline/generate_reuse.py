@@ -2,10 +2,13 @@
 
 Regeneration is the slow part of the data stages (hours for a million answer tokens on a small
 CPU machine), and a run that grows its prompt set asks again for most of the answers an earlier
-run already has. A reused row must come from the same target and sampling settings; the stage can
-only check that it answers the same conversation: its user (and system) turns equal the prompt
-row's, and it carries one answer and one finish reason per user turn (the stage logs the sampling
-it assumes). Rows are written to the split's output file exactly as the generate stage writes
+run already has. A reused row must come from the same target and sampling settings: the generate stage
+writes what its answers depend on (:func:`generation_record`: the target, its chat-template
+variables, the sampling) to ``generation.json`` beside its answer files, and a source file with
+such a record beside it is refused when the record differs from this run's
+(:func:`check_generation_record`; without one the stage logs what it assumes). Each row must also
+answer the same conversation: its user (and system) turns equal the prompt row's, and it carries
+one answer and one finish reason per user turn. Rows are written to the split's output file exactly as the generate stage writes
 them, so the stage's resume-by-id then skips them.
 
 Also here: :func:`refile_answers`, which keeps a run's answer files consistent with its current
@@ -22,6 +25,68 @@ from pathlib import Path
 from .prompts import PromptError, iter_raw_rows, validate_row
 
 logger = logging.getLogger(__name__)
+
+
+RECORD = "generation.json"  # beside a generate stage's answer files
+
+
+def generation_record(cfg) -> dict:
+    """What a run's regenerated answers depend on (besides the prompts): the target as
+    configured (``target.name_or_path``, ``target.convert_from_gguf``), its
+    ``chat_template_kwargs`` and ``generate.sampling``. The dtype is left out: it changes answers
+    at rounding level only.
+
+    Args:
+        cfg: the run's :class:`pipeline.config.PipelineConfig`.
+    """
+    t = cfg.target
+    return {"target": t.name_or_path,
+            "convert_from_gguf": t.convert_from_gguf.model_dump() if t.convert_from_gguf else None,
+            "chat_template_kwargs": t.chat_template_kwargs,
+            "sampling": cfg.generate.sampling.model_dump()}
+
+
+def write_generation_record(out_dir: Path, record: dict) -> None:
+    """Write ``record`` (:func:`generation_record`) to ``out_dir / generation.json``."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / RECORD).write_text(json.dumps(record, indent=1, sort_keys=True) + "\n")
+
+
+def check_generation_record(source: str, record: dict, storage_options: dict | None = None
+                            ) -> bool:
+    """Refuse a ``generate.reuse_from`` file made otherwise than this run would make it.
+
+    Args:
+        source: the resolved answer file; its record is ``generation.json`` in its directory.
+        record: this run's :func:`generation_record`.
+    Returns:
+        True when a record was found and matches; False when there is none (a warning says what
+        is assumed).
+    Raises:
+        ValueError: the record differs (naming the file and each differing field), or is not
+            a JSON object.
+    """
+    from . import storage
+
+    directory = source.rsplit("/", 1)[0] if storage.is_url(source) else str(Path(source).parent)
+    path = storage.join(directory, RECORD)
+    if not storage.exists(path, storage_options):
+        logger.warning("generate.reuse_from: no %s beside %s: its answers are taken as if made "
+                       "with this run's target and sampling %s", RECORD, source, record)
+        return False
+    try:
+        theirs = json.loads(storage.read_bytes(path, storage_options).decode("utf-8"))
+    except json.JSONDecodeError as err:
+        raise ValueError(f"generate.reuse_from: {path} is not valid JSON ({err})") from None
+    if not isinstance(theirs, dict):
+        raise ValueError(f"generate.reuse_from: {path} must hold a JSON object")
+    differ = [f"{key} {theirs.get(key)!r} there, {mine!r} in this run"
+              for key, mine in record.items() if theirs.get(key) != mine]
+    if differ:
+        raise ValueError(f"generate.reuse_from: {source} was generated otherwise than this run "
+                         f"generates ({path}): " + "; ".join(differ)
+                         + ". Remove it from generate.reuse_from, or make the two agree.")
+    return True
 
 
 def _turns(row: dict, role: str) -> int:

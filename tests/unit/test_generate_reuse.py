@@ -98,3 +98,43 @@ def test_answers_are_refiled_under_the_current_split(tmp_path):
     assert refile_answers(out, {"train": {"a", "c"}, "heldout": {"b"}}) == {"moved": 0,
                                                                             "unused": 0}
     assert {p.name: p.read_text() for p in out.iterdir()} == before
+
+
+def test_a_source_made_with_another_target_or_sampling_is_refused(tmp_path, caplog):
+    from pipeline.config import load_config
+    from pipeline.generate_reuse import (check_generation_record, generation_record,
+                                         write_generation_record)
+
+    cfg = load_config("infra/configs/smollm2_reference.yaml")
+    mine = generation_record(cfg)
+    source = tmp_path / "earlier" / "train.jsonl"
+    source.parent.mkdir()
+    source.write_text(json.dumps(_answered("a", "hi")) + "\n")
+    with caplog.at_level("WARNING"):
+        assert check_generation_record(str(source), mine) is False  # no record: assumed, said
+    assert "no generation.json" in caplog.text
+    write_generation_record(source.parent, mine)
+    assert check_generation_record(str(source), mine) is True
+    hotter = generation_record(cfg.model_copy(update={"generate": cfg.generate.model_copy(
+        update={"sampling": cfg.generate.sampling.model_copy(update={"temperature": 1.0})})}))
+    other = dict(hotter, target="Qwen/Qwen3-4B")
+    with pytest.raises(ValueError, match="temperature.*0.7.*1.0") as err:
+        check_generation_record(str(source), other)
+    assert "target '~/.cache/dspark_ray/models/SmolLM2-135M-Instruct' there, 'Qwen/Qwen3-4B'" \
+        in str(err.value) and str(source) in str(err.value)
+    (source.parent / "generation.json").write_text("{not json")
+    with pytest.raises(ValueError, match="not valid JSON"):
+        check_generation_record(str(source), mine)
+
+
+@pytest.mark.parametrize("config", ["infra/configs/smollm2_reference.yaml",
+                                    "infra/configs/smollm2_reference_xl.yaml"])
+def test_the_shipped_answers_record_matches_the_configs_that_reuse_them(config):
+    from pipeline import storage
+    from pipeline.config import load_config
+    from pipeline.generate_reuse import check_generation_record, generation_record
+
+    cfg = load_config(config)
+    assert cfg.generate.reuse_from
+    for path in cfg.generate.reuse_from:
+        assert check_generation_record(storage.resolve(path), generation_record(cfg)) is True
