@@ -118,11 +118,17 @@ class TargetRunner:
 
     def use_decode_kernel(self, enabled: bool) -> bool:
         """Attend decode and verify rows with the decode attention kernel
-        (:func:`serve.engine.decode_attention.decode_kernel`, CPU only) or with PyTorch alone;
-        returns whether the kernel is in use (False where it cannot be built: a warning says why).
-        """
+        (:func:`serve.engine.decode_attention.decode_kernel`) or with PyTorch alone; returns
+        whether the kernel is in use. It is not where it cannot be built (a warning says why) or
+        does not apply: a GPU, a dtype other than float32 / bfloat16, or more than 8 query heads
+        per key/value head."""
         self.decode_kernel = None
-        if enabled and self.device.type == "cpu":
+        cfg = self.model.config
+        heads = getattr(cfg, "num_attention_heads", 0)
+        kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
+        if (enabled and self.device.type == "cpu"
+                and self.dtype in (torch.float32, torch.bfloat16)
+                and kv_heads and heads % kv_heads == 0 and 1 <= heads // kv_heads <= 8):
             self.decode_kernel = decode_kernel()
         return self.decode_kernel is not None
 

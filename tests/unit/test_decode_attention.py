@@ -139,3 +139,14 @@ def test_builds_are_kept_per_cpu_and_torch_version(monkeypatch, tmp_path):
     assert directory.name.startswith("dspark_decode_attention_")
     monkeypatch.setattr(torch, "__version__", "0.0.0-other")
     assert build_directory() != directory
+
+
+def test_the_kernel_is_not_used_where_it_does_not_apply(kernel):
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    assert not TargetRunner(tiny_target().to(torch.float16), []).use_decode_kernel(True)
+    many_heads = Qwen3ForCausalLM(Qwen3Config(
+        vocab_size=96, hidden_size=192, intermediate_size=64, num_hidden_layers=1,
+        num_attention_heads=12, num_key_value_heads=1, head_dim=16)).eval()
+    assert not TargetRunner(many_heads, []).use_decode_kernel(True)  # 12 query heads per KV head
+    assert TargetRunner(tiny_target(), []).use_decode_kernel(True)
