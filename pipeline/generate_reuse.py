@@ -81,12 +81,23 @@ def check_generation_record(source: str, record: dict, storage_options: dict | N
     if not isinstance(theirs, dict):
         raise ValueError(f"generate.reuse_from: {path} must hold a JSON object")
     differ = [f"{key} {theirs.get(key)!r} there, {mine!r} in this run"
-              for key, mine in record.items() if theirs.get(key) != mine]
+              for key, mine in record.items() if not _same(key, theirs.get(key), mine)]
     if differ:
         raise ValueError(f"generate.reuse_from: {source} was generated otherwise than this run "
                          f"generates ({path}): " + "; ".join(differ)
                          + ". Remove it from generate.reuse_from, or make the two agree.")
     return True
+
+
+def _same(key: str, theirs, mine) -> bool:
+    """Whether a field of an answer file's record agrees with this run's: a local target path
+    compared with ``~`` expanded; sampling compared on the settings the record names (one
+    written before a sampling setting existed does not name it)."""
+    if key == "target" and isinstance(theirs, str) and isinstance(mine, str):
+        return os.path.expanduser(theirs) == os.path.expanduser(mine)
+    if key == "sampling" and isinstance(theirs, dict) and isinstance(mine, dict):
+        return all(name in mine and mine[name] == value for name, value in theirs.items())
+    return theirs == mine
 
 
 def _turns(row: dict, role: str) -> int:

@@ -91,7 +91,7 @@ def build_engine(models: LoadedModels, config: EngineConfig, *, drafter=None,
     if not scheduler_entry(config.scheduler).speculates:
         drafter = None
     directory = profile_dir if profile_dir is not None else models.drafter_dir
-    models.runner.use_decode_kernel(config.attention == "kernel")  # profiled as it will run
+    models.runner.attention = config.attention  # profiled as the engine's steps will run
     sps, cost = engine_profiles(models.runner, drafter, config, directory)
     return SpecEngine(models.runner, drafter, models.eos, config,
                       models.tokenizer if tokenizer else None, sps, cost)

@@ -86,7 +86,6 @@ class SpecEngine:
             raise ValueError(f"scheduler {name!r} needs a drafter with a confidence head "
                              f"({drafter.config.drafter_type} has none): use 'fixed' or 'none'")
         self.scheduler_name = name
-        target.use_decode_kernel(self.config.attention == "kernel")
         self.target, self.drafter, self.tokenizer, self.sps = target, drafter, tokenizer, sps
         self.draft_cost = draft_cost
         plans = drafter is not None and self.config.plans_drafts
@@ -164,6 +163,7 @@ class SpecEngine:
             one :class:`RequestOutput` per request that emitted tokens or finished.
         """
         start = time.perf_counter()
+        self.target.attention = self.config.attention  # the runner may serve other engines too
         decoding = list(self.running)
         self._admit()
         # the prompt chunks ride in the verification pass (one packed pass a step: a separate
@@ -238,6 +238,8 @@ class SpecEngine:
             dists = self.verifier.target_distributions([row.request for row in plan.rows],
                                                        [o.logits for o in outs])
         except Exception:  # noqa: BLE001 - each request then warps its own, and fails alone
+            logger.debug("batched target distributions failed; warping per request",
+                         exc_info=True)
             dists = [None] * len(outs)
         for row, o, dist in zip(plan.rows, outs, dists):
             try:

@@ -24,6 +24,7 @@ import hashlib
 import logging
 import os
 import platform
+import sys
 from pathlib import Path
 
 import torch
@@ -70,6 +71,11 @@ def decode_kernel():
     from torch.utils.cpp_extension import load
 
     directory = build_directory()
+    # torch builds with ninja: the one pip installs beside this interpreter counts even when the
+    # environment is not activated (install.sh calls .venv/bin/python directly)
+    bin_dir = os.path.dirname(sys.executable)
+    if bin_dir not in os.environ.get("PATH", "").split(os.pathsep):
+        os.environ["PATH"] = bin_dir + os.pathsep + os.environ.get("PATH", "")
     try:
         directory.mkdir(parents=True, exist_ok=True)
         module = load(name="dspark_decode_attention", sources=[str(SOURCE)],

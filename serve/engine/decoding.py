@@ -82,7 +82,9 @@ class SpeculativeDecoder:
                 cfg = EngineConfig(scheduler="fixed" if speculative else "none",
                                    num_speculative_tokens=num_draft_tokens or None,
                                    max_num_requests=1,
-                                   sps_profile="off", seeded_sampling="rejection")
+                                   sps_profile="off", seeded_sampling="rejection",
+                                   attention=(self.engine_config.attention
+                                              if self.engine_config is not None else "kernel"))
             self._engines[key] = build_engine(self.models, cfg, profile_dir=self._sps_dir,
                                               tokenizer=False)
         return self._engines[key]

@@ -4,8 +4,12 @@ Every request's keys and values live in a slot of one pool per layer, ``[slots, 
 head_dim]``, written in place at the request's own positions. A forward pass over several requests
 therefore never pads or gathers their caches into a batch (the copy ``DynamicCache`` batching
 needs) and never grows a cache by ``torch.cat``: each layer writes only the new positions of each
-request, and attention runs per request over a view of its slot (:func:`slot_attention`, registered
-with transformers' attention interface as ``"dspark_slots"``). Positions a request does not commit
+request, and attention reads each request's slot in place (:func:`slot_attention`, registered
+with transformers' attention interface as ``"dspark_slots"``): requests of at most
+``MAX_KERNEL_QUERIES`` new tokens (decode, verify, short prompt chunks) in one call of the decode
+attention kernel on a CPU (``serve/engine/decode_attention.py``), else with PyTorch (single-token
+requests in batched products, the rest one SDPA call each over a view of its slot; the path on a
+GPU and where the kernel cannot be built). Positions a request does not commit
 (rejected drafts) are simply overwritten by its next pass.
 
 The engine sizes the pool once at start-up (``max_num_requests`` slots of ``max_model_len`` + a

@@ -52,13 +52,15 @@ def device_name(device: torch.device) -> str:
 
 
 def hardware_fingerprint(runner: TargetRunner) -> dict:
-    """What SPS depends on: device, threads, software versions, model and dtype."""
+    """What SPS depends on: device, threads, software versions, model, dtype and how decode rows
+    attend (the decode attention kernel or PyTorch: ``EngineConfig.attention``)."""
     device = device_name(runner.device)
     cfg = runner.model.config
     return {"device": device, "device_type": runner.device.type, "cpu_count": os.cpu_count(),
             "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
             "model": getattr(cfg, "_name_or_path", ""), "num_layers": cfg.num_hidden_layers,
-            "hidden_size": cfg.hidden_size, "dtype": str(runner.dtype)}
+            "hidden_size": cfg.hidden_size, "dtype": str(runner.dtype),
+            "attention": "kernel" if runner.decode_kernel is not None else "pytorch"}
 
 
 def batch_grid(max_tokens: int) -> list[int]:

@@ -20,6 +20,7 @@ Shapes: R requests, n_r new tokens of request r, T = sum n_r, V vocabulary, m se
 
 from __future__ import annotations
 
+import functools
 import weakref
 from dataclasses import dataclass, field
 
@@ -110,27 +111,36 @@ class TargetRunner:
         self._feature_modules = {l: decoder.norm if l == self.num_layers - 1 else decoder.layers[l]
                                  for l in self.layer_ids}
         self._pool: SlotKVPool | None = None
-        self.decode_kernel = None  # set by use_decode_kernel
-        self.use_decode_kernel(True)
+        # how decode and verify rows attend (EngineConfig.attention): each engine sets it before
+        # its passes, since engines built on one set of models share this runner
+        self.attention = "kernel"
         self._no_mask = torch.ones(1, 1, 1, 1, dtype=torch.bool)
         # attention over per-request slot views; any other call (plain generate) stays SDPA
         model.set_attn_implementation(kv_pool.register())
 
     def use_decode_kernel(self, enabled: bool) -> bool:
-        """Attend decode and verify rows with the decode attention kernel
-        (:func:`serve.engine.decode_attention.decode_kernel`) or with PyTorch alone; returns
-        whether the kernel is in use. It is not where it cannot be built (a warning says why) or
-        does not apply: a GPU, a dtype other than float32 / bfloat16, or more than 8 query heads
-        per key/value head."""
-        self.decode_kernel = None
+        """Set :attr:`attention` to "kernel" (``enabled``) or "pytorch"; returns whether the
+        kernel is then in use (:attr:`decode_kernel`)."""
+        self.attention = "kernel" if enabled else "pytorch"
+        return self.decode_kernel is not None
+
+    @property
+    def decode_kernel(self):
+        """The decode attention kernel (:func:`serve.engine.decode_attention.decode_kernel`,
+        built on first use) when :attr:`attention` is "kernel" and it applies, else None: not
+        where it cannot be built (a warning says why), on a GPU, for a dtype other than float32 /
+        bfloat16, or with more than 8 query heads per key/value head."""
+        if self.attention != "kernel" or not self._kernel_applies:
+            return None
+        return decode_kernel()
+
+    @functools.cached_property
+    def _kernel_applies(self) -> bool:
         cfg = self.model.config
         heads = getattr(cfg, "num_attention_heads", 0)
         kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
-        if (enabled and self.device.type == "cpu"
-                and self.dtype in (torch.float32, torch.bfloat16)
-                and kv_heads and heads % kv_heads == 0 and 1 <= heads // kv_heads <= 8):
-            self.decode_kernel = decode_kernel()
-        return self.decode_kernel is not None
+        return (self.device.type == "cpu" and self.dtype in (torch.float32, torch.bfloat16)
+                and bool(kv_heads) and heads % kv_heads == 0 and 1 <= heads // kv_heads <= 8)
 
     @property
     def dtype(self) -> torch.dtype:

@@ -17,8 +17,9 @@ from .request_state import RequestState
 from .requests import TokenLogprob
 
 
-# Rows warped in one call at most (:meth:`Verifier.target_distributions`): [rows, V] fp32 at
-# V = 49 k is 200 KB a row, so a step's worth of verify blocks stays within ~50 MB at a time.
+# Rows warped in one call at most (:meth:`Verifier.target_distributions`): a call's temporaries
+# are a few [rows, V] fp32 tensors (200 KB a row at V = 49 k), so ~50 MB each at most; the
+# distributions themselves are kept until the step's requests are verified, as before.
 WARP_ROWS = 256
 
 
@@ -71,10 +72,12 @@ class Verifier:
     def target_distributions(self, requests: list[RequestState],
                              logits: list[torch.Tensor]) -> list[torch.Tensor | None]:
         """Every sampled request's target distribution of a step (what :meth:`verify` would
-        compute for each), warped in a few calls over all their rows instead of one per request:
-        per request, those calls' fixed cost was a fifth of a 128-request target-only step on 2
-        CPU cores. Requests with and without top-k go in separate calls (a call with any row
-        without top-k sorts the whole vocabulary), at most ``WARP_ROWS`` rows each.
+        compute for each, bit for bit), warped in a few calls over all their rows instead of one
+        per request: per request, those calls' fixed cost was a fifth of a 128-request
+        target-only step on 2 CPU cores. Requests are grouped by the shape of their warp (the
+        top-k limit in effect, whether min-p and top-p apply), so each row takes the code path,
+        and the widths, it would take alone and its result does not depend on its neighbours;
+        at most ``WARP_ROWS`` rows a call.
 
         Args:
             requests: R requests; logits: R tensors [rows_j, V] (their part of the target pass).
@@ -83,9 +86,13 @@ class Verifier:
             warps), or None for a greedy request.
         """
         out: list[torch.Tensor | None] = [None] * len(requests)
-        sampled = [j for j, r in enumerate(requests) if r.req.params.temperature > 0]
-        for with_k in (True, False):
-            group = [j for j in sampled if bool(requests[j].req.params.top_k) == with_k]
+        groups: dict[tuple, list[int]] = {}
+        for j, r in enumerate(requests):
+            p = r.req.params
+            if p.temperature > 0:
+                k = p.top_k if 0 < p.top_k < logits[j].shape[-1] else 0
+                groups.setdefault((k, p.min_p > 0, p.top_p < 1), []).append(j)
+        for group in groups.values():
             at = 0
             while at < len(group):
                 chunk, rows = [], 0

@@ -77,9 +77,10 @@ def test_bad_input_is_refused(kernel):
             kernel(q, keys, keys, **bad, scale=1.0)
     with pytest.raises(RuntimeError, match="dtype"):
         kernel(q.double(), keys.double(), keys.double(), **ok, scale=1.0)
-    with pytest.raises(RuntimeError, match="heads"):
-        kernel(torch.zeros(1, 3, 16), torch.zeros(2, 2, 8, 16), torch.zeros(2, 2, 8, 16), **ok,
-               scale=1.0)
+    for hq, hkv in ((3, 2), (2, 0), (18, 2)):
+        with pytest.raises(RuntimeError, match="heads"):
+            kernel(torch.zeros(1, hq, 16), torch.zeros(2, hkv, 8, 16), torch.zeros(2, hkv, 8, 16),
+                   **ok, scale=1.0)
 
 
 def _greedy_text(runner, drafter, prompts):
@@ -150,3 +151,30 @@ def test_the_kernel_is_not_used_where_it_does_not_apply(kernel):
         num_attention_heads=12, num_key_value_heads=1, head_dim=16)).eval()
     assert not TargetRunner(many_heads, []).use_decode_kernel(True)  # 12 query heads per KV head
     assert TargetRunner(tiny_target(), []).use_decode_kernel(True)
+
+
+def test_engines_sharing_a_runner_each_attend_as_configured(kernel):
+    """Engines built on one set of models share its runner; each engine's passes use its own
+    engine.attention, and a stored SPS profile is only reused for the same attention path."""
+    from serve.engine.profiling import hardware_fingerprint
+
+    runner = TargetRunner(tiny_target(seed=6), [])
+    seen: list[bool] = []
+    real = runner.forward_batch
+
+    def spy(*args, **kwargs):
+        seen.append(runner.decode_kernel is not None)
+        return real(*args, **kwargs)
+
+    runner.forward_batch = spy
+    engines = {a: SpecEngine(runner, None, [], EngineConfig(scheduler="none", sps_profile="off",
+                                                            attention=a))
+               for a in ("pytorch", "kernel")}
+    for i, attention in enumerate(("pytorch", "kernel", "pytorch")):
+        seen.clear()
+        engine = engines[attention]
+        engine.add_request(EngineRequest(f"r{i}", [5, 9, 11], SamplingParams(max_tokens=3)))
+        while engine.has_unfinished():
+            engine.step()
+        assert seen and all(used == (attention == "kernel") for used in seen)
+        assert hardware_fingerprint(runner)["attention"] == attention

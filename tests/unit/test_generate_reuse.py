@@ -115,6 +115,11 @@ def test_a_source_made_with_another_target_or_sampling_is_refused(tmp_path, capl
     assert "no generation.json" in caplog.text
     write_generation_record(source.parent, mine)
     assert check_generation_record(str(source), mine) is True
+    import os
+    expanded = dict(mine, target=os.path.expanduser(mine["target"]))  # the same path
+    assert check_generation_record(str(source), expanded) is True
+    newer = dict(mine, sampling=dict(mine["sampling"], repetition_penalty=1.0))  # a later field
+    assert check_generation_record(str(source), newer) is True
     hotter = generation_record(cfg.model_copy(update={"generate": cfg.generate.model_copy(
         update={"sampling": cfg.generate.sampling.model_copy(update={"temperature": 1.0})})}))
     other = dict(hotter, target="Qwen/Qwen3-4B")

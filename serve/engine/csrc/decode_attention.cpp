@@ -177,8 +177,8 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& keys, const a
                   (q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16),
               "q, keys and values must share one dtype, float32 or bfloat16");
   TORCH_CHECK(q.size(2) == keys.size(3), "q and keys differ in head dim");
-  const int64_t hkv = keys.size(1), g = q.size(1) / hkv;
-  TORCH_CHECK(q.size(1) % hkv == 0 && g >= 1 && g <= 8,
+  const int64_t hkv = keys.size(1);
+  TORCH_CHECK(hkv >= 1 && q.size(1) % hkv == 0 && q.size(1) / hkv >= 1 && q.size(1) / hkv <= 8,
               "query heads must be 1..8 times the key/value heads");
   const int64_t n = q.size(0);
   TORCH_CHECK(slots.scalar_type() == at::kLong && lengths.scalar_type() == at::kLong &&
@@ -203,5 +203,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_attention", &decode_attention,
         "Attention of query rows over their slots' first `lengths` positions of a KV pool",
         pybind11::arg("q"), pybind11::arg("keys"), pybind11::arg("values"),
-        pybind11::arg("slots"), pybind11::arg("lengths"), pybind11::arg("scale"));
+        pybind11::arg("slots"), pybind11::arg("lengths"), pybind11::arg("scale"),
+        // the arguments are converted first; the computation then lets other Python threads
+        // run (the HTTP server's event loop runs beside the engine's step thread)
+        pybind11::call_guard<pybind11::gil_scoped_release>());
 }
