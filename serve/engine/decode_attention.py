@@ -35,6 +35,8 @@ SOURCE = Path(__file__).parent / "csrc" / "decode_attention.cpp"
 # longer run of new tokens (a prompt chunk) goes to SDPA, which computes it as one matrix product
 # where the kernel would read the request's keys once per query.
 MAX_KERNEL_QUERIES = 32
+# Query heads per key/value head the kernel handles (its compiled cases, checked there too).
+MAX_QUERY_GROUPS = 8
 
 
 def _cpu_key() -> str:

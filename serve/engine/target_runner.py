@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 import torch
 
 from . import kv_pool
-from .decode_attention import decode_kernel
+from .decode_attention import MAX_QUERY_GROUPS, decode_kernel
 from .kv_pool import PooledStepCache, SlotKVPool
 
 
@@ -140,7 +140,8 @@ class TargetRunner:
         heads = getattr(cfg, "num_attention_heads", 0)
         kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
         return (self.device.type == "cpu" and self.dtype in (torch.float32, torch.bfloat16)
-                and bool(kv_heads) and heads % kv_heads == 0 and 1 <= heads // kv_heads <= 8)
+                and bool(kv_heads) and heads % kv_heads == 0
+                and 1 <= heads // kv_heads <= MAX_QUERY_GROUPS)
 
     @property
     def dtype(self) -> torch.dtype:

@@ -93,16 +93,16 @@ class Verifier:
                 k = p.top_k if 0 < p.top_k < logits[j].shape[-1] else 0
                 groups.setdefault((k, p.min_p > 0, p.top_p < 1), []).append(j)
         for group in groups.values():
-            at = 0
-            while at < len(group):
-                chunk, rows = [], 0
-                while at < len(group) and (not chunk or rows + len(logits[group[at]]) <= WARP_ROWS):
-                    chunk.append(group[at])
-                    rows += len(logits[group[at]])
-                    at += 1
-                for j, probs in zip(chunk, self._warp_together([requests[j] for j in chunk],
-                                                               [logits[j] for j in chunk])):
-                    out[j] = probs
+            chunk, rows = [], 0
+            for j in group + [None]:  # None: the group's end flushes its last chunk
+                if chunk and (j is None or rows + len(logits[j]) > WARP_ROWS):
+                    for i, probs in zip(chunk, self._warp_together(
+                            [requests[i] for i in chunk], [logits[i] for i in chunk])):
+                        out[i] = probs
+                    chunk, rows = [], 0
+                if j is not None:
+                    chunk.append(j)
+                    rows += len(logits[j])
         return out
 
     def _warp_together(self, requests: list[RequestState],
