@@ -144,7 +144,7 @@ def render_md(table: dict, results: dict, meta: dict) -> str:
                      f"{t['rounds']} | {fm.get('loss', float('nan')):.3f} | "
                      f"{fm.get('heldout_tau', float('nan')):.3f} |")
     lines += ["", "Conditional acceptance per position (mean over benchmarks), "
-              "`conditional_acceptance.png`:", "",
+              f"`{meta['files']['conditional_acceptance']}`:", "",
               "| drafter | " + " | ".join(f"k={k + 1}" for k in range(meta["gamma"])) + " |",
               "|---|" + "---|" * meta["gamma"]]
     for n in names:  # a contender with a shorter block has no rate past it: '-'
@@ -157,7 +157,7 @@ def render_md(table: dict, results: dict, meta: dict) -> str:
     if cal.get("calibrated"):
         lines += [f"Temperatures fitted on {cal['fit_rounds']} full-block rounds of half the held-out "
                   f"prompts, reported on the other half ({cal['report_rounds']} rounds); "
-                  f"reliability diagram: `dspark_reliability.png`.", "",
+                  f"reliability diagram: `{meta['files']['reliability']}`.", "",
                   "| position | positive rate | ECE before | ECE after | AUROC | Brier before | Brier after |",
                   "|---|---|---|---|---|---|---|"]
         for p in cal["report"]["positions"]:
@@ -181,6 +181,10 @@ def main() -> int:
     parser.add_argument("--contenders", default=DEFAULT_CONTENDERS,
                         help=f"comma-separated, the first is the reference (one of "
                              f"{', '.join(CONTENDERS)})")
+    parser.add_argument("--suffix", default="",
+                        help="appended to every output file name (e.g. _reference: "
+                             "drafter_quality_reference.md), so a run on other data keeps "
+                             "the default run's files")
     parser.add_argument("--data-from", default=None, metavar="RUN_DIR",
                         help="link the prompts/generate/cache stages of this finished run (e.g. "
                              "runs/smollm2_reference) instead of generating them; its data "
@@ -190,6 +194,9 @@ def main() -> int:
     unknown = [n for n in names if n not in CONTENDERS]
     if unknown or not names:
         print(f"--contenders: unknown {unknown}; known: {', '.join(CONTENDERS)}", file=sys.stderr)
+        return 2
+    if "/" in args.suffix or "\\" in args.suffix:
+        print(f"--suffix {args.suffix!r}: a file name part, without path separators", file=sys.stderr)
         return 2
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
@@ -222,14 +229,17 @@ def main() -> int:
     out.mkdir(parents=True, exist_ok=True)
     from pipeline.plots import conditional_acceptance_plot, tau_bar_plot
 
+    files = {"conditional_acceptance": f"conditional_acceptance{args.suffix}.png",
+             "tau": f"drafter_quality_tau{args.suffix}.png",
+             "reliability": f"dspark_reliability{args.suffix}.png"}
     conditional_acceptance_plot({n: t["conditional_acceptance"] for n, t in table.items()},
-                                out / "conditional_acceptance.png",
+                                out / files["conditional_acceptance"],
                                 title="P(token k accepted | tokens < k accepted), mean over benchmarks")
-    tau_bar_plot({n: t["tau"] for n, t in table.items()}, out / "drafter_quality_tau.png",
+    tau_bar_plot({n: t["tau"] for n, t in table.items()}, out / files["tau"],
                  title=f"Accepted length tau at T = {temperature}")
     reliability = Path(results[names[0]]["run_dir"]) / "calibrate" / "reliability.png"
     if reliability.exists():
-        (out / "dspark_reliability.png").write_bytes(reliability.read_bytes())
+        (out / files["reliability"]).write_bytes(reliability.read_bytes())
     meta = {"target": cfg.target.name_or_path, "dtype": cfg.eval.dtype,
             "gamma": cfg.drafter.block_size, "temperature": temperature,
             "prompts_per_dataset": max(cfg.eval.datasets.values()),
@@ -237,13 +247,13 @@ def main() -> int:
             "train_steps": table[names[0]]["train_steps"],
             "global_batch_size": cfg.train.global_batch_size,
             "machine": f"{platform.machine()}, {os.cpu_count()} CPU cores, no GPU",
-            "wall_minutes": (time.time() - started) / 60, "timings_s": timings,
+            "wall_minutes": (time.time() - started) / 60, "timings_s": timings, "files": files,
             "command": "python benchmarks/drafter_quality.py " + " ".join(sys.argv[1:])}
-    (out / "drafter_quality.json").write_text(json.dumps(
+    (out / f"drafter_quality{args.suffix}.json").write_text(json.dumps(
         {"meta": meta, "table": table,
          "calibration": results[names[0]]["calibration"]}, indent=1))
     md = render_md(table, results, meta)
-    (out / "drafter_quality.md").write_text(md)
+    (out / f"drafter_quality{args.suffix}.md").write_text(md)
     print(md)
     return 0
 
