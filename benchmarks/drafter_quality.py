@@ -22,7 +22,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from pipeline import stages  # noqa: E402
+from pipeline import stages, storage  # noqa: E402
 from pipeline.config import ConfigError, load_config  # noqa: E402
 
 # drafter section overrides of each contender (DSpark's comes from the config itself)
@@ -44,6 +44,7 @@ CONTENDERS = {
 }
 DEFAULT_CONTENDERS = "dspark,dflash,eagle3"
 SHARED_STAGES = ("prompts", "generate", "cache")
+MODEL_STAGES = ("train", "calibrate")  # what --trained-from takes, so only eval runs again
 
 
 def contender_config(base, name: str, overrides: list[str]):
@@ -54,14 +55,22 @@ def contender_config(base, name: str, overrides: list[str]):
     return cfg
 
 
-def share_data_stages(src: Path, dest: Path) -> None:
-    """Link the shared data stages of the first contender into another contender's run dir (the
-    stage fingerprints match: only the drafter section differs)."""
+def share_data_stages(src: Path, dest: Path, names=SHARED_STAGES) -> None:
+    """Link stages ``names`` of the run dir ``src`` into the contender's run dir ``dest`` (by
+    default the shared data stages of the first contender: their fingerprints match, only the
+    drafter section differs). A stage ``dest`` already has is left as it is."""
     dest.mkdir(parents=True, exist_ok=True)
-    for stage in SHARED_STAGES:
+    for stage in names:
         link = dest / stage
-        if not link.exists():
+        if not link.exists() and not link.is_symlink():
             link.symlink_to(src / stage, target_is_directory=True)
+
+
+def missing_trained_stages(trained_from: Path, names: list[str]) -> list[str]:
+    """The ``<contender>/<stage>`` of ``trained_from`` that have no completion marker (empty: every
+    contender there was trained and calibrated)."""
+    return [f"{name}/{stage}" for name in names for stage in MODEL_STAGES
+            if not (trained_from / name / stage / "_SUCCESS.json").exists()]
 
 
 def run_contender(cfg, timings: dict, name: str) -> dict:
@@ -189,6 +198,12 @@ def main() -> int:
                         help="link the prompts/generate/cache stages of this finished run (e.g. "
                              "runs/smollm2_reference) instead of generating them; its data "
                              "sections must match the config's")
+    parser.add_argument("--trained-from", default=None, metavar="RUN_DIR",
+                        help="link each contender's train and calibrate stages from "
+                             "RUN_DIR/<contender> (an earlier drafter_quality run), so only the "
+                             "eval stage runs, e.g. at another temperature; pair it with --set "
+                             "run_dir=... so that run's eval results stay as they are (its "
+                             "prompts/generate/cache are linked too: --data-from is not needed)")
     args = parser.parse_args()
     names = [n.strip() for n in args.contenders.split(",") if n.strip()]
     unknown = [n for n in names if n not in CONTENDERS]
@@ -214,10 +229,25 @@ def main() -> int:
         if not (first_dir / "cache" / "_SUCCESS.json").exists():
             print(f"--data-from {args.data_from}: no finished cache stage there", file=sys.stderr)
             return 1
+    trained_from = Path(args.trained_from).resolve() if args.trained_from else None
+    if trained_from is not None:
+        missing = missing_trained_stages(trained_from, names)
+        if missing:
+            print(f"--trained-from {args.trained_from}: no finished {', '.join(missing)} there",
+                  file=sys.stderr)
+            return 1
+        own = [n for n in names if Path(storage.resolve(
+            contender_config(args.config, n, args.set).run_dir)).resolve() == trained_from / n]
+        if own:  # its eval results and config.yaml would be overwritten
+            print(f"--trained-from {args.trained_from}: that is this run's own directory; set "
+                  "another one (--set run_dir=...)", file=sys.stderr)
+            return 2
     for name in names:
         cfg = contender_config(args.config, name, args.set)
         ctx_dir = Path(stages.StageContext.create(cfg).run_dir)
-        if first_dir is None:
+        if trained_from is not None:  # the data and the drafter it was trained on
+            share_data_stages(trained_from / name, ctx_dir, SHARED_STAGES + MODEL_STAGES)
+        elif first_dir is None:
             first_dir = ctx_dir
         else:
             share_data_stages(first_dir, ctx_dir)

@@ -32,3 +32,50 @@ def test_table_and_markdown_name_the_suffixed_plots():
     assert "| dspark / eagle3 | 1.250 | 1.250 | 1.250 |" in md
     assert "| eagle3 | 0.400 | - | - |" in md  # positions no round reached are not drawn as 0
     assert "Not calibrated: identity kept" in md
+
+
+def finished_stage(run_dir, name):
+    (run_dir / name).mkdir(parents=True)
+    (run_dir / name / "_SUCCESS.json").write_text("{}")
+
+
+def test_trained_from_links_data_and_drafter_stages_but_keeps_its_own(tmp_path):
+    """--trained-from: every stage up to calibrate comes from the earlier run, so only eval runs
+    again; a stage the new run already has stays; an unfinished contender is named."""
+    from benchmarks.drafter_quality import (MODEL_STAGES, SHARED_STAGES, missing_trained_stages,
+                                            share_data_stages)
+
+    earlier = tmp_path / "earlier"
+    for stage in SHARED_STAGES + MODEL_STAGES:
+        finished_stage(earlier / "dspark", stage)
+    finished_stage(earlier / "eagle3", "train")  # its calibrate stage never finished
+    assert missing_trained_stages(earlier, ["dspark"]) == []
+    assert missing_trained_stages(earlier, ["dspark", "eagle3"]) == ["eagle3/calibrate"]
+
+    new = tmp_path / "greedy" / "dspark"
+    finished_stage(new, "eval")
+    share_data_stages(earlier / "dspark", new, SHARED_STAGES + MODEL_STAGES)
+    for stage in SHARED_STAGES + MODEL_STAGES:
+        assert (new / stage).is_symlink() and (new / stage / "_SUCCESS.json").exists()
+    assert not (new / "eval").is_symlink()
+    share_data_stages(earlier / "dspark", new, SHARED_STAGES + MODEL_STAGES)  # again: no error
+
+
+def test_trained_from_refuses_the_runs_own_directory(tmp_path, monkeypatch, capsys):
+    """Evaluating into the directory the drafters were trained in would overwrite its eval
+    results and config.yaml: refused before any work."""
+    import sys
+    from pathlib import Path
+
+    from benchmarks import drafter_quality
+
+    config = Path(__file__).resolve().parents[2] / "infra" / "configs" / "drafter_quality.yaml"
+    run_dir = tmp_path / "dq"
+    for stage in drafter_quality.MODEL_STAGES:
+        finished_stage(run_dir / "dspark", stage)
+    monkeypatch.setattr(sys, "argv", ["drafter_quality.py", "--config", str(config),
+                                      "--contenders", "dspark", "--set", f"run_dir={run_dir}",
+                                      "--trained-from", str(run_dir)])
+    assert drafter_quality.main() == 2
+    assert "own directory" in capsys.readouterr().err
+    assert not (run_dir / "dspark" / "config.yaml").exists()
