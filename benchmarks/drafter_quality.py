@@ -177,6 +177,9 @@ def render_md(table: dict, results: dict, meta: dict) -> str:
         lines.append(f"| mean | | {cal['mean_ece_before']:.3f} | {cal['mean_ece_after']:.3f} | | | |")
         lines.append("")
         lines.append("Temperatures: " + ", ".join(f"{t:.2f}" for t in cal["temperatures"]))
+        if cal.get("unfitted_positions"):
+            lines.append(f"(positions {cal['unfitted_positions']} kept 1: too few fit rounds "
+                         "accepted that far to fit a temperature)")
     else:
         lines.append(f"Not calibrated: {cal.get('reason')}")
     return "\n".join(lines) + "\n"

@@ -73,7 +73,8 @@ def fit_and_report(collected: dict, out_dir: Path, drafter_dir: str, seed: int,
     """
     import numpy as np
 
-    from drafters.calibration import calibration_report, sequential_temperature_scaling
+    from drafters.calibration import (DEFAULT_MIN_POSITIVES, calibration_report,
+                                      sequential_temperature_scaling, survival_labels)
     from drafters.config import read_drafter_config
 
     from .plots import reliability_diagram
@@ -103,9 +104,13 @@ def fit_and_report(collected: dict, out_dir: Path, drafter_dir: str, seed: int,
             (out_dir / "report.json").write_text(json.dumps(summary, indent=1))
             return summary
         arrays[name] = (np.array([r[0] for r in rows]), np.array([r[1] for r in rows]))
-    temps = sequential_temperature_scaling(*arrays["fit"])
+    temps = sequential_temperature_scaling(*arrays["fit"], min_positives=DEFAULT_MIN_POSITIVES)
     report = calibration_report(*arrays["report"], temps)
+    fit_positives = survival_labels(arrays["fit"][1], arrays["fit"][0].shape[1]).sum(axis=0)
     counts = {"fit_rounds": int(len(arrays["fit"][1])),
+              # positions too few fit rounds survived to fit: they keep temperature 1
+              "unfitted_positions": [k + 1 for k, n in enumerate(fit_positives)
+                                     if n < DEFAULT_MIN_POSITIVES],
               "report_rounds": int(len(arrays["report"][1])),
               "mean_ece_before": report["mean"]["ece_before"],
               "mean_ece_after": report["mean"]["ece_after"]}

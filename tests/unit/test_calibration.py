@@ -180,7 +180,7 @@ def test_calibrate_stage_keeps_identity_when_the_fit_does_not_help(tmp_path, mon
         rows.append([(list(zz), int(a)) for zz, a in zip(z, acc)])
     if fit != "sts":  # a fit that generalises badly: far too sharp
         monkeypatch.setattr(cal, "sequential_temperature_scaling",
-                            lambda z, a: [0.2] * z.shape[1])
+                            lambda z, a, **kwargs: [0.2] * z.shape[1])
     out = tmp_path / "out"
     out.mkdir()
     summary = fit_and_report({"gamma": gamma, "has_confidence": True, "rounds": rows}, out,
@@ -189,8 +189,29 @@ def test_calibrate_stage_keeps_identity_when_the_fit_does_not_help(tmp_path, mon
     if fit == "sts":
         assert summary["calibrated"] and summary["mean_ece_after"] < summary["mean_ece_before"]
         assert temps == summary["temperatures"] and temps[0] > 2
+        assert 1 not in summary["unfitted_positions"]  # hundreds of fit rounds accept token 1
+        assert all(temps[k - 1] == 1.0 for k in summary["unfitted_positions"])
     else:
         assert not summary["calibrated"] and "identity temperatures kept" in summary["reason"]
         assert summary["mean_ece_after"] > summary["mean_ece_before"]
         assert summary["fitted_temperatures"] == [0.2] * gamma
         assert not temps or temps == [1.0] * gamma
+
+
+def test_sts_keeps_identity_where_too_few_blocks_survive():
+    """A position that only a handful of rounds reach cannot pin a temperature: it keeps T = 1
+    (the earlier positions, with thousands of positives, are still fitted)."""
+    z_obs, accepted = _synthetic_rounds(3_000, seed=2)
+    full = np.flatnonzero(accepted == len(TRUE_T))
+    accepted[full[5:]] = len(TRUE_T) - 1  # now only 5 rounds accept the whole block
+    labels_last = int((accepted == len(TRUE_T)).sum())
+    assert labels_last == 5
+
+    unguarded = sequential_temperature_scaling(z_obs, accepted, min_positives=0)
+    guarded = sequential_temperature_scaling(z_obs, accepted)
+    assert unguarded[-1] != 1.0  # the noise fit this guard exists for
+    assert guarded[-1] == 1.0
+    assert guarded[:-1] == unguarded[:-1]
+    assert guarded[0] == pytest.approx(TRUE_T[0], rel=0.15)
+    with pytest.raises(ValueError, match="min_positives"):
+        sequential_temperature_scaling(z_obs, accepted, min_positives=-1)
