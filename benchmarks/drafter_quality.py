@@ -41,6 +41,9 @@ CONTENDERS = {
     "dspark-loss_decay_4": {"loss_decay": 4.0},  # the reference repository's decay
     "dspark-layers_1": {"num_layers": 1},
     "dspark-layers_3": {"num_layers": 3},
+    # a key with a dot names another section's field: Eagle3's soft-CE-like weighting of the loss
+    # terms (ce, tv, conf) instead of DSpark's 0.1 CE + 0.9 TV (greedy decoding checks the argmax)
+    "dspark-ce_heavy": {"train.loss_weights": [0.9, 0.1, 1.0]},
 }
 DEFAULT_CONTENDERS = "dspark,dflash,eagle3"
 SHARED_STAGES = ("prompts", "generate", "cache")
@@ -48,8 +51,10 @@ MODEL_STAGES = ("train", "calibrate")  # what --trained-from takes, so only eval
 
 
 def contender_config(base, name: str, overrides: list[str]):
-    """The base config with the contender's drafter section and its own run directory."""
-    extra = [f"drafter.{k}={json.dumps(v)}" for k, v in CONTENDERS[name].items()]
+    """The base config with the contender's overrides (drafter fields, or ``section.field``) and
+    its own run directory."""
+    extra = [f"{k if '.' in k else 'drafter.' + k}={json.dumps(v)}"
+             for k, v in CONTENDERS[name].items()]
     cfg = load_config(base, overrides + extra)
     cfg.run_dir = str(Path(cfg.run_dir) / name)
     return cfg

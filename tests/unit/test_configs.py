@@ -27,11 +27,16 @@ def test_drafter_quality_config_trains_the_baselines_like_dspark():
     cfgs = {name: contender_config(base, name, []) for name in CONTENDERS}  # all validate
     for name, cfg in cfgs.items():
         assert cfg.drafter.drafter_type == name.split("-")[0]  # ablations are DSpark drafters
-        assert cfg.train == cfgs["dspark"].train and cfg.eval == cfgs["dspark"].eval
+        assert cfg.eval == cfgs["dspark"].eval
+        assert cfg.train == cfgs["dspark"].train or name == "dspark-ce_heavy"
         assert cfg.run_dir.endswith(name)
     changed = {k for k, v in cfgs["dspark-block_4"].drafter.model_dump().items()
                if v != cfgs["dspark"].drafter.model_dump()[k]}
     assert changed == {"block_size"}
+    ce_heavy = cfgs["dspark-ce_heavy"]
+    assert ce_heavy.drafter == cfgs["dspark"].drafter
+    assert tuple(ce_heavy.train.loss_weights) == (0.9, 0.1, 1.0)
+    assert cfgs["dspark"].train.loss_weights != ce_heavy.train.loss_weights
 
 
 SERVE = [p for p in CONFIGS if p not in PIPELINE]
