@@ -60,7 +60,7 @@ def contender_config(base, name: str, overrides: list[str]):
     return cfg
 
 
-def share_data_stages(src: Path, dest: Path, names=SHARED_STAGES) -> None:
+def link_stages(src: Path, dest: Path, names=SHARED_STAGES) -> None:
     """Link stages ``names`` of the run dir ``src`` into the contender's run dir ``dest`` (by
     default the shared data stages of the first contender: their fingerprints match, only the
     drafter section differs). A stage ``dest`` already has is left as it is."""
@@ -254,11 +254,11 @@ def main() -> int:
         cfg = contender_config(args.config, name, args.set)
         ctx_dir = Path(stages.StageContext.create(cfg).run_dir)
         if trained_from is not None:  # the data and the drafter it was trained on
-            share_data_stages(trained_from / name, ctx_dir, SHARED_STAGES + MODEL_STAGES)
+            link_stages(trained_from / name, ctx_dir, SHARED_STAGES + MODEL_STAGES)
         elif first_dir is None:
             first_dir = ctx_dir
         else:
-            share_data_stages(first_dir, ctx_dir)
+            link_stages(first_dir, ctx_dir)
         results[name] = run_contender(cfg, timings, name)
     cfg = load_config(args.config, args.set)
     temperature = str(cfg.eval.temperatures[-1])

@@ -43,7 +43,7 @@ def test_trained_from_links_data_and_drafter_stages_but_keeps_its_own(tmp_path):
     """--trained-from: every stage up to calibrate comes from the earlier run, so only eval runs
     again; a stage the new run already has stays; an unfinished contender is named."""
     from benchmarks.drafter_quality import (MODEL_STAGES, SHARED_STAGES, missing_trained_stages,
-                                            share_data_stages)
+                                            link_stages)
 
     earlier = tmp_path / "earlier"
     for stage in SHARED_STAGES + MODEL_STAGES:
@@ -54,11 +54,11 @@ def test_trained_from_links_data_and_drafter_stages_but_keeps_its_own(tmp_path):
 
     new = tmp_path / "greedy" / "dspark"
     finished_stage(new, "eval")
-    share_data_stages(earlier / "dspark", new, SHARED_STAGES + MODEL_STAGES)
+    link_stages(earlier / "dspark", new, SHARED_STAGES + MODEL_STAGES)
     for stage in SHARED_STAGES + MODEL_STAGES:
         assert (new / stage).is_symlink() and (new / stage / "_SUCCESS.json").exists()
     assert not (new / "eval").is_symlink()
-    share_data_stages(earlier / "dspark", new, SHARED_STAGES + MODEL_STAGES)  # again: no error
+    link_stages(earlier / "dspark", new, SHARED_STAGES + MODEL_STAGES)  # again: no error
 
 
 def test_trained_from_refuses_the_runs_own_directory(tmp_path, monkeypatch, capsys):
