@@ -44,6 +44,9 @@ CONTENDERS = {
     # a key with a dot names another section's field: Eagle3's soft-CE-like weighting of the loss
     # terms (ce, tv, conf) instead of DSpark's 0.1 CE + 0.9 TV (greedy decoding checks the argmax)
     "dspark-ce_heavy": {"train.loss_weights": [0.9, 0.1, 1.0]},
+    # DSpark's architecture with Eagle3's objective (soft cross-entropy against the target's
+    # distribution, plus the confidence term): objective or architecture behind a gap to Eagle3
+    "dspark-soft_ce": {"train.objective": "soft_ce"},
 }
 DEFAULT_CONTENDERS = "dspark,dflash,eagle3"
 SHARED_STAGES = ("prompts", "generate", "cache")

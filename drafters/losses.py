@@ -196,12 +196,12 @@ def chunked_drafter_losses(draft_logits_fn, target_logits_fn, labels: torch.Tens
     if confidence_logits is not None:
         soft_label = (1.0 - 0.5 * l1_rows).clamp(0.0, 1.0)
         conf = F.binary_cross_entropy_with_logits(confidence_logits[valid].float(), soft_label)
+    c_ce, c_tv, c_conf = coefficients
     if objective == "ce":
-        loss = ce
+        loss = ce + c_conf * conf  # conf is 0 without a confidence head (DFlash)
     elif objective == "soft_ce":
-        loss = soft_ce
+        loss = soft_ce + c_conf * conf  # (Eagle3 has none either)
     else:
-        c_ce, c_tv, c_conf = coefficients
         loss = c_ce * ce + c_tv * tv + c_conf * conf
 
     with torch.no_grad():
@@ -233,9 +233,11 @@ def drafter_losses(draft_logits: torch.Tensor, target_logits: torch.Tensor, labe
         valid: bool [N, K], supervised slots (a prefix of each block).
         weights: fp32 [K], position weights w_k.
         confidence_logits: fp32 [N, K] or None.
-        coefficients: (ce, tv, conf) mixing weights.
+        coefficients: (ce, tv, conf) mixing weights; ``"ce"`` and ``"soft_ce"`` use only conf's.
         objective: ``"dspark"`` (Eq. 12 mix), ``"ce"`` (DFlash: L = L_ce) or ``"soft_ce"``
-            (Eagle3: L = weighted -sum p_t log p_d). Every term is reported whatever the objective.
+            (Eagle3: L = weighted -sum p_t log p_d); the latter two add conf * L_conf when the
+            drafter has a confidence head (a DSpark trained with another objective). Every term
+            is reported whatever the objective.
         draft_vocab: int64 [Nd] draft -> target ids, or None (see :func:`row_loss_terms`).
     Returns:
         dict with ``loss`` (scalar with grad), ``ce``, ``tv``, ``conf``, ``soft_ce`` (detached

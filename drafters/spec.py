@@ -63,6 +63,11 @@ class DrafterSpec:
     vllm_method: str | None = None
     vllm_architectures: tuple[str, ...] = ()
 
-    def training_objective(self, config: BoundDrafterConfig) -> tuple[str, torch.Tensor]:
-        """(loss objective, position weights fp32 [block_size]) of ``config`` (SPEC 3)."""
-        return self.objective, self.step_weights(config)
+    def training_objective(self, config: BoundDrafterConfig, override: str | None = None
+                           ) -> tuple[str, torch.Tensor]:
+        """(loss objective, position weights fp32 [block_size]) of ``config`` (SPEC 3).
+
+        ``override`` (``train.objective``, one of ``drafters.losses.OBJECTIVES``) replaces the
+        type's own objective, e.g. DSpark's architecture trained with Eagle3's soft
+        cross-entropy; the position weights stay the type's."""
+        return override or self.objective, self.step_weights(config)

@@ -15,6 +15,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from drafters.config import DrafterConfig
+from drafters.losses import OBJECTIVES
 from serve.engine.config import EngineConfig
 
 Dtype = Literal["float32", "bfloat16", "float16"]
@@ -217,6 +218,9 @@ class TrainConfig(Strict):
         "fp32", description="bf16 = autocast forward with fp32 master weights and optimizer state.")
     loss_weights: tuple[float, float, float] = Field((0.1, 0.9, 1.0),
                                                      description="(ce, tv, conf), Eq. 12.")
+    objective: Literal[OBJECTIVES] | None = Field(
+        None, description="Training loss instead of the drafter type's own (DSpark: the Eq. 12 "
+        "mix; DFlash: ce; Eagle3: soft_ce); ce and soft_ce keep loss_weights' confidence term.")
     loss_chunk_rows: int = Field(1024, ge=1, description="Supervised rows per chunk of the "
                                  "vocabulary-sized loss work (recomputed in backward unless a "
                                  "draft vocabulary is used and all rows fit one chunk).")

@@ -238,7 +238,7 @@ def measure_config_peak_fake(cfg, target_config, *, micro_batch_size: int | None
                 "loss_mask": mask,
                 "context_hidden": torch.empty(length, m_h, dtype=torch.bfloat16),
                 "last_hidden": torch.empty(length, dcfg.hidden_size, dtype=torch.bfloat16)})
-        objective, weights = dcfg.spec.training_objective(dcfg)
+        objective, weights = dcfg.spec.training_objective(dcfg, tc.objective)
         gens = [torch.Generator().manual_seed(i) for i in range(batch)]
         measured = measure_step_peak(model, samples, tc, objective, weights, gens)
     estimate = estimate_step_memory(

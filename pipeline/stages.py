@@ -89,7 +89,7 @@ ADDED_LATER = [("drafter", "qk_norm", None), ("engine", "kv_cache_memory_gib", 2
                # stage decodes one request at a time, where the gate lets due probes through
                ("engine", "probe_alpha", 0.8), ("prompts", "heldout_ids_from", None),
                # the kernel attends as the PyTorch path did, up to rounding
-               ("engine", "attention", "kernel")]
+               ("engine", "attention", "kernel"), ("train", "objective", None)]
 # config fields that say where a stage may take its outputs from, not what they are: never
 # fingerprinted, so adding the shipped answers to a run that regenerated them changes nothing
 NOT_FINGERPRINTED = [("generate", "reuse_from")]

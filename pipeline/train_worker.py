@@ -225,7 +225,7 @@ def train_loop_per_worker(loop_cfg: dict) -> None:
         config=deepspeed_config(tc, world),
         lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(
             opt, lr_lambda(total_steps, tc.warmup_ratio)))
-    objective, weights = dcfg.spec.training_objective(dcfg)
+    objective, weights = dcfg.spec.training_objective(dcfg, tc.objective)
     weights = weights.to(device)
     hidden, m = loop_cfg["hidden_size"], len(loop_cfg["layer_ids"])
     eval_rows = tc.eval_rows if tc.eval_every else None

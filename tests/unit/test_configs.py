@@ -28,7 +28,7 @@ def test_drafter_quality_config_trains_the_baselines_like_dspark():
     for name, cfg in cfgs.items():
         assert cfg.drafter.drafter_type == name.split("-")[0]  # ablations are DSpark drafters
         assert cfg.eval == cfgs["dspark"].eval
-        assert cfg.train == cfgs["dspark"].train or name == "dspark-ce_heavy"
+        assert cfg.train == cfgs["dspark"].train or name in ("dspark-ce_heavy", "dspark-soft_ce")
         assert cfg.run_dir.endswith(name)
     changed = {k for k, v in cfgs["dspark-block_4"].drafter.model_dump().items()
                if v != cfgs["dspark"].drafter.model_dump()[k]}
@@ -37,6 +37,9 @@ def test_drafter_quality_config_trains_the_baselines_like_dspark():
     assert ce_heavy.drafter == cfgs["dspark"].drafter
     assert tuple(ce_heavy.train.loss_weights) == (0.9, 0.1, 1.0)
     assert cfgs["dspark"].train.loss_weights != ce_heavy.train.loss_weights
+    soft_ce = cfgs["dspark-soft_ce"]
+    assert soft_ce.drafter == cfgs["dspark"].drafter and soft_ce.drafter.confidence_head
+    assert (soft_ce.train.objective, cfgs["dspark"].train.objective) == ("soft_ce", None)
 
 
 SERVE = [p for p in CONFIGS if p not in PIPELINE]

@@ -138,6 +138,8 @@ def test_a_drafter_defined_here_trains_saves_loads_and_verifies_losslessly(regis
     # trained by the trainer's own loss path: packing by the spec's anchor rule, its objective
     tc = TrainConfig(num_workers=1, micro_batch_size=4, global_batch_size=4, num_anchors=8)
     objective, weights = bound.spec.training_objective(bound)
+    assert bound.spec.training_objective(bound, "soft_ce")[0] == "soft_ce"  # train.objective
+    torch.testing.assert_close(bound.spec.training_objective(bound, "soft_ce")[1], weights)
     opt = torch.optim.AdamW([p for p in drafter.parameters() if p.requires_grad], lr=1e-3)
     samples, losses = _samples(target), []
     for step in range(8):

@@ -129,8 +129,8 @@ def test_tau_ignores_blocks_without_supervised_slots():
 def test_ce_only_mode():
     draft, target, labels, valid, conf = _example()
     draft = draft.clone().requires_grad_(True)
-    out = drafter_losses(draft, target, labels, valid, position_weights(2, 2.0), conf,
-                         objective="ce")
+    out = drafter_losses(draft, target, labels, valid, position_weights(2, 2.0), None,
+                         objective="ce")  # DFlash: no confidence head
     assert float(out["loss"].detach()) == pytest.approx(EXP_CE, abs=1e-6)
     assert float(out["tv"]) == pytest.approx(EXP_TV, abs=1e-6)  # still reported
     out["loss"].backward()
@@ -199,6 +199,23 @@ def test_soft_ce_objective_gradient():
     out["loss"].backward()
     expected = (w / w[valid[0]].sum())[:, None] * (p_d[0] - p_t[0])
     torch.testing.assert_close(draft.grad[0], expected, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("objective,term", [("soft_ce", "soft_ce"), ("ce", "ce")])
+def test_other_objectives_keep_the_confidence_term(objective, term):
+    """A DSpark trained with DFlash's or Eagle3's objective (train.objective) still trains its
+    confidence head: loss = that term + c_conf * L_conf, and the head gets a gradient."""
+    draft, target, labels, valid, conf = _example()
+    conf = conf.clone().requires_grad_(True)
+    w = position_weights(2, 2.0)
+    out = drafter_losses(draft, target, labels, valid, w, conf, (0.1, 0.9, 0.5), objective)
+    assert float(out["conf"]) > 0
+    assert float(out["loss"].detach()) == pytest.approx(float(out[term] + 0.5 * out["conf"]),
+                                                        abs=1e-6)
+    out["loss"].backward()
+    assert conf.grad is not None and float(conf.grad.abs().sum()) > 0
+    without = drafter_losses(draft, target, labels, valid, w, None, (0.1, 0.9, 0.5), objective)
+    assert float(without["loss"]) == pytest.approx(float(out[term]), abs=1e-6)
 
 
 def test_unknown_objective_is_rejected():
