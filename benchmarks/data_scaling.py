@@ -72,7 +72,7 @@ def domain_metrics(ctx, drafter_dir: Path, rows_per_batch: int = 8) -> dict:
     index = CacheRowIndex(ctx.cache_dir, manifest, "heldout", cfg.storage_options)
     reader = CacheRowReader(index, manifest["target"]["hidden_size"], len(ctx.layer_ids))
     tc = cfg.train
-    objective, weights = drafter.config.spec.training_objective(drafter.config)  # the trainer's
+    objective, weights = drafter.config.spec.training_objective(drafter.config, tc.objective)
     by_domain: dict[str, list] = {}
     with torch.no_grad():
         for start in range(0, index.num_rows, rows_per_batch):

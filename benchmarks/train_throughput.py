@@ -87,7 +87,7 @@ def worker(args) -> dict:
     model = build_drafter(drafter.for_target(target_cfg, ctx.target, manifest["layer_ids"]),
                           emb, head, draft_vocab).train()
     tc = cfg.train
-    objective, weights = model.config.spec.training_objective(model.config)
+    objective, weights = model.config.spec.training_objective(model.config, tc.objective)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=tc.lr,
                             betas=(0.9, 0.95))
     index = CacheRowIndex(ctx.cache_dir, manifest, "train", cfg.storage_options)

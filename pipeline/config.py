@@ -218,7 +218,7 @@ class TrainConfig(Strict):
         "fp32", description="bf16 = autocast forward with fp32 master weights and optimizer state.")
     loss_weights: tuple[float, float, float] = Field((0.1, 0.9, 1.0),
                                                      description="(ce, tv, conf), Eq. 12.")
-    objective: Literal[OBJECTIVES] | None = Field(
+    objective: Literal[OBJECTIVES] | None = Field(  # type: ignore[valid-type]
         None, description="Training loss instead of the drafter type's own (DSpark: the Eq. 12 "
         "mix; DFlash: ce; Eagle3: soft_ce); ce and soft_ce keep loss_weights' confidence term.")
     loss_chunk_rows: int = Field(1024, ge=1, description="Supervised rows per chunk of the "

@@ -64,7 +64,7 @@ def measure_step_peak(model, samples: list[dict], tc, objective: str, weights, g
         model: the bare drafter (``drafters.loading.build_drafter``), in train mode.
         samples: cache rows as :func:`pipeline.train_worker.batch_losses` takes them.
         tc: the ``TrainConfig`` (micro-batch, anchors, precision, loss_chunk_rows).
-        objective, weights: the spec's ``training_objective``.
+        objective, weights: the spec's ``training_objective`` (with ``tc.objective``).
         generators: one anchor-sampling ``torch.Generator`` per sample (copied, not consumed).
         optimizer: counted with its state when given (it is not stepped).
     Returns:

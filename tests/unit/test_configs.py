@@ -40,6 +40,7 @@ def test_drafter_quality_config_trains_the_baselines_like_dspark():
     soft_ce = cfgs["dspark-soft_ce"]
     assert soft_ce.drafter == cfgs["dspark"].drafter and soft_ce.drafter.confidence_head
     assert (soft_ce.train.objective, cfgs["dspark"].train.objective) == ("soft_ce", None)
+    assert soft_ce.train.model_copy(update={"objective": None}) == cfgs["dspark"].train
 
 
 SERVE = [p for p in CONFIGS if p not in PIPELINE]
