@@ -208,7 +208,10 @@ def test_gpu_serve_config_reserves_a_gpu_and_a_replica_without_one_fails_loudly(
 @pytest.fixture(scope="module")
 def server(ray_local, tiny_target_dir, drafter_dir):
     """The app on 127.0.0.1:<free port>: dspark scheduler, 2 requests decoded together, no
-    waiting queue (max_waiting 0), so a third concurrent request is refused with 429."""
+    waiting queue (max_waiting 0), so a third concurrent request is refused with 429. Goodput
+    planning is off: it decides from costs profiled at start-up, and on a loaded CI machine it
+    may rightly draft for no request at all, while these tests check the speculative path's
+    output, counters and metrics (the planner has its own tests)."""
     from ray import serve
 
     from serve.app import build_app
@@ -217,7 +220,7 @@ def server(ray_local, tiny_target_dir, drafter_dir):
             "served_model_name": MODEL, "num_threads": 1, "metrics_interval_s": 0.2,
             "chat_template_kwargs": TEMPLATE_KWARGS,
             "engine": {"scheduler": "dspark", "max_num_requests": 2, "max_waiting": 0,
-                       "max_batch_tokens": 16, "sps_repeats": 1}}
+                       "max_batch_tokens": 16, "sps_repeats": 1, "draft_planning": "off"}}
     port = _free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     serve.run(build_app(args), name="dspark", route_prefix="/")
@@ -443,7 +446,7 @@ def test_spec_details_over_http_when_asked(http):
                       if line.startswith("data: {")]
         carrying = [e for e in events if "spec_details" in e]
         assert len(carrying) == 1 and carrying[0]["choices"][0]["finish_reason"] == "length"
-        # (not equal to d: the planner's engine-wide prior learned from the requests before)
+        # (not compared with d: a separate decode of the same request)
         streamed = carrying[0]["spec_details"]
         assert sum(streamed["accept_histogram"]) == streamed["rounds"] >= 1
         assert (streamed["accept_length"] or 0) * streamed["rounds"] == pytest.approx(

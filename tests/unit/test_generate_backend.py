@@ -160,7 +160,7 @@ def test_train_fields_added_this_release_keep_train_fingerprints():
     cfg = load_config(QUICKSTART)
     dumped = cfg.model_dump(mode="json")
     for key in ("plateau_patience", "plateau_min_delta", "max_train_rows", "placement_strategy",
-                "data_mode", "stream_object_store_gib", "stream_shuffle_rows"):
+                "data_mode", "stream_object_store_gib", "stream_shuffle_rows", "objective"):
         del dumped["train"][key]
     for key in ("backend", "vllm", "max_num_requests", "kv_cache_memory_gib", "reuse_from"):
         del dumped["generate"][key]
