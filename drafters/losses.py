@@ -197,12 +197,10 @@ def chunked_drafter_losses(draft_logits_fn, target_logits_fn, labels: torch.Tens
         soft_label = (1.0 - 0.5 * l1_rows).clamp(0.0, 1.0)
         conf = F.binary_cross_entropy_with_logits(confidence_logits[valid].float(), soft_label)
     c_ce, c_tv, c_conf = coefficients
-    if objective == "ce":
-        loss = ce + c_conf * conf  # conf is 0 without a confidence head (DFlash)
-    elif objective == "soft_ce":
-        loss = soft_ce + c_conf * conf  # (Eagle3 has none either)
-    else:
+    if objective == "dspark":
         loss = c_ce * ce + c_tv * tv + c_conf * conf
+    else:  # conf is 0 without a confidence head (DFlash, Eagle3)
+        loss = (ce if objective == "ce" else soft_ce) + c_conf * conf
 
     with torch.no_grad():
         accept = torch.zeros(valid.shape, device=device)
