@@ -234,6 +234,10 @@ class SpecEngine:
         self.planner.schedule(plan, [self._floor(row.request) for row in plan.rows])
         plan.verify_start_s = time.perf_counter()
         outs, prefill_outs = self._target_pass(plan, chunks)
+        for i in reversed(range(len(outs))):  # a request whose own target pass raised fails alone
+            if isinstance(outs[i], Exception):
+                outputs.append(self._fail(plan.rows[i].request, outs[i], "the target pass"))
+                del plan.rows[i], outs[i]
         try:  # every sampled request's target distribution at once
             dists = self.verifier.target_distributions([row.request for row in plan.rows],
                                                        [o.logits for o in outs])
@@ -261,15 +265,17 @@ class SpecEngine:
 
     def _target_pass(self, plan: StepPlan, chunks: list[PrefillChunk]):
         """One packed target pass over every row's [anchor, x_1..x_l] (logits at every position)
-        and the prefill chunks; returns (the rows' outputs, the chunks' outputs)."""
+        and the prefill chunks; returns (the rows' outputs, the chunks' outputs), an exception in
+        place of the output of a request whose own pass raised
+        (:meth:`TargetRunner.forward_isolated`)."""
         verify_in = [[row.request.anchor] + row.tokens[:row.length] for row in plan.rows]
         block_tokens = self.num_speculative_tokens + 1  # the draft block written past the end
         caches, prompt_tokens, modes = (prefill_inputs(self.target, chunks, block_tokens)
                                         if chunks else ([], [], []))
-        outs = self.target.forward_batch([row.request.kv for row in plan.rows] + caches,
-                                         verify_in + prompt_tokens,
-                                         with_features=self.drafter is not None,
-                                         logits=["all"] * len(plan.rows) + modes)
+        outs = self.target.forward_isolated([row.request.kv for row in plan.rows] + caches,
+                                            verify_in + prompt_tokens,
+                                            with_features=self.drafter is not None,
+                                            logits=["all"] * len(plan.rows) + modes)
         self.stats.batch_tokens += sum(len(v) for v in verify_in)
         return outs[:len(plan.rows)], outs[len(plan.rows):]
 
@@ -320,6 +326,8 @@ class SpecEngine:
             r, take, done = chunk.request, chunk.take, chunk.completes
             start = r.prefilled
             try:
+                if isinstance(o, Exception):  # its own target pass raised
+                    raise o
                 o.keep(take)
                 r.prefilled += take
                 if speculate and r.draft_state is None:

@@ -29,3 +29,9 @@ class RequestFailedError(RequestError):
 class EngineDeadError(RuntimeError):
     """The engine loop failed; every in-flight request is failed with this error and the
     deployment's health check reports unhealthy."""
+
+
+class UnsupportedTargetError(ValueError):
+    """The target has an architecture feature the engine cannot honour (a layer or cache type,
+    an attention variant); raised when the engine is built, never answered with different
+    output. The message names the model type and the feature."""

@@ -159,7 +159,7 @@ class SingleTokenRows:
     """
 
     __slots__ = ("slots", "positions", "starts", "lo", "hi", "rows", "width", "mask",
-                 "in_slot_order", "gather")
+                 "in_slot_order", "gather", "_visible", "_windowed")
 
     def __init__(self, slots: list[int], lengths: list[int], starts: list[int], device,
                  max_width: int | None = None, gather: bool = False):
@@ -184,6 +184,20 @@ class SingleTokenRows:
             visible[self.rows] = self.positions + 1
         keys_at = torch.arange(self.width, device=device)[None]
         self.mask = (keys_at < visible[:, None])[:, None, None]
+        self._visible = visible
+        self._windowed: dict[int, torch.Tensor] = {}
+
+    def mask_for(self, window: int | None) -> torch.Tensor:
+        """:attr:`mask` of a layer with a sliding window of ``window`` keys (None: full
+        attention): a row at position p also sees no key before p - window + 1 (transformers'
+        ``sliding_window_overlay``). Built once per pass per window, shared by every layer."""
+        if window is None:
+            return self.mask
+        if window not in self._windowed:
+            keys_at = torch.arange(self.width, device=self.mask.device)[None]
+            recent = (keys_at >= (self._visible - window)[:, None])[:, None, None]
+            self._windowed[window] = self.mask & recent
+        return self._windowed[window]
 
 
 def batched_single_tokens(slots: list[int], lengths: list[int], counts: list[int]) -> list[int]:
@@ -262,37 +276,66 @@ class KernelRows:
     [N], the row's token in the packed row.
     """
 
-    __slots__ = ("op", "slots", "lengths", "offsets")
+    __slots__ = ("op", "slots", "lengths", "offsets", "_starts")
 
     def __init__(self, op, slots: torch.Tensor, lengths: torch.Tensor, offsets: torch.Tensor):
         self.op, self.slots, self.lengths, self.offsets = op, slots, lengths, offsets
+        self._starts: dict[int, torch.Tensor | None] = {}
+
+    def starts(self, window: int | None) -> torch.Tensor | None:
+        """int64 [N], each row's first visible key under a sliding window of ``window`` keys
+        (``lengths - window``, at least 0), or None where every row sees all its keys."""
+        if window is None:
+            return None
+        if window not in self._starts:
+            first = (self.lengths - window).clamp_(min=0)
+            self._starts[window] = first.contiguous() if bool((first > 0).any()) else None
+        return self._starts[window]
 
 
 class SlotViews:
     """What :meth:`PooledStepCache.update` hands the attention of one layer: each multi-token
     request's keys or values ``[Hkv, L_j + n_j, d]`` as views of its slot (no copy; None for a
-    request attended otherwise), its new tokens' offset s_j in the packed row and count n_j, its
-    causal mask bool ``[n_j, L_j + n_j]``, the rows the decode attention kernel attends
+    request attended otherwise), its new tokens' offset s_j in the packed row and count n_j
+    (its causal and window masks built from them, :meth:`folded_mask`), the rows the decode attention kernel attends
     (:class:`KernelRows`, or None) or else the groups of single-token requests
     (:class:`SingleTokenRows`; empty or None: none), with this layer's whole pool tensor
     ``[slots, Hkv, capacity, d]``."""
 
-    __slots__ = ("rows", "starts", "counts", "masks", "_folded", "single", "pool", "kernel_rows")
+    __slots__ = ("rows", "starts", "counts", "_folded", "single", "pool", "kernel_rows")
 
-    def __init__(self, rows: list, starts: list[int], counts: list[int],
-                 masks: list[torch.Tensor | None], folded: dict,
+    def __init__(self, rows: list, starts: list[int], counts: list[int], folded: dict,
                  single: list[SingleTokenRows] | None = None, pool: torch.Tensor | None = None,
                  kernel_rows: KernelRows | None = None):
         self.rows, self.starts, self.counts = rows, starts, counts
-        self.masks, self._folded = masks, folded
+        self._folded = folded
         self.single, self.pool, self.kernel_rows = single, pool, kernel_rows
 
-    def folded_mask(self, j: int, groups: int) -> torch.Tensor:
-        """Row j's mask repeated for ``groups`` folded query heads ``[groups * n_j, L_j + n_j]``,
-        built once per forward pass and shared by every layer."""
-        key = (j, groups)
+    def window_start(self, j: int, window: int | None) -> int:
+        """The first key any new token of request j sees in a layer with a sliding window of
+        ``window`` keys (0: full attention, or a window longer than the request)."""
+        if window is None:
+            return 0
+        return max(0, self.rows[j].shape[1] - self.counts[j] - window + 1)
+
+    def folded_mask(self, j: int, groups: int, window: int | None = None
+                    ) -> torch.Tensor | None:
+        """Row j's mask over keys ``[window_start, L_j + n_j)`` repeated for ``groups`` folded
+        query heads ``[1, 1, groups * n_j, keys]``, or None where every query sees every one of
+        those keys; built once per forward pass and shared by every layer. Query i (position
+        L_j + i) sees keys (L_j + i - window, L_j + i] (transformers' ``sliding_window_overlay``).
+        """
+        key = (j, groups, window)
         if key not in self._folded:
-            self._folded[key] = self.masks[j].repeat(groups, 1)[None, None]
+            n = self.counts[j]
+            total = self.rows[j].shape[1]
+            first = self.window_start(j, window)
+            at = torch.arange(first, total, device=self.rows[j].device)[None]
+            last = total - n + torch.arange(n, device=at.device)[:, None]  # each query's position
+            mask = at <= last
+            if window is not None:
+                mask &= at > last - window
+            self._folded[key] = None if bool(mask.all()) else mask.repeat(groups, 1)[None, None]
         return self._folded[key]
 
 
@@ -344,13 +387,6 @@ class PooledStepCache:
         self._token_writes = writes
         batched = set(chosen)
         self._multi = [j for j in range(len(counts)) if j not in batched]
-        # query i of request j (position L_j + i) sees keys [0, L_j + i]; a single query sees all
-        self.masks = [None] * len(counts)
-        for j in self._multi:
-            l, n = lengths[j], counts[j]
-            if n > 1:
-                self.masks[j] = (torch.arange(l + n, device=device)[None]
-                                 <= (l + torch.arange(n, device=device))[:, None])
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int,
                *args, **kwargs) -> tuple[SlotViews, SlotViews]:
@@ -367,70 +403,127 @@ class PooledStepCache:
             s, pos, at = self._token_writes
             keys[s, :, pos] = key_states[0, :, at].transpose(0, 1)
             values[s, :, pos] = value_states[0, :, at].transpose(0, 1)
-        return (SlotViews(krows, self.starts, self.counts, self.masks, self._folded, self.single,
-                          keys, self.kernel_rows),
-                SlotViews(vrows, self.starts, self.counts, self.masks, self._folded, self.single,
-                          values, self.kernel_rows))
+        return (SlotViews(krows, self.starts, self.counts, self._folded, self.single, keys,
+                          self.kernel_rows),
+                SlotViews(vrows, self.starts, self.counts, self._folded, self.single, values,
+                          self.kernel_rows))
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return max(self.lengths)
 
 
 def slot_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
-                   **kwargs):
-    """Attention over slot views: the decode and verify rows in one call of the decode attention
-    kernel where it is in use (:class:`KernelRows`), else single-token requests in batched
-    products (:class:`SingleTokenRows`); every other request one SDPA call, its query heads
-    folded into the query axis per key/value head (so keys and values are never repeated for
-    grouped-query attention). Any other input goes to transformers' SDPA attention unchanged, so the model
-    still works outside the engine (plain ``generate``).
+                   sliding_window: int | None = None, s_aux: torch.Tensor | None = None,
+                   softcap: float | None = None, **kwargs):
+    """Attention over slot views, as the target's layer defines it: the decode and verify rows in
+    one call of the decode attention kernel where it is in use (:class:`KernelRows`), else
+    single-token requests in batched products (:class:`SingleTokenRows`); every other request one
+    SDPA call, its query heads folded into the query axis per key/value head (so keys and values
+    are never repeated for grouped-query attention). Any other input goes to transformers' SDPA
+    attention (or, for sinks or a soft cap, the model's own eager attention) unchanged, so the
+    model still works outside the engine (plain ``generate``).
+
+    Every path honours what transformers passes the layer's attention function: a sliding window
+    (Mistral, Qwen2, Gemma 2/3, gpt-oss, Phi-3: query position p sees keys (p - window, p]), the
+    attention sinks (gpt-oss's ``s_aux``: one logit per query head in the softmax's denominator)
+    and a logit soft cap (Gemma 2: scores -> cap * tanh(scores / cap)).
 
     Args:
         query: the packed row ``[1, Hq, T, d]``; key, value: :class:`SlotViews` (or tensors: the
             SDPA path).
+        sliding_window: keys a query sees at most (None: full attention).
+        s_aux: float ``[Hq]`` sink logits, or None; softcap: the cap, or None.
     Returns:
         (``[1, T, Hq, d]``, None), as transformers' attention functions return.
     """
     if not isinstance(key, SlotViews):
-        from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
-                                      scaling=scaling, **kwargs)
+        return _outside_engine(module, query, key, value, attention_mask, scaling, dropout,
+                               sliding_window, s_aux, softcap, **kwargs)
     _, hq, t, d = query.shape
+    scale = scaling if scaling is not None else d ** -0.5
+    sinks = None if s_aux is None else s_aux.detach().float().contiguous()
     out = query.new_empty(1, t, hq, d)
     sdpa = torch.nn.functional.scaled_dot_product_attention
-    for j, (k, v, s, nj, mask) in enumerate(zip(key.rows, value.rows, key.starts, key.counts,
-                                                key.masks)):
+    for j, (k, v, s, nj) in enumerate(zip(key.rows, value.rows, key.starts, key.counts)):
         if k is None:  # attended below with the others (kernel rows or single-token groups)
             continue
         hkv = k.shape[0]
         groups = hq // hkv
         q = query[0, :, s:s + nj].reshape(hkv, groups * nj, d)  # head h = kv head * groups + g
-        if mask is None:  # one query sees every key
-            o = sdpa(q[None], k[None], v[None], scale=scaling)
-        else:  # the folded rows are g * n_j + i: each group repeats the causal mask
-            o = sdpa(q[None], k[None], v[None], attn_mask=key.folded_mask(j, groups),
-                     scale=scaling)
+        first = key.window_start(j, sliding_window)  # keys before it are outside every window
+        k, v = k[:, first:], v[:, first:]
+        # the folded rows are g * n_j + i: each group repeats the causal (and window) mask
+        mask = key.folded_mask(j, groups, sliding_window)
+        if sinks is None and softcap is None:
+            o = sdpa(q[None], k[None], v[None], attn_mask=mask, scale=scale)[0]
+        else:
+            scores = torch.matmul(q, k.transpose(-1, -2)).float() * scale  # [Hkv, g*n, keys]
+            row_sinks = (None if sinks is None else
+                         sinks.view(hkv, groups, 1).expand(hkv, groups, nj).reshape(hkv, -1, 1))
+            o = torch.matmul(_weights(scores, None if mask is None else mask[0], row_sinks,
+                                      softcap).to(v.dtype), v)
         out[0, s:s + nj] = o.reshape(hq, nj, d).transpose(0, 1)
     for one in key.single or ():
-        out[0, one.starts] = _single_token_attention(query, one, key.pool, value.pool, scaling)
+        out[0, one.starts] = _single_token_attention(query, one, key.pool, value.pool, scale,
+                                                     sliding_window, sinks, softcap)
     rows = key.kernel_rows
     if rows is not None:
+        if softcap is not None:
+            raise NotImplementedError("the decode attention kernel has no logit soft cap; the "
+                                      "runner attends such a target with PyTorch")
         q = query[0, :, rows.offsets].transpose(0, 1).contiguous()  # [N, Hq, d]
-        out[0, rows.offsets] = rows.op(q, key.pool, value.pool, rows.slots, rows.lengths,
-                                       scaling if scaling is not None else d ** -0.5)
+        out[0, rows.offsets] = rows.op(q, key.pool, value.pool, rows.slots, rows.lengths, scale,
+                                       rows.starts(sliding_window), sinks)
     return out, None
 
 
+def _weights(scores: torch.Tensor, mask: torch.Tensor | None, sinks: torch.Tensor | None,
+             softcap: float | None) -> torch.Tensor:
+    """Attention weights from fp32 ``scores [..., rows, keys]`` as transformers' eager attention
+    computes them: soft-capped (``cap * tanh(s / cap)``), masked (bool, True = visible,
+    broadcastable), softmaxed with one sink logit per row joining the denominator (``sinks``
+    broadcastable to ``[..., rows, 1]``; its weight is dropped). Returns fp32 ``[..., rows, keys]``.
+    """
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    if sinks is None:
+        return scores.softmax(-1)
+    sink = sinks.expand(*scores.shape[:-1], 1)
+    return torch.cat([scores, sink], dim=-1).softmax(-1)[..., :-1]
+
+
+def _outside_engine(module, query, key, value, attention_mask, scaling, dropout, sliding_window,
+                    s_aux, softcap, **kwargs):
+    """The model called outside the engine (plain ``generate``, training): SDPA, whose mask
+    transformers built with the window; sinks or a soft cap, which SDPA cannot express, go to the
+    eager attention of the model's own modeling file."""
+    if s_aux is None and softcap is None:
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
+                                      scaling=scaling, sliding_window=sliding_window, **kwargs)
+    import sys
+
+    eager = sys.modules[type(module).__module__].eager_attention_forward
+    extra = {"s_aux": s_aux} if s_aux is not None else {"softcap": softcap}
+    return eager(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                 sliding_window=sliding_window, **extra, **kwargs)
+
+
 def _single_token_attention(query: torch.Tensor, one: SingleTokenRows, keys: torch.Tensor,
-                            values: torch.Tensor, scaling: float | None) -> torch.Tensor:
+                            values: torch.Tensor, scale: float, window: int | None = None,
+                            sinks: torch.Tensor | None = None,
+                            softcap: float | None = None) -> torch.Tensor:
     """Attention of a group of single-token requests at once over their slots' keys, as two
     batched matrix products: over the slot range [lo, hi) of the pool (views, no copy of any
     key), or over the group's keys gathered from its slots (``one.gather``).
 
     Args:
         query: the packed row ``[1, Hq, T, d]``; one: the group; keys, values: this layer's pool
-            tensors ``[slots, Hkv, capacity, d]``.
+            tensors ``[slots, Hkv, capacity, d]``; scale: the softmax scale; window, sinks
+            (float32 ``[Hq]``), softcap: as :func:`slot_attention`.
     Returns:
         ``[n, Hq, d]``, the attention output of the group's n requests in their order.
     """
@@ -447,14 +540,17 @@ def _single_token_attention(query: torch.Tensor, one: SingleTokenRows, keys: tor
             q = q.new_zeros(span, hkv, groups, d).index_copy_(0, one.rows, q)
         k = keys[one.lo:one.hi, :, :one.width]
         v = values[one.lo:one.hi, :, :one.width]
-    scale = scaling if scaling is not None else d ** -0.5
     # keys times queries, not queries times transposed keys: the pool's key rows are contiguous,
     # and this orientation multiplies 3x faster on them (measured on 2 cores, bf16). In bf16 the
     # scores are rounded to bf16 before the fp32 softmax (SDPA's CPU kernel keeps them in fp32):
     # noise of the size bf16 already puts on q and k; an fp32 target is exact (tested)
     scores = torch.matmul(k, q.transpose(-1, -2)).transpose(-1, -2).float() * scale
-    weights = scores.masked_fill_(~one.mask, float("-inf")).softmax(-1).to(v.dtype)
-    o = torch.matmul(weights, v)  # [P, Hkv, g, d]
+    if window is None and sinks is None and softcap is None:
+        weights = scores.masked_fill_(~one.mask, float("-inf")).softmax(-1)
+    else:
+        weights = _weights(scores, one.mask_for(window),
+                           None if sinks is None else sinks.view(1, hkv, groups, 1), softcap)
+    o = torch.matmul(weights.to(v.dtype), v)  # [P, Hkv, g, d]
     if not one.in_slot_order:
         o = o.index_select(0, one.rows)
     return o.reshape(-1, hq, d)

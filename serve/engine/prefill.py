@@ -61,8 +61,10 @@ def prefill_inputs(target: TargetRunner, chunks: list[PrefillChunk], extra_posit
 
 def prefill_forward(target: TargetRunner, chunks: list[PrefillChunk], extra_positions: int,
                     with_features: bool) -> list:
-    """A target pass of the chunks alone (a step with nothing to decode); [] without chunks."""
+    """A target pass of the chunks alone (a step with nothing to decode); [] without chunks.
+    A chunk whose own pass raises gets the exception as its output
+    (:meth:`TargetRunner.forward_isolated`)."""
     if not chunks:
         return []
     caches, tokens, modes = prefill_inputs(target, chunks, extra_positions)
-    return target.forward_batch(caches, tokens, with_features=with_features, logits=modes)
+    return target.forward_isolated(caches, tokens, with_features=with_features, logits=modes)

@@ -29,6 +29,7 @@ import torch
 from . import kv_pool
 from .decode_attention import MAX_QUERY_GROUPS, decode_kernel
 from .kv_pool import PooledStepCache, SlotKVPool
+from .target_support import check_target_supported, probe
 
 
 class TargetKV:
@@ -97,9 +98,12 @@ class TargetRunner:
             (``hidden_states[l + 1]`` in transformers' numbering, where 0 is the embedding).
     Raises:
         ValueError: layer ids outside the model.
+        UnsupportedTargetError: an architecture feature the engine cannot honour
+            (``serve/engine/target_support.py``: named with the model type).
     """
 
     def __init__(self, model, layer_ids: list[int]):
+        check_target_supported(model)
         self.model = model
         self.layer_ids = list(layer_ids)
         self.num_layers = model.config.num_hidden_layers
@@ -116,7 +120,10 @@ class TargetRunner:
         self.attention = "kernel"
         self._no_mask = torch.ones(1, 1, 1, 1, dtype=torch.bool)
         # attention over per-request slot views; any other call (plain generate) stays SDPA
+        # (the model's eager attention for sinks or a soft cap)
         model.set_attn_implementation(kv_pool.register())
+        probe(self)
+        self._pool = None  # the probe's default-sized pool; the engine sizes its own
 
     def use_decode_kernel(self, enabled: bool) -> bool:
         """Set :attr:`attention` to "kernel" (``enabled``) or "pytorch"; returns whether the
@@ -129,7 +136,8 @@ class TargetRunner:
         """The decode attention kernel (:func:`serve.engine.decode_attention.decode_kernel`,
         built on first use) when :attr:`attention` is "kernel" and it applies, else None: not
         where it cannot be built (a warning says why), on a GPU, for a dtype other than float32 /
-        bfloat16, or with more than 8 query heads per key/value head."""
+        bfloat16, with more than 8 query heads per key/value head, or for a target with a logit
+        soft cap (Gemma 2: PyTorch applies it)."""
         if self.attention != "kernel" or not self._kernel_applies:
             return None
         return decode_kernel()
@@ -140,7 +148,7 @@ class TargetRunner:
         heads = getattr(cfg, "num_attention_heads", 0)
         kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
         return (self.device.type == "cpu" and self.dtype in (torch.float32, torch.bfloat16)
-                and bool(kv_heads) and heads % kv_heads == 0
+                and getattr(cfg, "attn_logit_softcapping", None) is None and bool(kv_heads) and heads % kv_heads == 0
                 and 1 <= heads // kv_heads <= MAX_QUERY_GROUPS)
 
     @property
@@ -210,6 +218,33 @@ class TargetRunner:
             row = kept[at:at + width] if width else None
             at += width
             results.append(BatchOutput(row, None if feats is None else feats[a:e], caches[j]))
+        return results
+
+    def forward_isolated(self, caches: list[TargetKV], tokens: list[list[int]],
+                         with_features: bool, logits: str | list[str] = "all"
+                         ) -> list[BatchOutput | Exception]:
+        """:meth:`forward_batch`, except that a pass that raises is run again one request at a
+        time, so a request whose own tokens make the target raise fails alone: its entry is the
+        exception, the others' their outputs. Running again is safe: a pass writes only positions
+        no request has committed yet (its next pass overwrites them), and nothing is committed
+        before :meth:`BatchOutput.keep`.
+
+        Args: as :meth:`forward_batch`.
+        Returns:
+            R entries, each a :class:`BatchOutput` or the exception its request's pass raised.
+        """
+        try:
+            return self.forward_batch(caches, tokens, with_features, logits)
+        except Exception as err:  # noqa: BLE001 - whose input raised is found by running each alone
+            if len(tokens) == 1:
+                return [err]
+        modes = [logits] * len(tokens) if isinstance(logits, str) else list(logits)
+        results: list[BatchOutput | Exception] = []
+        for cache, row, mode in zip(caches, tokens, modes):
+            try:
+                results.append(self.forward_batch([cache], [row], with_features, mode)[0])
+            except Exception as err:  # noqa: BLE001 - this request's own pass raised
+                results.append(err)
         return results
 
     def reserve(self, cache: TargetKV, length: int) -> None:

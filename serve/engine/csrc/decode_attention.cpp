@@ -1,5 +1,6 @@
-// Decode attention over the engine's KV pool: each query row attends the first `lengths[r]`
-// positions of its request's slot, read in place (serve/engine/kv_pool.py's layout, one tensor
+// Decode attention over the engine's KV pool: each query row attends positions
+// [starts[r], lengths[r]) of its request's slot (a sliding-window layer's window; 0 on a full
+// layer), optionally with one attention-sink logit per query head, read in place (serve/engine/kv_pool.py's layout, one tensor
 // [slots, Hkv, capacity, d] per layer). One call covers every decode and verify row of a pass,
 // however different their lengths: no padding to the longest row and no per-request dispatch,
 // which is what bounded the PyTorch paths (serve/engine/decode_attention.py).
@@ -31,14 +32,17 @@ inline float widen(const at::BFloat16* p, int64_t i) {
 }
 
 // scores [G][L] -> softmax weights in place; the running maximum starts at the first score
-// (every row sees at least its own key), so no infinity is needed
+// (every row sees at least its own key), so no infinity is needed. sinks (or nullptr): one logit
+// per query head that joins the softmax's denominator and attends no value (gpt-oss's sinks,
+// transformers' eager attention: softmax over [scores, sink], the sink's column dropped)
 template <int G>
-void softmax_rows(float* sc, int64_t L) {
+void softmax_rows(float* sc, int64_t L, const float* sinks) {
   for (int a = 0; a < G; ++a) {
     float* s = sc + a * L;
     float m = s[0];
     for (int64_t t = 1; t < L; ++t) m = std::max(m, s[t]);
-    float sum = 0.f;
+    if (sinks) m = std::max(m, sinks[a]);
+    float sum = sinks ? std::exp(sinks[a] - m) : 0.f;
     for (int64_t t = 0; t < L; ++t) {
       s[t] = std::exp(s[t] - m);
       sum += s[t];
@@ -52,7 +56,7 @@ void softmax_rows(float* sc, int64_t L) {
 // positions; sc: scratch of G * L floats; out [G, d]
 template <typename T, int G>
 void attend(const T* q, const T* kb, const T* vb, int64_t kstride, int64_t L, int64_t d,
-            float scale, float* sc, float* work, T* out) {
+            float scale, const float* sinks, float* sc, float* work, T* out) {
 #if defined(__AVX512BF16__)
   if constexpr (std::is_same<T, at::BFloat16>::value) {
     if (d == 64) {
@@ -71,7 +75,7 @@ void attend(const T* q, const T* kb, const T* vb, int64_t kstride, int64_t L, in
           sc[a * L + t] = _mm512_reduce_add_ps(acc) * scale;
         }
       }
-      softmax_rows<G>(sc, L);
+      softmax_rows<G>(sc, L, sinks);
       __m512 acc[G][4];
       for (int a = 0; a < G; ++a)
         for (int c = 0; c < 4; ++c) acc[a][c] = _mm512_setzero_ps();
@@ -109,7 +113,7 @@ void attend(const T* q, const T* kb, const T* vb, int64_t kstride, int64_t L, in
       sc[a * L + t] = s;
     }
   }
-  softmax_rows<G>(sc, L);
+  softmax_rows<G>(sc, L, sinks);
   std::fill(acc, acc + G * d, 0.f);
   for (int64_t t = 0; t < L; ++t) {
     const T* vr = vb + t * kstride;
@@ -126,7 +130,8 @@ void attend(const T* q, const T* kb, const T* vb, int64_t kstride, int64_t L, in
 
 template <typename T, int G>
 void run(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values,
-         const int64_t* slots, const int64_t* lengths, float scale, at::Tensor& out) {
+         const int64_t* slots, const int64_t* starts, const int64_t* lengths, const float* sinks,
+         float scale, at::Tensor& out) {
   const int64_t n = q.size(0), hq = q.size(1), d = q.size(2), hkv = keys.size(1);
   const T* qp = q.data_ptr<T>();
   T* op = out.data_ptr<T>();
@@ -136,37 +141,42 @@ void run(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values,
   at::parallel_for(0, n * hkv, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> sc, work((2 * G + 1) * d);
     for (int64_t w = begin; w < end; ++w) {
-      const int64_t r = w / hkv, h = w % hkv, L = lengths[r];
+      const int64_t r = w / hkv, h = w % hkv, first = starts ? starts[r] : 0;
+      const int64_t L = lengths[r] - first;
       sc.resize(G * L);
-      const int64_t at = slots[r] * s0 + h * s1;
-      attend<T, G>(qp + (r * hq + h * G) * d, kp + at, vp + at, s2, L, d, scale, sc.data(),
-                   work.data(), op + (r * hq + h * G) * d);
+      const int64_t at = slots[r] * s0 + h * s1 + first * s2;
+      attend<T, G>(qp + (r * hq + h * G) * d, kp + at, vp + at, s2, L, d, scale,
+                   sinks ? sinks + h * G : nullptr, sc.data(), work.data(),
+                   op + (r * hq + h * G) * d);
     }
   });
 }
 
 template <typename T>
 void by_group(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const int64_t* s,
-              const int64_t* l, float scale, at::Tensor& out) {
+              const int64_t* b, const int64_t* l, const float* sk, float scale, at::Tensor& out) {
   switch (q.size(1) / k.size(1)) {
-    case 1: return run<T, 1>(q, k, v, s, l, scale, out);
-    case 2: return run<T, 2>(q, k, v, s, l, scale, out);
-    case 3: return run<T, 3>(q, k, v, s, l, scale, out);
-    case 4: return run<T, 4>(q, k, v, s, l, scale, out);
-    case 5: return run<T, 5>(q, k, v, s, l, scale, out);
-    case 6: return run<T, 6>(q, k, v, s, l, scale, out);
-    case 7: return run<T, 7>(q, k, v, s, l, scale, out);
-    case 8: return run<T, 8>(q, k, v, s, l, scale, out);
+    case 1: return run<T, 1>(q, k, v, s, b, l, sk, scale, out);
+    case 2: return run<T, 2>(q, k, v, s, b, l, sk, scale, out);
+    case 3: return run<T, 3>(q, k, v, s, b, l, sk, scale, out);
+    case 4: return run<T, 4>(q, k, v, s, b, l, sk, scale, out);
+    case 5: return run<T, 5>(q, k, v, s, b, l, sk, scale, out);
+    case 6: return run<T, 6>(q, k, v, s, b, l, sk, scale, out);
+    case 7: return run<T, 7>(q, k, v, s, b, l, sk, scale, out);
+    case 8: return run<T, 8>(q, k, v, s, b, l, sk, scale, out);
   }
 }
 
 }  // namespace
 
 // q [N, Hq, d] (contiguous); keys, values [slots, Hkv, capacity, d] (last dim contiguous);
-// slots, lengths int64 [N]: row r attends positions [0, lengths[r]) of slot slots[r].
-// Returns [N, Hq, d] in q's dtype (float32 or bfloat16).
+// slots, lengths int64 [N]: row r attends positions [starts[r], lengths[r]) of slot slots[r]
+// (starts: int64 [N], None = 0); sinks: float32 [Hq] or None. Returns [N, Hq, d] in q's dtype
+// (float32 or bfloat16).
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values,
-                            const at::Tensor& slots, const at::Tensor& lengths, double scale) {
+                            const at::Tensor& slots, const at::Tensor& lengths, double scale,
+                            const std::optional<at::Tensor>& starts,
+                            const std::optional<at::Tensor>& sinks) {
   TORCH_CHECK(q.dim() == 3 && q.is_contiguous(), "q must be contiguous [N, Hq, d]");
   TORCH_CHECK(keys.dim() == 4 && keys.sizes() == values.sizes() &&
                   keys.strides() == values.strides() && keys.stride(3) == 1,
@@ -187,15 +197,31 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& keys, const a
               "slots and lengths must be contiguous int64 [N]");
   const int64_t* s = slots.data_ptr<int64_t>();
   const int64_t* l = lengths.data_ptr<int64_t>();
+  const int64_t* b = nullptr;
+  if (starts.has_value()) {
+    TORCH_CHECK(starts->scalar_type() == at::kLong && starts->is_contiguous() &&
+                    starts->numel() == n,
+                "starts must be contiguous int64 [N]");
+    b = starts->data_ptr<int64_t>();
+  }
+  const float* sk = nullptr;
+  if (sinks.has_value()) {
+    TORCH_CHECK(sinks->scalar_type() == at::kFloat && sinks->is_contiguous() &&
+                    sinks->numel() == q.size(1),
+                "sinks must be contiguous float32 [Hq]");
+    sk = sinks->data_ptr<float>();
+  }
   for (int64_t r = 0; r < n; ++r) {
     TORCH_CHECK(s[r] >= 0 && s[r] < keys.size(0), "slot ", s[r], " outside the pool");
     TORCH_CHECK(l[r] >= 1 && l[r] <= keys.size(2), "length ", l[r], " outside [1, capacity]");
+    TORCH_CHECK(!b || (b[r] >= 0 && b[r] < l[r]), "start ", b ? b[r] : 0,
+                " outside [0, length)");
   }
   at::Tensor out = at::empty_like(q);
   if (q.scalar_type() == at::kBFloat16)
-    by_group<at::BFloat16>(q, keys, values, s, l, static_cast<float>(scale), out);
+    by_group<at::BFloat16>(q, keys, values, s, b, l, sk, static_cast<float>(scale), out);
   else
-    by_group<float>(q, keys, values, s, l, static_cast<float>(scale), out);
+    by_group<float>(q, keys, values, s, b, l, sk, static_cast<float>(scale), out);
   return out;
 }
 
@@ -204,6 +230,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "Attention of query rows over their slots' first `lengths` positions of a KV pool",
         pybind11::arg("q"), pybind11::arg("keys"), pybind11::arg("values"),
         pybind11::arg("slots"), pybind11::arg("lengths"), pybind11::arg("scale"),
+        pybind11::arg("starts") = pybind11::none(), pybind11::arg("sinks") = pybind11::none(),
         // the arguments are converted first; the computation then lets other Python threads
         // run (the HTTP server's event loop runs beside the engine's step thread)
         pybind11::call_guard<pybind11::gil_scoped_release>());

@@ -1,0 +1,89 @@
+"""What the engine honours of a target's architecture, checked when its runner is built.
+
+The engine keeps every request's keys and values in its own KV pool (``serve/engine/kv_pool.py``)
+and attends them itself, honouring what transformers passes a layer's attention function: causal
+full attention, per-layer sliding windows, attention sinks and logit soft caps. A target whose
+layers need anything else (a recurrent or convolution state, as hybrid linear-attention and Mamba
+layers do; a compressed latent KV; chunked attention) would either crash in the first prefill or,
+worse, decode text that is not the target's. Such a target is refused here, with its model type
+and the feature named, before any request is admitted.
+
+The checks read the model's own config attributes (``layer_types`` as transformers derives it
+from ``sliding_window`` / ``use_sliding_window`` / ``max_window_layers`` and similar), not a table
+of model names, and then run one short probe through the engine's cache, so a layer that calls a
+cache method the pool does not have is refused at build time too.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .errors import UnsupportedTargetError
+
+# layer types (transformers' ``config.layer_types``) the KV pool and slot attention honour
+SUPPORTED_LAYER_TYPES = frozenset({"full_attention", "sliding_attention"})
+# config attributes whose presence (not None) means a feature the engine does not implement
+UNSUPPORTED_ATTRIBUTES = {
+    "kv_lora_rank": "multi-head latent attention (a compressed KV cache)",
+    "attention_chunk_size": "chunked attention",
+}
+
+
+def check_target_supported(model) -> None:
+    """Refuse a target the engine cannot decode exactly as the target itself would.
+
+    Args:
+        model: a transformers causal LM (its ``config`` is read).
+    Raises:
+        UnsupportedTargetError: an encoder-decoder; a layer type other than full or sliding
+            attention (e.g. Qwen3-Next's ``linear_attention``, named with its layers); multi-head
+            latent or chunked attention. The message names ``config.model_type``.
+    """
+    cfg = model.config
+    kind = getattr(cfg, "model_type", type(model).__name__)
+    if getattr(cfg, "is_encoder_decoder", False):
+        raise UnsupportedTargetError(f"target model type {kind!r} is an encoder-decoder; the "
+                                     f"engine serves decoder-only causal LMs")
+    types = list(getattr(cfg, "layer_types", None) or [])
+    others = sorted({t for t in types if t not in SUPPORTED_LAYER_TYPES})
+    if others:
+        where = {t: [i for i, u in enumerate(types) if u == t] for t in others}
+        named = "; ".join(f"{t!r} at layers {ls}" for t, ls in where.items())
+        raise UnsupportedTargetError(
+            f"target model type {kind!r} has layers the engine cannot run: {named} (the engine's "
+            f"KV pool honours {sorted(SUPPORTED_LAYER_TYPES)}; recurrent or convolution states of "
+            f"linear-attention / Mamba layers are not pooled yet)")
+    for attr, feature in UNSUPPORTED_ATTRIBUTES.items():
+        if getattr(cfg, attr, None) is not None:
+            raise UnsupportedTargetError(f"target model type {kind!r} uses {feature} "
+                                         f"(config.{attr} = {getattr(cfg, attr)!r}); the engine "
+                                         f"does not implement it")
+
+
+def probe(runner) -> None:
+    """One 3-token pass and one 1-token pass through the engine's cache on a throwaway slot: a
+    layer that needs a cache method or state the pool lacks raises here, at build time.
+
+    Args:
+        runner: the :class:`serve.engine.target_runner.TargetRunner` being built.
+    Raises:
+        UnsupportedTargetError: the pass raised (the message names the model type and the error).
+    """
+    from .target_runner import TargetKV
+
+    kind = getattr(runner.model.config, "model_type", type(runner.model).__name__)
+    kv = TargetKV()
+    try:
+        out = runner.forward_batch([kv], [[0, 0, 0]], with_features=bool(runner.layer_ids),
+                                   logits="last")
+        out[0].keep(3)
+        runner.forward_batch([kv], [[0]], with_features=False, logits="last")
+    except Exception as err:  # noqa: BLE001 - any failure here is the architecture's
+        raise UnsupportedTargetError(
+            f"target model type {kind!r} does not run through the engine's KV pool: "
+            f"{type(err).__name__}: {err}") from err
+    finally:
+        kv.release()
+    if not torch.isfinite(out[0].logits).all():
+        raise UnsupportedTargetError(f"target model type {kind!r} gave non-finite logits through "
+                                     f"the engine's KV pool")
