@@ -18,9 +18,14 @@ COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidde
               max_position_embeddings=512, eos_token_id=1, pad_token_id=0, bos_token_id=None)
 
 
-def _configs() -> dict:
-    """family name -> a function returning its transformers config."""
+def _configs(window: int = WINDOW, **overrides) -> dict:
+    """family name -> a function returning its transformers config (``overrides`` replace
+    :data:`COMMON`'s values, e.g. a smaller vocabulary)."""
     import transformers as tf
+
+    COMMON = {**globals()["COMMON"], **overrides}
+    WINDOW = window
+    alternating = ["sliding_attention", "full_attention"] * (COMMON["num_hidden_layers"] // 2)
 
     def llama(tied=True):
         return lambda: tf.LlamaConfig(**COMMON, tie_word_embeddings=tied)
@@ -38,10 +43,10 @@ def _configs() -> dict:
             **{k: v for k, v in COMMON.items() if k != "head_dim"}, use_sliding_window=True,
             sliding_window=WINDOW, max_window_layers=2),
         "gemma3": lambda: tf.Gemma3TextConfig(**COMMON, sliding_window=WINDOW,
-                                              layer_types=["sliding_attention", "full_attention"] * 2),
+                                              layer_types=alternating),
         "gpt-oss": lambda: tf.GptOssConfig(**COMMON, sliding_window=WINDOW, num_local_experts=4,
                                            num_experts_per_tok=2,
-                                           layer_types=["sliding_attention", "full_attention"] * 2),
+                                           layer_types=alternating),
         "qwen3-next": lambda: tf.Qwen3NextConfig(
             **COMMON, moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2,
             linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=16,
@@ -52,19 +57,27 @@ def _configs() -> dict:
 FAMILIES = sorted(_configs())
 
 
-def family_config(name: str):
-    """The transformers config of family ``name`` (one of :data:`FAMILIES`)."""
-    return _configs()[name]()
+SLIDING = ("gemma3", "gpt-oss", "mistral", "phi3", "qwen2-sliding")  # a window in some layer
+SUPPORTED = tuple(f for f in FAMILIES if f != "qwen3-next")  # what the engine serves
+HYBRID = ("qwen3-next",)  # linear-attention layers: refused by the engine (not pooled yet)
 
 
-def family_target(name: str, seed: int = 0):
+def family_config(name: str, window: int = WINDOW, **overrides):
+    """The transformers config of family ``name`` (one of :data:`FAMILIES`) with a sliding
+    window of ``window`` tokens where the family has one; ``overrides`` replace :data:`COMMON`."""
+    return _configs(window, **overrides)[name]()
+
+
+def family_target(name: str, seed: int = 0, window: int = WINDOW, **overrides):
     """A tiny random target of family ``name``: fp32, eval mode, frozen. Its embeddings are
     sharpened (x4) and, where the family has attention sinks, the sinks set to visible values, so
-    greedy text is not pure noise and the sinks matter."""
+    greedy text is not pure noise and the sinks matter. The same ``seed`` gives the same weights
+    whatever ``window`` is (a test compares with and without the window)."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(family_config(name), dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_config(family_config(name, window, **overrides),
+                                             dtype=torch.float32).eval()
     with torch.no_grad():
         model.get_input_embeddings().weight.mul_(4.0)
         for module in model.modules():

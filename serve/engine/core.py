@@ -386,5 +386,7 @@ class SpecEngine:
         while any(s.finish_reason is None for s in states):
             self.step()
         end = time.perf_counter()
+        # a request that failed before its first token has no time to it (nan)
         return [Completion(s.req.request_id, s.output, s.text, s.finish_reason, s.rounds,
-                           s.first_token_s - s.arrival_s, end - start) for s in states]
+                           float("nan") if s.first_token_s is None
+                           else s.first_token_s - s.arrival_s, end - start) for s in states]

@@ -64,6 +64,52 @@ def test_rows_match_sdpa_over_their_slots(kernel, dtype, hq, hkv, d):
                                       lengths[short], scale), out[short])
 
 
+def _reference_windowed(q, keys, values, slots, starts, lengths, scale, sinks):
+    """Per row, as transformers' eager attention computes it: fp32 scores over positions
+    [starts[r], lengths[r]) of its slot, softmax with one sink logit per head (dropped)."""
+    hkv = keys.shape[1]
+    out = torch.empty(q.shape, dtype=torch.float32)
+    for r, (s, a, n) in enumerate(zip(slots.tolist(), starts.tolist(), lengths.tolist())):
+        k = keys[s, :, a:n].float().repeat_interleave(q.shape[1] // hkv, dim=0)
+        v = values[s, :, a:n].float().repeat_interleave(q.shape[1] // hkv, dim=0)
+        scores = (q[r].float()[:, None] @ k.transpose(-1, -2))[:, 0] * scale  # [Hq, keys]
+        if sinks is not None:
+            w = torch.cat([scores, sinks[:, None]], -1).softmax(-1)[:, :-1]
+        else:
+            w = scores.softmax(-1)
+        out[r] = (w[:, None] @ v)[:, 0]
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("with_sinks", [False, True])
+@pytest.mark.parametrize("hq,hkv,d", [(4, 2, 64), (8, 1, 32)])
+def test_sliding_window_starts_and_sinks(kernel, dtype, with_sinks, hq, hkv, d):
+    """Rows attend [starts, lengths) (a sliding-window layer) and, with sinks, each head's sink
+    logit joins the softmax (gpt-oss), on the vectorised (d 64) and portable paths."""
+    g = torch.Generator().manual_seed(7 + d)
+    keys = torch.randn(5, hkv, 200, d, generator=g).to(dtype)
+    values = torch.randn(5, hkv, 200, d, generator=g).to(dtype)
+    slots = torch.tensor([0, 3, 3, 3, 1, 4])
+    lengths = torch.tensor([1, 100, 101, 102, 200, 17])
+    starts = torch.tensor([0, 92, 93, 94, 100, 0])  # a window of 8 on a verify block; none
+    sinks = torch.randn(hq, generator=g) * 2 if with_sinks else None
+    q = torch.randn(len(slots), hq, d, generator=g).to(dtype)
+    out = kernel(q, keys, values, slots, lengths, d ** -0.5, starts, sinks)
+    expected = _reference_windowed(q, keys, values, slots, starts, lengths, d ** -0.5, sinks)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out.float(), expected, atol=tol, rtol=tol)
+    # keys before a row's start do not matter
+    keys[3, :, :92] = float("nan")
+    values[3, :, :92] = float("nan")
+    torch.testing.assert_close(kernel(q, keys, values, slots, lengths, d ** -0.5, starts, sinks),
+                               out)
+    with pytest.raises(RuntimeError, match="start"):
+        kernel(q, keys, values, slots, lengths, d ** -0.5, lengths.clone(), sinks)
+    with pytest.raises(RuntimeError, match="sinks"):
+        kernel(q, keys, values, slots, lengths, d ** -0.5, starts, torch.zeros(hq + 1))
+
+
 def test_bad_input_is_refused(kernel):
     keys = torch.zeros(2, 1, 8, 16)
     q = torch.zeros(1, 2, 16)

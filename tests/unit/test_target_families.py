@@ -1,0 +1,178 @@
+"""The engine on every target family users bring (issue 40), with tiny random targets of each
+(tests/families.py: a sliding window of 8 tokens, crossed by every prompt): fp32 greedy output
+equal token for token to the target's own, with a random drafter and with one that proposes the
+target's own continuation (whole blocks accepted, so verification crosses the window), through
+the decode attention kernel and through the PyTorch paths (batched single-token rows included);
+T = 1 sampling checked by chi-square on a sliding-window target and on one with attention sinks;
+a hybrid linear-attention target refused at build with its model type named; a request whose own
+target pass raises fails alone."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from serve.engine.config import EngineConfig
+from serve.engine.core import SpecEngine
+from serve.engine.decoding import SpeculativeDecoder
+from serve.engine.errors import UnsupportedTargetError
+from serve.engine.requests import EngineRequest, SamplingParams
+from serve.engine.target_runner import TargetRunner
+from tests.families import HYBRID, SLIDING, SUPPORTED, WINDOW, family_target
+from tests.tiny import tiny_drafter
+from tests.unit.helpers import greedy_reference, randomize_heads, scripted_drafter
+from tests.unit.test_speculative_lossless import _exact_first_tokens, _pooled_chisquare
+
+LAYERS = (1, 2)
+NEW = 24
+
+
+def _prompts(n: int = 4, vocab: int = 96, seed: int = 0) -> list[list[int]]:
+    """Prompts of 9-40 tokens: all longer than the window, some longer than a kernel batch."""
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(2, vocab, (length,), generator=g).tolist()
+            for length in (9, 20, 40, 13)[:n]]
+
+
+def _engine_greedy(target, prompts, attention: str, drafter=True) -> list[list[int]]:
+    runner = TargetRunner(target, list(LAYERS) if drafter else [])
+    d = tiny_drafter(target, layer_ids=LAYERS, block_size=4) if drafter else None
+    engine = SpecEngine(runner, d, [], EngineConfig(
+        scheduler="fixed" if drafter else "none", sps_profile="off", attention=attention,
+        max_num_requests=len(prompts)))
+    done = engine.generate([EngineRequest(f"r{i}", p, SamplingParams(NEW, 0.0))
+                            for i, p in enumerate(prompts)])
+    return [c.tokens for c in done]
+
+
+@pytest.fixture(scope="module", params=SUPPORTED)
+def family(request):
+    """(name, target, prompts, the target's own greedy continuations)."""
+    target = family_target(request.param)
+    prompts = _prompts()
+    refs = [greedy_reference(target, p, NEW) for p in prompts]
+    return request.param, target, prompts, refs
+
+
+def test_the_reference_is_the_targets_own_generate(family):
+    """The cache-free reference equals the target's own ``generate`` (its own cache, windowed)."""
+    _, target, prompts, refs = family
+    for p, ref in zip(prompts, refs):
+        out = target.generate(torch.tensor([p]), max_new_tokens=NEW, do_sample=False,
+                              min_new_tokens=NEW, eos_token_id=None, pad_token_id=0)
+        assert out[0, len(p):].tolist() == ref
+
+
+@pytest.mark.parametrize("attention", ["kernel", "pytorch"])
+def test_engine_greedy_equals_target_greedy(family, attention):
+    name, target, prompts, refs = family
+    assert _engine_greedy(target, prompts, attention) == refs, name
+
+
+def test_target_only_batched_decode_equals_target_greedy(family):
+    """Scheduler "none" on the PyTorch path: every decode row single-token, attended in
+    batched products over the pool (kv_pool.SingleTokenRows) with the window's masks."""
+    name, target, prompts, refs = family
+    assert _engine_greedy(target, prompts, "pytorch", drafter=False) == refs, name
+
+
+def test_whole_blocks_accepted_across_the_window(family):
+    """A drafter proposing the target's own continuation: every block is accepted, so each
+    verification pass attends across the window's edge at several positions at once."""
+    name, target, prompts, refs = family
+    for block in (3, 7):
+        d = scripted_drafter(tiny_drafter(target, layer_ids=LAYERS, block_size=block),
+                             prompts[1], refs[1])
+        res = SpeculativeDecoder(TargetRunner(target, list(LAYERS)), d, []).generate(prompts[1],
+                                                                                     NEW)
+        assert res.tokens == refs[1], name
+        assert all(r.accepted == r.drafted for r in res.rounds)
+        assert sum(r.accepted for r in res.rounds) >= NEW // 2
+
+
+@pytest.mark.parametrize("name", SLIDING)
+def test_the_window_changes_the_targets_text(name):
+    """The test targets are strong enough to see a window that is ignored: the same weights
+    without the window decode other text for some prompt (and gpt-oss's sinks matter too)."""
+    prompts = _prompts()
+    windowed = [greedy_reference(family_target(name), p, NEW) for p in prompts]
+    unwindowed = [greedy_reference(family_target(name, window=4096), p, NEW) for p in prompts]
+    assert windowed != unwindowed
+    if name == "gpt-oss":
+        sinkless = family_target(name)
+        for m in sinkless.modules():
+            if isinstance(getattr(m, "sinks", None), torch.nn.Parameter):
+                m.sinks.data.fill_(-1e4)
+        assert [greedy_reference(sinkless, p, NEW) for p in prompts] != windowed
+
+
+@pytest.mark.parametrize("name, head_scale", [("gemma3", 1.0), ("gpt-oss", 8.0)])
+def test_sampling_matches_the_targets_distribution(name, head_scale):
+    """T = 1: the joint distribution of the first three sampled tokens after a prompt longer
+    than the window equals the target's own (exact, by enumeration), by chi-square."""
+    target = family_target(name, vocab_size=12, num_hidden_layers=2)
+    with torch.no_grad():  # gpt-oss's random head is near uniform: sharpen it (~90 cells >= 5)
+        target.get_output_embeddings().weight.mul_(head_scale)
+    prompt = [3, 7, 2, 9, 5, 11, 4, 6, 8, 10]
+    assert len(prompt) > WINDOW
+    exact = _exact_first_tokens(target, prompt)
+    d = randomize_heads(tiny_drafter(target, layer_ids=(0, 1), block_size=4), seed=1, scale=1.0)
+    dec = SpeculativeDecoder(TargetRunner(target, [0, 1]), d, eos_token_ids=[])
+    v = target.config.vocab_size
+    counts = np.zeros((v, v, v))
+    accepted = 0
+    for seed in range(2000):
+        res = dec.generate(prompt, 4, temperature=1.0, seed=seed)
+        counts[tuple(res.tokens[:3])] += 1
+        accepted += res.rounds[0].accepted
+    assert 0 < accepted < 2 * 2000  # the drafter is neither always right nor always wrong
+    assert _pooled_chisquare(counts.sum(2), exact.sum(2)) > 1e-3
+    assert _pooled_chisquare(counts, exact) > 1e-3
+
+
+@pytest.mark.parametrize("name", HYBRID)
+def test_a_hybrid_linear_attention_target_is_refused_at_build(name):
+    target = family_target(name)
+    with pytest.raises(UnsupportedTargetError, match=r"qwen3_next.*linear_attention.*\[0, 2\]"):
+        TargetRunner(target, [1])
+
+
+def test_an_unhonourable_feature_is_refused_with_the_model_type():
+    target = family_target("llama")
+    target.config.attention_chunk_size = 8  # as Llama 4 states chunked attention
+    with pytest.raises(UnsupportedTargetError, match="'llama' uses chunked attention"):
+        TargetRunner(target, [1])
+
+
+@pytest.mark.parametrize("attention", ["kernel", "pytorch"])
+def test_a_request_whose_target_pass_raises_fails_alone(attention):
+    """An injected failure: the target raises on any pass that holds the poison token. Only the
+    request that carries it fails (error finish); the others decode the target's text."""
+    target = family_target("mistral")
+    prompts = _prompts(3)
+    refs = [greedy_reference(target, p, NEW) for p in prompts]
+    # a token in no other request's prompt or text, and one the drafter cannot propose
+    poison = max(set(range(2, 96)) - {t for seq in prompts + refs for t in seq})
+    draft_vocab = [t for t in range(96) if t != poison]
+    runner = TargetRunner(target, list(LAYERS))
+    embed = target.get_input_embeddings()
+    original = embed.forward
+
+    def poisoned(ids):
+        if bool((ids == poison).any()):
+            raise RuntimeError("injected failure")
+        return original(ids)
+
+    embed.forward = poisoned
+    drafter = tiny_drafter(target, layer_ids=LAYERS, block_size=4, draft_vocab=draft_vocab)
+    engine = SpecEngine(runner, drafter, [],
+                        EngineConfig(scheduler="fixed", sps_profile="off", attention=attention,
+                                     max_num_requests=4))
+    reqs = [EngineRequest(f"r{i}", p, SamplingParams(NEW, 0.0)) for i, p in enumerate(prompts)]
+    reqs.insert(1, EngineRequest("bad", prompts[0][:5] + [poison] + prompts[0][5:],
+                                 SamplingParams(NEW, 0.0)))
+    done = {c.request_id: c for c in engine.generate(reqs)}
+    assert done["bad"].finish_reason == "error"
+    assert [done[f"r{i}"].tokens for i in range(3)] == refs
+    assert engine.stats.failed_requests == 1
