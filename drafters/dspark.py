@@ -24,6 +24,7 @@ from torch import nn
 from .base import BlockProposal, DrafterBase, row_pieces
 from .export.dspark import EXPORTERS
 from .heads import ConfidenceHead, MarkovHead, RNNHead
+from .layer_init import map_layer_state
 from .layers import DrafterLayer, RMSNorm, RotaryEmbedding
 from .losses import position_weights
 from .packing import PackedBlocks
@@ -96,7 +97,8 @@ class DSparkDrafter(DrafterBase):
         """Start the backbone from the target's last decoder layers instead of random weights.
 
         The drafter layers take the weights of the target's last ``num_hidden_layers`` decoder
-        layers (same parameter names and shapes: Llama / Qwen3 layers), the final norm the
+        layers (mapped by the layer's own parameter names: Llama, Qwen3, Mistral, Phi-3 layers;
+        ``drafters/layer_init.py``), the final norm the
         target's (the frozen LM head expects its output), and W_c starts as the identity on the
         deepest selected target layer with the first copied layer's input norm as the context
         norm, so that the first drafter layer's context keys/values equal that target layer's
@@ -109,20 +111,21 @@ class DSparkDrafter(DrafterBase):
                 lowest copied layer).
             norm_state: the target's final norm state dict.
         Raises:
-            ValueError: wrong number of layers; RuntimeError: names or shapes do not match.
+            ValueError: wrong number of layers; LayerInitError (a ValueError): names or shapes
+                that do not map (``drafters/layer_init.py``, which the pipeline checks first).
         """
         if len(layer_states) != len(self.layers):
             raise ValueError(f"init_from_target needs {len(self.layers)} layer states, got "
                              f"{len(layer_states)}")
-        for layer, state in zip(self.layers, layer_states):
+        for i, (layer, state) in enumerate(zip(self.layers, layer_states)):
             own = layer.state_dict()
-            state = {k: v.to(own[k].dtype) for k, v in state.items()
-                     if not k.endswith("rotary_emb.inv_freq")}
-            # q/k norms the target's layers lack (drafter.qk_norm on a Llama target) keep their
-            # own values (1 in a fresh drafter)
-            missing = {k for k in own if k not in state and k.endswith(("q_norm.weight",
-                                                                       "k_norm.weight"))}
-            layer.load_state_dict({**state, **{k: own[k] for k in missing}}, strict=True)
+            # the target layer's names as the drafter's (Phi-3's fused projections split); q/k
+            # norms the target's layers lack (drafter.qk_norm on a Llama target) keep their own
+            # values (1 in a fresh drafter)
+            mapped = map_layer_state(state, {k: tuple(v.shape) for k, v in own.items()},
+                                     f"copied target layer {i}")
+            layer.load_state_dict({**own, **{k: v.to(own[k].dtype) for k, v in mapped.items()}},
+                                  strict=True)
         self.norm.load_state_dict({k: v.float() for k, v in norm_state.items()})
         h = self.config.hidden_size
         w = self.context_proj.weight

@@ -203,12 +203,13 @@ def preflight(ctx: StageContext, ordered: list[str], forced: list[str]) -> None:
     """Check what the stages in ``ordered`` will read, before any of them runs (or is cleared by
     ``--force``): vLLM for ``generate.backend: vllm`` (generate), the files of
     ``prompts.heldout_ids_from`` and ``generate.reuse_from``, the benchmark files (eval),
-    ``train.init_from`` (train), and that an existing cache at the cache location belongs to this
+    ``train.init_from`` (train), that ``drafter.init: target_layers`` maps the target's layers
+    onto the drafter's (train), and that an existing cache at the cache location belongs to this
     target (train, and cache unless forced).
 
     Raises:
         VllmNotInstalledError, EvalDataError, FileNotFoundError, ValueError (a directory where
-        a file is wanted), DrafterCheckpointError, CacheMismatchError.
+        a file is wanted), DrafterCheckpointError, CacheMismatchError, LayerInitError.
     """
     from .cache_format import read_manifest
 
@@ -234,6 +235,12 @@ def preflight(ctx: StageContext, ordered: list[str], forced: list[str]) -> None:
             raise ValueError(f"{field}: {path} is a directory; name its files")
     if "eval" in ordered:
         eval_datasets(ctx.cfg)
+    if will_run("train"):  # drafter.init target_layers maps onto the drafter's layers, or names why not
+        from drafters.layer_init import check_drafter_init
+        from drafters.target_weights import load_target_config
+
+        check_drafter_init(ctx.cfg.drafter, load_target_config(ctx.target), ctx.target,
+                           ctx.layer_ids)
     init_from = ctx.cfg.train.init_from
     if "train" in ordered and init_from and not storage.is_url(init_from):
         from drafters.loading import check_checkpoint

@@ -86,3 +86,18 @@ def family_target(name: str, seed: int = 0, window: int = WINDOW, **overrides):
                 sinks.copy_(torch.randn(sinks.shape) * 2.0)
     model.requires_grad_(False)
     return model
+
+
+def family_target_dir(name: str, tokenizer_dir, out, seed: int = 0):
+    """Save a tiny target of family ``name`` with the tokenizer (and chat template) at
+    ``tokenizer_dir`` into directory ``out`` (``save_pretrained``), as a user's checkpoint: the
+    pipeline loads it with ``from_pretrained``. Returns ``out``."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+    ids = dict(vocab_size=len(tok), eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+               max_position_embeddings=1024)
+    model = family_target(name, seed=seed, **ids)
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+    return out

@@ -498,6 +498,6 @@ def test_init_from_target_layers_without_qk_norm_keeps_the_drafters_norms_at_one
     assert torch.equal(d.layers[0].self_attn.q_norm.weight, torch.full((16,), 3.0))
     torch.testing.assert_close(d.layers[0].self_attn.q_proj.weight,
                                llama_like["self_attn.q_proj.weight"])
-    with pytest.raises(RuntimeError, match="Missing"):
+    with pytest.raises(ValueError, match="target layer lacks: self_attn.q_proj.weight"):
         d.init_from_target([{k: v for k, v in llama_like.items() if "q_proj" not in k}],
                            target.model.norm.state_dict())

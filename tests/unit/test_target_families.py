@@ -19,7 +19,8 @@ from serve.engine.decoding import SpeculativeDecoder
 from serve.engine.errors import UnsupportedTargetError
 from serve.engine.requests import EngineRequest, SamplingParams
 from serve.engine.target_runner import TargetRunner
-from tests.families import HYBRID, SLIDING, SUPPORTED, WINDOW, family_target
+from tests.families import (FAMILIES, HYBRID, SLIDING, SUPPORTED, WINDOW, family_config,
+                            family_target)
 from tests.tiny import tiny_drafter
 from tests.unit.helpers import greedy_reference, randomize_heads, scripted_drafter
 from tests.unit.test_speculative_lossless import _exact_first_tokens, _pooled_chisquare
@@ -176,3 +177,58 @@ def test_a_request_whose_target_pass_raises_fails_alone(attention):
     assert done["bad"].finish_reason == "error"
     assert [done[f"r{i}"].tokens for i in range(3)] == refs
     assert engine.stats.failed_requests == 1
+
+
+# ----------------------------------------------------------------------------- drafter init
+INITIALISABLE = ("llama", "llama-untied", "mistral", "phi3", "qwen3")  # Llama-shaped layers
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_init_target_layers_maps_the_layer_or_is_refused_with_its_names(name):
+    """``drafter.init: target_layers``: a Llama-shaped layer (Phi-3's fused projections split)
+    starts the drafter layer as the same function; any other is refused at config time naming
+    the model type and what does not fit."""
+    from drafters import DrafterConfig
+    from drafters.layer_init import LayerInitError, check_drafter_init
+
+    cfg = family_config(name)
+    dcfg = DrafterConfig(num_layers=1, block_size=4, markov_rank=16, init="target_layers")
+    if name not in INITIALISABLE:
+        with pytest.raises(LayerInitError, match=f"the {cfg.model_type}"):
+            check_drafter_init(dcfg, cfg, name, [1, 2])
+        return
+    check_drafter_init(dcfg, cfg, name, [1, 2])
+    target = family_target(name)
+    layer = target.get_decoder().layers[-1]
+    d = tiny_drafter(target, layer_ids=LAYERS, num_layers=1)
+    d.init_from_target([layer.state_dict()], target.get_decoder().norm.state_dict())
+    x = torch.randn(3, 64)
+    mine = d.layers[0]
+    torch.testing.assert_close(mine.mlp(x), layer.mlp(x))
+    torch.testing.assert_close(mine.input_layernorm(x), layer.input_layernorm(x))
+    torch.testing.assert_close(d.norm(x), target.get_decoder().norm(x))
+    attn = layer.self_attn
+    qkv = (torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight])
+           if hasattr(attn, "q_proj") else attn.qkv_proj.weight)
+    assert torch.equal(torch.cat([mine.self_attn.q_proj.weight, mine.self_attn.k_proj.weight,
+                                  mine.self_attn.v_proj.weight]), qkv)
+
+
+def test_a_refused_init_stops_the_pipeline_before_any_stage(tmp_path, smollm2_dir):
+    """preflight (pipeline/stages.py) names the target's model type and parameters for a Qwen2
+    target with drafter.init target_layers, before any stage runs."""
+    from drafters.layer_init import LayerInitError
+    from pipeline.config import load_config
+    from pipeline.stage_context import StageContext
+    from pipeline.stages import preflight
+    from tests.families import family_target_dir
+    from tests.integration.pipeline_config import tiny_pipeline_config
+
+    target = family_target_dir("qwen2-sliding", smollm2_dir, tmp_path / "target")
+    ctx = StageContext.create(load_config(tiny_pipeline_config(tmp_path, target)))
+    cfg = ctx.cfg.model_copy(update={"drafter": ctx.cfg.drafter.model_copy(
+        update={"init": "target_layers"})})
+    ctx = StageContext(cfg, ctx.run_dir, ctx.target, ctx.layer_ids, ctx.cache_dir)
+    with pytest.raises(LayerInitError, match=r"qwen2 layer 3 .*self_attn.q_proj.bias"):
+        preflight(ctx, ["prompts", "generate", "cache", "train"], forced=[])
+    assert not (ctx.run_dir / "prompts").exists()
