@@ -58,8 +58,8 @@ FAMILIES = sorted(_configs())
 
 
 SLIDING = ("gemma3", "gpt-oss", "mistral", "phi3", "qwen2-sliding")  # a window in some layer
-SUPPORTED = tuple(f for f in FAMILIES if f != "qwen3-next")  # what the engine serves
-HYBRID = ("qwen3-next",)  # linear-attention layers: refused by the engine (not pooled yet)
+SUPPORTED = tuple(FAMILIES)  # what the engine serves
+HYBRID = ("qwen3-next",)  # linear-attention layers (per-request states, rolled back)
 
 
 def family_config(name: str, window: int = WINDOW, **overrides):

@@ -356,6 +356,8 @@ class PooledStepCache:
     def __init__(self, pool: SlotKVPool, slots: list[int], lengths: list[int], counts: list[int],
                  kernel=None):
         self.pool, self.slots, self.lengths, self.counts = pool, slots, lengths, counts
+        # per-request linear-attention states of a hybrid target (serve/engine/linear_state.py)
+        self.linear_states = None
         self.starts = [0] * len(counts)
         for j in range(1, len(counts)):
             self.starts[j] = self.starts[j - 1] + counts[j - 1]

@@ -29,6 +29,7 @@ import torch
 from . import kv_pool
 from .decode_attention import MAX_QUERY_GROUPS, decode_kernel
 from .kv_pool import PooledStepCache, SlotKVPool
+from .linear_state import LinearStates, RequestStates, linear_mixers
 from .target_support import check_target_supported, probe
 
 
@@ -78,15 +79,22 @@ class TargetKV:
 class BatchOutput:
     """Per-request results of a batched forward: logits fp32 [n_r, V] (``"last"``: [1, V];
     ``"none"``: None); features [n_r, m*H] or None. Call :meth:`keep` with the number of new
-    positions the request commits."""
+    positions the request commits. states: its linear-attention layers' states of this pass
+    (hybrid targets; ``serve/engine/linear_state.py``), None otherwise; new: n_r."""
 
     logits: torch.Tensor | None
     features: torch.Tensor | None
     kv: TargetKV = field(repr=False)
+    states: RequestStates | None = field(default=None, repr=False)
+    new: int = 0
 
     def keep(self, count: int) -> None:
-        """Commit the first ``count`` new positions (already written to the request's slot)."""
+        """Commit the first ``count`` new positions (keys and values already written to the
+        request's slot; linear-attention states committed, or recomputed over those positions
+        when fewer than all are kept)."""
         self.kv.length += max(0, count)
+        if self.states is not None:
+            self.states.commit(count, self.new)
 
 
 class TargetRunner:
@@ -122,6 +130,9 @@ class TargetRunner:
         # attention over per-request slot views; any other call (plain generate) stays SDPA
         # (the model's eager attention for sinks or a soft cap)
         model.set_attn_implementation(kv_pool.register())
+        mixers = linear_mixers(model)
+        # hybrid targets: each linear-attention layer's per-request conv and recurrent states
+        self._linear = LinearStates(mixers) if mixers else None
         probe(self)
         self._pool = None  # the probe's default-sized pool; the engine sizes its own
 
@@ -198,14 +209,15 @@ class TargetRunner:
         captured: dict[int, torch.Tensor] = {}
         hooks = ([self._feature_modules[i].register_forward_hook(self._capture(i, captured))
                   for i in self.layer_ids] if with_features else [])
+        step_cache = PooledStepCache(pool, slots, lengths, counts, self.decode_kernel)
+        states = ([self._linear.for_pass(s, l == 0) for s, l in zip(slots, lengths)]
+                  if self._linear is not None else None)
+        step_cache.linear_states = states
         try:
             # the 1x1 4-D mask makes transformers skip building a [1, 1, T, L] mask: the
             # per-request causal masks live in the step cache (serve/engine/kv_pool.py)
             out = self.model(input_ids=ids, attention_mask=self._no_mask, position_ids=positions,
-                             cache=PooledStepCache(pool, slots, lengths, counts,
-                                                   self.decode_kernel),
-                             use_cache=True,
-                             logits_to_keep=keep_idx)
+                             cache=step_cache, use_cache=True, logits_to_keep=keep_idx)
         finally:
             for h in hooks:
                 h.remove()
@@ -217,7 +229,8 @@ class TargetRunner:
             width = {"all": e - a, "last": 1, "none": 0}[mode]
             row = kept[at:at + width] if width else None
             at += width
-            results.append(BatchOutput(row, None if feats is None else feats[a:e], caches[j]))
+            results.append(BatchOutput(row, None if feats is None else feats[a:e], caches[j],
+                                       None if states is None else states[j], e - a))
         return results
 
     def forward_isolated(self, caches: list[TargetKV], tokens: list[list[int]],

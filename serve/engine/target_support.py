@@ -2,9 +2,10 @@
 
 The engine keeps every request's keys and values in its own KV pool (``serve/engine/kv_pool.py``)
 and attends them itself, honouring what transformers passes a layer's attention function: causal
-full attention, per-layer sliding windows, attention sinks and logit soft caps. A target whose
-layers need anything else (a recurrent or convolution state, as hybrid linear-attention and Mamba
-layers do; a compressed latent KV; chunked attention) would either crash in the first prefill or,
+full attention, per-layer sliding windows, attention sinks and logit soft caps; linear-attention
+layers (Gated DeltaNet) get per-request recurrent and convolution states with rollback
+(``serve/engine/linear_state.py``). A target whose layers need anything else (a Mamba-style layer
+type, a compressed latent KV, chunked attention) would either crash in the first prefill or,
 worse, decode text that is not the target's. Such a target is refused here, with its model type
 and the feature named, before any request is admitted.
 
@@ -19,6 +20,7 @@ from __future__ import annotations
 import torch
 
 from .errors import UnsupportedTargetError
+from .linear_state import LINEAR_LAYER_TYPES, linear_mixers
 
 # layer types (transformers' ``config.layer_types``) the KV pool and slot attention honour
 SUPPORTED_LAYER_TYPES = frozenset({"full_attention", "sliding_attention"})
@@ -35,8 +37,9 @@ def check_target_supported(model) -> None:
     Args:
         model: a transformers causal LM (its ``config`` is read).
     Raises:
-        UnsupportedTargetError: an encoder-decoder; a layer type other than full or sliding
-            attention (e.g. Qwen3-Next's ``linear_attention``, named with its layers); multi-head
+        UnsupportedTargetError: an encoder-decoder; a layer type other than full attention,
+            sliding attention and linear attention (``serve/engine/linear_state.py``), named with
+            its layers; a linear-attention layer without a recognisable token mixer; multi-head
             latent or chunked attention. The message names ``config.model_type``.
     """
     cfg = model.config
@@ -45,14 +48,15 @@ def check_target_supported(model) -> None:
         raise UnsupportedTargetError(f"target model type {kind!r} is an encoder-decoder; the "
                                      f"engine serves decoder-only causal LMs")
     types = list(getattr(cfg, "layer_types", None) or [])
-    others = sorted({t for t in types if t not in SUPPORTED_LAYER_TYPES})
+    others = sorted({t for t in types if t not in SUPPORTED_LAYER_TYPES | LINEAR_LAYER_TYPES})
     if others:
         where = {t: [i for i, u in enumerate(types) if u == t] for t in others}
         named = "; ".join(f"{t!r} at layers {ls}" for t, ls in where.items())
         raise UnsupportedTargetError(
             f"target model type {kind!r} has layers the engine cannot run: {named} (the engine's "
-            f"KV pool honours {sorted(SUPPORTED_LAYER_TYPES)}; recurrent or convolution states of "
-            f"linear-attention / Mamba layers are not pooled yet)")
+            f"KV pool honours {sorted(SUPPORTED_LAYER_TYPES)}, and per-request states "
+            f"{sorted(LINEAR_LAYER_TYPES)}; Mamba-style layer types are not implemented)")
+    linear_mixers(model)  # each linear-attention layer has a mixer the engine can drive
     for attr, feature in UNSUPPORTED_ATTRIBUTES.items():
         if getattr(cfg, attr, None) is not None:
             raise UnsupportedTargetError(f"target model type {kind!r} uses {feature} "

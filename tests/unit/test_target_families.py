@@ -18,7 +18,7 @@ from serve.engine.core import SpecEngine
 from serve.engine.decoding import SpeculativeDecoder
 from serve.engine.errors import UnsupportedTargetError
 from serve.engine.requests import EngineRequest, SamplingParams
-from serve.engine.target_runner import TargetRunner
+from serve.engine.target_runner import TargetKV, TargetRunner
 from tests.families import (FAMILIES, HYBRID, SLIDING, SUPPORTED, WINDOW, family_config,
                             family_target)
 from tests.tiny import tiny_drafter
@@ -108,7 +108,8 @@ def test_the_window_changes_the_targets_text(name):
         assert [greedy_reference(sinkless, p, NEW) for p in prompts] != windowed
 
 
-@pytest.mark.parametrize("name, head_scale", [("gemma3", 1.0), ("gpt-oss", 8.0)])
+@pytest.mark.parametrize("name, head_scale", [("gemma3", 1.0), ("gpt-oss", 8.0),
+                                              ("qwen3-next", 8.0)])
 def test_sampling_matches_the_targets_distribution(name, head_scale):
     """T = 1: the joint distribution of the first three sampled tokens after a prompt longer
     than the window equals the target's own (exact, by enumeration), by chi-square."""
@@ -133,9 +134,35 @@ def test_sampling_matches_the_targets_distribution(name, head_scale):
 
 
 @pytest.mark.parametrize("name", HYBRID)
-def test_a_hybrid_linear_attention_target_is_refused_at_build(name):
+@pytest.mark.parametrize("kept", [0, 1, 3, 6])
+def test_a_cut_block_leaves_the_linear_state_of_the_accepted_prefix(name, kept):
+    """Verification of a 6-token block that keeps ``kept`` of them: the linear-attention states
+    (and keys/values) equal those of a request that only ever ran the kept tokens; the next
+    token's logits and the drafter features agree."""
     target = family_target(name)
-    with pytest.raises(UnsupportedTargetError, match=r"qwen3_next.*linear_attention.*\[0, 2\]"):
+    prompt, block, nxt = _prompts(1)[0][:20], [5, 17, 33, 8, 61, 2], [44]
+    logits, feats = [], []
+    for speculated in (True, False):
+        runner = TargetRunner(target, list(LAYERS))
+        kv = TargetKV()
+        runner.forward_batch([kv], [prompt], with_features=True, logits="last")[0].keep(
+            len(prompt))
+        ran = block if speculated else block[:kept]
+        if ran:
+            runner.forward_batch([kv], [ran], with_features=True)[0].keep(kept)
+        out = runner.forward_batch([kv], [nxt], with_features=True)[0]
+        logits.append(out.logits)
+        feats.append(out.features)
+    torch.testing.assert_close(logits[0], logits[1], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(feats[0], feats[1], atol=1e-5, rtol=1e-5)
+
+
+def test_a_layer_type_the_engine_cannot_run_is_refused_at_build():
+    """A Mamba-style layer type (no per-request state the engine implements) is refused when
+    the runner is built, naming the model type, the layer type and its layers."""
+    target = family_target("qwen3-next")
+    target.config.layer_types = ["mamba", "full_attention", "mamba", "full_attention"]
+    with pytest.raises(UnsupportedTargetError, match=r"qwen3_next.*'mamba' at layers \[0, 2\]"):
         TargetRunner(target, [1])
 
 
