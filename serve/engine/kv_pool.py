@@ -64,35 +64,46 @@ class SlotKVPool:
         kv_heads, head_dim: the layers' key/value heads and head dimension.
         dtype, device: of the stored keys and values (the target's).
         slots, capacity: initial slot count and positions per slot (both grow by doubling).
+        stateless: layers that keep no keys and values (a hybrid target's linear-attention
+            layers, whose states live in ``serve/engine/linear_state.py``): None in
+            :attr:`keys` / :attr:`values`, no memory.
     """
 
     def __init__(self, num_layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
-                 device: torch.device, slots: int = 4, capacity: int = 256):
+                 device: torch.device, slots: int = 4, capacity: int = 256,
+                 stateless: frozenset[int] = frozenset()):
         shape = (slots, kv_heads, capacity, head_dim)
         # zero-filled: the memory is committed now (on CPU, untouched pages would only become
         # resident as slots fill up, which looks like a leak under load)
-        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.keys = [None if i in stateless else torch.zeros(shape, dtype=dtype, device=device)
+                     for i in range(num_layers)]
+        self.values = [None if i in stateless else torch.zeros(shape, dtype=dtype, device=device)
+                       for i in range(num_layers)]
+        self._first = next(i for i, t in enumerate(self.keys) if t is not None)
         self.free_slots = list(range(slots - 1, -1, -1))  # pop() hands out the lowest first
         self.reallocations = 0  # growths so far (the engine reserves at admission, not later)
 
     @property
     def num_slots(self) -> int:
-        return self.keys[0].shape[0]
+        return self.keys[self._first].shape[0]
 
     @property
     def capacity(self) -> int:
-        return self.keys[0].shape[2]
+        return self.keys[self._first].shape[2]
+
+    @property
+    def device(self) -> torch.device:
+        return self.keys[self._first].device
 
     @property
     def nbytes(self) -> int:
         """Bytes held by all layers' keys and values."""
-        return 2 * sum(t.numel() * t.element_size() for t in self.keys)
+        return 2 * sum(t.numel() * t.element_size() for t in self.keys if t is not None)
 
     @staticmethod
     def bytes_per_position(num_layers: int, kv_heads: int, head_dim: int,
                            dtype: torch.dtype) -> int:
-        """Bytes one slot position takes over all layers (keys and values)."""
+        """Bytes one slot position takes over ``num_layers`` layers that keep keys and values."""
         return 2 * num_layers * kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
 
     def state(self) -> dict:
@@ -131,6 +142,8 @@ class SlotKVPool:
         self.reallocations += 1
         for store in (self.keys, self.values):
             for i, t in enumerate(store):
+                if t is None:  # a stateless layer
+                    continue
                 shape = list(t.shape)
                 shape[dim] = size
                 grown = t.new_zeros(shape)
@@ -362,7 +375,7 @@ class PooledStepCache:
         for j in range(1, len(counts)):
             self.starts[j] = self.starts[j - 1] + counts[j - 1]
         pool.reserve(max(l + n for l, n in zip(lengths, counts)))
-        device = pool.keys[0].device
+        device = pool.device
         self._folded: dict = {}  # folded masks, shared by all layers of this pass
         self.kernel_rows: KernelRows | None = None
         self.single: list[SingleTokenRows] = []
@@ -498,20 +511,24 @@ def _weights(scores: torch.Tensor, mask: torch.Tensor | None, sinks: torch.Tenso
 
 def _outside_engine(module, query, key, value, attention_mask, scaling, dropout, sliding_window,
                     s_aux, softcap, **kwargs):
-    """The model called outside the engine (plain ``generate``, training): SDPA, whose mask
-    transformers built with the window; sinks or a soft cap, which SDPA cannot express, go to the
-    eager attention of the model's own modeling file."""
-    if s_aux is None and softcap is None:
-        from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
-                                      scaling=scaling, sliding_window=sliding_window, **kwargs)
+    """The model called outside the engine (plain ``generate``, training): the eager attention of
+    the model's own modeling file where the runner registered eager masks (:func:`register`:
+    the target's own attention was eager, e.g. for sinks or a soft cap, which SDPA cannot
+    express), else SDPA; transformers built either mask with the window."""
     import sys
 
-    eager = sys.modules[type(module).__module__].eager_attention_forward
-    extra = {"s_aux": s_aux} if s_aux is not None else {"softcap": softcap}
-    return eager(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-                 sliding_window=sliding_window, **extra, **kwargs)
+    extra = {k: v for k, v in (("s_aux", s_aux), ("softcap", softcap)) if v is not None}
+    eager = getattr(sys.modules[type(module).__module__], "eager_attention_forward", None)
+    if attention_mask is not None and attention_mask.dtype != torch.bool and eager is not None:
+        return eager(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                     sliding_window=sliding_window, **extra, **kwargs)
+    if extra:  # SDPA cannot express them: never answer with another attention's output
+        raise NotImplementedError(f"{sorted(extra)} need the model's eager attention and its "
+                                  f"additive mask (kv_pool.register(eager=True))")
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
+                                  scaling=scaling, sliding_window=sliding_window, **kwargs)
 
 
 def _single_token_attention(query: torch.Tensor, one: SingleTokenRows, keys: torch.Tensor,
@@ -558,12 +575,16 @@ def _single_token_attention(query: torch.Tensor, one: SingleTokenRows, keys: tor
     return o.reshape(-1, hq, d)
 
 
-def register() -> str:
-    """Register :func:`slot_attention` (and SDPA's mask builder under the same name) with
-    transformers; returns the attention implementation name."""
+def register(eager: bool = False) -> str:
+    """Register :func:`slot_attention` with transformers, with the mask builder of the attention
+    the model falls back to outside the engine: SDPA's (boolean masks, ``"dspark_slots"``) or, for
+    ``eager``, eager attention's (additive float masks, ``"dspark_slots_eager"``: a target whose
+    attention transformers computes eagerly, e.g. gpt-oss's sinks or Gemma 2's soft cap). Returns
+    the attention implementation name."""
     from transformers import AttentionInterface
-    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, eager_mask, sdpa_mask
 
-    AttentionInterface.register(ATTENTION_NAME, slot_attention)
-    ALL_MASK_ATTENTION_FUNCTIONS.register(ATTENTION_NAME, sdpa_mask)
-    return ATTENTION_NAME
+    name = ATTENTION_NAME + ("_eager" if eager else "")
+    AttentionInterface.register(name, slot_attention)
+    ALL_MASK_ATTENTION_FUNCTIONS.register(name, eager_mask if eager else sdpa_mask)
+    return name

@@ -127,12 +127,15 @@ class TargetRunner:
         # its passes, since engines built on one set of models share this runner
         self.attention = "kernel"
         self._no_mask = torch.ones(1, 1, 1, 1, dtype=torch.bool)
-        # attention over per-request slot views; any other call (plain generate) stays SDPA
-        # (the model's eager attention for sinks or a soft cap)
-        model.set_attn_implementation(kv_pool.register())
+        # attention over per-request slot views; any other call (plain generate) stays the
+        # model's own: SDPA, or its eager attention where it was eager (sinks, a soft cap)
+        own = getattr(model.config, "_attn_implementation", None) or "sdpa"
+        eager = own == "eager" or getattr(model.config, "attn_logit_softcapping", None) is not None
+        model.set_attn_implementation(kv_pool.register(eager=eager))
         mixers = linear_mixers(model)
         # hybrid targets: each linear-attention layer's per-request conv and recurrent states
         self._linear = LinearStates(mixers) if mixers else None
+        self.stateless_layers = frozenset(mixers)  # no keys and values in the KV pool
         probe(self)
         self._pool = None  # the probe's default-sized pool; the engine sizes its own
 
@@ -247,7 +250,7 @@ class TargetRunner:
             R entries, each a :class:`BatchOutput` or the exception its request's pass raised.
         """
         try:
-            return self.forward_batch(caches, tokens, with_features, logits)
+            return self.forward_batch(caches, tokens, with_features=with_features, logits=logits)
         except Exception as err:  # noqa: BLE001 - whose input raised is found by running each alone
             if len(tokens) == 1:
                 return [err]
@@ -255,7 +258,8 @@ class TargetRunner:
         results: list[BatchOutput | Exception] = []
         for cache, row, mode in zip(caches, tokens, modes):
             try:
-                results.append(self.forward_batch([cache], [row], with_features, mode)[0])
+                results.append(self.forward_batch([cache], [row], with_features=with_features,
+                                                  logits=mode)[0])
             except Exception as err:  # noqa: BLE001 - this request's own pass raised
                 results.append(err)
         return results
@@ -282,7 +286,7 @@ class TargetRunner:
             the pool's :meth:`SlotKVPool.state`.
         """
         kv_heads, head_dim = self._kv_shape()
-        per_position = SlotKVPool.bytes_per_position(self.num_layers, kv_heads, head_dim,
+        per_position = SlotKVPool.bytes_per_position(self.num_kv_layers, kv_heads, head_dim,
                                                      self.dtype)
         capacity = max(1, min(max_positions, memory_bytes // (per_position * slots)))
         old = self._pool
@@ -293,12 +297,18 @@ class TargetRunner:
                 capacity, slots = max(capacity, old.capacity), max(slots, old.num_slots)
             self._pool = None  # the idle pool's memory goes before the new one is taken
             self._pool = SlotKVPool(self.num_layers, kv_heads, head_dim, self.dtype, self.device,
-                                    slots=slots, capacity=capacity)
+                                    slots=slots, capacity=capacity,
+                                    stateless=self.stateless_layers)
         else:  # live requests hold slots: grow to exactly what this engine needs as well
             if capacity > old.capacity:
                 old._grow(dim=2, size=capacity)
             old.reserve_slots(old.num_slots - len(old.free_slots) + slots)
         return self._pool.state()
+
+    @property
+    def num_kv_layers(self) -> int:
+        """Layers that keep keys and values in the KV pool (all but linear-attention ones)."""
+        return self.num_layers - len(self.stateless_layers)
 
     def kv_pool_state(self) -> dict:
         """The KV pool's :meth:`SlotKVPool.state` (created with its defaults if needed)."""
@@ -312,7 +322,8 @@ class TargetRunner:
     def _kv_pool(self) -> SlotKVPool:
         if self._pool is None:  # callers that never preallocated (tests, one-off passes)
             kv_heads, head_dim = self._kv_shape()
-            self._pool = SlotKVPool(self.num_layers, kv_heads, head_dim, self.dtype, self.device)
+            self._pool = SlotKVPool(self.num_layers, kv_heads, head_dim, self.dtype, self.device,
+                                    stateless=self.stateless_layers)
         return self._pool
 
     @staticmethod

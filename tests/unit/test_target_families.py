@@ -65,6 +65,17 @@ def test_the_reference_is_the_targets_own_generate(family):
         assert out[0, len(p):].tolist() == ref
 
 
+def test_the_models_own_generate_is_unchanged_once_a_runner_wraps_it(family):
+    """A runner sets the model's attention to the engine's; outside the engine the model still
+    attends as it did (SDPA, or its eager attention with sinks), so plain ``generate`` (the eval
+    stage's baseline) is the target's own."""
+    _, target, prompts, refs = family
+    TargetRunner(target, list(LAYERS))
+    out = target.generate(torch.tensor([prompts[2]]), max_new_tokens=NEW, do_sample=False,
+                          min_new_tokens=NEW, eos_token_id=None, pad_token_id=0)
+    assert out[0, len(prompts[2]):].tolist() == refs[2]
+
+
 @pytest.mark.parametrize("attention", ["kernel", "pytorch"])
 def test_engine_greedy_equals_target_greedy(family, attention):
     name, target, prompts, refs = family
@@ -155,6 +166,21 @@ def test_a_cut_block_leaves_the_linear_state_of_the_accepted_prefix(name, kept):
         feats.append(out.features)
     torch.testing.assert_close(logits[0], logits[1], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(feats[0], feats[1], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("name", HYBRID)
+def test_linear_attention_layers_take_no_kv_pool_memory(name):
+    """Only the full-attention layers of a hybrid target keep keys and values; the pool's bytes
+    are theirs alone."""
+    from serve.engine.kv_pool import SlotKVPool
+
+    target = family_target(name)
+    runner = TargetRunner(target, list(LAYERS))
+    full = [i for i, t in enumerate(target.config.layer_types) if t == "full_attention"]
+    assert runner.num_kv_layers == len(full) == 2
+    state = runner.preallocate(slots=3, max_positions=64, memory_bytes=1 << 30)
+    per_position = SlotKVPool.bytes_per_position(len(full), 2, 16, torch.float32)
+    assert state["bytes"] == 3 * 64 * per_position
 
 
 def test_a_layer_type_the_engine_cannot_run_is_refused_at_build():

@@ -1,0 +1,59 @@
+"""`pipeline/run.py` on target families other than Llama / Qwen3 (issue 40): every stage
+(prompts, generate, cache, train, calibrate, eval), a release and an export, as a user runs them,
+on a tiny random target of each family saved with ``save_pretrained`` (tests/families.py).
+
+One family per feature the pipeline meets: Gemma 3 (sliding-window layers, GeGLU, scaled
+embeddings; the hf generate backend), gpt-oss (attention sinks, MoE; the engine backend), Qwen3-Next
+(hybrid linear attention; the engine backend) and Phi-3 (fused projections, a sliding window;
+``drafter.init: target_layers`` mapped from them). Llama and Qwen3 run through the same pipeline
+in test_pipeline_e2e.py; the engine's losslessness on every family is tests/unit/
+test_target_families.py's."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+from tests.families import family_target_dir
+
+from .pipeline_config import ROOT, tiny_pipeline_config
+
+pytestmark = pytest.mark.slow
+
+CASES = {  # family -> config overrides
+    "gemma3": {"generate": {"backend": "hf"}},
+    "gpt-oss": {"generate": {"backend": "engine"}},
+    "qwen3-next": {"generate": {"backend": "engine"}},
+    "phi3": {"generate": {"backend": "engine"}, "drafter": {"init": "target_layers"}},
+}
+
+
+@pytest.mark.parametrize("family", sorted(CASES))
+def test_every_stage_release_and_export_on_the_family(tmp_path, smollm2_dir, family):
+    target = family_target_dir(family, smollm2_dir, tmp_path / "target")
+    config = tiny_pipeline_config(tmp_path, target, n_prompts=8)
+    cfg = yaml.safe_load(config.read_text())
+    for section, values in CASES[family].items():
+        cfg[section].update(values)
+    cfg["train"]["num_epochs"] = 1
+    config.write_text(yaml.safe_dump(cfg))
+    proc = subprocess.run([sys.executable, str(ROOT / "pipeline" / "run.py"), "--config",
+                           str(config), "--release", str(tmp_path / "release")],
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    run = tmp_path / "run"
+    for stage in ("prompts", "generate", "cache", "train", "calibrate", "eval"):
+        assert (run / stage / "_SUCCESS.json").exists(), stage
+    report = json.loads((run / "eval" / "report.json").read_text())
+    assert report["results"], "the eval stage reported nothing"
+    assert (tmp_path / "release" / "model.safetensors").exists()
+    exported = subprocess.run([sys.executable, "-m", "drafters.export", "--format", "speculators",
+                               str(tmp_path / "release"), str(tmp_path / "export")],
+                              capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert exported.returncode == 0, exported.stderr[-3000:]
+    exported_cfg = json.loads((tmp_path / "export" / "config.json").read_text())
+    assert exported_cfg["speculators_model_type"]
