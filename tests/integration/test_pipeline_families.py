@@ -40,6 +40,10 @@ def test_every_stage_release_and_export_on_the_family(tmp_path, smollm2_dir, fam
     for section, values in CASES[family].items():
         cfg[section].update(values)
     cfg["train"]["num_epochs"] = 1
+    # what the export needs: vLLM's DSpark layers are Qwen3-shaped, and vLLM reads a layer's
+    # features before the final norm (so not the last of these 4 layers)
+    cfg["drafter"]["qk_norm"] = True
+    cfg["target"]["layer_ids"] = [1, 2]
     config.write_text(yaml.safe_dump(cfg))
     proc = subprocess.run([sys.executable, str(ROOT / "pipeline" / "run.py"), "--config",
                            str(config), "--release", str(tmp_path / "release")],
