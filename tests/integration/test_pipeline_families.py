@@ -2,12 +2,12 @@
 (prompts, generate, cache, train, calibrate, eval), a release and an export, as a user runs them,
 on a tiny random target of each family saved with ``save_pretrained`` (tests/families.py).
 
-One family per feature the pipeline meets: Gemma 3 (sliding-window layers, GeGLU, scaled
-embeddings; the hf generate backend), gpt-oss (attention sinks, MoE; the engine backend), Qwen3-Next
-(hybrid linear attention; the engine backend) and Phi-3 (fused projections, a sliding window;
-``drafter.init: target_layers`` mapped from them). Llama and Qwen3 run through the same pipeline
-in test_pipeline_e2e.py; the engine's losslessness on every family is tests/unit/
-test_target_families.py's."""
+Every family of tests/families.py but Qwen3 (test_pipeline_e2e.py runs it), with the hf or the
+engine generate backend and, where the family's layers map, ``drafter.init: target_layers``:
+Gemma 3 (sliding-window layers, GeGLU, scaled embeddings), gpt-oss (attention sinks, MoE), Llama,
+Mistral (sliding window), Phi-3 (fused projections), Qwen2 (sliding window above
+``max_window_layers``), Qwen3-MoE and Qwen3-Next (hybrid linear attention). About a minute each
+on 2 cores. The engine's losslessness on every family is tests/unit/test_target_families.py's."""
 
 from __future__ import annotations
 
@@ -27,8 +27,12 @@ pytestmark = pytest.mark.slow
 CASES = {  # family -> config overrides
     "gemma3": {"generate": {"backend": "hf"}},
     "gpt-oss": {"generate": {"backend": "engine"}},
-    "qwen3-next": {"generate": {"backend": "engine"}},
+    "llama": {"generate": {"backend": "hf"}, "drafter": {"init": "target_layers"}},
+    "mistral": {"generate": {"backend": "engine"}, "drafter": {"init": "target_layers"}},
     "phi3": {"generate": {"backend": "engine"}, "drafter": {"init": "target_layers"}},
+    "qwen2-sliding": {"generate": {"backend": "engine"}},
+    "qwen3-moe": {"generate": {"backend": "hf"}},
+    "qwen3-next": {"generate": {"backend": "engine"}},
 }
 
 
@@ -39,7 +43,7 @@ def test_every_stage_release_and_export_on_the_family(tmp_path, smollm2_dir, fam
     cfg = yaml.safe_load(config.read_text())
     for section, values in CASES[family].items():
         cfg[section].update(values)
-    cfg["train"]["num_epochs"] = 1
+    cfg["train"].update(num_epochs=1, num_workers=1, global_batch_size=1)
     # what the export needs: vLLM's DSpark layers are Qwen3-shaped, and vLLM reads a layer's
     # features before the final norm (so not the last of these 4 layers)
     cfg["drafter"]["qk_norm"] = True
