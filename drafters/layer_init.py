@@ -119,11 +119,16 @@ def check_target_layer_init(target_config, drafter_layer: torch.nn.Module, num_l
 def _check_norm(norm: torch.nn.Module, where: str) -> None:
     """A norm whose weight is all zeros must output zeros (``x * w``); Gemma's ``x * (1 + w)``
     does not, and copying its weights into the drafter's norms would be off by one."""
+    weight = getattr(norm, "weight", None)
+    if not isinstance(weight, torch.Tensor) or weight.dim() != 1:
+        raise LayerInitError(f"drafter.init 'target_layers': the {where} ({type(norm).__name__}) "
+                             f"has no per-channel weight for the drafter's RMSNorm; use "
+                             f"drafter.init 'random'")
     probe = copy.deepcopy(norm).to_empty(device="cpu")
     with torch.no_grad():
         for p in probe.parameters():
             p.zero_()
-        out = probe(torch.ones(1, probe.weight.shape[-1]))
+        out = probe(torch.ones(1, weight.shape[-1]))
     if bool(out.abs().max() > 0):
         raise LayerInitError(f"drafter.init 'target_layers': the {where} scales by (1 + weight), "
                              f"the drafter's RMSNorm by weight; use drafter.init 'random'")

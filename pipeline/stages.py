@@ -235,7 +235,9 @@ def preflight(ctx: StageContext, ordered: list[str], forced: list[str]) -> None:
             raise ValueError(f"{field}: {path} is a directory; name its files")
     if "eval" in ordered:
         eval_datasets(ctx.cfg)
-    if will_run("train"):  # drafter.init target_layers maps onto the drafter's layers, or names why not
+    # drafter.init target_layers maps onto the drafter's layers, or names why not (a run that
+    # starts from train.init_from copies no target layer)
+    if will_run("train") and not ctx.cfg.train.init_from:
         from drafters.layer_init import check_drafter_init
         from drafters.target_weights import load_target_config
 

@@ -18,9 +18,10 @@ COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidde
               max_position_embeddings=512, eos_token_id=1, pad_token_id=0, bos_token_id=None)
 
 
-def _configs(window: int = WINDOW, **overrides) -> dict:
+def _configs(window: int = WINDOW, softcap: float | None = 2.0, **overrides) -> dict:
     """family name -> a function returning its transformers config (``overrides`` replace
-    :data:`COMMON`'s values, e.g. a smaller vocabulary)."""
+    :data:`COMMON`'s values, e.g. a smaller vocabulary; ``softcap``: Gemma 2's attention logit
+    soft cap, small enough to bind on these random weights)."""
     import transformers as tf
 
     COMMON = {**globals()["COMMON"], **overrides}
@@ -44,6 +45,8 @@ def _configs(window: int = WINDOW, **overrides) -> dict:
             sliding_window=WINDOW, max_window_layers=2),
         "gemma3": lambda: tf.Gemma3TextConfig(**COMMON, sliding_window=WINDOW,
                                               layer_types=alternating),
+        "gemma2": lambda: tf.Gemma2Config(**COMMON, sliding_window=WINDOW, layer_types=alternating,
+                                          attn_logit_softcapping=softcap),
         "gpt-oss": lambda: tf.GptOssConfig(**COMMON, sliding_window=WINDOW, num_local_experts=4,
                                            num_experts_per_tok=2,
                                            layer_types=alternating),
@@ -57,29 +60,36 @@ def _configs(window: int = WINDOW, **overrides) -> dict:
 FAMILIES = sorted(_configs())
 
 
-SLIDING = ("gemma3", "gpt-oss", "mistral", "phi3", "qwen2-sliding")  # a window in some layer
+SLIDING = ("gemma2", "gemma3", "gpt-oss", "mistral", "phi3", "qwen2-sliding")  # windowed layers
 SUPPORTED = tuple(FAMILIES)  # what the engine serves
 HYBRID = ("qwen3-next",)  # linear-attention layers (per-request states, rolled back)
 
 
-def family_config(name: str, window: int = WINDOW, **overrides):
+def family_config(name: str, window: int = WINDOW, softcap: float | None = 2.0, **overrides):
     """The transformers config of family ``name`` (one of :data:`FAMILIES`) with a sliding
-    window of ``window`` tokens where the family has one; ``overrides`` replace :data:`COMMON`."""
-    return _configs(window, **overrides)[name]()
+    window of ``window`` tokens where the family has one (and Gemma 2's soft cap ``softcap``);
+    ``overrides`` replace :data:`COMMON`."""
+    return _configs(window, softcap, **overrides)[name]()
 
 
-def family_target(name: str, seed: int = 0, window: int = WINDOW, **overrides):
+def family_target(name: str, seed: int = 0, window: int = WINDOW, softcap: float | None = 2.0,
+                  **overrides):
     """A tiny random target of family ``name``: fp32, eval mode, frozen. Its embeddings are
-    sharpened (x4) and, where the family has attention sinks, the sinks set to visible values, so
-    greedy text is not pure noise and the sinks matter. The same ``seed`` gives the same weights
-    whatever ``window`` is (a test compares with and without the window)."""
+    sharpened (x4), where the family has attention sinks they are set to visible values, and
+    where it has a soft cap its query and key projections are scaled up (x10 each) so that the
+    cap binds: greedy text is not pure noise, and sinks and caps matter. The same ``seed`` gives
+    the same weights whatever ``window`` is (a test compares with and without the window)."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(family_config(name, window, **overrides),
+    model = AutoModelForCausalLM.from_config(family_config(name, window, softcap, **overrides),
                                              dtype=torch.float32).eval()
     with torch.no_grad():
         model.get_input_embeddings().weight.mul_(4.0)
+        if getattr(model.config, "attn_logit_softcapping", None):  # scores large enough to cap
+            for layer in model.get_decoder().layers:
+                layer.self_attn.q_proj.weight.mul_(10.0)
+                layer.self_attn.k_proj.weight.mul_(10.0)
         for module in model.modules():
             sinks = getattr(module, "sinks", None)
             if isinstance(sinks, torch.nn.Parameter):

@@ -61,14 +61,18 @@ def build_directory() -> Path:
 
 @functools.lru_cache(maxsize=None)
 def decode_kernel():
-    """The compiled ``decode_attention(q, keys, values, slots, lengths, scale)`` function, or None
-    where it cannot be built (a warning says why, once per process).
+    """The compiled ``decode_attention(q, keys, values, slots, lengths, scale, starts=None,
+    sinks=None)`` function, or None where it cannot be built (a warning says why, once per
+    process).
 
     The function: ``q`` float32/bfloat16 ``[N, Hq, d]`` contiguous; ``keys``, ``values`` one
     layer's pool ``[slots, Hkv, capacity, d]`` of the same dtype; ``slots``, ``lengths`` int64
-    ``[N]``: row r attends positions ``[0, lengths[r])`` of slot ``slots[r]``; ``scale`` the
-    softmax scale. Returns ``[N, Hq, d]`` in q's dtype. Raises RuntimeError on shapes, dtypes,
-    a slot outside the pool or a length outside ``[1, capacity]``.
+    ``[N]``: row r attends positions ``[starts[r], lengths[r])`` of slot ``slots[r]``
+    (``starts`` int64 ``[N]``, a sliding window's first key; None: 0); ``sinks`` float32
+    ``[Hq]``, one attention-sink logit per query head joining the softmax's denominator (None:
+    none); ``scale`` the softmax scale. Returns ``[N, Hq, d]`` in q's dtype. Raises RuntimeError
+    on shapes, dtypes, a slot outside the pool, a length outside ``[1, capacity]`` or a start
+    outside ``[0, length)``.
     """
     from torch.utils.cpp_extension import load
 

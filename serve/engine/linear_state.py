@@ -56,6 +56,31 @@ def linear_mixers(model) -> dict[int, torch.nn.Module]:
     return found
 
 
+def _split_per_request(mixer: torch.nn.Module, layer: int) -> None:
+    """Make ``mixer.forward`` run once per request of a packed engine pass, each with its own
+    states (the pass's cache carries them: ``linear_states``); any other call (plain
+    ``generate``) is the model's own. Done once per module (``dspark_own_forward`` keeps the
+    model's), so several runners on one model never stack wrappers."""
+    if hasattr(mixer, "dspark_own_forward"):
+        return
+    original = mixer.forward
+    mixer.dspark_own_forward = original
+
+    def forward(hidden_states, cache=None, attention_mask=None, **kwargs):
+        per_request = getattr(cache, "linear_states", None)
+        if per_request is None:
+            return original(hidden_states=hidden_states, cache=cache,
+                            attention_mask=attention_mask, **kwargs)
+        outs = []
+        for states, s, n in zip(per_request, cache.starts, cache.counts):
+            x = hidden_states[:, s:s + n]
+            states.inputs[layer] = x
+            outs.append(original(hidden_states=x, cache=states, attention_mask=None, **kwargs))
+        return torch.cat(outs, dim=1)
+
+    mixer.forward = forward
+
+
 class LinearStates:
     """The committed states of every request slot: ``states[slot][layer] = (conv, recurrent)``,
     tensors of one request (``[1, C, K]`` and ``[1, heads, d_k, d_v]``). A slot's states are
@@ -64,35 +89,17 @@ class LinearStates:
 
     def __init__(self, mixers: dict[int, torch.nn.Module]):
         self.mixers = mixers
-        self._originals = {i: m.forward for i, m in mixers.items()}
-        self.states: dict[int, dict[int, tuple[torch.Tensor, torch.Tensor]]] = {}
         for i, m in mixers.items():
-            m.forward = self._split_forward(i)
-
-    def _split_forward(self, layer: int):
-        """The mixer's forward, run once per request of a packed engine pass (each with its own
-        states); any other call (plain ``generate``) is the model's own."""
-        original = self._originals[layer]
-
-        def forward(hidden_states, cache=None, attention_mask=None, **kwargs):
-            per_request = getattr(cache, "linear_states", None)
-            if per_request is None:
-                return original(hidden_states=hidden_states, cache=cache,
-                                attention_mask=attention_mask, **kwargs)
-            outs = []
-            for states, s, n in zip(per_request, cache.starts, cache.counts):
-                x = hidden_states[:, s:s + n]
-                states.inputs[layer] = x
-                outs.append(original(hidden_states=x, cache=states, attention_mask=None,
-                                     **kwargs))
-            return torch.cat(outs, dim=1)
-
-        return forward
+            _split_per_request(m, i)
+        # the model's own forwards (replay); wrapped once per model, whatever runners share it
+        self._originals = {i: m.dspark_own_forward for i, m in mixers.items()}
+        self.states: dict[int, dict[int, tuple[torch.Tensor, torch.Tensor]]] = {}
 
     def for_pass(self, slot: int, fresh: bool) -> "RequestStates":
         """The cache object of one request in one pass (``fresh``: no committed position)."""
         return RequestStates(self, slot, fresh)
 
+    @torch.inference_mode()  # keep() may be called outside the engine's step
     def replay(self, slot: int, fresh: bool, inputs: dict[int, torch.Tensor], count: int
                ) -> None:
         """Commit the state after the first ``count`` tokens of a pass: each mixer again over

@@ -21,6 +21,7 @@ Shapes: R requests, n_r new tokens of request r, T = sum n_r, V vocabulary, m se
 from __future__ import annotations
 
 import functools
+import logging
 import weakref
 from dataclasses import dataclass, field
 
@@ -31,6 +32,8 @@ from .decode_attention import MAX_QUERY_GROUPS, decode_kernel
 from .kv_pool import PooledStepCache, SlotKVPool
 from .linear_state import LinearStates, RequestStates, linear_mixers
 from .target_support import check_target_supported, probe
+
+logger = logging.getLogger(__name__)
 
 
 class TargetKV:
@@ -70,7 +73,13 @@ class TargetKV:
         return self.slot
 
     def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(keys, values) of layer i, each [Hkv, length, d] (views of the slot)."""
+        """(keys, values) of layer i, each [Hkv, length, d] (views of the slot).
+
+        Raises:
+            ValueError: layer i keeps no keys and values (a linear-attention layer)."""
+        if self._pool.keys[i] is None:
+            raise ValueError(f"layer {i} keeps no keys and values (a linear-attention layer: its "
+                             f"state is in serve/engine/linear_state.py)")
         return (self._pool.keys[i][self.slot, :, :self.length],
                 self._pool.values[i][self.slot, :, :self.length])
 
@@ -130,7 +139,9 @@ class TargetRunner:
         # attention over per-request slot views; any other call (plain generate) stays the
         # model's own: SDPA, or its eager attention where it was eager (sinks, a soft cap)
         own = getattr(model.config, "_attn_implementation", None) or "sdpa"
-        eager = own == "eager" or getattr(model.config, "attn_logit_softcapping", None) is not None
+        # a model an earlier runner wrapped keeps the fallback that runner chose
+        eager = (own in ("eager", kv_pool.ATTENTION_NAME + "_eager")
+                 or getattr(model.config, "attn_logit_softcapping", None) is not None)
         model.set_attn_implementation(kv_pool.register(eager=eager))
         mixers = linear_mixers(model)
         # hybrid targets: each linear-attention layer's per-request conv and recurrent states
@@ -248,12 +259,18 @@ class TargetRunner:
         Args: as :meth:`forward_batch`.
         Returns:
             R entries, each a :class:`BatchOutput` or the exception its request's pass raised.
+        Raises:
+            the packed pass's exception when every request of two or more also raises alone
+            (a failure of the engine, not of one request's input: the caller's to handle).
         """
         try:
             return self.forward_batch(caches, tokens, with_features=with_features, logits=logits)
         except Exception as err:  # noqa: BLE001 - whose input raised is found by running each alone
             if len(tokens) == 1:
                 return [err]
+            packed_error = err
+            logger.warning("a packed target pass of %d requests raised (%s: %s); running each "
+                           "alone", len(tokens), type(err).__name__, err)
         modes = [logits] * len(tokens) if isinstance(logits, str) else list(logits)
         results: list[BatchOutput | Exception] = []
         for cache, row, mode in zip(caches, tokens, modes):
@@ -262,6 +279,9 @@ class TargetRunner:
                                                   logits=mode)[0])
             except Exception as err:  # noqa: BLE001 - this request's own pass raised
                 results.append(err)
+        if all(isinstance(r, Exception) for r in results):
+            # no request's own input is at fault: the engine's (a bug, memory), not theirs
+            raise packed_error
         return results
 
     def reserve(self, cache: TargetKV, length: int) -> None:

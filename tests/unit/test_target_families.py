@@ -65,12 +65,34 @@ def test_the_reference_is_the_targets_own_generate(family):
         assert out[0, len(p):].tolist() == ref
 
 
+@pytest.mark.parametrize("attention", ["kernel", "pytorch"])
+def test_engine_logits_equal_the_models_own(family, attention):
+    """The engine's logits at every position equal the model's own forward over the whole
+    sequence (fp32, 1e-4): a prompt chunk, single-token decode steps, then a 6-token verify
+    block, so each attention path crosses the window (and Gemma 2's soft cap, which random
+    weights rarely let change the greedy text, still shows in the logits)."""
+    name, target, prompts, _ = family
+    seq = prompts[2] + prompts[1][:12]  # 52 tokens
+    with torch.no_grad():
+        own = target(input_ids=torch.tensor([seq]), use_cache=False).logits[0].float()
+    runner = TargetRunner(target, list(LAYERS))
+    runner.use_decode_kernel(attention == "kernel")
+    kv, got, at = TargetKV(), [], 0
+    for piece in (30, 1, 1, 1, 1, 6, 12):
+        out = runner.forward_batch([kv], [seq[at:at + piece]], with_features=True)[0]
+        out.keep(piece)
+        got.append(out.logits)
+        at += piece
+    torch.testing.assert_close(torch.cat(got), own, atol=1e-4, rtol=1e-4, msg=name)
+
+
 def test_the_models_own_generate_is_unchanged_once_a_runner_wraps_it(family):
     """A runner sets the model's attention to the engine's; outside the engine the model still
     attends as it did (SDPA, or its eager attention with sinks), so plain ``generate`` (the eval
     stage's baseline) is the target's own."""
     _, target, prompts, refs = family
     TargetRunner(target, list(LAYERS))
+    TargetRunner(target, list(LAYERS))  # a second runner on the same model keeps the fallback
     out = target.generate(torch.tensor([prompts[2]]), max_new_tokens=NEW, do_sample=False,
                           min_new_tokens=NEW, eos_token_id=None, pad_token_id=0)
     assert out[0, len(prompts[2]):].tolist() == refs[2]
@@ -183,6 +205,21 @@ def test_linear_attention_layers_take_no_kv_pool_memory(name):
     assert state["bytes"] == 3 * 64 * per_position
 
 
+def test_a_layer_that_ignores_the_engines_cache_is_refused_at_build():
+    """The build probe compares the engine's logits with the model's own: a token mixer that
+    drops the per-request state it is given (as an unknown recurrent layer would) is refused."""
+    target = family_target("qwen3-next")
+    mixer = target.get_decoder().layers[0].linear_attn
+    own = mixer.forward
+
+    def stateless(hidden_states, cache=None, attention_mask=None, **kwargs):
+        return own(hidden_states=hidden_states, cache=None, attention_mask=attention_mask)
+
+    mixer.forward = stateless
+    with pytest.raises(UnsupportedTargetError, match="qwen3_next.*ignores the engine's cache"):
+        TargetRunner(target, list(LAYERS))
+
+
 def test_a_layer_type_the_engine_cannot_run_is_refused_at_build():
     """A Mamba-style layer type (no per-request state the engine implements) is refused when
     the runner is built, naming the model type, the layer type and its layers."""
@@ -200,15 +237,26 @@ def test_an_unhonourable_feature_is_refused_with_the_model_type():
 
 
 @pytest.mark.parametrize("attention", ["kernel", "pytorch"])
-def test_a_request_whose_target_pass_raises_fails_alone(attention):
-    """An injected failure: the target raises on any pass that holds the poison token. Only the
-    request that carries it fails (error finish); the others decode the target's text."""
+@pytest.mark.parametrize("where", ["prefill", "verification"])
+def test_a_request_whose_target_pass_raises_fails_alone(attention, where):
+    """An injected failure: the target raises on any pass that holds the poison token, which is
+    in one request's prompt (its prefill fails) or in its own greedy text only (a verification
+    pass fails once that token is its anchor). Only that request fails (error finish, the text
+    it had so far kept); the others, whose passes it shared, decode the target's text."""
     target = family_target("mistral")
-    prompts = _prompts(3)
+    g = torch.Generator().manual_seed(0)  # seed 0: request 4's text has a token of its own
+    prompts = [torch.randint(2, 96, (n,), generator=g).tolist() for n in (9, 20, 40, 13, 17)]
     refs = [greedy_reference(target, p, NEW) for p in prompts]
-    # a token in no other request's prompt or text, and one the drafter cannot propose
-    poison = max(set(range(2, 96)) - {t for seq in prompts + refs for t in seq})
-    draft_vocab = [t for t in range(96) if t != poison]
+    if where == "prefill":  # a token in no request's prompt or text
+        poison = max(set(range(2, 96)) - {t for seq in prompts + refs for t in seq})
+        bad_prompt, kept = prompts[0][:5] + [poison] + prompts[0][5:], []
+    else:  # a token only the bad request's own text holds, from its third new token on
+        bad = 4
+        others = {t for seq in prompts + refs[:bad] for t in seq}
+        at = next(k for k in range(2, NEW) if refs[bad][k] not in others | set(refs[bad][:k]))
+        poison, bad_prompt, kept = refs[bad][at], prompts[bad], refs[bad][:at + 1]
+    good = [(p, r) for p, r in zip(prompts[:3], refs[:3])]
+    draft_vocab = [t for t in range(96) if t != poison]  # the drafter never proposes it
     runner = TargetRunner(target, list(LAYERS))
     embed = target.get_input_embeddings()
     original = embed.forward
@@ -223,13 +271,30 @@ def test_a_request_whose_target_pass_raises_fails_alone(attention):
     engine = SpecEngine(runner, drafter, [],
                         EngineConfig(scheduler="fixed", sps_profile="off", attention=attention,
                                      max_num_requests=4))
-    reqs = [EngineRequest(f"r{i}", p, SamplingParams(NEW, 0.0)) for i, p in enumerate(prompts)]
-    reqs.insert(1, EngineRequest("bad", prompts[0][:5] + [poison] + prompts[0][5:],
-                                 SamplingParams(NEW, 0.0)))
+    reqs = [EngineRequest(f"r{i}", p, SamplingParams(NEW, 0.0)) for i, (p, _) in enumerate(good)]
+    reqs.insert(1, EngineRequest("bad", bad_prompt, SamplingParams(NEW, 0.0)))
     done = {c.request_id: c for c in engine.generate(reqs)}
     assert done["bad"].finish_reason == "error"
-    assert [done[f"r{i}"].tokens for i in range(3)] == refs
+    assert done["bad"].tokens == kept
+    assert [done[f"r{i}"].tokens for i in range(3)] == [r for _, r in good]
     assert engine.stats.failed_requests == 1
+
+
+def test_a_failure_of_every_request_is_the_engines_not_theirs():
+    """When every request of a packed pass also fails alone, the pass's error is raised (the
+    engine's failure: a bug, memory), not turned into one failed request after another."""
+    target = family_target("llama")
+    runner = TargetRunner(target, [])
+    embed = target.get_input_embeddings()
+
+    def broken(ids):
+        raise RuntimeError("engine-wide failure")
+
+    embed.forward = broken
+    with pytest.raises(RuntimeError, match="engine-wide failure"):
+        runner.forward_isolated([TargetKV(), TargetKV()], [[1, 2], [3]], with_features=False)
+    assert isinstance(runner.forward_isolated([TargetKV()], [[1]], with_features=False)[0],
+                      RuntimeError)
 
 
 # ----------------------------------------------------------------------------- drafter init

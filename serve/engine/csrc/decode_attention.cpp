@@ -227,7 +227,8 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& keys, const a
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_attention", &decode_attention,
-        "Attention of query rows over their slots' first `lengths` positions of a KV pool",
+        "Attention of query rows over positions [starts, lengths) of their slots of a KV pool, "
+        "with optional attention-sink logits",
         pybind11::arg("q"), pybind11::arg("keys"), pybind11::arg("values"),
         pybind11::arg("slots"), pybind11::arg("lengths"), pybind11::arg("scale"),
         pybind11::arg("starts") = pybind11::none(), pybind11::arg("sinks") = pybind11::none(),
