@@ -95,6 +95,16 @@ class LinearStates:
         self._originals = {i: m.dspark_own_forward for i, m in mixers.items()}
         self.states: dict[int, dict[int, tuple[torch.Tensor, torch.Tensor]]] = {}
 
+    def measure(self) -> int:
+        """Bytes one request's states take, read off the states the build probe committed (then
+        dropped): every linear layer's conv and recurrent state, twice (the committed states
+        and the copies a pass works on)."""
+        sizes = [sum(t.numel() * t.element_size() for t in pair)
+                 for layers in self.states.values() for pair in layers.values()]
+        per_request = sum(sizes) // max(1, len(self.states))
+        self.states.clear()
+        return 2 * per_request
+
     def for_pass(self, slot: int, fresh: bool) -> "RequestStates":
         """The cache object of one request in one pass (``fresh``: no committed position)."""
         return RequestStates(self, slot, fresh)

@@ -149,6 +149,8 @@ class TargetRunner:
         self.stateless_layers = frozenset(mixers)  # no keys and values in the KV pool
         probe(self)
         self._pool = None  # the probe's default-sized pool; the engine sizes its own
+        # what one request's linear-attention states take (counted in the KV budget)
+        self.state_bytes_per_request = self._linear.measure() if self._linear is not None else 0
 
     def use_decode_kernel(self, enabled: bool) -> bool:
         """Set :attr:`attention` to "kernel" (``enabled``) or "pytorch"; returns whether the
@@ -300,15 +302,18 @@ class TargetRunner:
         Args:
             slots: live requests (the engine's ``max_num_requests``).
             max_positions: the longest request in tokens (max_model_len + a draft block).
-            memory_bytes: the pool's budget (keys and values of every layer), bytes; the caller
-                checks that the positions it buys are enough (the engine refuses < 16).
+            memory_bytes: the pool's budget (keys and values of every layer, and a hybrid
+                target's linear-attention states: :attr:`state_bytes_per_request` per slot),
+                bytes; the caller checks that the positions it buys are enough (the engine
+                refuses < 16).
         Returns:
             the pool's :meth:`SlotKVPool.state`.
         """
         kv_heads, head_dim = self._kv_shape()
         per_position = SlotKVPool.bytes_per_position(self.num_kv_layers, kv_heads, head_dim,
                                                      self.dtype)
-        capacity = max(1, min(max_positions, memory_bytes // (per_position * slots)))
+        kv_bytes = max(0, memory_bytes - slots * self.state_bytes_per_request)
+        capacity = max(1, min(max_positions, kv_bytes // (per_position * slots)))
         old = self._pool
         if old is None or len(old.free_slots) == old.num_slots:
             # an idle pool (profiling, or another engine on this runner) is replaced, never

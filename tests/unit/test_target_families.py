@@ -191,9 +191,9 @@ def test_a_cut_block_leaves_the_linear_state_of_the_accepted_prefix(name, kept):
 
 
 @pytest.mark.parametrize("name", HYBRID)
-def test_linear_attention_layers_take_no_kv_pool_memory(name):
+def test_linear_attention_layers_take_no_kv_pool_memory_and_their_states_are_budgeted(name):
     """Only the full-attention layers of a hybrid target keep keys and values; the pool's bytes
-    are theirs alone."""
+    are theirs alone, and the linear layers' per-request states are counted in the budget."""
     from serve.engine.kv_pool import SlotKVPool
 
     target = family_target(name)
@@ -203,6 +203,17 @@ def test_linear_attention_layers_take_no_kv_pool_memory(name):
     state = runner.preallocate(slots=3, max_positions=64, memory_bytes=1 << 30)
     per_position = SlotKVPool.bytes_per_position(len(full), 2, 16, torch.float32)
     assert state["bytes"] == 3 * 64 * per_position
+    # the linear layers' states come out of the same budget: conv [1, C, K] and recurrent
+    # [1, heads, d_k, d_v] per linear layer, twice (committed + a pass's copy), fp32
+    cfg = target.config
+    conv = (2 * cfg.linear_num_key_heads * cfg.linear_key_head_dim
+            + cfg.linear_num_value_heads * cfg.linear_value_head_dim) * cfg.linear_conv_kernel_dim
+    recurrent = cfg.linear_num_value_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim
+    linear_layers = len(cfg.layer_types) - len(full)
+    assert runner.state_bytes_per_request == 2 * 4 * linear_layers * (conv + recurrent)
+    budget = 3 * runner.state_bytes_per_request + 3 * 40 * per_position
+    fresh = TargetRunner(family_target(name), list(LAYERS))
+    assert fresh.preallocate(slots=3, max_positions=64, memory_bytes=budget)["capacity"] == 40
 
 
 def test_a_layer_that_ignores_the_engines_cache_is_refused_at_build():
