@@ -3,7 +3,14 @@ random target of each family (``tests/families.py``: hidden 64, 4 layers, 4 quer
 a sliding window of 8 tokens), fp32, an untrained DSpark drafter bound to it, the fixed scheduler,
 5 prompts of 9-40 tokens x 32 new tokens: is the engine's greedy output (through the decode
 attention kernel and through the PyTorch paths) token-identical to the target's own greedy
-``generate``? A target the engine refuses is reported with its error. Writes
+``generate``? A target the engine refuses is reported with its error. Prompts are prefilled in
+16-token chunks, so a sliding layer's slots (2 x 8 - 1 + 16 = 31 positions) are shorter than the
+sequences and its keys are moved back while requests decode (``serve/engine/kv_storage.py``).
+
+A second table: the KV pool bytes one request takes at a 32 k model length, bf16, the engine's
+default 2,048-token prompt chunks, for transformers' default config of each sliding-window family
+(its documented shapes; no weights needed: the pool is built on the ``meta`` device), with every
+layer full-length (as before issue 40) and with sliding layers holding their window. Writes
 ``benchmarks/results/target_families.{md,json}``.
 
     .venv/bin/python benchmarks/target_families.py
@@ -66,13 +73,48 @@ def measure(name: str, new_tokens: int) -> dict:
     for attention in ("kernel", "pytorch"):
         engine = SpecEngine(runner, tiny_drafter(target, layer_ids=(1, 2), block_size=4), [],
                             EngineConfig(scheduler="fixed", sps_profile="off",
-                                         attention=attention, max_num_requests=len(prompts)))
+                                         attention=attention, max_num_requests=len(prompts),
+                                         max_prefill_tokens=16))
         done = engine.generate([EngineRequest(f"r{i}", p, SamplingParams(new_tokens, 0.0))
                                 for i, p in enumerate(prompts)])
         firsts = [first_difference(c.tokens, r) for c, r in zip(done, refs)]
         row[attention] = {"equal": sum(f is None for f in firsts), "of": len(prompts),
                           "first_difference": firsts}
+        pool = runner.kv_pool_state()
+        row[attention]["sliding_keys_moved"] = bool(runner.layer_windows) and any(
+            runner._kv_pool().offsets[w] != [0] * pool["slots"] for w in pool["window_positions"])
     return row
+
+
+def pool_bytes(config, model_len: int, pass_tokens: int, windowed: bool) -> int:
+    """KV bytes of one request of ``model_len`` positions for ``config``'s shapes, bf16; sliding
+    layers (``config.layer_types``, or every layer where only ``sliding_window`` is set) holding
+    their window when ``windowed``."""
+    from serve.engine.kv_storage import SlotKVPool
+
+    layers = config.num_hidden_layers
+    types = getattr(config, "layer_types", None) or ["sliding_attention"] * layers
+    window = getattr(config, "sliding_window", None)
+    windows = ({i: window for i, t in enumerate(types) if t == "sliding_attention"}
+               if windowed and window else {})
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    pool = SlotKVPool(layers, config.num_key_value_heads, head_dim, torch.bfloat16,
+                      torch.device("meta"), slots=1, capacity=model_len, windows=windows,
+                      pass_tokens=pass_tokens)
+    return pool.nbytes
+
+
+def memory_rows(model_len: int = 32768, pass_tokens: int = 2048) -> list[dict]:
+    import transformers as tf
+
+    rows = []
+    for cls in (tf.Gemma3TextConfig, tf.Gemma2Config, tf.GptOssConfig, tf.MistralConfig):
+        cfg = cls()
+        full, kept = (pool_bytes(cfg, model_len, pass_tokens, w) for w in (False, True))
+        rows.append({"config": cls.__name__, "layers": cfg.num_hidden_layers,
+                     "sliding_window": cfg.sliding_window, "full_bytes": full,
+                     "windowed_bytes": kept, "ratio": round(kept / full, 3)})
+    return rows
 
 
 def main(argv=None) -> int:
@@ -94,19 +136,30 @@ def main(argv=None) -> int:
              f"fixed scheduler, prompts of {list(LENGTHS)} tokens; CPU flags: {meta['cpu']}; "
              f"torch {meta['torch']}, transformers {meta['transformers']}.", "",
              "| family | model type | kernel path: equal | PyTorch path: equal | first differing "
-             "new token (kernel) |", "|---|---|---|---|---|"]
+             "new token (kernel) | sliding keys moved |", "|---|---|---|---|---|---|"]
     for r in rows:
         if "error" in r:
             lines.append(f"| {r['family']} | {r['model_type']} | refused: {r['error'][:120]} "
-                         f"| | |")
+                         f"| | | |")
             continue
         k, p = r["kernel"], r["pytorch"]
         lines.append(f"| {r['family']} | {r['model_type']} | {k['equal']}/{k['of']} | "
-                     f"{p['equal']}/{p['of']} | {k['first_difference']} |")
+                     f"{p['equal']}/{p['of']} | {k['first_difference']} | "
+                     f"{'yes' if k['sliding_keys_moved'] and p['sliding_keys_moved'] else '-'} |")
+    memory = memory_rows()
+    lines += ["", "KV pool bytes per request at a 32,768-token model length (bf16, 2,048-token "
+              "prompt chunks; transformers' default config of each class):", "",
+              "| config | layers | sliding window | every layer full length | sliding layers "
+              "hold their window | ratio |", "|---|---|---|---|---|---|"]
+    for m in memory:
+        lines.append(f"| {m['config']} | {m['layers']} | {m['sliding_window']} | "
+                     f"{m['full_bytes'] / 2**20:,.0f} MiB | {m['windowed_bytes'] / 2**20:,.0f} MiB "
+                     f"| {m['ratio']} |")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".md").write_text("\n".join(lines) + "\n")
-    out.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    out.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": rows,
+                                                    "kv_bytes_per_request": memory}, indent=1))
     print("\n".join(lines))
     return 0
 

@@ -48,8 +48,10 @@ def size_kv_pool(target: TargetRunner, config: EngineConfig, num_speculative_tok
     """
     wanted_len = config.max_model_len or target.model.config.max_position_embeddings
     block_tokens = num_speculative_tokens + 1  # the draft block written past a request's end
+    # a sliding layer's slot holds its window and the longest pass of one request beside it
     pool = target.preallocate(config.max_num_requests, wanted_len + block_tokens,
-                              int(config.kv_cache_memory_gib * 2**30))
+                              int(config.kv_cache_memory_gib * 2**30),
+                              pass_tokens=max(config.max_prefill_tokens, block_tokens))
     max_model_len = min(wanted_len, pool["capacity"] - block_tokens)
     if max_model_len < 16:
         raise ValueError(

@@ -1,27 +1,18 @@
-"""Preallocated target KV storage written in place: one slot per request, no per-step copies.
+"""One forward pass over the KV pool: where each request's new keys go and how it attends them.
 
-Every request's keys and values live in a slot of one pool per layer, ``[slots, kv_heads, capacity,
-head_dim]``, written in place at the request's own positions. A forward pass over several requests
-therefore never pads or gathers their caches into a batch (the copy ``DynamicCache`` batching
-needs) and never grows a cache by ``torch.cat``: each layer writes only the new positions of each
-request, and attention reads each request's slot in place (:func:`slot_attention`, registered
-with transformers' attention interface as ``"dspark_slots"``): requests of at most
+Every request's keys and values live in a slot of the pool (``serve/engine/kv_storage.py``),
+written in place at the request's own positions. A forward pass over several requests therefore
+never pads or gathers their caches into a batch (the copy ``DynamicCache`` batching needs) and never
+grows a cache by ``torch.cat``: each layer writes only the new positions of each request
+(:class:`PooledStepCache`, the cache object transformers' layers call), and attention
+(``serve/engine/slot_attention.py``) reads each request's slot in place: requests of at most
 ``MAX_KERNEL_QUERIES`` new tokens (decode, verify, short prompt chunks) in one call of the decode
-attention kernel on a CPU (``serve/engine/decode_attention.py``), else with PyTorch (single-token
-requests in batched products, the rest one SDPA call each over a view of its slot; the path on a
-GPU and where the kernel cannot be built). Positions a request does not commit
-(rejected drafts) are simply overwritten by its next pass.
-
-The engine sizes the pool once at start-up (``max_num_requests`` slots of ``max_model_len`` + a
-draft block positions, fewer positions if ``engine.kv_cache_memory_gib`` holds fewer; the
-engine's model length is then what a slot holds) and allocates it whole, zero-filled, so its
-memory is committed before the first request, as a serving engine's KV cache is: serving never
-grows it, and a growing resident size means a leak elsewhere. A pool used outside the engine
-(tests, profiling) doubles its slots or capacity when a pass needs more room (an amortised copy,
-never a per-step one; counted in :attr:`SlotKVPool.reallocations`).
-A slot returns to the pool the moment its request finishes, fails or is aborted
-(:meth:`serve.engine.target_runner.TargetKV.release`), and at the latest when its cache object is
-garbage-collected.
+attention kernel on a CPU (:class:`KernelRows`), else with PyTorch (single-token requests in
+batched products, :class:`SingleTokenRows`; the rest one SDPA call each over a view of its slot,
+:class:`SlotViews`; the path on a GPU and where the kernel cannot be built). Positions a request
+does not commit (rejected drafts) are simply overwritten by its next pass. The plan is made once
+per pass per layer group (:class:`GroupPass`: the full-attention layers, and the layers of each
+sliding window, whose slots hold only the window) and shared by the group's layers.
 
 Shapes: R requests in a pass, n_j new tokens of request j, packed into one row of T = sum n_j
 tokens (request j's at offsets [s_j, s_j + n_j)), L_j its committed length, Hkv key/value heads,
@@ -33,8 +24,8 @@ from __future__ import annotations
 import torch
 
 from .decode_attention import MAX_KERNEL_QUERIES
+from .kv_storage import SlotKVPool
 
-ATTENTION_NAME = "dspark_slots"
 # Cost of attending one key position in a request's own SDPA call, relative to one position of
 # the batched product over a slot range (which also pays for the range's holes and for padding
 # every row to the longest): measured on 2 cores at ~300 positions, ~80 vs ~45 ns per position
@@ -54,101 +45,6 @@ MAX_GROUPS = 8
 # speed within noise), and a 128-request generate actor reached 17 GB (killed by Ray's OOM
 # monitor) where its KV pool held 4.4 GB. The extra positions are masked, so results are exact.
 WIDTH_STEP = 64
-
-
-class SlotKVPool:
-    """Per-layer key/value storage with one slot per live request.
-
-    Args:
-        num_layers: decoder layers of the target.
-        kv_heads, head_dim: the layers' key/value heads and head dimension.
-        dtype, device: of the stored keys and values (the target's).
-        slots, capacity: initial slot count and positions per slot (both grow by doubling).
-        stateless: layers that keep no keys and values (a hybrid target's linear-attention
-            layers, whose states live in ``serve/engine/linear_state.py``): None in
-            :attr:`keys` / :attr:`values`, no memory.
-    """
-
-    def __init__(self, num_layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
-                 device: torch.device, slots: int = 4, capacity: int = 256,
-                 stateless: frozenset[int] = frozenset()):
-        shape = (slots, kv_heads, capacity, head_dim)
-        # zero-filled: the memory is committed now (on CPU, untouched pages would only become
-        # resident as slots fill up, which looks like a leak under load)
-        self.keys = [None if i in stateless else torch.zeros(shape, dtype=dtype, device=device)
-                     for i in range(num_layers)]
-        self.values = [None if i in stateless else torch.zeros(shape, dtype=dtype, device=device)
-                       for i in range(num_layers)]
-        self._first = next(i for i, t in enumerate(self.keys) if t is not None)
-        self.free_slots = list(range(slots - 1, -1, -1))  # pop() hands out the lowest first
-        self.reallocations = 0  # growths so far (the engine reserves at admission, not later)
-
-    @property
-    def num_slots(self) -> int:
-        return self.keys[self._first].shape[0]
-
-    @property
-    def capacity(self) -> int:
-        return self.keys[self._first].shape[2]
-
-    @property
-    def device(self) -> torch.device:
-        return self.keys[self._first].device
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes held by all layers' keys and values."""
-        return 2 * sum(t.numel() * t.element_size() for t in self.keys if t is not None)
-
-    @staticmethod
-    def bytes_per_position(num_layers: int, kv_heads: int, head_dim: int,
-                           dtype: torch.dtype) -> int:
-        """Bytes one slot position takes over ``num_layers`` layers that keep keys and values."""
-        return 2 * num_layers * kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
-
-    def state(self) -> dict:
-        """Size and use for operators: slots, free slots, positions per slot, bytes, growths."""
-        return {"slots": self.num_slots, "free_slots": len(self.free_slots),
-                "capacity": self.capacity, "bytes": self.nbytes,
-                "reallocations": self.reallocations}
-
-    def allocate(self) -> int:
-        """A free slot (the pool doubles its slots when none is left)."""
-        if not self.free_slots:
-            old = self.num_slots
-            self._grow(dim=0, size=2 * old)
-            self.free_slots = list(range(2 * old - 1, old - 1, -1))
-        return self.free_slots.pop()
-
-    def release(self, slot: int) -> None:
-        self.free_slots.append(slot)
-
-    def reserve(self, length: int) -> None:
-        """Make every slot hold at least ``length`` positions (doubling the capacity)."""
-        if length > self.capacity:
-            size = self.capacity
-            while size < length:
-                size *= 2
-            self._grow(dim=2, size=size)
-
-    def reserve_slots(self, slots: int) -> None:
-        """Make the pool hold at least ``slots`` slots (new ones are free)."""
-        old = self.num_slots
-        if slots > old:
-            self._grow(dim=0, size=slots)
-            self.free_slots = list(range(slots - 1, old - 1, -1)) + self.free_slots
-
-    def _grow(self, dim: int, size: int) -> None:
-        self.reallocations += 1
-        for store in (self.keys, self.values):
-            for i, t in enumerate(store):
-                if t is None:  # a stateless layer
-                    continue
-                shape = list(t.shape)
-                shape[dim] = size
-                grown = t.new_zeros(shape)
-                grown.narrow(dim, 0, t.shape[dim]).copy_(t)
-                store[i] = grown
 
 
 class SingleTokenRows:
@@ -309,20 +205,40 @@ class KernelRows:
 class SlotViews:
     """What :meth:`PooledStepCache.update` hands the attention of one layer: each multi-token
     request's keys or values ``[Hkv, L_j + n_j, d]`` as views of its slot (no copy; None for a
-    request attended otherwise), its new tokens' offset s_j in the packed row and count n_j
-    (its causal and window masks built from them, :meth:`folded_mask`), the rows the decode attention kernel attends
+    request attended otherwise), and the pass plan of the layer's group (:class:`GroupPass`):
+    its new tokens' offset s_j in the packed row and count n_j (its causal and window masks
+    built from them, :meth:`folded_mask`), the rows the decode attention kernel attends
     (:class:`KernelRows`, or None) or else the groups of single-token requests
-    (:class:`SingleTokenRows`; empty or None: none), with this layer's whole pool tensor
-    ``[slots, Hkv, capacity, d]``."""
+    (:class:`SingleTokenRows`; empty: none), with this layer's whole pool tensor
+    ``[slots, Hkv, positions, d]``.
 
-    __slots__ = ("rows", "starts", "counts", "_folded", "single", "pool", "kernel_rows")
+    Fields: window: the sliding window the layer's slots were sized and compacted for (None:
+    all positions are kept); :meth:`check_window` holds the layer's attention to it."""
 
-    def __init__(self, rows: list, starts: list[int], counts: list[int], folded: dict,
-                 single: list[SingleTokenRows] | None = None, pool: torch.Tensor | None = None,
-                 kernel_rows: KernelRows | None = None):
-        self.rows, self.starts, self.counts = rows, starts, counts
-        self._folded = folded
-        self.single, self.pool, self.kernel_rows = single, pool, kernel_rows
+    __slots__ = ("rows", "starts", "counts", "_folded", "single", "pool", "kernel_rows",
+                 "window", "layer", "_seen")
+
+    def __init__(self, rows: list, plan: "GroupPass", pool: torch.Tensor, layer: int,
+                 seen: dict):
+        self.rows, self.starts, self.counts = rows, plan.starts, plan.counts
+        self._folded = plan.folded
+        self.single, self.pool, self.kernel_rows = plan.single, pool, plan.kernel_rows
+        self.window, self.layer, self._seen = plan.window, layer, seen
+
+    def check_window(self, window: int | None) -> None:
+        """Record the window the layer's attention was called with
+        (:attr:`SlotKVPool.observed_windows`: how the engine learns each layer's window) and
+        refuse one its slots do not hold: keys older than the stored window are gone.
+
+        Raises:
+            RuntimeError: the layer's slots keep a window of :attr:`window` keys and its
+                attention asks for another (or for all keys).
+        """
+        self._seen[self.layer] = window
+        if self.window is not None and window != self.window:
+            raise RuntimeError(f"layer {self.layer} attends with sliding window {window}, but "
+                               f"its KV slots keep the last {self.window} keys (the window it "
+                               f"was called with when the engine was built)")
 
     def window_start(self, j: int, window: int | None) -> int:
         """The first key any new token of request j sees in a layer with a sliding window of
@@ -352,11 +268,78 @@ class SlotViews:
         return self._folded[key]
 
 
+class GroupPass:
+    """One layer group's plan of a forward pass (the layers of one sliding window, or the
+    full-attention layers; ``serve/engine/kv_storage.py``): where each new key is written in the
+    group's slots and how each request attends them, built once per pass and used by every layer
+    of the group. Lengths are as stored in the group's slots (a sliding group's are shifted by
+    each slot's offset; windows and causal masks only depend on positions relative to a
+    request's own, so they are the same either way).
+
+    Args:
+        window: the group's sliding window (None: full attention); positions: its slot size.
+        slots, lengths, counts, starts: per request, its slot, stored committed length, new
+            tokens and first offset in the packed row.
+        kernel: as :class:`PooledStepCache`.
+    """
+
+    def __init__(self, window: int | None, positions: int, slots: list[int], lengths: list[int],
+                 counts: list[int], starts: list[int], kernel, device):
+        self.window, self.slots, self.lengths, self.counts = window, slots, lengths, counts
+        self.starts = starts
+        self.folded: dict = {}  # folded masks, shared by all layers of this group and pass
+        self.kernel_rows: KernelRows | None = None
+        self.single: list[SingleTokenRows] = []
+        if kernel is not None:
+            chosen = [j for j, n in enumerate(counts) if n <= MAX_KERNEL_QUERIES]
+            tokens = [(slots[j], lengths[j] + i, starts[j] + i)
+                      for j in chosen for i in range(counts[j])]
+            writes = torch.tensor(tokens, device=device).T if tokens else None
+            if tokens:
+                self.kernel_rows = KernelRows(kernel, writes[0].contiguous(),
+                                              (writes[1] + 1).contiguous(), writes[2].contiguous())
+        else:
+            groups = single_token_groups(slots, lengths, counts)
+            self.single = [SingleTokenRows([slots[j] for j in grp], [lengths[j] for j in grp],
+                                           [starts[j] for j in grp], device,
+                                           max_width=positions, gather=gathered)
+                           for grp, gathered in groups]
+            chosen = [j for grp, _ in groups for j in grp]
+            writes = (torch.tensor([[slots[j] for j in chosen], [lengths[j] for j in chosen],
+                                    [starts[j] for j in chosen]], device=device)
+                      if chosen else None)
+        # every new key and value of those requests: one indexed store per tensor
+        # (rows: slot, position, offset in the packed row)
+        self._token_writes = writes
+        batched = set(chosen)
+        self._multi = [j for j in range(len(counts)) if j not in batched]
+
+    def write(self, keys: torch.Tensor, values: torch.Tensor, key_states: torch.Tensor,
+              value_states: torch.Tensor, layer: int, pool: SlotKVPool
+              ) -> tuple[SlotViews, SlotViews]:
+        """Store one layer's new keys and values (``[1, Hkv, T, d]``) in its pool tensors
+        ``[slots, Hkv, positions, d]`` and return what its attention reads."""
+        krows: list = [None] * len(self.counts)
+        vrows: list = [None] * len(self.counts)
+        for j in self._multi:
+            slot, l, s, n = self.slots[j], self.lengths[j], self.starts[j], self.counts[j]
+            keys[slot, :, l:l + n] = key_states[0, :, s:s + n]
+            values[slot, :, l:l + n] = value_states[0, :, s:s + n]
+            krows[j] = keys[slot, :, :l + n]
+            vrows[j] = values[slot, :, :l + n]
+        if self._token_writes is not None:
+            s, pos, at = self._token_writes
+            keys[s, :, pos] = key_states[0, :, at].transpose(0, 1)
+            values[s, :, pos] = value_states[0, :, at].transpose(0, 1)
+        return (SlotViews(krows, self, keys, layer, pool.observed_windows),
+                SlotViews(vrows, self, values, layer, pool.observed_windows))
+
+
 class PooledStepCache:
     """The cache object of one forward pass over requests in ``slots``: transformers' attention
     layers call :meth:`update` with the new keys and values of the packed row ``[1, Hkv, T, d]``;
     request j's (offsets ``[s_j, s_j + n_j)``) are written at positions ``[L_j, L_j + n_j)`` of
-    its slot.
+    its slot (less the slot's offset in a sliding layer: :meth:`SlotKVPool.prepare`).
 
     Args:
         pool: the :class:`SlotKVPool`.
@@ -374,217 +357,16 @@ class PooledStepCache:
         self.starts = [0] * len(counts)
         for j in range(1, len(counts)):
             self.starts[j] = self.starts[j - 1] + counts[j - 1]
-        pool.reserve(max(l + n for l, n in zip(lengths, counts)))
-        device = pool.device
-        self._folded: dict = {}  # folded masks, shared by all layers of this pass
-        self.kernel_rows: KernelRows | None = None
-        self.single: list[SingleTokenRows] = []
-        if kernel is not None:
-            chosen = [j for j, n in enumerate(counts) if n <= MAX_KERNEL_QUERIES]
-            tokens = [(slots[j], lengths[j] + i, self.starts[j] + i)
-                      for j in chosen for i in range(counts[j])]
-            writes = torch.tensor(tokens, device=device).T if tokens else None
-            if tokens:
-                self.kernel_rows = KernelRows(kernel, writes[0].contiguous(),
-                                              (writes[1] + 1).contiguous(), writes[2].contiguous())
-        else:
-            groups = single_token_groups(slots, lengths, counts)
-            self.single = [SingleTokenRows([slots[j] for j in grp], [lengths[j] for j in grp],
-                                           [self.starts[j] for j in grp], device,
-                                           max_width=pool.capacity, gather=gathered)
-                           for grp, gathered in groups]
-            chosen = [j for grp, _ in groups for j in grp]
-            writes = (torch.tensor([[slots[j] for j in chosen], [lengths[j] for j in chosen],
-                                    [self.starts[j] for j in chosen]], device=device)
-                      if chosen else None)
-        # every new key and value of those requests: one indexed store per tensor
-        # (rows: slot, position, offset in the packed row)
-        self._token_writes = writes
-        batched = set(chosen)
-        self._multi = [j for j in range(len(counts)) if j not in batched]
+        stored = pool.prepare(slots, lengths, counts)
+        self._groups = {window: GroupPass(window, pool.group_positions(window), slots, held,
+                                          counts, self.starts, kernel, pool.device)
+                        for window, held in stored.items()}
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int,
                *args, **kwargs) -> tuple[SlotViews, SlotViews]:
-        keys, values = self.pool.keys[layer_idx], self.pool.values[layer_idx]
-        krows: list = [None] * len(self.counts)
-        vrows: list = [None] * len(self.counts)
-        for j in self._multi:
-            slot, l, s, n = self.slots[j], self.lengths[j], self.starts[j], self.counts[j]
-            keys[slot, :, l:l + n] = key_states[0, :, s:s + n]
-            values[slot, :, l:l + n] = value_states[0, :, s:s + n]
-            krows[j] = keys[slot, :, :l + n]
-            vrows[j] = values[slot, :, :l + n]
-        if self._token_writes is not None:
-            s, pos, at = self._token_writes
-            keys[s, :, pos] = key_states[0, :, at].transpose(0, 1)
-            values[s, :, pos] = value_states[0, :, at].transpose(0, 1)
-        return (SlotViews(krows, self.starts, self.counts, self._folded, self.single, keys,
-                          self.kernel_rows),
-                SlotViews(vrows, self.starts, self.counts, self._folded, self.single, values,
-                          self.kernel_rows))
+        group = self._groups[self.pool.window_of[layer_idx]]
+        return group.write(self.pool.keys[layer_idx], self.pool.values[layer_idx], key_states,
+                           value_states, layer_idx, self.pool)
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return max(self.lengths)
-
-
-def slot_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
-                   sliding_window: int | None = None, s_aux: torch.Tensor | None = None,
-                   softcap: float | None = None, **kwargs):
-    """Attention over slot views, as the target's layer defines it: the decode and verify rows in
-    one call of the decode attention kernel where it is in use (:class:`KernelRows`), else
-    single-token requests in batched products (:class:`SingleTokenRows`); every other request one
-    SDPA call, its query heads folded into the query axis per key/value head (so keys and values
-    are never repeated for grouped-query attention). Any other input goes to transformers' SDPA
-    attention (or, for sinks or a soft cap, the model's own eager attention) unchanged, so the
-    model still works outside the engine (plain ``generate``).
-
-    Every path honours what transformers passes the layer's attention function: a sliding window
-    (Mistral, Qwen2, Gemma 2/3, gpt-oss, Phi-3: query position p sees keys (p - window, p]), the
-    attention sinks (gpt-oss's ``s_aux``: one logit per query head in the softmax's denominator)
-    and a logit soft cap (Gemma 2: scores -> cap * tanh(scores / cap)).
-
-    Args:
-        query: the packed row ``[1, Hq, T, d]``; key, value: :class:`SlotViews` (or tensors: the
-            SDPA path).
-        sliding_window: keys a query sees at most (None: full attention).
-        s_aux: float ``[Hq]`` sink logits, or None; softcap: the cap, or None.
-    Returns:
-        (``[1, T, Hq, d]``, None), as transformers' attention functions return.
-    """
-    if not isinstance(key, SlotViews):
-        return _outside_engine(module, query, key, value, attention_mask, scaling, dropout,
-                               sliding_window, s_aux, softcap, **kwargs)
-    _, hq, t, d = query.shape
-    scale = scaling if scaling is not None else d ** -0.5
-    sinks = None if s_aux is None else s_aux.detach().float().contiguous()
-    out = query.new_empty(1, t, hq, d)
-    sdpa = torch.nn.functional.scaled_dot_product_attention
-    for j, (k, v, s, nj) in enumerate(zip(key.rows, value.rows, key.starts, key.counts)):
-        if k is None:  # attended below with the others (kernel rows or single-token groups)
-            continue
-        hkv = k.shape[0]
-        groups = hq // hkv
-        q = query[0, :, s:s + nj].reshape(hkv, groups * nj, d)  # head h = kv head * groups + g
-        first = key.window_start(j, sliding_window)  # keys before it are outside every window
-        k, v = k[:, first:], v[:, first:]
-        # the folded rows are g * n_j + i: each group repeats the causal (and window) mask
-        mask = key.folded_mask(j, groups, sliding_window)
-        if sinks is None and softcap is None:
-            o = sdpa(q[None], k[None], v[None], attn_mask=mask, scale=scale)[0]
-        else:
-            scores = torch.matmul(q, k.transpose(-1, -2)).float() * scale  # [Hkv, g*n, keys]
-            row_sinks = (None if sinks is None else
-                         sinks.view(hkv, groups, 1).expand(hkv, groups, nj).reshape(hkv, -1, 1))
-            o = torch.matmul(_weights(scores, None if mask is None else mask[0], row_sinks,
-                                      softcap).to(v.dtype), v)
-        out[0, s:s + nj] = o.reshape(hq, nj, d).transpose(0, 1)
-    for one in key.single or ():
-        out[0, one.starts] = _single_token_attention(query, one, key.pool, value.pool, scale,
-                                                     sliding_window, sinks, softcap)
-    rows = key.kernel_rows
-    if rows is not None:
-        if softcap is not None:
-            raise NotImplementedError("the decode attention kernel has no logit soft cap; the "
-                                      "runner attends such a target with PyTorch")
-        q = query[0, :, rows.offsets].transpose(0, 1).contiguous()  # [N, Hq, d]
-        out[0, rows.offsets] = rows.op(q, key.pool, value.pool, rows.slots, rows.lengths, scale,
-                                       rows.starts(sliding_window), sinks)
-    return out, None
-
-
-def _weights(scores: torch.Tensor, mask: torch.Tensor | None, sinks: torch.Tensor | None,
-             softcap: float | None) -> torch.Tensor:
-    """Attention weights from fp32 ``scores [..., rows, keys]`` as transformers' eager attention
-    computes them: soft-capped (``cap * tanh(s / cap)``), masked (bool, True = visible,
-    broadcastable), softmaxed with one sink logit per row joining the denominator (``sinks``
-    broadcastable to ``[..., rows, 1]``; its weight is dropped). Returns fp32 ``[..., rows, keys]``.
-    """
-    if softcap is not None:
-        scores = torch.tanh(scores / softcap) * softcap
-    if mask is not None:
-        scores = scores.masked_fill(~mask, float("-inf"))
-    if sinks is None:
-        return scores.softmax(-1)
-    sink = sinks.expand(*scores.shape[:-1], 1)
-    return torch.cat([scores, sink], dim=-1).softmax(-1)[..., :-1]
-
-
-def _outside_engine(module, query, key, value, attention_mask, scaling, dropout, sliding_window,
-                    s_aux, softcap, **kwargs):
-    """The model called outside the engine (plain ``generate``, training): the eager attention of
-    the model's own modeling file where the runner registered eager masks (:func:`register`:
-    the target's own attention was eager, e.g. for sinks or a soft cap, which SDPA cannot
-    express), else SDPA; transformers built either mask with the window."""
-    import sys
-
-    extra = {k: v for k, v in (("s_aux", s_aux), ("softcap", softcap)) if v is not None}
-    eager = getattr(sys.modules[type(module).__module__], "eager_attention_forward", None)
-    if attention_mask is not None and attention_mask.dtype != torch.bool and eager is not None:
-        return eager(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-                     sliding_window=sliding_window, **extra, **kwargs)
-    if extra:  # SDPA cannot express them: never answer with another attention's output
-        raise NotImplementedError(f"{sorted(extra)} need the model's eager attention and its "
-                                  f"additive mask (kv_pool.register(eager=True))")
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-    return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
-                                  scaling=scaling, sliding_window=sliding_window, **kwargs)
-
-
-def _single_token_attention(query: torch.Tensor, one: SingleTokenRows, keys: torch.Tensor,
-                            values: torch.Tensor, scale: float, window: int | None = None,
-                            sinks: torch.Tensor | None = None,
-                            softcap: float | None = None) -> torch.Tensor:
-    """Attention of a group of single-token requests at once over their slots' keys, as two
-    batched matrix products: over the slot range [lo, hi) of the pool (views, no copy of any
-    key), or over the group's keys gathered from its slots (``one.gather``).
-
-    Args:
-        query: the packed row ``[1, Hq, T, d]``; one: the group; keys, values: this layer's pool
-            tensors ``[slots, Hkv, capacity, d]``; scale: the softmax scale; window, sinks
-            (float32 ``[Hq]``), softcap: as :func:`slot_attention`.
-    Returns:
-        ``[n, Hq, d]``, the attention output of the group's n requests in their order.
-    """
-    _, hq, _, d = query.shape
-    hkv = keys.shape[1]
-    groups = hq // hkv
-    q = query[0, :, one.starts].reshape(hkv, groups, -1, d).permute(2, 0, 1, 3)  # [n, Hkv, g, d]
-    if one.gather:
-        k = keys[one.slots, :, :one.width]
-        v = values[one.slots, :, :one.width]
-    else:
-        span = one.hi - one.lo
-        if not one.in_slot_order:  # rows in slot order; slots of the range not in this pass: 0
-            q = q.new_zeros(span, hkv, groups, d).index_copy_(0, one.rows, q)
-        k = keys[one.lo:one.hi, :, :one.width]
-        v = values[one.lo:one.hi, :, :one.width]
-    # keys times queries, not queries times transposed keys: the pool's key rows are contiguous,
-    # and this orientation multiplies 3x faster on them (measured on 2 cores, bf16). In bf16 the
-    # scores are rounded to bf16 before the fp32 softmax (SDPA's CPU kernel keeps them in fp32):
-    # noise of the size bf16 already puts on q and k; an fp32 target is exact (tested)
-    scores = torch.matmul(k, q.transpose(-1, -2)).transpose(-1, -2).float() * scale
-    if window is None and sinks is None and softcap is None:
-        weights = scores.masked_fill_(~one.mask, float("-inf")).softmax(-1)
-    else:
-        weights = _weights(scores, one.mask_for(window),
-                           None if sinks is None else sinks.view(1, hkv, groups, 1), softcap)
-    o = torch.matmul(weights.to(v.dtype), v)  # [P, Hkv, g, d]
-    if not one.in_slot_order:
-        o = o.index_select(0, one.rows)
-    return o.reshape(-1, hq, d)
-
-
-def register(eager: bool = False) -> str:
-    """Register :func:`slot_attention` with transformers, with the mask builder of the attention
-    the model falls back to outside the engine: SDPA's (boolean masks, ``"dspark_slots"``) or, for
-    ``eager``, eager attention's (additive float masks, ``"dspark_slots_eager"``: a target whose
-    attention transformers computes eagerly, e.g. gpt-oss's sinks or Gemma 2's soft cap). Returns
-    the attention implementation name."""
-    from transformers import AttentionInterface
-    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, eager_mask, sdpa_mask
-
-    name = ATTENTION_NAME + ("_eager" if eager else "")
-    AttentionInterface.register(name, slot_attention)
-    ALL_MASK_ATTENTION_FUNCTIONS.register(name, eager_mask if eager else sdpa_mask)
-    return name

@@ -27,9 +27,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from . import kv_pool
+from . import slot_attention
 from .decode_attention import MAX_QUERY_GROUPS, decode_kernel
-from .kv_pool import PooledStepCache, SlotKVPool
+from .kv_pool import PooledStepCache
+from .kv_storage import SlotKVPool, window_positions
 from .linear_state import LinearStates, RequestStates, linear_mixers
 from .target_support import check_target_supported, probe
 
@@ -71,17 +72,6 @@ class TargetKV:
         elif self._pool is not pool:
             raise ValueError("this TargetKV belongs to another TargetRunner")
         return self.slot
-
-    def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(keys, values) of layer i, each [Hkv, length, d] (views of the slot).
-
-        Raises:
-            ValueError: layer i keeps no keys and values (a linear-attention layer)."""
-        if self._pool.keys[i] is None:
-            raise ValueError(f"layer {i} keeps no keys and values (a linear-attention layer: its "
-                             f"state is in serve/engine/linear_state.py)")
-        return (self._pool.keys[i][self.slot, :, :self.length],
-                self._pool.values[i][self.slot, :, :self.length])
 
 
 @dataclass
@@ -140,14 +130,20 @@ class TargetRunner:
         # model's own: SDPA, or its eager attention where it was eager (sinks, a soft cap)
         own = getattr(model.config, "_attn_implementation", None) or "sdpa"
         # a model an earlier runner wrapped keeps the fallback that runner chose
-        eager = (own in ("eager", kv_pool.ATTENTION_NAME + "_eager")
+        eager = (own in ("eager", slot_attention.ATTENTION_NAME + "_eager")
                  or getattr(model.config, "attn_logit_softcapping", None) is not None)
-        model.set_attn_implementation(kv_pool.register(eager=eager))
+        model.set_attn_implementation(slot_attention.register(eager=eager))
         mixers = linear_mixers(model)
         # hybrid targets: each linear-attention layer's per-request conv and recurrent states
         self._linear = LinearStates(mixers) if mixers else None
         self.stateless_layers = frozenset(mixers)  # no keys and values in the KV pool
+        self.layer_windows: dict[int, int] = {}  # learnt from the probe's pass, below
         probe(self)
+        # each layer's sliding window as transformers passes it to the layer's attention (the
+        # model's own reading of its config: layer_types, use_sliding_window, max_window_layers
+        # or a model-wide sliding_window), so a sliding layer's slots hold only its window
+        self.layer_windows = {layer: window for layer, window
+                              in self._pool.observed_windows.items() if window is not None}
         self._pool = None  # the probe's default-sized pool; the engine sizes its own
         # what one request's linear-attention states take (counted in the KV budget)
         self.state_bytes_per_request = self._linear.measure() if self._linear is not None else 0
@@ -293,11 +289,13 @@ class TargetRunner:
         cache.bind(pool)
         pool.reserve(length)
 
-    def preallocate(self, slots: int, max_positions: int, memory_bytes: int) -> dict:
-        """Size the KV pool before serving: ``slots`` slots of ``max_positions`` positions, or as
-        many positions as ``memory_bytes`` allows (at least 16). An idle pool (left by profiling or
-        an earlier engine) is replaced; one that holds live requests (a runner shared by several
-        engines) is only grown.
+    def preallocate(self, slots: int, max_positions: int, memory_bytes: int,
+                    pass_tokens: int = 64) -> dict:
+        """Size the KV pool before serving: ``slots`` slots of ``max_positions`` positions (a
+        sliding-window layer's slots only what its window needs: ``kv_storage.window_positions``),
+        or as many positions as ``memory_bytes`` allows (at least 1). An idle pool (left by
+        profiling or an earlier engine) is replaced; one that holds live requests (a runner shared
+        by several engines) is only grown.
 
         Args:
             slots: live requests (the engine's ``max_num_requests``).
@@ -306,14 +304,20 @@ class TargetRunner:
                 target's linear-attention states: :attr:`state_bytes_per_request` per slot),
                 bytes; the caller checks that the positions it buys are enough (the engine
                 refuses < 16).
+            pass_tokens: the most tokens one request runs in one pass (a prompt chunk or a draft
+                block), which a sliding layer's slot must hold beside its window.
         Returns:
             the pool's :meth:`SlotKVPool.state`.
         """
-        kv_heads, head_dim = self._kv_shape()
-        per_position = SlotKVPool.bytes_per_position(self.num_kv_layers, kv_heads, head_dim,
-                                                     self.dtype)
         kv_bytes = max(0, memory_bytes - slots * self.state_bytes_per_request)
-        capacity = max(1, min(max_positions, kv_bytes // (per_position * slots)))
+        low, high = 1, max(1, max_positions)  # the most positions whose slots fit kv_bytes
+        while low < high:
+            mid = (low + high + 1) // 2
+            if slots * self.slot_bytes(mid, pass_tokens) <= kv_bytes:
+                low = mid
+            else:
+                high = mid - 1
+        capacity = low
         old = self._pool
         if old is None or len(old.free_slots) == old.num_slots:
             # an idle pool (profiling, or another engine on this runner) is replaced, never
@@ -321,14 +325,32 @@ class TargetRunner:
             if old is not None:
                 capacity, slots = max(capacity, old.capacity), max(slots, old.num_slots)
             self._pool = None  # the idle pool's memory goes before the new one is taken
-            self._pool = SlotKVPool(self.num_layers, kv_heads, head_dim, self.dtype, self.device,
-                                    slots=slots, capacity=capacity,
-                                    stateless=self.stateless_layers)
+            self._pool = self._new_pool(slots, capacity, pass_tokens)
         else:  # live requests hold slots: grow to exactly what this engine needs as well
             if capacity > old.capacity:
-                old._grow(dim=2, size=capacity)
+                old.grow_positions(capacity)
             old.reserve_slots(old.num_slots - len(old.free_slots) + slots)
         return self._pool.state()
+
+    def slot_bytes(self, positions: int, pass_tokens: int) -> int:
+        """Bytes of keys and values one slot of ``positions`` positions takes over every layer
+        that keeps them (a sliding layer: at most its window's :func:`window_positions`)."""
+        kv_heads, head_dim = self._kv_shape()
+        per_layer = SlotKVPool.bytes_per_position(1, kv_heads, head_dim, self.dtype)
+        held = 0
+        for layer in range(self.num_layers):
+            if layer in self.stateless_layers:
+                continue
+            window = self.layer_windows.get(layer)
+            held += positions if window is None else min(positions,
+                                                        window_positions(window, pass_tokens))
+        return per_layer * held
+
+    def _new_pool(self, slots: int = 4, capacity: int = 256, pass_tokens: int = 64) -> SlotKVPool:
+        kv_heads, head_dim = self._kv_shape()
+        return SlotKVPool(self.num_layers, kv_heads, head_dim, self.dtype, self.device,
+                          slots=slots, capacity=capacity, stateless=self.stateless_layers,
+                          windows=self.layer_windows, pass_tokens=pass_tokens)
 
     @property
     def num_kv_layers(self) -> int:
@@ -346,9 +368,7 @@ class TargetRunner:
 
     def _kv_pool(self) -> SlotKVPool:
         if self._pool is None:  # callers that never preallocated (tests, one-off passes)
-            kv_heads, head_dim = self._kv_shape()
-            self._pool = SlotKVPool(self.num_layers, kv_heads, head_dim, self.dtype, self.device,
-                                    stateless=self.stateless_layers)
+            self._pool = self._new_pool()
         return self._pool
 
     @staticmethod

@@ -239,7 +239,7 @@ def test_a_small_kv_budget_shortens_the_model_length_instead_of_growing(model):
     slots hold fewer positions and the engine's model length shrinks to match: a longer request
     is refused (413) rather than growing the pool."""
     from serve.engine.errors import RequestError
-    from serve.engine.kv_pool import SlotKVPool
+    from serve.engine.kv_storage import SlotKVPool
 
     runner = TargetRunner(model, [1, 3])
     cfg = model.config
@@ -289,7 +289,7 @@ def test_a_released_cache_cannot_write_into_its_old_slot(model):
 
 
 def test_a_budget_too_small_for_a_useful_model_length_is_refused(model):
-    from serve.engine.kv_pool import SlotKVPool
+    from serve.engine.kv_storage import SlotKVPool
 
     cfg = model.config
     per_position = SlotKVPool.bytes_per_position(cfg.num_hidden_layers, cfg.num_key_value_heads,
@@ -349,3 +349,46 @@ def test_grouped_single_token_attention_matches_a_plain_forward(model, mode, mon
                                        atol=1e-4, rtol=1e-4)
             o.keep(n)
             seqs[j] += blocks[j]
+
+
+def test_a_sliding_group_moves_its_last_window_keys_back_when_a_pass_would_overflow():
+    """SlotKVPool.prepare: a sliding layer's slot holds 2 x window - 1 + pass positions; a pass
+    that would run past them first moves the last window - 1 committed keys of every layer of
+    the group to the slot's start (the full layers untouched), and reports the lengths as
+    stored. Each stored key here is its own position, so what moved is visible."""
+    from serve.engine.kv_storage import SlotKVPool
+
+    window, passes = 4, 2
+    pool = SlotKVPool(3, 1, 1, torch.float32, torch.device("cpu"), slots=2, capacity=64,
+                      windows={0: window, 2: window}, pass_tokens=passes)
+    assert pool.group_positions(window) == 2 * window - 1 + passes == 9
+    slot = pool.allocate()
+    length = 0
+    for count in (2, 2, 2, 1, 2, 2):  # the last pass (from 9) would end at 11 > 9
+        stored = pool.prepare([slot], [length], [count])
+        at = stored[window][0]
+        for layer in range(3):
+            held = stored[None][0] if pool.window_of[layer] is None else at
+            for store in (pool.keys, pool.values):
+                store[layer][slot, 0, held:held + count, 0] = torch.arange(length, length + count)
+        length += count
+    offset = pool.offsets[window][slot]
+    assert offset == 9 - (window - 1)  # the last pass starts at 9: keys from 6 on kept
+    for layer in (0, 2):
+        kept = pool.keys[layer][slot, 0, :length - offset, 0]
+        assert kept.tolist() == list(range(offset, length))
+    assert pool.keys[1][slot, 0, :length, 0].tolist() == list(range(length))
+    assert pool.reallocations == 0
+    pool.release(slot)
+    assert pool.allocate() == slot and pool.offsets[window][slot] == 0
+
+
+def test_a_pass_longer_than_a_sliding_slot_grows_the_group_only():
+    from serve.engine.kv_storage import SlotKVPool
+
+    pool = SlotKVPool(2, 1, 1, torch.float32, torch.device("cpu"), slots=1, capacity=64,
+                      windows={0: 4}, pass_tokens=2)
+    slot = pool.allocate()
+    stored = pool.prepare([slot], [0], [20])
+    assert stored == {None: [0], 4: [0]}
+    assert pool.group_positions(4) >= 20 and pool.capacity == 64 and pool.reallocations == 1

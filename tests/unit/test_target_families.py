@@ -39,11 +39,17 @@ def _prompts(n: int = 4, vocab: int = 96, seed: int = 0) -> list[list[int]]:
 def _engine_greedy(target, prompts, attention: str, drafter=True) -> list[list[int]]:
     runner = TargetRunner(target, list(LAYERS) if drafter else [])
     d = tiny_drafter(target, layer_ids=LAYERS, block_size=4) if drafter else None
+    # 16-token prompt chunks: a sliding layer's slot holds 2 x 8 - 1 + 16 = 31 positions, so
+    # every long prompt's keys are moved back (kv_storage.SlotKVPool.prepare) while it decodes
     engine = SpecEngine(runner, d, [], EngineConfig(
         scheduler="fixed" if drafter else "none", sps_profile="off", attention=attention,
-        max_num_requests=len(prompts)))
+        max_num_requests=len(prompts), max_prefill_tokens=16))
     done = engine.generate([EngineRequest(f"r{i}", p, SamplingParams(NEW, 0.0))
                             for i, p in enumerate(prompts)])
+    pool = runner._kv_pool()
+    assert pool.reallocations == 0
+    if runner.layer_windows:  # some slot's keys were moved back: the window path ran
+        assert max(pool.offsets[WINDOW]) > 0
     return [c.tokens for c in done]
 
 
@@ -68,22 +74,27 @@ def test_the_reference_is_the_targets_own_generate(family):
 @pytest.mark.parametrize("attention", ["kernel", "pytorch"])
 def test_engine_logits_equal_the_models_own(family, attention):
     """The engine's logits at every position equal the model's own forward over the whole
-    sequence (fp32, 1e-4): a prompt chunk, single-token decode steps, then a 6-token verify
-    block, so each attention path crosses the window (and Gemma 2's soft cap, which random
-    weights rarely let change the greedy text, still shows in the logits)."""
+    sequence (fp32, 1e-4): prompt chunks, single-token decode steps, then verify blocks, so each
+    attention path crosses the window (and Gemma 2's soft cap, which random weights rarely let
+    change the greedy text, still shows in the logits); a sliding layer's slots hold 27
+    positions of the 52, so its keys are moved back to the slot's start on the way."""
     name, target, prompts, _ = family
     seq = prompts[2] + prompts[1][:12]  # 52 tokens
     with torch.no_grad():
         own = target(input_ids=torch.tensor([seq]), use_cache=False).logits[0].float()
     runner = TargetRunner(target, list(LAYERS))
     runner.use_decode_kernel(attention == "kernel")
+    runner.preallocate(slots=1, max_positions=64, memory_bytes=1 << 30, pass_tokens=12)
     kv, got, at = TargetKV(), [], 0
-    for piece in (30, 1, 1, 1, 1, 6, 12):
+    for piece in (12, 12, 6, 1, 1, 1, 1, 6, 12):
         out = runner.forward_batch([kv], [seq[at:at + piece]], with_features=True)[0]
         out.keep(piece)
         got.append(out.logits)
         at += piece
     torch.testing.assert_close(torch.cat(got), own, atol=1e-4, rtol=1e-4, msg=name)
+    pool = runner._kv_pool()
+    if runner.layer_windows:  # the keys were moved: the slot now starts past position 0
+        assert pool.offsets[WINDOW][kv.slot] > 0 and pool.reallocations == 0
 
 
 def test_the_models_own_generate_is_unchanged_once_a_runner_wraps_it(family):
@@ -141,6 +152,44 @@ def test_the_window_changes_the_targets_text(name):
         assert [greedy_reference(sinkless, p, NEW) for p in prompts] != windowed
 
 
+@pytest.mark.parametrize("name", SLIDING)
+def test_sliding_layers_keep_only_their_window(name):
+    """Each layer's window is the one transformers passes its attention (from layer_types,
+    use_sliding_window / max_window_layers, or a model-wide sliding_window), and a sliding layer's
+    slots hold 2 x window - 1 + the longest pass positions, not the model length: the pool's
+    bytes, and a budget that buys longer slots than it would for full layers."""
+    from serve.engine.kv_storage import SlotKVPool
+
+    target = family_target(name)
+    runner = TargetRunner(target, list(LAYERS))
+    types = getattr(target.config, "layer_types", None) or ["sliding_attention"] * 4
+    sliding = [i for i, t in enumerate(types) if t == "sliding_attention"]
+    assert runner.layer_windows == {i: WINDOW for i in sliding}
+    per_layer = SlotKVPool.bytes_per_position(1, 2, 16, torch.float32)
+    state = runner.preallocate(slots=2, max_positions=512, memory_bytes=1 << 30, pass_tokens=16)
+    kept = 2 * WINDOW - 1 + 16
+    assert state["window_positions"] == {WINDOW: kept}
+    assert state["bytes"] == 2 * per_layer * ((4 - len(sliding)) * 512 + len(sliding) * kept)
+    # a budget of 100 full-length positions per layer buys more when some layers slide
+    budget = 2 * per_layer * 4 * 100
+    fresh = TargetRunner(family_target(name), list(LAYERS))
+    capacity = fresh.preallocate(slots=2, max_positions=10_000, memory_bytes=budget,
+                                 pass_tokens=16)["capacity"]
+    full = 4 - len(sliding)
+    assert capacity == (10_000 if not full else (4 * 100 - len(sliding) * kept) // full)
+
+
+def test_a_layer_called_with_another_window_than_its_slots_keep_is_refused():
+    """Keys older than a sliding layer's window are gone from its slots: a layer whose attention
+    then asks for a longer window (or none) raises rather than attending fewer keys."""
+    target = family_target("gemma3")
+    runner = TargetRunner(target, list(LAYERS))
+    runner.forward_batch([TargetKV()], [[3, 4, 5]], with_features=False, logits="none")
+    target.get_decoder().layers[0].self_attn.sliding_window = 2 * WINDOW
+    with pytest.raises(RuntimeError, match="layer 0 attends with sliding window 16"):
+        runner.forward_batch([TargetKV()], [[3, 4, 5]], with_features=False, logits="none")
+
+
 @pytest.mark.parametrize("name, head_scale", [("gemma3", 1.0), ("gpt-oss", 8.0),
                                               ("qwen3-next", 8.0)])
 def test_sampling_matches_the_targets_distribution(name, head_scale):
@@ -194,7 +243,7 @@ def test_a_cut_block_leaves_the_linear_state_of_the_accepted_prefix(name, kept):
 def test_linear_attention_layers_take_no_kv_pool_memory_and_their_states_are_budgeted(name):
     """Only the full-attention layers of a hybrid target keep keys and values; the pool's bytes
     are theirs alone, and the linear layers' per-request states are counted in the budget."""
-    from serve.engine.kv_pool import SlotKVPool
+    from serve.engine.kv_storage import SlotKVPool
 
     target = family_target(name)
     runner = TargetRunner(target, list(LAYERS))
