@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import socket
 import statistics
 import subprocess
@@ -41,6 +40,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from benchmarks.machine import describe as describe_machine, machine as machine_fields  # noqa: E402,I001
 
 H, LAYERS, VOCAB = 576, [1, 8, 15, 22, 27], 49152
 BYTES_PER_TOKEN = (len(LAYERS) + 1) * H * 2 + 5
@@ -379,7 +379,7 @@ def main() -> None:
     meta = {"date": time.strftime("%Y-%m-%d"), "rows": args.rows, "repeats": args.repeats,
             "git": subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"],
                                   capture_output=True, text=True).stdout.strip(),
-            "machine": f"{platform.machine()}, {os.cpu_count()} CPU cores",
+            "machine": describe_machine(), "hardware": machine_fields(),
             "cores": os.cpu_count(),
             "load_before": round(os.getloadavg()[0], 2), "hidden_size": H, "layers": LAYERS,
             "rows_per_shard": ROWS_PER_SHARD, "rows_per_row_group": ROWS_PER_GROUP,

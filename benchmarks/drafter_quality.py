@@ -14,13 +14,13 @@ import argparse
 import json
 import logging
 import os
-import platform
 import sys
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from benchmarks.machine import describe as describe_machine, machine as machine_fields  # noqa: E402,I001
 
 from pipeline import stages, storage  # noqa: E402
 from pipeline.config import ConfigError, load_config  # noqa: E402
@@ -287,7 +287,7 @@ def main() -> int:
             "max_new_tokens": cfg.eval.max_new_tokens,
             "train_steps": table[names[0]]["train_steps"],
             "global_batch_size": cfg.train.global_batch_size,
-            "machine": f"{platform.machine()}, {os.cpu_count()} CPU cores, no GPU",
+            "machine": describe_machine(), "hardware": machine_fields(),
             "wall_minutes": (time.time() - started) / 60, "timings_s": timings, "files": files,
             "command": "python benchmarks/drafter_quality.py " + " ".join(sys.argv[1:])}
     (out / f"drafter_quality{args.suffix}.json").write_text(json.dumps(

@@ -17,7 +17,6 @@ import argparse
 import cProfile
 import json
 import os
-import platform
 import pstats
 import statistics
 import sys
@@ -26,6 +25,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from benchmarks.machine import describe as describe_machine, machine as machine_fields  # noqa: E402,I001
 # as the CPU serve config sets it (infra/configs/serve_quickstart.yaml): bounded oneDNN kernel cache
 os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "64")
 
@@ -114,7 +114,7 @@ def main() -> int:
     ap.add_argument("--target", default=str(Path("~/.cache/dspark_ray/models/"
                                                  "SmolLM2-135M-Instruct").expanduser()))
     ap.add_argument("--drafter", required=True)
-    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--dtype", default="auto")
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--steps", type=int, default=20)
@@ -161,7 +161,7 @@ def main() -> int:
             "profiled_ms_per_step": statistics.median(r["profiled_ms_per_step"] for r in mine),
             "parts_ms": {label: statistics.median(r["parts_ms"][label] for r in mine)
                          for label, _, _ in PARTS}}
-    meta = {"date": time.strftime("%Y-%m-%d"), "machine": platform.processor() or platform.machine(),
+    meta = {"date": time.strftime("%Y-%m-%d"), "machine": describe_machine(), "hardware": machine_fields(),
             "threads": torch.get_num_threads(), "target": args.target, "drafter": args.drafter,
             "dtype": args.dtype, "batch": args.batch, "steps": args.steps,
             "repeats": args.repeats, "request_tokens": args.request_tokens,
@@ -173,7 +173,7 @@ def main() -> int:
     base = summary[policies[0]]["tokens_per_s"]
     kind = "seeded" if args.seeded else "unseeded"
     lines = [f"# Engine step profile at {args.batch} requests, temperature "
-             f"{args.temperature:g}, {kind} requests ({meta['date']})", "",
+             f"{args.temperature:g}, {kind} requests ({meta['date']}; {meta['machine']})", "",
              f"`{' '.join(sys.argv)}`; {args.steps} timed steps per arm after {args.warmup} "
              f"warm-up steps, {args.repeats} repeats, arms alternating; medians. Parts are "
              "cProfile cumulative times (profiling inflates Python-heavy parts alike in both "

@@ -19,7 +19,6 @@ import argparse
 import hashlib
 import json
 import os
-import platform
 import shutil
 import signal
 import subprocess
@@ -29,6 +28,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from benchmarks.machine import describe as describe_machine, machine as machine_fields  # noqa: E402,I001
 
 from tests.faulty_s3 import FaultyS3Proxy  # noqa: E402 - after the path insert
 
@@ -797,7 +797,7 @@ def meta(ref: dict, args, started: float, partial: bool = False,
                 f"`{s}`" for s in SMALL) + f"; reference: {len(ref['generated'])} conversations, "
                 f"{len(ref['cache'])} cache rows." + (" PARTIAL: stopped before the last fault."
                                                       if partial else ""),
-            "machine": f"{platform.machine()}, {os.cpu_count()} CPU cores, no GPU",
+            "machine": describe_machine(), "hardware": machine_fields(),
             "date": time.strftime("%Y-%m-%d"), "seconds": seconds, "command": command}
 
 

@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import random
 import statistics
 import sys
@@ -29,6 +28,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from benchmarks.machine import describe as describe_machine, machine as machine_fields  # noqa: E402,I001
 
 from pipeline import storage  # noqa: E402
 from pipeline.config import load_config  # noqa: E402
@@ -144,7 +144,7 @@ def main() -> int:
             "config": args.config, "prompts": len(rows), "max_new_tokens": max_new,
             "sampling": cfg.generate.sampling.model_dump(), "dtype": cfg.target.dtype,
             "num_threads": cfg.generate.num_threads, "repeats": args.repeats,
-            "machine": f"{platform.machine()}, {os.cpu_count()} cores",
+            "machine": describe_machine(), "hardware": machine_fields(),
             "domains": {d: sum(r["domain"] == d for r in rows)
                         for d in sorted({r["domain"] for r in rows})}}
     out = Path(args.out)

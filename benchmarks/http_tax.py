@@ -20,7 +20,6 @@ import argparse
 import asyncio
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -31,6 +30,7 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from benchmarks.machine import describe as describe_machine, machine as machine_fields  # noqa: E402,I001
 
 from benchmarks.processes import stop_session  # noqa: E402 - after the path insert
 
@@ -191,7 +191,7 @@ def main() -> int:
     parser.add_argument("--target", default="~/.cache/dspark_ray/models/SmolLM2-135M-Instruct")
     parser.add_argument("--drafter", default=None)
     parser.add_argument("--scheduler", default="none")
-    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--dtype", default="auto")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--requests", type=int, default=8)
     parser.add_argument("--max-tokens", type=int, default=96)
@@ -222,7 +222,7 @@ def main() -> int:
                   flush=True)
     rows = summarize(runs)
     meta = {"date": time.strftime("%Y-%m-%d"), "seconds": round(time.time() - started),
-            "machine": f"{platform.machine()}, {os.cpu_count()} CPU cores, no GPU",
+            "machine": describe_machine(), "hardware": machine_fields(),
             "command": "python benchmarks/http_tax.py " + " ".join(sys.argv[1:]),
             "settings": {k: getattr(args, k) for k in ("drafter", "scheduler", "dtype", "threads",
                                                        "requests", "max_tokens", "temperature",

@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import shutil
 import statistics
 import subprocess
@@ -29,6 +28,9 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from benchmarks.machine import describe as describe_machine, machine as machine_fields  # noqa: E402,I001
+
 MODES = ("offline", "online", "hybrid")
 
 
@@ -137,7 +139,7 @@ def main() -> int:
             print(json.dumps(arms[-1]), flush=True)
     rows = summarize(arms)
     meta = {"date": time.strftime("%Y-%m-%d"), "seconds": time.time() - started,
-            "machine": f"{platform.machine()}, {os.cpu_count()} CPU cores, no GPU",
+            "machine": describe_machine(), "hardware": machine_fields(),
             "command": "python benchmarks/online_vs_offline.py " + " ".join(sys.argv[1:]),
             "sets": sets, "rounds": args.rounds}
     write(rows, arms, meta, Path(args.out))

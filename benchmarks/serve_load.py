@@ -23,7 +23,6 @@ import asyncio
 import json
 import logging
 import os
-import platform
 import random
 import socket
 import statistics
@@ -33,6 +32,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from benchmarks.machine import describe as describe_machine, machine as machine_fields  # noqa: E402,I001
 
 POLICIES = {
     "none": {"scheduler": "none"},
@@ -448,7 +448,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--target", default="~/.cache/dspark_ray/models/SmolLM2-135M-Instruct")
     parser.add_argument("--drafter", default="runs/drafter_quality/dspark/calibrate/drafter")
-    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--dtype", default="auto")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--concurrency", type=lambda s: [int(x) for x in s.split(",")],
                         default=[1, 2, 4, 8, 16, 32, 64])
@@ -505,7 +505,7 @@ def main() -> int:
             "duration_s": args.duration_s,
             "min_requests": args.min_requests, "concurrency": args.concurrency,
             "repeats": args.repeats,
-            "machine": f"{platform.machine()}, {os.cpu_count()} CPU cores, no GPU",
+            "machine": describe_machine(), "hardware": machine_fields(),
             "wall_minutes": (time.time() - started) / 60,
             "command": "python benchmarks/serve_load.py " + " ".join(sys.argv[1:])}
     meta["slas"] = args.slas if args.slas is not None else default_slas(points)

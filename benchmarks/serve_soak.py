@@ -17,7 +17,6 @@ import argparse
 import asyncio
 import json
 import os
-import platform
 import random
 import socket
 import subprocess
@@ -30,6 +29,7 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from benchmarks.machine import describe as describe_machine, machine as machine_fields  # noqa: E402,I001
 from benchmarks.processes import stop_session  # noqa: E402
 from benchmarks.serve_load import sse_data  # noqa: E402
 
@@ -276,7 +276,7 @@ def main() -> int:
                  "concurrency": args.concurrency, "duration_s": args.duration_s,
                  "max_tokens": args.max_tokens, "max_num_requests": args.max_num_requests,
                  "max_waiting": args.max_waiting,
-                 "machine": f"{platform.machine()}, {os.cpu_count()} CPU cores, no GPU",
+                 "machine": describe_machine(), "hardware": machine_fields(),
                  "date": time.strftime("%Y-%m-%d"),
                  "wall_s": round(time.time() - started),
                  "command": "python benchmarks/serve_soak.py " + " ".join(sys.argv[1:])},

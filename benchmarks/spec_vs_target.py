@@ -39,6 +39,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from benchmarks.machine import describe as describe_machine, machine as machine_fields  # noqa: E402,I001
 
 from pipeline import storage  # noqa: E402
 from pipeline.config import ConfigError, load_config  # noqa: E402
@@ -70,7 +71,6 @@ class Arms:
         from drafters.loading import load_drafter
         from serve.engine.builder import build_engine, load_models
         from serve.engine.config import EngineConfig
-        from serve.engine.target_loading import DTYPES
 
         self.dtype = dtype
         self.models = {}
@@ -98,7 +98,7 @@ class Arms:
             engines = {name: build_engine(m, cfg, profile_dir=where)
                        for name, cfg in configs.items()}
             if eagle3_dir:
-                eagle3 = load_drafter(eagle3_dir, m.model, target, dtype=DTYPES[d])
+                eagle3 = load_drafter(eagle3_dir, m.model, target, dtype=m.model.dtype)
                 if list(eagle3.config.target_layer_ids) != m.runner.layer_ids:
                     raise ValueError(f"{eagle3_dir} reads target layers "
                                      f"{eagle3.config.target_layer_ids}, the DSpark drafter "
@@ -227,7 +227,8 @@ def render(rows: list[dict], meta: dict) -> str:
         "# Speculative decoding vs plain `generate` (measured)", "",
         f"Target `{meta['target']}`, arms in {meta['dtype']} (plain generate in fp32 and bf16), "
         f"batch 1, max_new_tokens {meta['max_new_tokens']}, {meta['threads']} threads, "
-        f"{meta['date']}, {meta['seconds']:.0f} s. speed-up = tokens/s / tokens/s of the faster "
+        f"{meta['date']}, {meta['seconds']:.0f} s, {meta.get('machine', 'machine not recorded')}. "
+        f"speed-up = tokens/s / tokens/s of the faster "
         "plain `generate` on the same prompts. tau = committed tokens per round that verified drafts "
         "(bonus included); accept_rate@k = share of rounds verifying >= k drafts that accepted the "
         "first k; draft / verify ms = per engine step (all steps); drafter / lookup steps = share "
@@ -271,7 +272,8 @@ def main() -> int:
     parser.add_argument("--datasets", default="gsm8k=20,mt-bench=10,humaneval=10")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--temperatures", default="0,1")
-    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    parser.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"],
+                        help="the speculative arms' dtype (auto: bf16 where native, else fp32)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--max-batch-tokens", type=int, default=64)
     parser.add_argument("--no-identity", action="store_true",
@@ -284,6 +286,9 @@ def main() -> int:
                         "(default: all; hf_generate_bf16 or _fp32 is needed as the baseline)")
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "spec_vs_target"))
     args = parser.parse_args()
+    from drafters.precision import resolve_dtype_name
+
+    args.dtype = resolve_dtype_name(args.dtype)
     try:
         cfg = load_config(args.config, args.set)
         datasets = parse_datasets(args.datasets)
@@ -365,7 +370,8 @@ def main() -> int:
             "target": ctx.target, "dtype": args.dtype, "max_new_tokens": args.max_new_tokens,
             "threads": args.threads, "drafter": drafter, "eagle3": args.eagle3,
             "datasets": datasets, "date": time.strftime("%Y-%m-%d"),
-            "seconds": time.time() - start, "platform": platform.platform()}
+            "seconds": time.time() - start, "platform": platform.platform(),
+            "machine": describe_machine(), "hardware": machine_fields()}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
 

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import sys
 import time
 from pathlib import Path
@@ -36,20 +35,9 @@ from serve.engine.requests import EngineRequest, SamplingParams  # noqa: E402
 from serve.engine.target_runner import TargetRunner  # noqa: E402
 from tests.families import FAMILIES, family_target  # noqa: E402
 from tests.tiny import tiny_drafter  # noqa: E402
+from benchmarks.machine import describe as describe_machine, machine as machine_fields  # noqa: E402,I001
 
 LENGTHS = (12, 20, 30, 9, 40)
-
-
-def cpu_class() -> str:
-    """The CPU's bf16 class (what the project's numbers depend on)."""
-    flags = ""
-    try:
-        flags = next(l for l in Path("/proc/cpuinfo").read_text().splitlines()
-                     if l.startswith("flags"))
-    except (OSError, StopIteration):
-        pass
-    found = [f for f in ("amx_bf16", "avx512_bf16", "avx512f", "avx2") if f" {f}" in flags]
-    return ", ".join(found) or platform.machine()
 
 
 def first_difference(a: list[int], b: list[int]) -> int | None:
@@ -127,13 +115,14 @@ def main(argv=None) -> int:
     transformers.logging.set_verbosity_error()
     start = time.perf_counter()
     rows = [measure(name, args.new_tokens) for name in FAMILIES]
-    meta = {"date": time.strftime("%Y-%m-%d"), "cpu": cpu_class(), "torch": torch.__version__,
+    meta = {"date": time.strftime("%Y-%m-%d"), "machine": describe_machine(),
+            "hardware": machine_fields(), "torch": torch.__version__,
             "transformers": transformers.__version__, "new_tokens": args.new_tokens,
             "prompt_lengths": list(LENGTHS), "seconds": round(time.perf_counter() - start, 1)}
     lines = [f"# Engine greedy vs the target's own greedy, per family ({meta['date']})", "",
              f"`benchmarks/target_families.py --new-tokens {args.new_tokens}`: tiny random "
              f"targets (tests/families.py, sliding window 8), fp32, untrained DSpark drafter, "
-             f"fixed scheduler, prompts of {list(LENGTHS)} tokens; CPU flags: {meta['cpu']}; "
+             f"fixed scheduler, prompts of {list(LENGTHS)} tokens; machine: {meta['machine']}; "
              f"torch {meta['torch']}, transformers {meta['transformers']}.", "",
              "| family | model type | kernel path: equal | PyTorch path: equal | first differing "
              "new token (kernel) | sliding keys moved |", "|---|---|---|---|---|---|"]

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+from .precision import DTYPES, resolve_dtype  # noqa: F401 - DTYPES: re-exported
 
 
 def load_target_config(name_or_path: str):
@@ -31,22 +31,24 @@ def load_target_config(name_or_path: str):
         raise FileNotFoundError(f"unknown target model {name_or_path!r}: {err}") from err
 
 
-def load_target(name_or_path: str, dtype: str = "float32"):
+def load_target(name_or_path: str, dtype: str = "float32", device: str | None = None):
     """Load the frozen target model (eval mode, no grad) with ``from_pretrained``.
 
     Args:
         name_or_path: HF hub name or local directory.
-        dtype: ``float32``, ``bfloat16`` or ``float16``.
+        dtype: ``auto`` (bf16 where this process's device multiplies it natively, else fp32:
+            :func:`drafters.precision.resolve_dtype`), ``float32``, ``bfloat16`` or ``float16``.
+        device: where the model will run, for ``auto`` (default: CUDA when visible, else CPU);
+            the model is loaded on the CPU either way.
     Raises:
         FileNotFoundError: nothing loadable at ``name_or_path`` (message names it).
         ValueError: unknown dtype.
     """
     from transformers import AutoModelForCausalLM
 
-    if dtype not in DTYPES:
-        raise ValueError(f"unknown dtype {dtype!r}; choose one of {sorted(DTYPES)}")
+    torch_dtype = resolve_dtype(dtype, device)
     try:
-        model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=DTYPES[dtype])
+        model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=torch_dtype)
     except (OSError, ValueError) as err:
         raise FileNotFoundError(f"cannot load target model {name_or_path!r}: {err}") from err
     model.eval()

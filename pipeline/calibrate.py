@@ -18,6 +18,8 @@ import random
 import shutil
 from pathlib import Path
 
+from drafters.precision import dtype_name
+
 logger = logging.getLogger(__name__)
 
 
@@ -48,7 +50,7 @@ def collect_rounds(*, target: str, dtype: str, drafter_dir: str, template_kwargs
     tokenizer, drafter = models.tokenizer, models.drafter
     gamma = drafter.config.block_size
     out = {"gamma": gamma, "has_confidence": drafter.config.confidence_head, "rounds": [],
-           "dtype": dtype, "device": device_name(models.runner.device)}
+           "dtype": dtype_name(models.runner.dtype), "device": device_name(models.runner.device)}
     if not drafter.config.confidence_head:
         return out
     decoder = SpeculativeDecoder(models.runner, drafter, models.eos)

@@ -18,7 +18,9 @@ from drafters.config import DrafterConfig
 from drafters.losses import OBJECTIVES
 from serve.engine.config import EngineConfig
 
-Dtype = Literal["float32", "bfloat16", "float16"]
+# "auto": bf16 where the computing process's device multiplies it natively (CUDA, AVX-512-BF16 or
+# AMX CPUs), fp32 otherwise (drafters/precision.py); an explicit dtype always wins
+Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 
 
 class ConfigError(ValueError):
@@ -45,7 +47,7 @@ class TargetConfig(Strict):
     name_or_path: str = Field(description="`from_pretrained` name or directory of the target.")
     convert_from_gguf: GGUFSource | None = Field(
         None, description="Materialise name_or_path once from a packaged GGUF if it is missing.")
-    dtype: Dtype = "bfloat16"
+    dtype: Dtype = "auto"
     layer_ids: list[int] | None = Field(None, description="Target layers of the context features; "
                                         "None = evenly spaced from 1 to L-3 (SPEC 1.4).")
     num_context_layers: int = Field(5, ge=1, le=16)
@@ -214,8 +216,10 @@ class TrainConfig(Strict):
     grad_clip: float = Field(1.0, gt=0)
     num_anchors: int = Field(512, ge=1)
     zero_stage: Literal[0, 1, 2] = 1
-    precision: Literal["fp32", "bf16"] = Field(
-        "fp32", description="bf16 = autocast forward with fp32 master weights and optimizer state.")
+    precision: Literal["auto", "fp32", "bf16"] = Field(
+        "auto", description="bf16 = autocast forward with fp32 master weights and optimizer "
+        "state; auto = bf16 where the training worker's device multiplies bf16 natively, else "
+        "fp32 (drafters/precision.py).")
     loss_weights: tuple[float, float, float] = Field((0.1, 0.9, 1.0),
                                                      description="(ce, tv, conf), Eq. 12.")
     objective: Literal[OBJECTIVES] | None = Field(  # type: ignore[valid-type]
@@ -316,7 +320,7 @@ class CalibrateConfig(Strict):
     num_threads: int | None = Field(None, ge=1)
     cpus: float = Field(1.0, gt=0)
     gpus: float = Field(0.0, ge=0)
-    dtype: Dtype = "bfloat16"
+    dtype: Dtype = "auto"
 
 
 class EvalConfig(Strict):
@@ -332,9 +336,8 @@ class EvalConfig(Strict):
     speed_baseline: bool = Field(True, description="Also decode with plain transformers `generate` "
                                  "(what users already have) to measure the speed-up.")
     baseline_dtype: Dtype | None = Field(None, description="dtype of the plain `generate` "
-                                         "baseline; None = eval.dtype. Use its faster one on your "
-                                         "hardware (bf16 on the project's CPU: "
-                                         "benchmarks/results/spec_vs_target.md).")
+                                         "baseline; None = eval.dtype. auto is the faster one on "
+                                         "the machine (bf16 where native, else fp32).")
     max_new_tokens: int = Field(2048, ge=1)
     fixed_gamma_pass: bool = Field(
         True, description="When the engine's scheduler is not `fixed`, also decode every prompt "
@@ -345,7 +348,7 @@ class EvalConfig(Strict):
     num_threads: int | None = Field(None, ge=1)
     cpus: float = Field(1.0, gt=0)
     gpus: float = Field(0.0, ge=0)
-    dtype: Dtype = "bfloat16"
+    dtype: Dtype = "auto"
 
     @field_validator("datasets")
     @classmethod

@@ -16,6 +16,8 @@ import json
 import random
 from pathlib import Path
 
+from drafters.precision import dtype_name, resolve_dtype_name
+
 # benchmark file stem -> domain (SPEC 5; paper Table 1 groups math, code and chat)
 DOMAINS = {"gsm8k": "math", "math500": "math", "aime24": "math", "aime25": "math",
            "humaneval": "code", "mbpp": "code", "livecodebench": "code", "lbpp": "code",
@@ -197,6 +199,9 @@ def evaluate(*, target: str, dtype: str, drafter_dir: str, template_kwargs: dict
     # inside a Ray task with eval/calibrate gpus > 0 CUDA is visible: decode there
     models = load_models(target, dtype, drafter_dir, storage_options=storage_options)
     tokenizer, model, drafter, eos = models.tokenizer, models.model, models.drafter, models.eos
+    # "auto" resolved on this task's device: the report names the dtypes that ran
+    dtype = dtype_name(models.runner.dtype)
+    baseline_dtype = resolve_dtype_name(baseline_dtype, models.runner.device)
     decoder = SpeculativeDecoder(models.runner, drafter, eos, engine, sps_dir=models.drafter_dir)
     plain = (model if baseline_dtype == dtype
              else load_target(target, baseline_dtype).to(model.device)) if speed_baseline else None

@@ -81,7 +81,11 @@ def engine_kwargs(vllm: VllmGenerateConfig, *, dtype: str, max_model_len: int,
                   seed: int) -> dict:
     """The vLLM engine arguments of ``generate.vllm`` (``engine_kwargs`` passed through last;
     the config refuses one that repeats a derived key)."""
-    kw: dict[str, Any] = {"tensor_parallel_size": vllm.tensor_parallel_size, "dtype": dtype,
+    from drafters.precision import resolve_dtype_name
+
+    # our "auto" by our rule for vLLM's GPU workers (vLLM's own "auto" is the checkpoint's dtype)
+    kw: dict[str, Any] = {"tensor_parallel_size": vllm.tensor_parallel_size,
+                          "dtype": resolve_dtype_name(dtype, "cuda"),
                           "max_model_len": max_model_len, "seed": seed,
                           "gpu_memory_utilization": vllm.gpu_memory_utilization}
     if vllm.max_num_seqs is not None:

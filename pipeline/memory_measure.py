@@ -215,6 +215,8 @@ def measure_config_peak_fake(cfg, target_config, *, micro_batch_size: int | None
     from .memory import bound_drafter_config
 
     dcfg = bound_drafter_config(cfg, target_config)
+    from .train_worker import uses_bf16
+
     check_modelled(dcfg)
     if dcfg.draft_vocab_size:
         raise NotImplementedError("the fake-tensor measurement uses the full vocabulary")
@@ -242,7 +244,7 @@ def measure_config_peak_fake(cfg, target_config, *, micro_batch_size: int | None
         gens = [torch.Generator().manual_seed(i) for i in range(batch)]
         measured = measure_step_peak(model, samples, tc, objective, weights, gens)
     estimate = estimate_step_memory(
-        dcfg, measured.shape, precision=tc.precision, loss_chunk_rows=tc.loss_chunk_rows,
+        dcfg, measured.shape, precision="bf16" if uses_bf16(tc) else "fp32", loss_chunk_rows=tc.loss_chunk_rows,
         world_size=tc.num_workers, zero_stage=tc.zero_stage, tied_embeddings=tied,
         deepspeed=True)
     return measured, estimate

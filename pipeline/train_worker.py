@@ -37,6 +37,14 @@ def lr_lambda(total_steps: int, warmup_ratio: float):
     return fn
 
 
+def uses_bf16(tc: TrainConfig) -> bool:
+    """Whether training computes in bf16: ``train.precision`` resolved for the workers' device
+    (``auto``: bf16 where it is native, :func:`drafters.precision.train_precision`)."""
+    from drafters.precision import train_precision
+
+    return train_precision(tc.precision, "cuda" if tc.use_gpu else "cpu") == "bf16"
+
+
 def deepspeed_config(tc: TrainConfig, world_size: int) -> dict:
     accum = tc.global_batch_size // (tc.micro_batch_size * world_size)
     cfg = {
@@ -54,7 +62,7 @@ def deepspeed_config(tc: TrainConfig, world_size: int) -> dict:
     # optimizer state stay fp32 (SPEC 3: bf16 with fp32 master weights) on CPU and GPU alike. On
     # CUDA, DeepSpeed's engine.forward re-enters autocast(enabled=False) unless its own
     # torch_autocast section asks for bf16, which would silently run the backbone in fp32.
-    if tc.precision == "bf16" and tc.use_gpu:
+    if uses_bf16(tc) and tc.use_gpu:
         cfg["torch_autocast"] = {"enabled": True, "dtype": "bfloat16"}
     return cfg
 
@@ -114,7 +122,7 @@ def target_head(model, tc: TrainConfig) -> TargetHead:
     import torch
 
     module = getattr(model, "module", model)
-    dtype = torch.bfloat16 if tc.precision == "bf16" else module.lm_head_weight.dtype
+    dtype = torch.bfloat16 if uses_bf16(tc) else module.lm_head_weight.dtype
     return TargetHead(module.lm_head_weight, dtype)
 
 
@@ -136,7 +144,7 @@ def batch_losses(model, samples: list[dict], tc: TrainConfig, objective: str, we
     module = getattr(model, "module", model)  # DeepSpeed engine or the bare drafter
     pb = module.pack_blocks(samples, tc.num_anchors, generators).to(device)
     valid = pb.label_valid
-    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=tc.precision == "bf16"):
+    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=uses_bf16(tc)):
         hidden = model(pb)
         feat, conf = module.head_features(hidden, pb.prev_tokens)
         hidden_rows = hidden[valid]

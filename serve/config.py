@@ -61,8 +61,10 @@ class ServeConfig(BaseModel):
     allow_target_name_mismatch: bool = Field(
         False, description="Serve a drafter whose recorded target has another name (a renamed "
         "copy of the same model); shapes are always checked.")
-    dtype: Literal["float32", "bfloat16", "float16"] = Field(
-        "bfloat16", description="Target and drafter dtype (bf16 is the fast CPU path, STACK.md).")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="Target and drafter dtype; auto = bf16 where the replica's device "
+        "multiplies it natively (CUDA, AVX-512-BF16 / AMX CPUs), fp32 otherwise "
+        "(drafters/precision.py).")
     served_model_name: str | None = Field(None, description="The `model` clients send; default: "
                                           "the target's name (a path's last component).")
     chat_template_kwargs: dict[str, Any] = Field(

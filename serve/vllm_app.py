@@ -15,6 +15,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from drafters.precision import resolve_dtype_name
+
 from .config import ServeConfig, _is_path
 from .engine.paths import resolve
 
@@ -84,7 +86,10 @@ def llm_config(cfg: ServeConfig):
                          "send them per request (vLLM's chat_template_kwargs field)")
     v = cfg.vllm
     target = resolve(cfg.target) if _is_path(cfg.target) else cfg.target
-    engine_kwargs = {"dtype": cfg.dtype, "max_num_seqs": cfg.engine.max_num_requests,
+    # our "auto" by our rule for the replicas' device (vLLM's own "auto" is the checkpoint's dtype,
+    # bf16 for most, which an AVX2-only CPU emulates)
+    dtype = resolve_dtype_name(cfg.dtype, "cuda")  # vLLM replicas run on GPUs (num_gpus_per_replica >= 1)
+    engine_kwargs = {"dtype": dtype, "max_num_seqs": cfg.engine.max_num_requests,
                      "tensor_parallel_size": v.num_gpus_per_replica,
                      "gpu_memory_utilization": v.gpu_memory_utilization}
     if cfg.engine.max_model_len:

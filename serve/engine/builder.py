@@ -39,7 +39,8 @@ def load_models(target: str, dtype: str, drafter_dir: str | None = None, *,
 
     Args:
         target: model name or local directory.
-        dtype: "float32", "bfloat16" or "float16" (target and drafter).
+        dtype: "auto" (bf16 where native, else fp32: ``drafters/precision.py``), "float32",
+            "bfloat16" or "float16" (target and drafter).
         drafter_dir: drafter checkpoint directory (local, or a URL such as ``s3://...`` that is
             downloaded to this node first: ``serve.engine.paths.local_copy``), or None.
         allow_name_mismatch: accept a drafter whose recorded target has another name.
@@ -53,15 +54,15 @@ def load_models(target: str, dtype: str, drafter_dir: str | None = None, *,
 
     from drafters.loading import load_drafter
 
-    from .target_loading import DTYPES, eos_token_ids, load_target, load_tokenizer
+    from .target_loading import eos_token_ids, load_target, load_tokenizer
 
     tokenizer = load_tokenizer(target)
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    model = load_target(target, dtype).to(device)
+    model = load_target(target, dtype, device).to(device)
     drafter = None
     if drafter_dir:
         drafter_dir = local_copy(drafter_dir, storage_options)
-        drafter = load_drafter(drafter_dir, model, target, dtype=DTYPES[dtype],
+        drafter = load_drafter(drafter_dir, model, target, dtype=model.dtype,
                                allow_name_mismatch=allow_name_mismatch)
     layers = list(drafter.config.target_layer_ids) if drafter is not None else []
     return LoadedModels(tokenizer, model, drafter, TargetRunner(model, layers),

@@ -52,11 +52,19 @@ def device_name(device: torch.device) -> str:
 
 
 def hardware_fingerprint(runner: TargetRunner) -> dict:
-    """What SPS depends on: device, threads, software versions, model, dtype and how decode rows
-    attend (the decode attention kernel or PyTorch: ``EngineConfig.attention``)."""
+    """What SPS depends on: device, its instruction set (a CPU's capability as torch reports it,
+    "AVX2" / "AVX512"..., and whether it multiplies bf16 natively: one "AMD EPYC" model name
+    covers AVX2-only and AVX-512-BF16 generations, 4x apart in bf16), threads, software versions,
+    model, dtype and how decode rows attend (the decode attention kernel or PyTorch:
+    ``EngineConfig.attention``). A stored profile whose fingerprint differs in any of these is
+    measured again."""
+    from drafters.precision import capability
+
     device = device_name(runner.device)
+    cap = capability(runner.device)
     cfg = runner.model.config
-    return {"device": device, "device_type": runner.device.type, "cpu_count": os.cpu_count(),
+    return {"device": device, "device_type": runner.device.type,
+            "capability": cap.name, "native_bf16": cap.native_bf16, "cpu_count": os.cpu_count(),
             "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
             "model": getattr(cfg, "_name_or_path", ""), "num_layers": cfg.num_hidden_layers,
             "hidden_size": cfg.hidden_size, "dtype": str(runner.dtype),
@@ -316,7 +324,7 @@ def format_table(table: SPSTable, step: int = 1) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Profile SPS(B) of a target model and print it.")
     parser.add_argument("--target", required=True, help="from_pretrained name or directory")
-    parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     parser.add_argument("--max-batch-tokens", type=int, default=64)
     parser.add_argument("--block-tokens", type=int, default=8,
                         help="tokens verified per request: num_speculative_tokens + 1")

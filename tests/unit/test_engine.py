@@ -219,6 +219,26 @@ def test_sps_profile_is_measured_stored_and_reused(varied_target, tmp_path):
     assert again == table and (tmp_path / "sps_profile.json").read_text() == stored
 
 
+def test_a_profile_from_another_cpu_class_is_measured_again(varied_target, tmp_path):
+    """One CPU model name ("AMD EPYC") covers AVX2-only and AVX-512-BF16 generations: a stored
+    profile whose instruction set differs is never reused, even with every other field equal."""
+    import json
+
+    runner = TargetRunner(varied_target, LAYERS)
+    load_or_profile(runner, tmp_path, 6, block_tokens=4, repeats=1)
+    path = tmp_path / "sps_profile.json"
+    stored = json.loads(path.read_text())
+    assert stored["fingerprint"]["capability"] == torch.backends.cpu.get_cpu_capability()
+    other = "AVX2" if stored["fingerprint"]["capability"] != "AVX2" else "AVX512"
+    stored["fingerprint"]["capability"] = other
+    stored["measured_at"] = "copied from another machine"
+    path.write_text(json.dumps(stored))
+    load_or_profile(runner, tmp_path, 6, block_tokens=4, repeats=1)
+    again = json.loads(path.read_text())
+    assert again["fingerprint"]["capability"] != other
+    assert again["measured_at"] != "copied from another machine"
+
+
 # a drafter costing half a verification step at every batch and depth (seconds)
 HALF_STEP = DraftCostTable((1,), ((0.005, 0.005),), ((0.005, 0.005),), 4)
 

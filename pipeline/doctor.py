@@ -1,0 +1,210 @@
+"""What this machine is and what dspark-ray will use on it (like ``vllm collect-env``).
+
+    .venv/bin/python -m pipeline.doctor            # a report, with a verdict line
+    .venv/bin/python -m pipeline.doctor --json     # the same as JSON
+    .venv/bin/python -m pipeline.doctor --no-ray   # skip starting a local Ray (~10 s)
+
+Reports the device (GPU name, or the CPU model and torch's capability: "AVX2", "AVX512", ...),
+whether bf16 matmuls are native, cores and torch threads, what ``dtype: auto`` and
+``train.precision: auto`` resolve to here (``drafters/precision.py``), the decode attention
+kernel's path (built or not, bf16 fast path or portable), the bf16 and fp32 matmul rates measured
+for about a second each (``[256 x 576] @ [576 x 1536]``, SmolLM2's MLP shape), Ray's resources and
+the installed versions. The verdict names what will be slow here and why. When the project's
+numbers look off on your machine, run this first: most differences are the CPU class
+(``benchmarks/`` results name theirs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import json
+import os
+import platform
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from drafters.precision import capability, resolve_dtype_name, train_precision
+
+# the matmul timed: SmolLM2-135M's MLP up-projection on a 256-token batch
+MATMUL_SHAPE = (256, 576, 1536)
+# bf16 slower than fp32 by more than this: the verdict calls bf16 emulated
+EMULATED_RATIO = 0.8
+PACKAGES = ("torch", "transformers", "ray", "deepspeed", "pyarrow", "pydantic", "wandb",
+            "dspark-ray")
+
+
+def matmul_gflops(dtype: torch.dtype, seconds: float = 1.0, device: str = "cpu") -> float:
+    """GFLOP/s of repeated ``[256 x 576] @ [576 x 1536]`` products in ``dtype`` for about
+    ``seconds`` (after one warm-up), on ``device``."""
+    m, k, n = MATMUL_SHAPE
+    g = torch.Generator().manual_seed(0)
+    a = torch.randn(m, k, generator=g).to(device=device, dtype=dtype)
+    b = torch.randn(k, n, generator=g).to(device=device, dtype=dtype)
+    torch.matmul(a, b)
+    count, start = 0, time.perf_counter()
+    while True:
+        torch.matmul(a, b)
+        count += 1
+        if device != "cpu":
+            torch.cuda.synchronize()
+        elapsed = time.perf_counter() - start
+        if elapsed >= seconds:
+            return 2 * m * k * n * count / elapsed / 1e9
+
+
+def cpu_model() -> str:
+    """The processor's model name (/proc/cpuinfo; else ``platform``)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def kernel_state() -> dict:
+    """The decode attention kernel on this machine: built (its cached build exists), buildable
+    (a C++ compiler is on PATH), and which inner path its build takes."""
+    from serve.engine.decode_attention import build_directory
+
+    directory = build_directory()
+    built = any(directory.glob("*.so")) if directory.is_dir() else False
+    compiler = shutil.which("c++") or shutil.which("g++")
+    bf16_path = capability("cpu").native_bf16
+    return {"built": built, "build_directory": str(directory), "compiler": compiler,
+            "path": ("AVX-512-BF16 dot products for bf16 at head dim 64, portable fp32 otherwise"
+                     if bf16_path else "portable (fp32 and bf16 compiled for this CPU)"),
+            "state": ("built" if built else "built on first use (~30 s)" if compiler
+                      else "cannot be built (no C++ compiler): the engine attends with PyTorch")}
+
+
+def ray_resources() -> dict:
+    """Ray's version and resources: the cluster at ``RAY_ADDRESS`` if set, else a local Ray
+    started and stopped for the question."""
+    import ray
+
+    out = {"version": ray.__version__, "address": os.environ.get("RAY_ADDRESS", "local")}
+    started = not ray.is_initialized()
+    try:
+        if started:
+            ray.init(address=os.environ.get("RAY_ADDRESS"), include_dashboard=False,
+                     log_to_driver=False, configure_logging=False)
+        out["resources"] = {k: v for k, v in ray.cluster_resources().items()
+                            if not k.startswith("node:")}
+    except Exception as err:  # noqa: BLE001 - a doctor reports what fails
+        out["error"] = f"{type(err).__name__}: {err}"
+    finally:
+        if started and ray.is_initialized():
+            ray.shutdown()
+    return out
+
+
+def versions() -> dict:
+    out = {"python": platform.python_version()}
+    for name in PACKAGES:
+        try:
+            out[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            out[name] = None
+    return out
+
+
+def gather(matmul_seconds: float = 1.0, with_ray: bool = True) -> dict:
+    """The doctor's report as a dict (see the module docstring); ``verdict``: lines saying what
+    will be slow here and why (empty: nothing)."""
+    cuda = torch.cuda.is_available()
+    device = "cuda" if cuda else "cpu"
+    cap = capability(device)
+    cpu = capability("cpu")
+    report = {
+        "device": torch.cuda.get_device_name() if cuda else "cpu",
+        "cpu": {"model": cpu_model(), "capability": cpu.name, "native_bf16": cpu.native_bf16,
+                "reason": cpu.reason, "cores": os.cpu_count(),
+                "torch_threads": torch.get_num_threads()},
+        "resolved": {"dtype_auto": resolve_dtype_name("auto", device, cap),
+                     "train_precision_auto": train_precision("auto", device, cap),
+                     "device": device, "reason": cap.reason},
+        "decode_kernel": kernel_state() if not cuda else {"state": "not used on a GPU"},
+        "matmul_gflops": {name: round(matmul_gflops(dt, matmul_seconds, device), 1)
+                          for name, dt in (("float32", torch.float32),
+                                           ("bfloat16", torch.bfloat16))},
+        "versions": versions(),
+    }
+    if with_ray:
+        report["ray"] = ray_resources()
+    report["verdict"] = verdict(report)
+    return report
+
+
+def verdict(report: dict) -> list[str]:
+    """What will be slow on this machine, one line each, from a :func:`gather` report."""
+    lines = []
+    rates = report["matmul_gflops"]
+    if report["device"] == "cpu" and not report["cpu"]["native_bf16"]:
+        lines.append(f"bf16 is emulated on this CPU ({report['cpu']['capability']}, no "
+                     f"avx512_bf16 or amx): dtype auto runs fp32 here; a config that sets "
+                     f"bfloat16 explicitly runs ~{rates['float32'] / max(rates['bfloat16'], 1e-9):.0f}x "
+                     f"slower in its matmuls")
+    elif rates["bfloat16"] < EMULATED_RATIO * rates["float32"]:
+        lines.append(f"bf16 matmuls measured slower than fp32 ({rates['bfloat16']} vs "
+                     f"{rates['float32']} GFLOP/s) although the device reports native bf16: the "
+                     f"machine may be loaded; set dtype: float32 if this persists")
+    if (report["cpu"]["torch_threads"] or 0) < 2:
+        lines.append("torch uses 1 thread: the engine and training will be slow (set "
+                     "OMP_NUM_THREADS or the configs' num_threads)")
+    kernel = report["decode_kernel"]
+    if kernel.get("state", "").startswith("cannot"):
+        lines.append("no C++ compiler: the decode attention kernel cannot be built; the engine "
+                     "attends with PyTorch (slower); install g++")
+    if "error" in report.get("ray", {}):
+        lines.append(f"Ray did not start: {report['ray']['error']}")
+    return lines
+
+
+def render(report: dict) -> str:
+    """The report as readable lines."""
+    cpu, res = report["cpu"], report["resolved"]
+    rates = report["matmul_gflops"]
+    lines = [
+        f"device          {report['device']}",
+        f"cpu             {cpu['model']} ({cpu['capability']}; {cpu['cores']} cores, torch "
+        f"threads {cpu['torch_threads']})",
+        f"bf16            {'native' if cpu['native_bf16'] else 'emulated'}: {cpu['reason']}",
+        f"dtype auto      {res['dtype_auto']} on {res['device']} ({res['reason']})",
+        f"train precision auto -> {res['train_precision_auto']}",
+        f"decode kernel   {report['decode_kernel'].get('state')}"
+        + (f"; {report['decode_kernel']['path']}" if "path" in report["decode_kernel"] else ""),
+        f"matmul          float32 {rates['float32']} GFLOP/s, bfloat16 {rates['bfloat16']} "
+        f"GFLOP/s ({' x '.join(map(str, MATMUL_SHAPE))})",
+    ]
+    if "ray" in report:
+        ray = report["ray"]
+        lines.append(f"ray             {ray['version']} ({ray['address']}): "
+                     + (json.dumps(ray["resources"]) if "resources" in ray else ray.get("error")))
+    lines.append("versions        " + ", ".join(f"{k} {v}" for k, v in report["versions"].items()
+                                                 if v))
+    lines += [f"verdict         {v}" for v in report["verdict"]] or [
+        "verdict         nothing here should be slow"]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--json", action="store_true", help="print the report as JSON")
+    parser.add_argument("--no-ray", action="store_true", help="skip Ray's resources")
+    parser.add_argument("--matmul-seconds", type=float, default=1.0,
+                        help="seconds per dtype for the matmul rates")
+    args = parser.parse_args(argv)
+    report = gather(args.matmul_seconds, with_ray=not args.no_ray)
+    print(json.dumps(report, indent=1) if args.json else render(report))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
