@@ -21,6 +21,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from benchmarks.machine import describe as describe_machine, machine as machine_fields  # noqa: E402,I001
+from drafters.precision import resolve_dtype_name  # noqa: E402
 
 from pipeline import stages, storage  # noqa: E402
 from pipeline.config import ConfigError, load_config  # noqa: E402
@@ -281,7 +282,7 @@ def main() -> int:
     reliability = Path(results[names[0]]["run_dir"]) / "calibrate" / "reliability.png"
     if reliability.exists():
         (out / files["reliability"]).write_bytes(reliability.read_bytes())
-    meta = {"target": cfg.target.name_or_path, "dtype": cfg.eval.dtype,
+    meta = {"target": cfg.target.name_or_path, "dtype": resolve_dtype_name(cfg.eval.dtype),
             "gamma": cfg.drafter.block_size, "temperature": temperature,
             "prompts_per_dataset": max(cfg.eval.datasets.values()),
             "max_new_tokens": cfg.eval.max_new_tokens,

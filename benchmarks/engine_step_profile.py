@@ -26,6 +26,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from benchmarks.machine import describe as describe_machine, machine as machine_fields  # noqa: E402,I001
+from drafters.precision import resolve_dtype_name  # noqa: E402
 # as the CPU serve config sets it (infra/configs/serve_quickstart.yaml): bounded oneDNN kernel cache
 os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "64")
 
@@ -163,7 +164,7 @@ def main() -> int:
                          for label, _, _ in PARTS}}
     meta = {"date": time.strftime("%Y-%m-%d"), "machine": describe_machine(), "hardware": machine_fields(),
             "threads": torch.get_num_threads(), "target": args.target, "drafter": args.drafter,
-            "dtype": args.dtype, "batch": args.batch, "steps": args.steps,
+            "dtype": resolve_dtype_name(args.dtype), "batch": args.batch, "steps": args.steps,
             "repeats": args.repeats, "request_tokens": args.request_tokens,
             "temperature": args.temperature, "seeded": args.seeded}
     out = Path(args.out)

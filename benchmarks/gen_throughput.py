@@ -29,6 +29,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from benchmarks.machine import describe as describe_machine, machine as machine_fields  # noqa: E402,I001
+from drafters.precision import resolve_dtype_name  # noqa: E402
 
 from pipeline import storage  # noqa: E402
 from pipeline.config import load_config  # noqa: E402
@@ -142,7 +143,7 @@ def main() -> int:
         s["vs_best_hf"] = s["tokens_per_s"] / base
     meta = {"date": time.strftime("%Y-%m-%d"), "command": " ".join(sys.argv),
             "config": args.config, "prompts": len(rows), "max_new_tokens": max_new,
-            "sampling": cfg.generate.sampling.model_dump(), "dtype": cfg.target.dtype,
+            "sampling": cfg.generate.sampling.model_dump(), "dtype": resolve_dtype_name(cfg.target.dtype),
             "num_threads": cfg.generate.num_threads, "repeats": args.repeats,
             "machine": describe_machine(), "hardware": machine_fields(),
             "domains": {d: sum(r["domain"] == d for r in rows)

@@ -31,6 +31,7 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from benchmarks.machine import describe as describe_machine, machine as machine_fields  # noqa: E402,I001
+from drafters.precision import resolve_dtype_name  # noqa: E402
 
 from benchmarks.processes import stop_session  # noqa: E402 - after the path insert
 
@@ -38,7 +39,8 @@ ARMS = ("in_process", "serve_proxy", "serve_direct_ingress")
 
 
 def app_args(args) -> dict:
-    return {"target": args.target, "drafter": args.drafter, "dtype": args.dtype,
+    return {"target": args.target, "drafter": args.drafter,
+            "dtype": resolve_dtype_name(args.dtype),
             "served_model_name": "bench", "chat_template_kwargs": {"enable_thinking": False},
             "num_threads": args.threads, "num_cpus": 1, "default_max_tokens": args.max_tokens,
             "engine": {"scheduler": args.scheduler, "max_num_requests": 4, "max_waiting": 16,

@@ -33,6 +33,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from benchmarks.machine import describe as describe_machine, machine as machine_fields  # noqa: E402,I001
+from drafters.precision import resolve_dtype_name  # noqa: E402
 
 POLICIES = {
     "none": {"scheduler": "none"},
@@ -500,7 +501,7 @@ def main() -> int:
     ratios = paired_ratios(runs, args.concurrency)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    meta = {"target": args.target, "drafter": args.drafter, "dtype": args.dtype,
+    meta = {"target": args.target, "drafter": args.drafter, "dtype": resolve_dtype_name(args.dtype),
             "max_tokens": args.max_tokens, "temperature": args.temperature,
             "duration_s": args.duration_s,
             "min_requests": args.min_requests, "concurrency": args.concurrency,

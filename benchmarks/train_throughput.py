@@ -49,7 +49,9 @@ def landed_batch_losses(model, samples, tc, objective, weights, device, generato
 
     cfg = model.config
     pb = pack_blocks(samples, tc.num_anchors, cfg.block_size, generators).to(device)
-    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=tc.precision == "bf16"):
+    from pipeline.train_worker import uses_bf16
+
+    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=uses_bf16(tc)):
         hidden = model(pb)
         logits, conf = model.draft_logits(hidden, pb.prev_tokens)
         valid = pb.label_valid

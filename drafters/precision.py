@@ -58,13 +58,15 @@ def _cpu_check(name: str) -> bool:
         return False
 
 
-def capability(device: str | torch.device | None = None) -> Capability:
+def capability(device: str | torch.device | None = None, probe: bool = True) -> Capability:
     """What ``device`` (default: CUDA when this process sees a GPU, else the CPU) computes
     natively, from torch's own checks (once per process and device type). A CUDA device this
     process cannot see (a driver planning for GPU workers) is assumed to have bf16 (every GPU
     since Ampere)."""
     kind = torch.device(device).type if device is not None else (
         "cuda" if torch.cuda.is_available() else "cpu")
+    if kind == "cuda" and not probe:  # a driver planning for GPU workers: no CUDA context here
+        return UNPROBED_GPU
     return _capability(kind)
 
 
@@ -72,10 +74,11 @@ def capability(device: str | torch.device | None = None) -> Capability:
 def _capability(kind: str) -> Capability:
     if kind == "cuda":
         if not torch.cuda.is_available():
-            return Capability("cuda", "unseen GPU", True, True,
-                              "a CUDA device this process cannot see: bf16 assumed (Ampere+)")
+            return UNPROBED_GPU
         name = torch.cuda.get_device_name()
-        bf16 = torch.cuda.is_bf16_supported()
+        # native only: by default torch also says yes where bf16 is emulated (compute < 8.0,
+        # V100 / T4), where it is slow and vLLM refuses it
+        bf16 = torch.cuda.is_bf16_supported(including_emulation=False)
         return Capability("cuda", name, bf16, True,
                           f"{name}: bf16 {'supported' if bf16 else 'not supported'}")
     if kind != "cpu":
@@ -91,6 +94,9 @@ def _capability(kind: str) -> Capability:
     return Capability("cpu", cap, bf16, amx_fp16, reason)
 
 
+UNPROBED_GPU = Capability("cuda", "unprobed GPU", True, True,
+                          "a GPU this process does not probe (planning for GPU workers): bf16 "
+                          "assumed (Ampere and later)")
 _logged: set[tuple[str, str]] = set()
 
 
@@ -135,8 +141,9 @@ def resolve_dtype_name(name: str, device: str | torch.device | None = None,
 
 
 def train_precision(name: str, device: str | torch.device | None = None,
-                    cap: Capability | None = None) -> str:
-    # (the training worker passes its device; the memory planner "cuda" or "cpu" by use_gpu)
+                    cap: Capability | None = None, probe: bool = True) -> str:
+    # (the training worker passes its device; the memory planner "cuda" or "cpu" by use_gpu,
+    # with probe=False: no CUDA context in the driver)
     """The training precision of ``train.precision`` on this worker: "bf16" (autocast forward,
     fp32 master weights; DeepSpeed's bf16 autocast section on CUDA) or "fp32". ``auto`` is bf16
     where bf16 is native, by the rule of :func:`resolve_dtype`.
@@ -147,6 +154,7 @@ def train_precision(name: str, device: str | torch.device | None = None,
     if name not in ("auto", "bf16", "fp32"):
         raise ValueError(f"unknown training precision {name!r}; choose auto, bf16 or fp32")
     as_dtype = {"auto": AUTO, "bf16": "bfloat16", "fp32": "float32"}[name]
+    cap = cap or capability(device, probe)
     return "bf16" if resolve_dtype(as_dtype, device, cap) == torch.bfloat16 else "fp32"
 
 

@@ -160,15 +160,15 @@ def domain_summary(results: dict, temperature: str) -> dict:
 def evaluate(*, target: str, dtype: str, drafter_dir: str, template_kwargs: dict,
              datasets: dict[str, list[str]], temperatures: list[float], max_new_tokens: int,
              num_threads: int | None, seed: int, progress: bool = True,
-             speed_baseline: bool = True, baseline_dtype: str = "bfloat16",
+             speed_baseline: bool = True, baseline_dtype: str | None = None,
              engine=None, storage_options: dict | None = None,
              fixed_gamma_pass: bool = False) -> dict:
     """Run the evaluation in this process (the pipeline runs it inside a Ray task).
 
     Args:
         datasets: dataset name -> prompts (first user turns).
-        speed_baseline: also decode with plain ``generate`` (in ``baseline_dtype``) to measure the
-            speed-up (doubles the time).
+        speed_baseline: also decode with plain ``generate`` (in ``baseline_dtype``; None: the
+            engine's dtype) to measure the speed-up (doubles the time).
         engine: ``serve.engine.config.EngineConfig`` of the speculative engine (its scheduler); None =
             fixed gamma-token verification.
         fixed_gamma_pass: when the engine's scheduler is not fixed, decode every prompt again
@@ -201,7 +201,8 @@ def evaluate(*, target: str, dtype: str, drafter_dir: str, template_kwargs: dict
     tokenizer, model, drafter, eos = models.tokenizer, models.model, models.drafter, models.eos
     # "auto" resolved on this task's device: the report names the dtypes that ran
     dtype = dtype_name(models.runner.dtype)
-    baseline_dtype = resolve_dtype_name(baseline_dtype, models.runner.device)
+    baseline_dtype = (resolve_dtype_name(baseline_dtype, models.runner.device)
+                      if speed_baseline and baseline_dtype is not None else dtype)
     decoder = SpeculativeDecoder(models.runner, drafter, eos, engine, sps_dir=models.drafter_dir)
     plain = (model if baseline_dtype == dtype
              else load_target(target, baseline_dtype).to(model.device)) if speed_baseline else None

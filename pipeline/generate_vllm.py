@@ -81,11 +81,9 @@ def engine_kwargs(vllm: VllmGenerateConfig, *, dtype: str, max_model_len: int,
                   seed: int) -> dict:
     """The vLLM engine arguments of ``generate.vllm`` (``engine_kwargs`` passed through last;
     the config refuses one that repeats a derived key)."""
-    from drafters.precision import resolve_dtype_name
-
-    # our "auto" by our rule for vLLM's GPU workers (vLLM's own "auto" is the checkpoint's dtype)
-    kw: dict[str, Any] = {"tensor_parallel_size": vllm.tensor_parallel_size,
-                          "dtype": resolve_dtype_name(dtype, "cuda"),
+    # "auto" goes to vLLM as its own "auto", decided on its GPU workers (the checkpoint's dtype;
+    # fp16 where the GPU has no bf16): resolving it here would open a CUDA context in the driver
+    kw: dict[str, Any] = {"tensor_parallel_size": vllm.tensor_parallel_size, "dtype": dtype,
                           "max_model_len": max_model_len, "seed": seed,
                           "gpu_memory_utilization": vllm.gpu_memory_utilization}
     if vllm.max_num_seqs is not None:

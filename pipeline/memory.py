@@ -375,7 +375,7 @@ def estimate_for_config(cfg, target_config) -> MemoryEstimate:
     shape = StepShape.worst_case(tc.micro_batch_size, cfg.cache.max_length, tc.num_anchors,
                                  dcfg.block_size)
     return estimate_step_memory(
-        dcfg, shape, precision="bf16" if uses_bf16(tc) else "fp32", loss_chunk_rows=tc.loss_chunk_rows,
+        dcfg, shape, precision="bf16" if uses_bf16(tc, probe=False) else "fp32", loss_chunk_rows=tc.loss_chunk_rows,
         world_size=tc.num_workers, zero_stage=tc.zero_stage,
         tied_embeddings=bool(getattr(target_config, "tie_word_embeddings", False)),
         frozen_bytes=FP32_BYTES, deepspeed=True)

@@ -37,12 +37,14 @@ def lr_lambda(total_steps: int, warmup_ratio: float):
     return fn
 
 
-def uses_bf16(tc: TrainConfig) -> bool:
+def uses_bf16(tc: TrainConfig, probe: bool = True) -> bool:
     """Whether training computes in bf16: ``train.precision`` resolved for the workers' device
-    (``auto``: bf16 where it is native, :func:`drafters.precision.train_precision`)."""
+    (``auto``: bf16 where it is native, :func:`drafters.precision.train_precision`). ``probe``
+    False: a driver planning for GPU workers, which must not open a CUDA context (bf16 assumed
+    on GPUs)."""
     from drafters.precision import train_precision
 
-    return train_precision(tc.precision, "cuda" if tc.use_gpu else "cpu") == "bf16"
+    return train_precision(tc.precision, "cuda" if tc.use_gpu else "cpu", probe=probe) == "bf16"
 
 
 def deepspeed_config(tc: TrainConfig, world_size: int) -> dict:

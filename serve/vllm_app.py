@@ -15,8 +15,6 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from drafters.precision import resolve_dtype_name
-
 from .config import ServeConfig, _is_path
 from .engine.paths import resolve
 
@@ -86,10 +84,9 @@ def llm_config(cfg: ServeConfig):
                          "send them per request (vLLM's chat_template_kwargs field)")
     v = cfg.vllm
     target = resolve(cfg.target) if _is_path(cfg.target) else cfg.target
-    # our "auto" by our rule for the replicas' device (vLLM's own "auto" is the checkpoint's dtype,
-    # bf16 for most, which an AVX2-only CPU emulates)
-    dtype = resolve_dtype_name(cfg.dtype, "cuda")  # vLLM replicas run on GPUs (num_gpus_per_replica >= 1)
-    engine_kwargs = {"dtype": dtype, "max_num_seqs": cfg.engine.max_num_requests,
+    # "auto" goes to vLLM as its own "auto", decided on the GPU replicas (the checkpoint's dtype;
+    # fp16 where the GPU has no bf16), never in this driver (no CUDA context here)
+    engine_kwargs = {"dtype": cfg.dtype, "max_num_seqs": cfg.engine.max_num_requests,
                      "tensor_parallel_size": v.num_gpus_per_replica,
                      "gpu_memory_utilization": v.gpu_memory_utilization}
     if cfg.engine.max_model_len:

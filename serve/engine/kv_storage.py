@@ -168,6 +168,14 @@ class SlotKVPool:
         if capacity > self._capacity:
             self._grow(dim=2, size=capacity, window=None)
 
+    def reserve_window_positions(self, pass_tokens: int) -> None:
+        """Make each sliding layer's slot hold :func:`window_positions` for passes of
+        ``pass_tokens`` (at most ``capacity``): an engine sharing a live pool with another."""
+        for window in self.offsets:
+            size = min(self._capacity, window_positions(window, pass_tokens))
+            if size > self.group_positions(window):
+                self._grow(dim=2, size=size, window=window)
+
     def reserve_slots(self, slots: int) -> None:
         """Make the pool hold at least ``slots`` slots (new ones are free)."""
         old = self.num_slots
@@ -187,7 +195,8 @@ class SlotKVPool:
             per group (its window, or None), each request's committed length as stored in that
             group's slots (``lengths[j]`` minus the slot's offset).
         """
-        self.reserve(max(l + n for l, n in zip(lengths, counts)))
+        if None in self._groups:  # (a target whose layers all slide holds any length)
+            self.reserve(max(l + n for l, n in zip(lengths, counts)))
         stored: dict[int | None, list[int]] = {}
         if None in self._groups:
             stored[None] = list(lengths)

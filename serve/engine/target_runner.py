@@ -329,6 +329,7 @@ class TargetRunner:
         else:  # live requests hold slots: grow to exactly what this engine needs as well
             if capacity > old.capacity:
                 old.grow_positions(capacity)
+            old.reserve_window_positions(pass_tokens)
             old.reserve_slots(old.num_slots - len(old.free_slots) + slots)
         return self._pool.state()
 

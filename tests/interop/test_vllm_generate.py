@@ -64,7 +64,7 @@ def test_the_gpu_config_builds_a_vllm_processor_with_its_settings(ray_cpu, smoll
     ek = stage.fn_constructor_kwargs["engine_kwargs"]
     assert {k: ek[k] for k in ("tensor_parallel_size", "dtype", "max_model_len", "seed",
                                "max_num_batched_tokens", "gpu_memory_utilization")} == {
-        "tensor_parallel_size": 1, "dtype": "bfloat16", "max_model_len": 2048 + 4096, "seed": 0,
+        "tensor_parallel_size": 1, "dtype": "auto", "max_model_len": 2048 + 4096, "seed": 0,
         "max_num_batched_tokens": 8192, "gpu_memory_utilization": 0.9}
     assert ek["distributed_executor_backend"] == "uni" and ek["task_type"] == "generate"
     mb = stage.map_batches_kwargs

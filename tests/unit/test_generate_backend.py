@@ -77,7 +77,7 @@ def test_engine_and_processor_settings():
     assert length == 2048 + 4096
     assert gv.engine_max_model_len(2048, 4096, 1024) == 1024  # never past the positions
     engine = gv.engine_kwargs(v, dtype=cfg.target.dtype, max_model_len=length, seed=cfg.seed)
-    assert engine == {"tensor_parallel_size": 1, "dtype": "bfloat16", "max_model_len": 6144,
+    assert engine == {"tensor_parallel_size": 1, "dtype": "auto", "max_model_len": 6144,
                       "seed": 0, "gpu_memory_utilization": v.gpu_memory_utilization,
                       "max_num_seqs": 128, "max_num_batched_tokens": v.max_num_batched_tokens,
                       "enable_prefix_caching": False}

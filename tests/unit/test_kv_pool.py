@@ -392,3 +392,19 @@ def test_a_pass_longer_than_a_sliding_slot_grows_the_group_only():
     stored = pool.prepare([slot], [0], [20])
     assert stored == {None: [0], 4: [0]}
     assert pool.group_positions(4) >= 20 and pool.capacity == 64 and pool.reallocations == 1
+
+
+def test_a_pool_whose_layers_all_slide_holds_any_length_without_growing():
+    """Mistral-style: every layer slides, so no full-length slot exists to grow."""
+    from serve.engine.kv_storage import SlotKVPool
+
+    pool = SlotKVPool(2, 1, 1, torch.float32, torch.device("cpu"), slots=1, capacity=16,
+                      windows={0: 4, 1: 4}, pass_tokens=4)
+    slot = pool.allocate()
+    length = 0
+    for _ in range(40):
+        pool.prepare([slot], [length], [3])
+        length += 3
+    assert pool.reallocations == 0 and pool.nbytes == 2 * 2 * 4 * (2 * 4 - 1 + 4)
+    pool.reserve_window_positions(8)  # a second engine with longer passes: grown up front
+    assert pool.group_positions(4) == min(16, 2 * 4 - 1 + 8)

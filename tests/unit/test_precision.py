@@ -163,3 +163,42 @@ def test_load_target_resolves_auto_on_this_machine(smollm2_dir):
 
     model = load_target(str(smollm2_dir), "auto", "cpu")
     assert model.dtype == resolve_dtype("auto", "cpu")
+
+
+def test_a_driver_planning_for_gpu_workers_never_probes_the_device(monkeypatch):
+    """The memory planner resolves precision for GPU workers without a CUDA context in the
+    driver (it would hold GPU memory vLLM or the trainers need): bf16 assumed."""
+    from pipeline.config import TrainConfig
+    from pipeline.train_worker import uses_bf16
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the driver probed the GPU")
+
+    monkeypatch.setattr(torch.cuda, "get_device_name", refuse)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", refuse)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert capability("cuda", probe=False).native_bf16
+    tc = TrainConfig(use_gpu=True, global_batch_size=8, micro_batch_size=4, num_workers=1)
+    assert uses_bf16(tc, probe=False)
+
+
+def test_a_gpu_with_only_emulated_bf16_resolves_to_fp32(monkeypatch):
+    """torch's is_bf16_supported() also says yes where bf16 is emulated (compute < 8.0): auto
+    asks for native support only."""
+    from drafters import precision
+
+    asked = {}
+
+    def supported(including_emulation=True):
+        asked["including_emulation"] = including_emulation
+        return including_emulation  # a V100: emulated yes, native no
+
+    precision._capability.cache_clear()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "Tesla V100")
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", supported)
+    try:
+        assert resolve_dtype("auto", "cuda") == torch.float32
+        assert asked == {"including_emulation": False}
+    finally:
+        precision._capability.cache_clear()
