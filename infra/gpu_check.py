@@ -161,10 +161,17 @@ def check_training_step(target: str, device: str, ids_list) -> dict:
             "parameters_moved": moved, "of": len(before)}
 
 
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--prompts", type=int, default=8)
-    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--prompts", type=_positive, default=8)
+    parser.add_argument("--max-new-tokens", type=_positive, default=64)
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
                         help="cpu: the same steps on the CPU (to keep this script tested)")
     parser.add_argument("--out", default=None, help="also write the result as JSON here")

@@ -24,7 +24,6 @@ import platform
 import shutil
 import sys
 import time
-from pathlib import Path
 
 import torch
 
@@ -58,14 +57,10 @@ def matmul_gflops(dtype: torch.dtype, seconds: float = 1.0, device: str = "cpu")
 
 
 def cpu_model() -> str:
-    """The processor's model name (/proc/cpuinfo; else ``platform``)."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
+    """The processor's model name (the one the engine's profiles record)."""
+    from serve.engine.profiling import device_name
+
+    return device_name(torch.device("cpu"))
 
 
 def kernel_state() -> dict:
@@ -194,11 +189,18 @@ def render(report: dict) -> str:
     return "\n".join(lines)
 
 
+def _seconds(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    return value
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
     parser.add_argument("--no-ray", action="store_true", help="skip Ray's resources")
-    parser.add_argument("--matmul-seconds", type=float, default=1.0,
+    parser.add_argument("--matmul-seconds", type=_seconds, default=1.0,
                         help="seconds per dtype for the matmul rates")
     args = parser.parse_args(argv)
     report = gather(args.matmul_seconds, with_ray=not args.no_ray)
