@@ -59,6 +59,12 @@ class DrafterConfig(BaseModel):
     draft_vocab_size: int = Field(0, ge=0, description="N most frequent supervised target tokens "
                                   "(the cache manifest's ranking) the drafter predicts in; "
                                   "0 = the full target vocabulary.")
+    sliding_window: int | Literal["target"] | None = Field(
+        "target", description="The attention window of the drafter's layers, in tokens (a block "
+        "query at position q sees keys at positions > q - window): 'target' = as the target's "
+        "layers the drafter mirrors (its last num_layers decoder layers: a sliding layer gives "
+        "its window, any other full attention), an integer = every layer slides with it, null "
+        "= full attention. DSpark/DFlash only (an Eagle3 drafter attends its whole context).")
 
     @field_validator("drafter_type")
     @classmethod
@@ -84,6 +90,13 @@ class DrafterConfig(BaseModel):
         if self.confidence_head and self.head_type == "none":
             raise ValueError("the confidence head (Eq. 7) reads the sequential head's embedding "
                              "W1[x_{k-1}]: it needs head_type 'markov' or 'rnn'")
+        if isinstance(self.sliding_window, int) and not spec.windowed_attention:
+            raise ValueError(f"sliding_window: a {spec.title} drafter attends its whole context; "
+                             "set null or 'target' (which leaves it at full attention)")
+        if isinstance(self.sliding_window, int) and self.sliding_window < self.num_block_inputs:
+            raise ValueError(f"sliding_window {self.sliding_window} is shorter than one block "
+                             f"pass ({self.num_block_inputs} inputs): a block query would not "
+                             "see its own block")
         if self.init == "target_layers" and not spec.target_layer_init:
             raise ValueError(f"init 'target_layers' copies the target's decoder layers, which a "
                              f"{spec.title} drafter's layers are not: use init 'random'")
@@ -124,12 +137,59 @@ class DrafterConfig(BaseModel):
                 target's, layer ids not ascending).
         """
         target = TargetShape.of(target_config, target_name, layer_ids)
+        windows = self.layer_windows_for(target_config)
         qk_norm = (self.qk_norm if self.qk_norm is not None
                    else getattr(target_config, "model_type", "") in QK_NORM_TARGETS)
         loss_decay = self.loss_decay if self.loss_decay is not None else float(self.block_size)
         fields = self.model_dump(include=set(DrafterConfig.model_fields))
         return BoundDrafterConfig(**{**fields, "qk_norm": qk_norm, "loss_decay": loss_decay},
-                                  target=target)
+                                  target=target, layer_windows=windows)
+
+    def layer_windows_for(self, target_config) -> list[int | None] | None:
+        """Each drafter layer's attention window (None = full) under ``sliding_window``, or None
+        when every layer attends fully. 'target' mirrors the target's last
+        ``num_hidden_layers`` layers (:func:`target_layer_windows`); a type without
+        ``windowed_attention`` (Eagle3) always attends fully.
+
+        Raises:
+            ValueError: a mirrored target window shorter than one block pass."""
+        n = self.num_hidden_layers
+        if self.sliding_window is None or not self.spec.windowed_attention:
+            return None
+        if isinstance(self.sliding_window, int):
+            return [self.sliding_window] * n
+        mirrored = target_layer_windows(target_config)[-n:]
+        mirrored = [None] * (n - len(mirrored)) + mirrored  # a drafter deeper than its target
+        if all(w is None for w in mirrored):
+            return None
+        short = [w for w in mirrored if w is not None and w < self.num_block_inputs]
+        if short:
+            raise ValueError(f"sliding_window 'target': the target's window {short[0]} is "
+                             f"shorter than one block pass ({self.num_block_inputs} inputs); set "
+                             "the drafter's sliding_window explicitly (or null)")
+        return mirrored
+
+
+def target_layer_windows(target_config) -> list[int | None]:
+    """Per decoder layer of a target, the sliding window its attention uses (None = full
+    attention, or a layer that is not attention), read from the Hugging Face config as
+    transformers states it: ``layer_types`` with ``sliding_window`` (Gemma 2/3, gpt-oss, Qwen2
+    and Qwen3 with ``use_sliding_window``), else a model-wide ``sliding_window`` that
+    ``use_sliding_window`` does not switch off (Mistral).
+
+    Args:
+        target_config: a transformers ``PretrainedConfig`` (or an object with its attributes).
+    Returns:
+        one entry per ``num_hidden_layers``.
+    """
+    n = int(target_config.num_hidden_layers)
+    window = getattr(target_config, "sliding_window", None)
+    types = getattr(target_config, "layer_types", None)
+    if types:
+        return [window if t == "sliding_attention" and window else None for t in types]
+    if window and getattr(target_config, "use_sliding_window", True) is not False:
+        return [int(window)] * n
+    return [None] * n
 
 
 class TargetShape(BaseModel):
@@ -189,7 +249,7 @@ _TARGET_KEYS = {"target_name_or_path": "name_or_path", "target_vocab_size": "voc
                 "rope_theta": "rope_theta", "max_position_embeddings": "max_position_embeddings"}
 # config.json fields of DrafterConfig (the layer count goes as num_hidden_layers)
 _DRAFTER_KEYS = ("drafter_type", "block_size", "head_type", "markov_rank", "confidence_head",
-                 "qk_norm", "loss_decay", "draft_vocab_size")
+                 "qk_norm", "loss_decay", "draft_vocab_size", "sliding_window", "layer_windows")
 # bookkeeping keys transformers' PretrainedConfig wrote beside ours (ignored on reading)
 _HF_KEYS = ("transformers_version", "architectures", "dtype", "torch_dtype", "_name_or_path")
 
@@ -213,12 +273,20 @@ class BoundDrafterConfig(DrafterConfig):
         "calibrate stage; None = uncalibrated (all 1.0).")
     draft_vocab_sha256: str | None = Field(None, description="Fingerprint of the draft-to-target "
                                            "map stored with the weights (d2t).")
+    layer_windows: list[int | None] | None = Field(
+        None, description="Each drafter layer's attention window in tokens (None = full), as "
+        "``sliding_window`` resolved against the target; None = full attention everywhere.")
 
     @model_validator(mode="after")
     def _bound(self):
         if not 0 <= self.draft_vocab_size <= self.target.vocab_size:
             raise ValueError(f"draft_vocab_size must be in [0, {self.target.vocab_size}] (0 = the "
                              f"full vocabulary), got {self.draft_vocab_size}")
+        windows = self.layer_windows
+        if windows is not None and (len(windows) != self.num_hidden_layers or any(
+                w is not None and w < self.num_block_inputs for w in windows)):
+            raise ValueError(f"layer_windows needs {self.num_hidden_layers} entries, each null or "
+                             f">= {self.num_block_inputs} (one block pass), got {windows}")
         temps = self.calibration_temperatures
         if temps is not None and (len(temps) != self.block_size or min(temps) <= 0):
             raise ValueError(f"calibration_temperatures needs {self.block_size} positive values, "
@@ -273,6 +341,7 @@ class BoundDrafterConfig(DrafterConfig):
         if layers is not None and kind in drafter_types():
             data[get_spec(kind).layers_field] = layers
         data.setdefault("qk_norm", False)  # written since qk_norm exists; before, no q/k norms
+        data.setdefault("sliding_window", None)  # written since windows exist; before, full
         if data.get("loss_decay") is None and isinstance(data.get("block_size"), int):
             data["loss_decay"] = float(data["block_size"])
         return cls(**data, target=target)

@@ -81,7 +81,8 @@ class DSparkDrafter(DrafterBase):
         self.context_proj = nn.Linear(m_h, h, bias=False)  # W_c of Eq. 2
         self.context_norm = RMSNorm(h, config.rms_norm_eps)
         self.mask_embedding = nn.Parameter(torch.randn(h) * float(embed_weight.float().std()))
-        self.layers = nn.ModuleList(DrafterLayer(config) for _ in range(config.num_hidden_layers))
+        windows = config.layer_windows or [None] * config.num_hidden_layers
+        self.layers = nn.ModuleList(DrafterLayer(config, w) for w in windows)
         self.norm = RMSNorm(h, config.rms_norm_eps)
         self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta)
         if config.head_type == "markov":
@@ -274,6 +275,30 @@ class DSparkDrafter(DrafterBase):
         for cache, (keys, values) in zip([c for c, n in zip(states, lengths) if n], grown):
             cache.keys, cache.values = keys, values  # only now: all or nothing
 
+    def _window_masks(self, ctx_pos: torch.Tensor, q_pos: torch.Tensor) -> dict:
+        """Attention masks of one block pass, one per distinct layer window.
+
+        Args:
+            ctx_pos: int64 [B, C], the position each context key holds (< 0 = padding).
+            q_pos: int64 [B, S], the block queries' positions (the block's keys share them).
+        Returns:
+            window (None = full) -> bool [B, 1, S, C + S] (True = may attend) or None where
+            every key is visible: padding is hidden, and under a window w a query at q sees
+            context positions > q - w (the block itself lies within any w >= S).
+        """
+        b, s = q_pos.shape
+        masks = {}
+        for window in {layer.window for layer in self.layers}:
+            visible = (ctx_pos >= 0)[:, None, :].expand(b, s, -1)
+            if window is not None:
+                visible = visible & (ctx_pos[:, None, :] > q_pos[:, :, None] - window)
+            if bool(visible.all()):
+                masks[window] = None
+                continue
+            block = torch.ones(b, s, s, dtype=torch.bool, device=q_pos.device)
+            masks[window] = torch.cat((visible, block), dim=2)[:, None]
+        return masks
+
     @torch.no_grad()
     def block_hidden(self, cache: DraftContextCache, anchor_tokens: torch.Tensor,
                      anchor_positions: torch.Tensor) -> torch.Tensor:
@@ -282,9 +307,12 @@ class DSparkDrafter(DrafterBase):
         s = self.config.num_block_inputs
         dev = anchor_tokens.device
         hidden = self.block_inputs(anchor_tokens)  # [B, S, H]
-        rope = self.rotary(anchor_positions[:, None] + torch.arange(s, device=dev), hidden.dtype)
+        q_pos = anchor_positions[:, None] + torch.arange(s, device=dev)  # [B, S]
+        rope = self.rotary(q_pos, hidden.dtype)
+        ctx_pos = torch.arange(cache.length, device=dev).expand(len(anchor_tokens), -1)
+        masks = self._window_masks(ctx_pos, q_pos)
         for i, layer in enumerate(self.layers):
-            hidden = layer(hidden, rope, (cache.keys[i], cache.values[i]), None)
+            hidden = layer(hidden, rope, (cache.keys[i], cache.values[i]), masks[layer.window])
         off = self.config.anchor_slots
         return self.norm(hidden)[:, off:off + self.config.block_size]
 
@@ -372,11 +400,12 @@ class DSparkDrafter(DrafterBase):
         c_max = max(lengths)
         dev = anchor_tokens.device
         hidden = self.block_inputs(anchor_tokens)  # [R, S, H]
-        rope = self.rotary(anchor_positions[:, None] + torch.arange(s, device=dev), hidden.dtype)
-        # key-padding mask [R, 1, S, C_max + S]: left padding is invisible, the block is visible
-        valid = torch.arange(c_max, device=dev)[None, :] >= (c_max - torch.tensor(lengths, device=dev))[:, None]
-        mask = torch.cat((valid, torch.ones(r, s, dtype=torch.bool, device=dev)), dim=1)
-        mask = mask[:, None, None, :].expand(r, 1, s, c_max + s)
+        q_pos = anchor_positions[:, None] + torch.arange(s, device=dev)  # [R, S]
+        rope = self.rotary(q_pos, hidden.dtype)
+        # right-aligned rows: key j of row r holds position j - (C_max - C_r); < 0 is padding
+        ctx_pos = (torch.arange(c_max, device=dev)[None, :]
+                   - (c_max - torch.tensor(lengths, device=dev))[:, None])
+        masks = self._window_masks(ctx_pos, q_pos)
         for i, layer in enumerate(self.layers):
             keys = torch.zeros(r, *states[0].keys[i].shape[1:2], c_max, states[0].keys[i].shape[-1],
                                dtype=hidden.dtype, device=dev)
@@ -384,7 +413,7 @@ class DSparkDrafter(DrafterBase):
             for j, st in enumerate(states):  # [1, nkv, C_j, hd] -> right-aligned row j
                 keys[j, :, c_max - lengths[j]:] = st.keys[i][0]
                 values[j, :, c_max - lengths[j]:] = st.values[i][0]
-            hidden = layer(hidden, rope, (keys, values), mask)
+            hidden = layer(hidden, rope, (keys, values), masks[layer.window])
         off = self.config.anchor_slots
         hidden = self.norm(hidden)[:, off:off + self.config.block_size]
         return self.propose(hidden, anchor_tokens, max_num_draft_tokens, temperature, generator,
@@ -399,4 +428,5 @@ def block_position_weights(config: BoundDrafterConfig) -> torch.Tensor:
 SPEC = DrafterSpec(
     name="dspark", title="DSpark", model_class=DSparkDrafter, objective="dspark",
     step_weights=block_position_weights, has_heads=True, target_layer_init=True,
-    exporters=EXPORTERS, vllm_method="dspark", vllm_architectures=("Qwen3DSparkModel",))
+    windowed_attention=True, exporters=EXPORTERS, vllm_method="dspark",
+    vllm_architectures=("Qwen3DSparkModel",))

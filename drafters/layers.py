@@ -73,7 +73,8 @@ class KVInjectionAttention(nn.Module):
         return apply_rotary(k, cos, sin), v
 
     def forward_packed(self, block: torch.Tensor, block_rope, context_kv, packed,
-                       block_visibility: torch.Tensor | None = None) -> torch.Tensor:
+                       block_visibility: torch.Tensor | None = None,
+                       window: int | None = None) -> torch.Tensor:
         """Training attention over anchor-bounded packed blocks (see ``drafters/packing.py``).
 
         Args:
@@ -82,6 +83,8 @@ class KVInjectionAttention(nn.Module):
             context_kv: (k, v) of the packed context rows, each [Nc, nkv, hd] (RoPE applied).
             packed: the :class:`~drafters.packing.PackedBlocks` giving the visibility indices.
             block_visibility: bool [S, S] or None (bidirectional block).
+            window: sliding window in tokens (a query at position q sees context positions
+                > q - window), or None (full attention).
         Returns:
             [N, S, H].
         """
@@ -93,7 +96,7 @@ class KVInjectionAttention(nn.Module):
         q = apply_rotary(q.transpose(1, 2), cos, sin)
         k_blk, v_blk = self.project_kv(block, cos, sin)
         out = packed_attention(q, k_blk, v_blk, context_kv[0], context_kv[1], packed,
-                               block_visibility)
+                               block_visibility, window=window)
         return self.o_proj(out.transpose(1, 2).reshape(n, s, -1))
 
     def project_packed_context(self, context: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
@@ -138,10 +141,18 @@ class SwiGLU(nn.Module):
 
 
 class DrafterLayer(nn.Module):
-    """Pre-norm decoder layer: block queries attend to injected context K/V and the block."""
+    """Pre-norm decoder layer: block queries attend to injected context K/V and the block.
 
-    def __init__(self, cfg):
+    Args:
+        cfg: the drafter's :class:`~drafters.config.BoundDrafterConfig` (the layer's shapes).
+        window: this layer's sliding attention window in tokens (``cfg.layer_windows``), or None
+            for full attention. Training applies it here; at inference the caller's mask carries
+            it (:meth:`drafters.dspark.DSparkDrafter.block_hidden`).
+    """
+
+    def __init__(self, cfg, window: int | None = None):
         super().__init__()
+        self.window = window
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = KVInjectionAttention(cfg.hidden_size, cfg.num_attention_heads,
                                               cfg.num_key_value_heads, cfg.head_dim, cfg.qk_norm,
@@ -154,7 +165,8 @@ class DrafterLayer(nn.Module):
         unused); otherwise one block per sequence over a context cache with an optional mask."""
         normed = self.input_layernorm(hidden)
         if packed is not None:
-            attn = self.self_attn.forward_packed(normed, block_rope, context_kv, packed)
+            attn = self.self_attn.forward_packed(normed, block_rope, context_kv, packed,
+                                                 window=self.window)
         else:
             attn = self.self_attn(normed, block_rope, context_kv, mask)
         hidden = hidden + attn

@@ -135,7 +135,7 @@ def pack_blocks(samples: list[dict], num_anchors: int, block_size: int,
 def packed_attention(q: torch.Tensor, block_k: torch.Tensor, block_v: torch.Tensor,
                      context_k: torch.Tensor, context_v: torch.Tensor, packed: PackedBlocks,
                      block_visibility: torch.Tensor | None = None, anchor_chunk: int = 64,
-                     stats: dict | None = None) -> torch.Tensor:
+                     stats: dict | None = None, window: int | None = None) -> torch.Tensor:
     """Attention of packed block queries over their own sequence's context and their own block.
 
     Visibility is computed from indices per sequence: a query of the block at anchor p sees context
@@ -158,6 +158,10 @@ def packed_attention(q: torch.Tensor, block_k: torch.Tensor, block_v: torch.Tens
         packed: the :class:`PackedBlocks` the tensors come from (offsets and positions).
         block_visibility: bool [S, S], True where slot i may attend to slot j of its own block;
             None = all (bidirectional block, DSpark/DFlash).
+        window: sliding window in tokens, or None: the query of slot i (position p + i) then sees
+            only context positions > p + i - window (transformers' and vLLM's convention); the
+            block's own keys are all within a window >= S. A chunk scores only the rows some
+            query of it can see.
         stats: if given, ``stats["score_entries"]`` is increased by the number of attention scores
             computed per head (the attention work; used by the packing tests).
     Returns:
@@ -187,11 +191,14 @@ def packed_attention(q: torch.Tensor, block_k: torch.Tensor, block_v: torch.Tens
             # context rows are positions 0..L-1 in order: a chunk scores only the rows its
             # furthest anchor can see (with ascending anchors, later chunks see more)
             ctx_len = max(anchors[start:end])
+            # with a window, rows before the nearest anchor's window are invisible to the chunk
+            lo = 0 if window is None else max(0, min(min(anchors[start:end]) - window + 1, ctx_len))
             if stats is not None:  # per head: [a*S, ctx_len] context + [a, S, S] block scores
                 stats["score_entries"] = (stats.get("score_entries", 0)
-                                          + (end - start) * s * (ctx_len + s))
-            args = (q[start:end], block_k[start:end], block_v[start:end], kc[:, :ctx_len],
-                    vc[:, :ctx_len], pos[:ctx_len], packed.anchor_positions[start:end], blk_vis)
+                                          + (end - start) * s * (ctx_len - lo + s))
+            args = (q[start:end], block_k[start:end], block_v[start:end], kc[:, lo:ctx_len],
+                    vc[:, lo:ctx_len], pos[lo:ctx_len], packed.anchor_positions[start:end],
+                    blk_vis, window)
             if recompute:  # the checkpoint keeps only its inputs, all views of existing tensors
                 out[start:end] = checkpoint(_attend_chunk, *args, use_reentrant=False,
                                             preserve_rng_state=False)
@@ -202,15 +209,15 @@ def packed_attention(q: torch.Tensor, block_k: torch.Tensor, block_v: torch.Tens
 
 def _attend_chunk(qs: torch.Tensor, kb: torch.Tensor, vb: torch.Tensor, kc: torch.Tensor,
                   vc: torch.Tensor, pos: torch.Tensor, anchor: torch.Tensor,
-                  blk_vis: torch.Tensor | None) -> torch.Tensor:
+                  blk_vis: torch.Tensor | None, window: int | None = None) -> torch.Tensor:
     """One chunk of :func:`packed_attention`: a blocks of one sequence against its first
     ``ctx_len`` context rows and their own block slots, in one softmax.
 
     Args:
         qs: [a, nh, S, hd] queries; kb, vb: [a, nkv, S, hd] block keys/values.
-        kc, vc: [nkv, ctx_len, hd] context keys/values (positions 0..ctx_len-1).
+        kc, vc: [nkv, ctx_len, hd] context keys/values (ascending positions ``pos``).
         pos: int64 [ctx_len] context positions; anchor: int64 [a] anchor position of each block.
-        blk_vis: bool [S, S] or None (see :func:`packed_attention`).
+        blk_vis: bool [S, S] or None; window: int or None (see :func:`packed_attention`).
     Returns:
         [a, nh, S, hd].
     """
@@ -224,6 +231,9 @@ def _attend_chunk(qs: torch.Tensor, kb: torch.Tensor, vb: torch.Tensor, kc: torc
     s_ctx = torch.matmul(q_grp, kc.transpose(-1, -2)).float() * scale  # [nkv, groups*a*S, ctx_len]
     s_ctx = s_ctx.view(nkv, groups, a * s, ctx_len)
     visible = pos[None, :] < anchor.repeat_interleave(s)[:, None]  # [a*S, ctx_len]
+    if window is not None:  # slot i of the block at p is at position p + i
+        q_pos = (anchor[:, None] + torch.arange(s, device=anchor.device)).reshape(-1)
+        visible &= pos[None, :] > q_pos[:, None] - window
     s_ctx = s_ctx.masked_fill(~visible, float("-inf")).view(nh, a * s, ctx_len)
     # block part: [a, nh, S, S], only inside the block
     kb = kb.repeat_interleave(groups, dim=1)

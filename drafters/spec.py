@@ -40,6 +40,8 @@ class DrafterSpec:
         target_layer_init: whether ``init: target_layers`` can start its layers from the
             target's last decoder layers (``model_class.init_from_target``).
         layers_field: the config field that sets its layer count.
+        windowed_attention: whether its layers can attend through a sliding window
+            (``sliding_window``; DSpark/DFlash's block queries over the injected context).
         drafts_whole_block: drafts its block in one pass, so a round drafts at most block_size
             tokens in any engine; False for a chained drafter (an engine may run more steps).
         exporters: export format -> :class:`drafters.export.common.Exporter`.
@@ -58,6 +60,7 @@ class DrafterSpec:
     has_heads: bool = False
     target_layer_init: bool = False
     layers_field: str = "num_layers"
+    windowed_attention: bool = False
     drafts_whole_block: bool = True
     exporters: Mapping[str, Any] = field(default_factory=dict)
     vllm_method: str | None = None

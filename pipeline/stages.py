@@ -89,7 +89,10 @@ ADDED_LATER = [("drafter", "qk_norm", None), ("engine", "kv_cache_memory_gib", 2
                # stage decodes one request at a time, where the gate lets due probes through
                ("engine", "probe_alpha", 0.8), ("prompts", "heldout_ids_from", None),
                # the kernel attends as the PyTorch path did, up to rounding
-               ("engine", "attention", "kernel"), ("train", "objective", None)]
+               ("engine", "attention", "kernel"), ("train", "objective", None),
+               # 'target' is full attention on the targets earlier runs could train for (no
+               # drafter followed a window before; a checkpoint records its own windows)
+               ("drafter", "sliding_window", "target")]
 # config fields that say where a stage may take its outputs from, not what they are: never
 # fingerprinted, so adding the shipped answers to a run that regenerated them changes nothing
 NOT_FINGERPRINTED = [("generate", "reuse_from")]

@@ -131,7 +131,12 @@ def check_qwen3_layers(cfg, target_layers: int) -> None:
 
 
 def qwen3_layer_config(cfg, dtype: str) -> dict:
-    """The decoder-layer fields of a Qwen3 config for the drafter's own layers."""
+    """The decoder-layer fields of a Qwen3 config for the drafter's own layers, its attention
+    windows included: ``layer_types`` per layer and the one ``sliding_window`` (a config holds
+    one; every window of a drafter comes from one setting), which vLLM's DFlash/DSpark layers
+    read per layer (a mixed drafter needs vLLM's V2 model runner)."""
+    windows = cfg.layer_windows or [None] * cfg.num_hidden_layers
+    window = next((w for w in windows if w is not None), None)
     return {"model_type": "qwen3", "hidden_size": cfg.hidden_size,
             "intermediate_size": cfg.intermediate_size,
             "num_hidden_layers": cfg.num_hidden_layers,
@@ -142,8 +147,9 @@ def qwen3_layer_config(cfg, dtype: str) -> dict:
             "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
             "attention_bias": False, "tie_word_embeddings": False,
             "vocab_size": cfg.target_vocab_size, "dtype": dtype,
-            "layer_types": ["full_attention"] * cfg.num_hidden_layers,
-            "use_sliding_window": False, "sliding_window": None}
+            "layer_types": ["full_attention" if w is None else "sliding_attention"
+                            for w in windows],
+            "use_sliding_window": window is not None, "sliding_window": window}
 
 
 def backbone_tensors(drafter) -> dict[str, torch.Tensor]:

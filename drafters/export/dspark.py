@@ -63,7 +63,9 @@ def dspark_vllm_config(drafter, mask_token_id: int, dtype: str) -> dict:
             "draft_vocab_size": cfg.draft_vocab_len, "target_hidden_size": cfg.target_hidden_size,
             "block_size": cfg.block_size, "target_layer_ids": ids,
             "mask_token_id": mask_token_id,
-            "dflash_config": {"mask_token_id": mask_token_id, "target_layer_ids": ids},
+            # causal stated: vLLM makes a sliding layer causal unless the config says otherwise
+            "dflash_config": {"mask_token_id": mask_token_id, "target_layer_ids": ids,
+                              "causal": False},
             "markov_rank": cfg.markov_rank, "markov_head_type": "vanilla",
             "enable_confidence_head": bool(cfg.confidence_head),
             "confidence_head_with_markov": True, "sample_from_anchor": True,

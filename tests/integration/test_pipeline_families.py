@@ -18,7 +18,7 @@ import sys
 import pytest
 import yaml
 
-from tests.families import family_target_dir
+from tests.families import WINDOW, family_target_dir
 
 from .pipeline_config import ROOT, tiny_pipeline_config
 
@@ -34,6 +34,9 @@ CASES = {  # family -> config overrides
     "qwen3-moe": {"generate": {"backend": "hf"}},
     "qwen3-next": {"generate": {"backend": "engine"}},
 }
+
+# families whose last decoder layer slides: the window a 1-layer drafter bound to them gets
+FAMILY_WINDOWS = {"mistral": WINDOW, "phi3": WINDOW, "qwen2-sliding": WINDOW}
 
 
 @pytest.mark.parametrize("family", sorted(CASES))
@@ -65,3 +68,11 @@ def test_every_stage_release_and_export_on_the_family(tmp_path, smollm2_dir, fam
     assert exported.returncode == 0, exported.stderr[-3000:]
     exported_cfg = json.loads((tmp_path / "export" / "config.json").read_text())
     assert exported_cfg["speculators_model_type"]
+    # the drafter (1 layer) mirrors the target's last layer: sliding on Mistral and Qwen2 above
+    # max_window_layers, full on the others (Gemma 3's and gpt-oss's last layers are full)
+    mirrored = FAMILY_WINDOWS.get(family)
+    release_cfg = json.loads((tmp_path / "release" / "config.json").read_text())
+    assert release_cfg["layer_windows"] == (None if mirrored is None else [mirrored])
+    layer = exported_cfg["transformer_layer_config"]
+    assert layer["sliding_window"] == mirrored
+    assert layer["layer_types"] == ["full_attention" if mirrored is None else "sliding_attention"]

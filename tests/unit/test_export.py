@@ -238,3 +238,23 @@ def test_a_full_vocabulary_export_ships_the_lm_head_and_never_overwrites_a_draft
     export(src, tmp_path / "out", "speculators")  # a previous export is replaced whole
     assert "speculators_model_type" in (tmp_path / "out" / "config.json").read_text()
     assert not list(tmp_path.glob(".out.tmp-*"))
+
+
+@pytest.mark.parametrize("kind", ["dspark", "dflash"])
+@pytest.mark.parametrize("fmt", ["vllm", "speculators"])
+def test_exports_state_the_drafters_attention_window(tmp_path, target, tiny_target_dir, kind,
+                                                     fmt):
+    """A windowed drafter's layers are sliding layers in the exported config, with the window
+    vLLM's DFlash/DSpark layers read, and stay non-causal (vLLM makes a sliding layer causal
+    unless dflash_config says otherwise); a full-attention drafter says full attention."""
+    extra = {"drafter_type": "dflash"} if kind == "dflash" else {}
+    for window, types in ((12, ["sliding_attention"]), (None, ["full_attention"])):
+        drafter = tiny_drafter(target, layer_ids=(1, 3), sliding_window=window, **extra)
+        out = tmp_path / f"{window}"
+        export(_save(drafter, out / "src", tiny_target_dir), out / "x", fmt)
+        cfg = json.loads((out / "x" / "config.json").read_text())
+        layer = cfg["transformer_layer_config"] if fmt == "speculators" else cfg
+        assert layer["layer_types"] == types and layer["sliding_window"] == window
+        assert layer["use_sliding_window"] == (window is not None)
+        if fmt == "vllm":
+            assert cfg["dflash_config"]["causal"] is False

@@ -165,6 +165,10 @@ def test_sliding_layers_keep_only_their_window(name):
     types = getattr(target.config, "layer_types", None) or ["sliding_attention"] * 4
     sliding = [i for i, t in enumerate(types) if t == "sliding_attention"]
     assert runner.layer_windows == {i: WINDOW for i in sliding}
+    # the drafter reads the windows from the config; the engine learns them from the layers
+    from drafters.config import target_layer_windows
+    assert {i: w for i, w in enumerate(target_layer_windows(target.config)) if w} == (
+        runner.layer_windows)
     per_layer = SlotKVPool.bytes_per_position(1, 2, 16, torch.float32)
     state = runner.preallocate(slots=2, max_positions=512, memory_bytes=1 << 30, pass_tokens=16)
     kept = 2 * WINDOW - 1 + 16
