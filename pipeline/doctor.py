@@ -65,16 +65,21 @@ def cpu_model() -> str:
 
 def kernel_state() -> dict:
     """The decode attention kernel on this machine: built (its cached build exists), buildable
-    (a C++ compiler is on PATH), and which inner path its build takes."""
-    from serve.engine.decode_attention import build_directory
+    (a C++ compiler is on PATH), and the inner path per dtype (the built module's own report
+    where it is built, else what this CPU's instruction sets select)."""
+    from serve.engine.decode_attention import build_directory, isa_supported, kernel_paths
 
     directory = build_directory()
-    built = any(directory.glob("*.so")) if directory.is_dir() else False
+    built = any(directory.rglob("*.so")) if directory.is_dir() else False
     compiler = shutil.which("c++") or shutil.which("g++")
-    bf16_path = capability("cpu").native_bf16
+    if built:
+        paths = kernel_paths() or {}
+    else:
+        paths = {"float32": "avx2_fma" if isa_supported("avx2") else "portable",
+                 "bfloat16": "avx512_bf16" if capability("cpu").native_bf16 else "portable"}
     return {"built": built, "build_directory": str(directory), "compiler": compiler,
-            "path": ("AVX-512-BF16 dot products for bf16 at head dim 64, portable fp32 otherwise"
-                     if bf16_path else "portable (fp32 and bf16 compiled for this CPU)"),
+            "path": ", ".join(f"{k}: {v.split(' (')[0]}" for k, v in sorted(paths.items())),
+            "paths": paths,
             "state": ("built" if built else "built on first use (~30 s)" if compiler
                       else "cannot be built (no C++ compiler): the engine attends with PyTorch")}
 

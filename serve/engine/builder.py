@@ -7,6 +7,8 @@ benchmarks all go through here, so an engine built anywhere is built the same wa
 
 from __future__ import annotations
 
+import functools
+
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -86,7 +88,7 @@ def build_engine(models: LoadedModels, config: EngineConfig, *, drafter=None,
     Raises:
         ValueError: as :class:`SpecEngine` (layer mismatch, scheduler without a confidence head).
     """
-    from .profiling import engine_profiles
+    from .profiling import engine_profiles, mark_profile_stale
 
     drafter = drafter if drafter is not None else models.drafter
     if not scheduler_entry(config.scheduler).speculates:
@@ -94,5 +96,10 @@ def build_engine(models: LoadedModels, config: EngineConfig, *, drafter=None,
     directory = profile_dir if profile_dir is not None else models.drafter_dir
     models.runner.attention = config.attention  # profiled as the engine's steps will run
     sps, cost = engine_profiles(models.runner, drafter, config, directory)
-    return SpecEngine(models.runner, drafter, models.eos, config,
-                      models.tokenizer if tokenizer else None, sps, cost)
+    engine = SpecEngine(models.runner, drafter, models.eos, config,
+                        models.tokenizer if tokenizer else None, sps, cost)
+    # profiles measured here (or loaded as measured here) are checked against the engine's steps
+    engine.planner.checks_costs = cost is not None
+    if directory:  # a profile the engine's own steps contradict is measured again next start
+        engine.on_profile_correction = functools.partial(mark_profile_stale, directory)
+    return engine

@@ -88,6 +88,9 @@ class SpecEngine:
         self.scheduler_name = name
         self.target, self.drafter, self.tokenizer, self.sps = target, drafter, tokenizer, sps
         self.draft_cost = draft_cost
+        # called with "sps" or "draft_cost" when the engine's own steps corrected that profile
+        # (the builder marks the stored file to be profiled again; serve/engine/cost_check.py)
+        self.on_profile_correction = None
         plans = drafter is not None and self.config.plans_drafts
         self.lookup_n = self.config.prompt_lookup_max_ngram if plans else 0
         self.drafting = Drafting(drafter) if drafter is not None else None
@@ -228,12 +231,21 @@ class SpecEngine:
         the prefill ``chunks`` packed into the same target pass; returns (their outputs, the
         chunks' pass outputs)."""
         plan = self.planner.plan(reqs, time.perf_counter())
+        draft_start = time.perf_counter()
         outputs = self._propose(plan)
+        draft_s = time.perf_counter() - draft_start if plan.predicted_draft_s else 0.0
         if not plan.rows:  # every request failed while drafting
             return outputs, self._prefill_forward(chunks)
         self.planner.schedule(plan, [self._floor(row.request) for row in plan.rows])
         plan.verify_start_s = time.perf_counter()
         outs, prefill_outs = self._target_pass(plan, chunks)
+        verify_s = time.perf_counter() - plan.verify_start_s
+        # the profiles checked against this step (a prompt chunk in the pass: not comparable)
+        verify_tokens = 0 if chunks else sum(row.length + 1 for row in plan.rows)
+        for name in self.planner.check_costs(plan, draft_s, verify_tokens, verify_s):
+            self.sps, self.draft_cost = self.planner.sps, self.planner.draft_cost
+            if self.on_profile_correction is not None:
+                self.on_profile_correction(name)
         for i in reversed(range(len(outs))):  # a request whose own target pass raised fails alone
             if isinstance(outs[i], Exception):
                 outputs.append(self._fail(plan.rows[i].request, outs[i], "the target pass"))

@@ -9,6 +9,9 @@ positions in place, in parallel over (row, key/value head), with fp32 scores, so
 like SDPA's CPU kernel. Measured on 2 cores (128 rows, 100-900 positions, 3 KV heads of 64, bf16,
 one layer): ~1.6 ms against ~12 ms for the per-request SDPA calls.
 
+Inner paths per instruction set (the C++ file's header): AVX-512-BF16 for bf16, AVX2 + FMA for
+fp32 (what an AVX2-only CPU computes in, ``dtype: auto``), portable loops otherwise.
+
 The build (~30 s, once per machine) is compiled for the CPU it runs on (``-march=native``) and
 kept under ``$TORCH_EXTENSIONS_DIR`` (default ``~/.cache/dspark_ray/torch_extensions``, the
 directory DeepSpeed's op uses too) in a directory named after the CPU's instruction sets and the
@@ -41,26 +44,81 @@ MAX_QUERY_GROUPS = 8
 
 def _cpu_key() -> str:
     """Identifies what the build depends on: the CPU's instruction sets and torch's version."""
-    flags = platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("flags", "Features")):
-                flags += line
-                break
-    except OSError:
-        pass
+    flags = platform.machine() + _cpu_flags_line()
     return hashlib.sha1(f"{flags} {torch.__version__}".encode()).hexdigest()[:12]
 
 
-def build_directory() -> Path:
-    """Where the kernel for this machine is built and cached."""
+# instruction-set targets of a build: the engine's (this CPU's every instruction set) and two
+# fixed ones, so that each inner path of the kernel can be built and tested on a machine that has
+# more (benchmarks/decode_kernel_paths.py, tests/unit/test_decode_attention.py)
+ISA_FLAGS = {"native": ["-march=native"],
+             "avx2": ["-march=x86-64-v3"],  # AVX2 + FMA, no AVX-512: the fp32 AVX2 path
+             "portable": ["-march=x86-64"] if platform.machine() in ("x86_64", "AMD64") else []}
+
+
+def isa_supported(isa: str) -> bool:
+    """Whether this CPU runs a build for ``isa`` (a key of :data:`ISA_FLAGS`): native and
+    portable always; avx2 where the CPU reports avx2 and fma (x86-64 only)."""
+    if isa not in ISA_FLAGS:
+        raise ValueError(f"unknown instruction-set target {isa!r}: one of {sorted(ISA_FLAGS)}")
+    if isa != "avx2":
+        return True
+    if platform.machine() not in ("x86_64", "AMD64"):
+        return False
+    flags = set(_cpu_flags_line().split(":", 1)[-1].split())
+    return {"avx2", "fma"} <= flags
+
+
+def _cpu_flags_line() -> str:
+    """/proc/cpuinfo's first flags line ("flags : fpu ... avx2 ..."), "" where there is none."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line
+    except OSError:
+        pass
+    return ""
+
+
+def build_directory(isa: str = "native") -> Path:
+    """Where the kernel for this machine (and instruction-set target ``isa``) is built and
+    cached."""
     root = os.environ.get("TORCH_EXTENSIONS_DIR",
                           str(Path.home() / ".cache" / "dspark_ray" / "torch_extensions"))
-    return Path(root) / f"dspark_decode_attention_{_cpu_key()}"
+    suffix = "" if isa == "native" else f"_{isa}"
+    return Path(root) / f"dspark_decode_attention_{_cpu_key()}{suffix}"
 
 
 @functools.lru_cache(maxsize=None)
-def decode_kernel():
+def _module(isa: str):
+    """The compiled extension module for ``isa``, or None where it cannot be built (a warning
+    says why, once per process and target)."""
+    from torch.utils.cpp_extension import load
+
+    if not isa_supported(isa):
+        raise ValueError(f"this CPU cannot run a build for {isa!r}")
+    directory = build_directory(isa)
+    # torch builds with ninja: the one pip installs beside this interpreter counts even when the
+    # environment is not activated (install.sh calls .venv/bin/python directly)
+    bin_dir = os.path.dirname(sys.executable)
+    if bin_dir not in os.environ.get("PATH", "").split(os.pathsep):
+        os.environ["PATH"] = bin_dir + os.pathsep + os.environ.get("PATH", "")
+    suffix = "" if isa == "native" else f"_{isa}"
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        return load(name=f"dspark_decode_attention{suffix}", sources=[str(SOURCE)],
+                    build_directory=str(directory),
+                    # -ffast-math for the compile only (vectorised sums and exp); not at the
+                    # link, where it would set flush-to-zero for the whole process
+                    extra_cflags=["-O3", *ISA_FLAGS[isa], "-ffast-math", "-fopenmp"],
+                    extra_ldflags=["-fopenmp"], verbose=False)
+    except Exception as exc:  # no compiler, headers or disk: PyTorch attention instead
+        logger.warning("decode attention kernel not built (%s: %s); the engine attends with "
+                       "PyTorch alone (same results, slower)", type(exc).__name__, exc)
+        return None
+
+
+def decode_kernel(isa: str = "native"):
     """The compiled ``decode_attention(q, keys, values, slots, lengths, scale, starts=None,
     sinks=None)`` function, or None where it cannot be built (a warning says why, once per
     process).
@@ -73,25 +131,26 @@ def decode_kernel():
     none); ``scale`` the softmax scale. Returns ``[N, Hq, d]`` in q's dtype. Raises RuntimeError
     on shapes, dtypes, a slot outside the pool, a length outside ``[1, capacity]`` or a start
     outside ``[0, length)``.
-    """
-    from torch.utils.cpp_extension import load
 
-    directory = build_directory()
-    # torch builds with ninja: the one pip installs beside this interpreter counts even when the
-    # environment is not activated (install.sh calls .venv/bin/python directly)
-    bin_dir = os.path.dirname(sys.executable)
-    if bin_dir not in os.environ.get("PATH", "").split(os.pathsep):
-        os.environ["PATH"] = bin_dir + os.pathsep + os.environ.get("PATH", "")
-    try:
-        directory.mkdir(parents=True, exist_ok=True)
-        module = load(name="dspark_decode_attention", sources=[str(SOURCE)],
-                      build_directory=str(directory),
-                      # -ffast-math for the compile only (vectorised sums and exp); not at the
-                      # link, where it would set flush-to-zero for the whole process
-                      extra_cflags=["-O3", "-march=native", "-ffast-math", "-fopenmp"],
-                      extra_ldflags=["-fopenmp"], verbose=False)
-    except Exception as exc:  # no compiler, headers or disk: PyTorch attention instead
-        logger.warning("decode attention kernel not built (%s: %s); the engine attends with "
-                       "PyTorch alone (same results, slower)", type(exc).__name__, exc)
-        return None
-    return module.decode_attention
+    Args:
+        isa: the instruction-set target of the build (:data:`ISA_FLAGS`); the engine uses
+            "native" (this CPU's, so its fastest paths); the others exist to build, test and
+            measure each path on a CPU that has more.
+    Raises:
+        ValueError: an unknown target, or one this CPU cannot run (:func:`isa_supported`).
+    """
+    module = _module(isa)
+    return None if module is None else module.decode_attention
+
+
+def forget_kernels() -> None:
+    """Forget the builds this process loaded (and any failure to build), so that the next call
+    builds or loads again (a test that removes the compiler, then restores it)."""
+    _module.cache_clear()
+
+
+def kernel_paths(isa: str = "native") -> dict[str, str] | None:
+    """The inner path a build takes per dtype ({"float32": ..., "bfloat16": ...}: "avx2_fma ...",
+    "avx512_bf16 ..." or "portable"), as it was compiled; None where it cannot be built."""
+    module = _module(isa)
+    return None if module is None else dict(module.kernel_paths())

@@ -107,6 +107,13 @@ class DraftCostTable:
         frac = (min(num_draft_tokens, self.block_size) - 1) / (self.block_size - 1)
         return at[0] + frac * (at[1] - at[0])
 
+    def scaled(self, factor: float) -> DraftCostTable:
+        """This table with every time multiplied by ``factor`` (> 0): a correction from the
+        engine's measured calls (``serve/engine/cost_check.py``)."""
+        times = lambda table: tuple((a * factor, b * factor) for a, b in table)
+        return DraftCostTable(self.rows, times(self.greedy_s), times(self.sampled_s),
+                              self.block_size, self.extend_s_per_position * factor)
+
     def backlog_seconds(self, pending: int) -> float:
         """Extra seconds to extend one row's context by ``pending`` positions (beyond the 2 the
         table includes)."""

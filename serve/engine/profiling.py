@@ -19,7 +19,6 @@ import logging
 import math
 import os
 import platform
-import statistics
 import time
 from pathlib import Path
 
@@ -82,6 +81,22 @@ def batch_grid(max_tokens: int) -> list[int]:
 
 
 @torch.no_grad()
+def trimmed_mean(samples: list[float], trim: float = 0.25) -> float:
+    """Mean of ``samples`` without the lowest and highest ``trim`` share of them (at least one
+    each from 3 samples on): robust to the one call a page fault, a GC or a neighbour slowed.
+    Of 3 samples it is the median; of 5, the mean of the middle 3.
+
+    Raises:
+        ValueError: no samples.
+    """
+    if not samples:
+        raise ValueError("trimmed_mean of no samples")
+    ordered = sorted(samples)
+    cut = max(1, int(len(ordered) * trim)) if len(ordered) >= 3 else 0
+    kept = ordered[cut:len(ordered) - cut]
+    return sum(kept) / len(kept)
+
+
 def profile_sps(runner: TargetRunner, max_tokens: int, block_tokens: int = 8,
                 context_len: int = 128, repeats: int = 3, seed: int = 0) -> dict[int, float]:
     """Time batched verification forward passes.
@@ -94,7 +109,7 @@ def profile_sps(runner: TargetRunner, max_tokens: int, block_tokens: int = 8,
         max_tokens: the largest B to time.
         block_tokens: tokens per request (num_speculative_tokens + 1).
         context_len: cached tokens per request.
-        repeats: timed passes per size (the median is kept, after one warm-up).
+        repeats: timed passes per size (their :func:`trimmed_mean` is kept, after one warm-up).
     Returns:
         {B: steps per second}.
     """
@@ -121,7 +136,7 @@ def profile_sps(runner: TargetRunner, max_tokens: int, block_tokens: int = 8,
             if runner.device.type == "cuda":
                 torch.cuda.synchronize(runner.device)
             times.append(time.perf_counter() - start)
-        result[b] = 1.0 / statistics.median(times)
+        result[b] = 1.0 / trimmed_mean(times)
     for kv in caches:
         kv.release()
     return result
@@ -133,6 +148,10 @@ def _reusable(path: Path | None, fingerprint: dict, size_key: str, size: int) ->
     if path is None or not path.is_file():
         return None
     stored = json.loads(path.read_text())
+    if stored.get("stale"):
+        logger.info("profile at %s was contradicted by an engine's own steps (%s): re-profiling",
+                    path, stored["stale"])
+        return None
     if stored.get("fingerprint") == fingerprint and stored.get(size_key, 0) >= size:
         logger.info("profile reused from %s", path)
         return stored
@@ -148,6 +167,19 @@ def _store(path: Path | None, payload: dict) -> None:
         path.write_text(json.dumps(payload, indent=1))
     except OSError as err:
         logger.warning("could not store the profile at %s: %s", path, err)
+
+
+def mark_profile_stale(directory: str | Path, name: str) -> None:
+    """Mark the stored profile ``name`` ("sps" or "draft_cost") in ``directory`` to be measured
+    again at the next start (an engine's own steps contradicted it:
+    ``serve/engine/cost_check.py``); a missing or unwritable file is left as it is."""
+    path = Path(directory) / (PROFILE_NAME if name == "sps" else DRAFT_COST_NAME)
+    try:
+        stored = json.loads(path.read_text())
+        stored["stale"] = time.strftime("contradicted at %Y-%m-%dT%H:%M:%SZ", time.gmtime())
+        path.write_text(json.dumps(stored, indent=1))
+    except (OSError, ValueError) as err:
+        logger.warning("could not mark the profile at %s for re-profiling: %s", path, err)
 
 
 def load_or_profile(runner: TargetRunner, directory: str | Path | None, max_tokens: int,
@@ -201,7 +233,7 @@ def profile_draft_cost(drafter, max_rows: int, context_len: int = 128, repeats: 
         drafter: a drafter (``drafters.loading.load_drafter``) on its serving device and dtype.
         max_rows: the most requests drafted for together (the engine's max_num_requests).
         context_len: committed positions already in each request's draft context.
-        repeats: timed calls per point (median kept, after one warm-up).
+        repeats: timed calls per point (their :func:`trimmed_mean` is kept, after one warm-up).
     Returns:
         a :class:`serve.engine.draft_planner.DraftCostTable` in seconds.
     """
@@ -247,8 +279,8 @@ def profile_draft_cost(drafter, max_rows: int, context_len: int = 128, repeats: 
             pair = []
             for num_draft_tokens in (1, cfg.block_size):
                 one_call(rows, num_draft_tokens, temperature)  # warm-up
-                pair.append(statistics.median(one_call(rows, num_draft_tokens, temperature)
-                                              for _ in range(repeats)))
+                pair.append(trimmed_mean([one_call(rows, num_draft_tokens, temperature)
+                                          for _ in range(repeats)]))
             out.append(tuple(pair))
 
     def extend_call(positions: int) -> float:  # one row's context extended by that many
@@ -262,8 +294,8 @@ def profile_draft_cost(drafter, max_rows: int, context_len: int = 128, repeats: 
 
     backlog = 128  # a typical prompt, or the tokens of a long probe back-off
     extend_call(backlog), extend_call(2)  # warm-up
-    long = statistics.median(extend_call(backlog) for _ in range(repeats))
-    short = statistics.median(extend_call(2) for _ in range(repeats))
+    long = trimmed_mean([extend_call(backlog) for _ in range(repeats)])
+    short = trimmed_mean([extend_call(2) for _ in range(repeats)])
     return DraftCostTable(tuple(rows_grid), tuple(greedy), tuple(sampled), cfg.block_size,
                           max(0.0, (long - short) / (backlog - 2)))
 

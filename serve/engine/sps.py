@@ -91,6 +91,11 @@ class SPSTable:
         values.append(points[-1][1])
         return cls(tuple(values[:max_tokens]))
 
+    def scaled(self, factor: float) -> SPSTable:
+        """This table with every step's seconds multiplied by ``factor`` (> 0), i.e. SPS divided
+        by it: a correction from the engine's measured passes (``serve/engine/cost_check.py``)."""
+        return SPSTable(tuple(v / factor for v in self.sps_by_batch))
+
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready form: {"unit": "steps_per_s", "sps": [SPS(1), ..., SPS(max_tokens)]}."""
         return {"unit": "steps_per_s", "sps": list(self.sps_by_batch)}

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .config import EngineConfig
+from .cost_check import CostCheck
 from .draft_planner import AcceptanceEstimate, DraftCostTable, RequestOptions, Source, plan_drafts
 from .request_state import RequestState
 from .scheduler import hold_speed_floors
@@ -52,6 +53,8 @@ class StepPlan:
     rows: list[PlanRow] = field(default_factory=list)
     start_s: float = 0.0
     verify_start_s: float = 0.0
+    # the drafter call's seconds as the draft-cost profile predicts them (0: no prediction)
+    predicted_draft_s: float = 0.0
 
     @classmethod
     def make_empty(cls) -> StepPlan:
@@ -93,6 +96,12 @@ class StepPlanner:
         # Prompt lookup keeps the neutral prior: its drafts cost nothing to propose.
         self.drafter_prior = [AcceptanceEstimate(decay=0.98), AcceptanceEstimate(decay=0.98)]
         self.stale: deque[list[list[float]]] = deque(maxlen=2)  # confidences of past steps
+        # the profiles against the engine's own measured steps (a profile made under load)
+        self.draft_checker, self.sps_checker = CostCheck("draft cost"), CostCheck("SPS(B)")
+        # on for profiles measured on this machine (the builder's); tables handed in directly
+        # (a test's, a benchmark's) are taken as given
+        self.checks_costs = False
+        self.steps_without_drafter = 0  # consecutive planned steps without a drafter call
 
     def start(self, r: RequestState) -> None:
         """A request the drafter starts drafting for: its probe back-off and its drafter
@@ -141,13 +150,62 @@ class StepPlanner:
                    if self.draft_cost is not None else 0.0)
         self.probe_credit = min(ceiling, self.probe_credit - plan.probe_cost_s
                                 + self.config.probe_budget / self.sps.sps(len(reqs)))
+        drafted = [i for i, source in enumerate(plan.sources) if source == "model"]
+        self.steps_without_drafter = 0 if drafted else self.steps_without_drafter + 1
+        if (not drafted and self.checks_costs and self.draft_cost is not None
+                and self.steps_without_drafter > self.config.max_probe_interval):
+            # a cost probe: the draft-cost profile itself may be what keeps the drafter off
+            # (measured under load), so one request drafts, as a probe, to time it again
+            # (serve/engine/cost_check.py); at most once per max_probe_interval steps
+            waiting = [i for i, cap in enumerate(caps) if cap > 0 and plan.sources[i] is None]
+            if waiting:
+                i = max(waiting, key=lambda j: reqs[j].skipped)
+                plan.sources[i], plan.num_draft_tokens[i] = "model", caps[i]
+                plan.probed[i] = True
+                drafted = [i]
+                self.steps_without_drafter = 0
+        predicted = (self.draft_cost.seconds(len(drafted), max(
+            (plan.num_draft_tokens[i] for i in drafted), default=0), sampled)
+            + sum(self.draft_cost.backlog_seconds(options[i].pending) for i in drafted)
+            if self.draft_cost is not None and drafted else 0.0)
         rows = []
         for i, (r, cap) in enumerate(zip(reqs, caps)):
             source, num_draft_tokens = plan.sources[i], plan.num_draft_tokens[i]
             rows.append(PlanRow(r, cap, source, num_draft_tokens, plan.probed[i],
                                 list(looks[i][:num_draft_tokens]) if source == "lookup" else [],
                                 confidences=list(plan.lookup_confidences[i])))
-        return StepPlan(rows, start_s)
+        return StepPlan(rows, start_s, predicted_draft_s=predicted)
+
+    def check_costs(self, plan: StepPlan, draft_s: float, verify_tokens: int,
+                    verify_s: float) -> list[str]:
+        """Compare a step's measured drafter call and target pass with the profiles'
+        predictions (``serve/engine/cost_check.py``) and rescale a profile the engine's own
+        steps contradict. Only where the goodput planner reads both profiles in seconds.
+
+        Args:
+            plan: the step's plan (its predicted drafter seconds).
+            draft_s: measured seconds of the step's drafter call (0: none).
+            verify_tokens: tokens of the step's target pass (0: not comparable, e.g. prompt
+                chunks packed into it).
+            verify_s: measured seconds of that pass.
+        Returns:
+            the names of the profiles rescaled now ("draft_cost", "sps"); usually none, and
+            always none unless :attr:`checks_costs` (set by the engine builder).
+        """
+        if not self.checks_costs or self.draft_cost is None or self.sps is None:
+            return []
+        corrected = []
+        if plan.predicted_draft_s > 0 and draft_s > 0:
+            factor = self.draft_checker.observe(plan.predicted_draft_s, draft_s)
+            if factor is not None:
+                self.draft_cost = self.draft_cost.scaled(factor)
+                corrected.append("draft_cost")
+        if 0 < verify_tokens <= self.sps.max_tokens:
+            factor = self.sps_checker.observe(1.0 / self.sps.sps(verify_tokens), verify_s)
+            if factor is not None:
+                self.sps = self.sps.scaled(factor)
+                corrected.append("sps")
+        return corrected
 
     def schedule(self, plan: StepPlan, floors: list[float | None]) -> None:
         """Set each row's verification length l from the configured policy, clipped to its

@@ -1,6 +1,7 @@
 """The decode attention kernel (serve/engine/csrc/decode_attention.cpp, built by
 serve/engine/decode_attention.py): each row's attention over its slot's first positions equals
-SDPA's, in fp32 and bf16, for grouped-query shapes on the vectorised and the portable paths; bad
+SDPA's, in fp32 and bf16, for grouped-query shapes on every inner path (each instruction-set build
+this CPU can run: native, AVX2 + FMA, portable); bad
 input is refused; an engine decoding with it gives the greedy text of the PyTorch path; where it
 cannot be built the engine says so and attends with PyTorch."""
 
@@ -13,7 +14,8 @@ import torch
 
 from serve.engine.config import EngineConfig
 from serve.engine.core import SpecEngine
-from serve.engine.decode_attention import build_directory, decode_kernel
+from serve.engine.decode_attention import (ISA_FLAGS, build_directory, decode_kernel,
+                                           forget_kernels, isa_supported, kernel_paths)
 from serve.engine.requests import EngineRequest, SamplingParams
 from serve.engine.target_runner import TargetRunner
 from tests.tiny import tiny_drafter, tiny_target
@@ -24,6 +26,30 @@ def kernel():
     op = decode_kernel()
     assert op is not None, "the decode attention kernel did not build (see the warning above)"
     return op
+
+
+@pytest.fixture(scope="module", params=sorted(ISA_FLAGS))
+def isa_kernel(request):
+    """The kernel built for each instruction-set target this CPU runs (a target it cannot run
+    is skipped: an AVX2 build on a CPU without AVX2), so every inner path is checked here."""
+    if not isa_supported(request.param):
+        pytest.skip(f"this CPU cannot run a {request.param} build")
+    op = decode_kernel(request.param)
+    assert op is not None, f"the {request.param} kernel did not build (see the warning above)"
+    return op
+
+
+def test_each_build_reports_the_paths_its_instruction_sets_allow():
+    assert kernel_paths("portable") == {"float32": "portable", "bfloat16": "portable"}
+    if isa_supported("avx2"):
+        paths = kernel_paths("avx2")
+        assert paths["float32"].startswith("avx2_fma") and paths["bfloat16"] == "portable"
+    native = kernel_paths("native")
+    flags = open("/proc/cpuinfo").read() if isa_supported("avx2") else ""
+    assert native["float32"].startswith("avx2_fma") == (" avx2 " in flags and " fma " in flags)
+    assert native["bfloat16"].startswith("avx512_bf16") == (" avx512_bf16 " in flags)
+    with pytest.raises(ValueError, match="unknown instruction-set target"):
+        isa_supported("avx9")
 
 
 def _reference(q, keys, values, slots, lengths, scale):
@@ -39,8 +65,9 @@ def _reference(q, keys, values, slots, lengths, scale):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("hq,hkv,d", [(9, 3, 64), (4, 4, 64), (8, 1, 32), (4, 2, 16)])
-def test_rows_match_sdpa_over_their_slots(kernel, dtype, hq, hkv, d):
+@pytest.mark.parametrize("hq,hkv,d", [(9, 3, 64), (4, 4, 64), (8, 1, 32), (4, 2, 16), (2, 1, 12)])
+def test_rows_match_sdpa_over_their_slots(isa_kernel, dtype, hq, hkv, d):
+    kernel = isa_kernel
     g = torch.Generator().manual_seed(hq * 100 + d)
     num_slots, capacity = 7, 300
     keys = torch.randn(num_slots, hkv, capacity, d, generator=g).to(dtype)
@@ -84,9 +111,10 @@ def _reference_windowed(q, keys, values, slots, starts, lengths, scale, sinks):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("with_sinks", [False, True])
 @pytest.mark.parametrize("hq,hkv,d", [(4, 2, 64), (8, 1, 32)])
-def test_sliding_window_starts_and_sinks(kernel, dtype, with_sinks, hq, hkv, d):
+def test_sliding_window_starts_and_sinks(isa_kernel, dtype, with_sinks, hq, hkv, d):
     """Rows attend [starts, lengths) (a sliding-window layer) and, with sinks, each head's sink
-    logit joins the softmax (gpt-oss), on the vectorised (d 64) and portable paths."""
+    logit joins the softmax (gpt-oss), on every path."""
+    kernel = isa_kernel
     g = torch.Generator().manual_seed(7 + d)
     keys = torch.randn(5, hkv, 200, d, generator=g).to(dtype)
     values = torch.randn(5, hkv, 200, d, generator=g).to(dtype)
@@ -168,7 +196,7 @@ def test_where_it_cannot_be_built_the_engine_attends_with_pytorch(monkeypatch, c
         raise RuntimeError("no C++ compiler")
 
     monkeypatch.setattr(cpp_extension, "load", no_compiler)
-    decode_kernel.cache_clear()
+    forget_kernels()
     try:
         with caplog.at_level(logging.WARNING):
             runner = TargetRunner(tiny_target(), [1])
@@ -176,7 +204,7 @@ def test_where_it_cannot_be_built_the_engine_attends_with_pytorch(monkeypatch, c
         assert "no C++ compiler" in caplog.text and "PyTorch" in caplog.text
         assert _greedy_text(runner, None, [[5, 9, 11]])["r0"]  # still decodes
     finally:
-        decode_kernel.cache_clear()  # the next caller builds (loads) it again
+        forget_kernels()  # the next caller builds (loads) it again
 
 
 def test_builds_are_kept_per_cpu_and_torch_version(monkeypatch, tmp_path):

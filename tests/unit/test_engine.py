@@ -303,6 +303,85 @@ def test_probe_alpha_gates_probes_in_the_engine(varied_target):
     assert counts == {0.2: 1, 1.0: 3}
 
 
+def test_a_draft_cost_profile_made_under_load_is_corrected_by_the_engines_own_steps(
+        varied_target, tmp_path):
+    """A draft-cost profile 10x the drafter's real cost (as if measured on a loaded machine)
+    switches drafting off (not even a probe would pay at that cost); the engine's cost probes
+    (one drafter call after max_probe_interval steps without one) time the drafter against the
+    profile, the profile is rescaled, the stored file is marked to be profiled again at the next
+    start, and the output stays the target's."""
+    import json
+
+    from serve.engine.profiling import (DRAFT_COST_NAME, mark_profile_stale,
+                                        profile_draft_cost, profile_sps)
+    from serve.engine.sps import SPSTable
+
+    d = tiny_drafter(varied_target, block_size=4)
+    runner = TargetRunner(varied_target, LAYERS)
+    real = profile_draft_cost(d, 4, repeats=3)
+    loaded = real.scaled(10.0)
+    sps = SPSTable.from_measurements(profile_sps(runner, 20, block_tokens=5, repeats=3))
+    engine = SpecEngine(runner, d, [], EngineConfig(scheduler="dspark", probe_interval=1,
+                                                    max_probe_interval=8),
+                        sps=sps, draft_cost=loaded)
+    engine.planner.checks_costs = True  # as the builder sets it for measured profiles
+    (tmp_path / DRAFT_COST_NAME).write_text(json.dumps({"table": loaded.to_dict()}))
+    corrected = []
+    engine.on_profile_correction = lambda name: (corrected.append(name),
+                                                 mark_profile_stale(tmp_path, name))
+    prompts = [[3, 1, 4, 1, 5], [2, 7, 1, 8], [1, 6, 1, 8, 0], [5, 7, 7, 2]]
+    reqs = {0: [EngineRequest(f"r{i}", p, SamplingParams(96, 0.0))
+                for i, p in enumerate(prompts)]}
+    out, _ = _run(engine, reqs)
+    for i, p in enumerate(prompts):
+        assert out[f"r{i}"] == greedy_reference(varied_target, p, 96)
+    assert "draft_cost" in corrected
+    factor = engine.planner.draft_checker.corrections[0]
+    assert factor < 0.5  # measured well below the profile's prediction
+    assert engine.draft_cost.seconds(1, 4, False) < loaded.seconds(1, 4, False) / 2
+    assert engine.draft_cost is engine.planner.draft_cost
+    assert json.loads((tmp_path / DRAFT_COST_NAME).read_text())["stale"].startswith("contradicted")
+
+
+def test_a_stale_profile_is_measured_again(varied_target, tmp_path):
+    import json
+
+    from serve.engine.profiling import PROFILE_NAME, load_or_profile, mark_profile_stale
+
+    runner = TargetRunner(varied_target, LAYERS)
+    load_or_profile(runner, tmp_path, 6, block_tokens=4, repeats=1)
+    path = tmp_path / PROFILE_NAME
+    mark_profile_stale(tmp_path, "sps")
+    assert "stale" in json.loads(path.read_text())
+    load_or_profile(runner, tmp_path, 6, block_tokens=4, repeats=1)
+    assert "stale" not in json.loads(path.read_text())  # re-measured and stored afresh
+    mark_profile_stale(tmp_path / "missing", "sps")  # nothing there: a warning, no error
+
+
+def test_cost_check_corrects_only_beyond_its_tolerance():
+    from serve.engine.cost_check import CostCheck
+    from serve.engine.profiling import trimmed_mean
+
+    check = CostCheck("test", window=6, tolerance=2.0)
+    assert [check.observe(1.0, 1.9) for _ in range(8)] == [None] * 8  # within 2x: kept
+    assert check.observe(1.0, float("nan")) is None and check.observe(0.0, 1.0) is None
+    check = CostCheck("test", window=6, tolerance=2.0)
+    verdicts = [check.observe(1.0, m) for m in (3.0, 3.5, 0.1, 2.5, 2.6, 3.0)]
+    assert verdicts[:5] == [None] * 5  # mixed: not before the window is full
+    assert verdicts[5] == pytest.approx(2.8)  # its median: one fast call does not decide
+    assert len(check.ratios) == 0
+    quick = [check.observe(1.0, m) for m in (0.1, 0.2, 0.1, 0.3)]  # 4 alike decide at once
+    assert quick == [None] * 3 + [pytest.approx(0.15)]
+    assert check.corrections == [verdicts[5], quick[3]]
+    with pytest.raises(ValueError):
+        CostCheck("bad", tolerance=1.0)
+    assert trimmed_mean([1.0, 100.0, 2.0]) == 2.0
+    assert trimmed_mean([5.0, 1.0, 2.0, 3.0, 90.0]) == pytest.approx(10 / 3)
+    assert trimmed_mean([4.0]) == 4.0
+    with pytest.raises(ValueError):
+        trimmed_mean([])
+
+
 def _drafter_calls(drafter):
     """Record the rows of every drafter call (single-row and batched)."""
     rows: list[int] = []

@@ -1,0 +1,80 @@
+"""The profiles checked against the engine's own steps (issue 41).
+
+The goodput planner decides whether drafting pays from two profiles measured once per machine and
+stored beside the drafter: the drafter's cost per call (``DraftCostTable``) and the target's
+steps per second (``SPSTable``). A profile measured while the machine was loaded overstates the
+drafter's cost, and a planner that believes it drafts only in its rare probes: measured on an
+AVX2 machine, a draft round stored at 53-110 ms against 11-16 ms quiet kept drafting to 3 % of
+the steps in every later run. So the engine times what it actually does: each drafting step's
+drafter time and each step's target pass against what the profile predicted for that very call.
+When the median ratio of the last :data:`WINDOW` observations leaves [1 / :data:`TOLERANCE`,
+:data:`TOLERANCE`] (or the last :data:`UNANIMOUS` all lie beyond it on one side), the table is
+rescaled by that ratio (a re-measurement from the engine's own
+steps, at no extra cost), the stored file is marked for re-profiling at the next start, and the
+log says so. Probes keep drafting while the planner believes drafting does not pay, so a
+pessimistic draft-cost profile is corrected even when it had switched drafting off.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import statistics
+from collections import deque
+
+logger = logging.getLogger(__name__)
+
+WINDOW = 16  # observations per verdict: enough that one slow step (a GC, a page fault) is outvoted
+TOLERANCE = 2.0  # a profile within 2x of the measured steps is kept as it is
+# this many consecutive calls all beyond the tolerance on one side decide at once: a draft-cost
+# profile that switched drafting off leaves only the planner's rare probes to observe
+UNANIMOUS = 4
+
+
+class CostCheck:
+    """Running comparison of measured against predicted seconds for one profile.
+
+    Args:
+        name: the profile's name in log messages ("draft cost", "SPS(B)").
+        window: observations per verdict.
+        tolerance: the ratio (either way) beyond which the profile is corrected, > 1.
+    Raises:
+        ValueError: window < 1 or tolerance <= 1.
+    """
+
+    def __init__(self, name: str, window: int = WINDOW, tolerance: float = TOLERANCE):
+        if window < 1 or not tolerance > 1:
+            raise ValueError(f"window must be >= 1 and tolerance > 1, got {window}, {tolerance}")
+        self.name, self.window, self.tolerance = name, window, tolerance
+        self.ratios: deque[float] = deque(maxlen=window)
+        self.corrections: list[float] = []  # every factor applied, in order
+
+    def observe(self, predicted_s: float, measured_s: float) -> float | None:
+        """Record one call: its predicted and measured seconds (ignored unless both are finite
+        and positive).
+
+        Returns:
+            the factor (measured / predicted: the median of the window, or of the last
+            :data:`UNANIMOUS` when they all lie beyond the tolerance on one side) to scale the
+            profile's seconds by when it is outside the tolerance, else None. After a
+            correction the window starts again (the next verdict reads the corrected profile).
+        """
+        if not (math.isfinite(predicted_s) and math.isfinite(measured_s)
+                and predicted_s > 0 and measured_s > 0):
+            return None
+        self.ratios.append(measured_s / predicted_s)
+        recent = list(self.ratios)[-UNANIMOUS:]
+        unanimous = len(recent) == UNANIMOUS and (all(r > self.tolerance for r in recent)
+                                                  or all(r < 1 / self.tolerance for r in recent))
+        if len(self.ratios) < self.window and not unanimous:
+            return None
+        used = recent if unanimous else list(self.ratios)
+        factor = statistics.median(used)
+        if 1 / self.tolerance <= factor <= self.tolerance:
+            return None
+        self.ratios.clear()
+        self.corrections.append(factor)
+        logger.warning("the %s profile disagrees with this engine's own steps (measured %.2fx "
+                       "its prediction over the last %d calls): rescaled, and marked to be "
+                       "profiled again at the next start", self.name, factor, len(used))
+        return factor
