@@ -75,10 +75,14 @@ def kernel_state() -> dict:
     if built:
         paths = kernel_paths() or {}
     else:
-        paths = {"float32": "avx2_fma" if isa_supported("avx2") else "portable",
-                 "bfloat16": "avx512_bf16" if capability("cpu").native_bf16 else "portable"}
+        loops = ("vectorised loops, " + ("AVX-512" if torch.backends.cpu.get_cpu_capability()
+                                         .startswith("AVX512") else "AVX2+FMA"
+                                         if isa_supported("avx2") else "baseline"))
+        paths = {"float32": loops,
+                 "bfloat16": "avx512_bf16 dot products" if capability("cpu").native_bf16
+                 else loops}
     return {"built": built, "build_directory": str(directory), "compiler": compiler,
-            "path": ", ".join(f"{k}: {v.split(' (')[0]}" for k, v in sorted(paths.items())),
+            "path": "; ".join(f"{k}: {v.split(' (')[0]}" for k, v in sorted(paths.items())),
             "paths": paths,
             "state": ("built" if built else "built on first use (~30 s)" if compiler
                       else "cannot be built (no C++ compiler): the engine attends with PyTorch")}

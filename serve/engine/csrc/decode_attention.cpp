@@ -7,16 +7,17 @@
 //
 // Per (row, key/value head) work item: the g = Hq / Hkv query heads sharing that key/value head
 // are scored against each key once (grouped-query attention without repeating keys), the scores
-// kept in fp32, softmax in fp32, and the values accumulated in fp32. Paths, chosen when the file
+// kept in fp32, softmax in fp32, and the values accumulated in fp32. Paths, fixed when the file
 // is compiled for a CPU (-march): with AVX512-BF16 and head dim 64, bf16 scores use the
-// dot-product instruction and values are widened 16 at a time; with AVX2 and FMA, fp32 rows of a
-// head dim that is a multiple of 8 are scored and accumulated 8 lanes at a time with the queries
-// held in registers (the dtype an AVX2-only CPU computes in: it has no native bf16); any other
-// CPU, dtype or shape runs the portable loops (vectorised by the compiler). kernel_paths() says
-// which a build took.
+// dot-product instruction and values are widened 16 at a time; everything else runs the portable
+// loops, which the compiler vectorises for the instruction sets it is given (AVX-512, AVX2 + FMA,
+// or baseline SSE2). fp32 on an AVX2-only CPU (its dtype: it has no native bf16) is these loops
+// built for AVX2: measured up to 1.7x the baseline build, and 2.4x faster than a hand-written
+// AVX2-intrinsics version of the same loops, which was dropped for it
+// (benchmarks/decode_kernel_paths.py). kernel_paths() says which a build took.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
-#if defined(__AVX512BF16__) || (defined(__AVX2__) && defined(__FMA__))
+#if defined(__AVX512BF16__)
 #include <immintrin.h>
 #endif
 #include <algorithm>
@@ -58,59 +59,6 @@ void softmax_rows(float* sc, int64_t L, const float* sinks) {
   }
 }
 
-#if defined(__AVX2__) && defined(__FMA__)
-// sum of the 8 lanes of an AVX register
-inline float hsum8(__m256 v) {
-  __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  x = _mm_add_ps(x, _mm_movehl_ps(x, x));
-  x = _mm_add_ss(x, _mm_movehdup_ps(x));
-  return _mm_cvtss_f32(x);
-}
-
-// fp32 work item with AVX2 + FMA, d a multiple of 8 (<= 256): each key row is loaded once per
-// 8 lanes and scored against the G query heads (pre-scaled); the weighted value rows are summed
-// into fp32 accumulators (work: G * d floats), 8 lanes per FMA
-template <int G>
-void attend_avx2(const float* q, const float* kb, const float* vb, int64_t kstride, int64_t L,
-                 int64_t d, float scale, const float* sinks, float* sc, float* work, float* out) {
-  const int64_t chunks = d / 8;
-  float* __restrict qf = work;  // [G, d] scaled queries
-  for (int a = 0; a < G; ++a)
-    for (int64_t i = 0; i < d; ++i) qf[a * d + i] = q[a * d + i] * scale;
-  for (int64_t t = 0; t < L; ++t) {
-    const float* kr = kb + t * kstride;
-    __m256 acc[G];
-    for (int a = 0; a < G; ++a) acc[a] = _mm256_setzero_ps();
-    for (int64_t c = 0; c < chunks; ++c) {
-      const __m256 k = _mm256_loadu_ps(kr + 8 * c);
-      for (int a = 0; a < G; ++a)
-        acc[a] = _mm256_fmadd_ps(_mm256_loadu_ps(qf + a * d + 8 * c), k, acc[a]);
-    }
-    for (int a = 0; a < G; ++a) sc[a * L + t] = hsum8(acc[a]);
-  }
-  softmax_rows<G>(sc, L, sinks);
-  float* __restrict o = work;  // the queries are no longer needed: [G, d] accumulators
-  std::fill(o, o + G * d, 0.f);
-  for (int64_t c0 = 0; c0 < chunks; c0 += 4) {  // 4 chunks (32 lanes) of every head at a time
-    const int64_t cn = std::min<int64_t>(4, chunks - c0);
-    __m256 acc[G][4];
-    for (int a = 0; a < G; ++a)
-      for (int c = 0; c < 4; ++c) acc[a][c] = _mm256_setzero_ps();
-    for (int64_t t = 0; t < L; ++t) {
-      const float* vr = vb + t * kstride + 8 * c0;
-      __m256 v[4];
-      for (int c = 0; c < cn; ++c) v[c] = _mm256_loadu_ps(vr + 8 * c);
-      for (int a = 0; a < G; ++a) {
-        const __m256 w = _mm256_set1_ps(sc[a * L + t]);
-        for (int c = 0; c < cn; ++c) acc[a][c] = _mm256_fmadd_ps(w, v[c], acc[a][c]);
-      }
-    }
-    for (int a = 0; a < G; ++a)
-      for (int c = 0; c < cn; ++c) _mm256_storeu_ps(o + a * d + 8 * (c0 + c), acc[a][c]);
-  }
-  std::memcpy(out, o, sizeof(float) * G * d);
-}
-#endif
 
 // one work item: G query heads q [G, d] over keys / values kb, vb (row stride kstride) of L
 // positions; sc: scratch of G * L floats; out [G, d]
@@ -153,14 +101,6 @@ void attend(const T* q, const T* kb, const T* vb, int64_t kstride, int64_t L, in
         for (int c = 0; c < 4; ++c)
           _mm256_storeu_si256((__m256i*)(out + a * 64 + 16 * c),
                               (__m256i)_mm512_cvtneps_pbh(acc[a][c]));
-      return;
-    }
-  }
-#endif
-#if defined(__AVX2__) && defined(__FMA__)
-  if constexpr (std::is_same<T, float>::value) {
-    if (d % 8 == 0 && d <= 256) {
-      attend_avx2<G>(q, kb, vb, kstride, L, d, scale, sinks, sc, work, out);
       return;
     }
   }
@@ -295,12 +235,18 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& keys, const a
 
 // the inner path this build takes per dtype (what it was compiled for)
 std::map<std::string, std::string> kernel_paths() {
-  std::map<std::string, std::string> out{{"float32", "portable"}, {"bfloat16", "portable"}};
-#if defined(__AVX2__) && defined(__FMA__)
-  out["float32"] = "avx2_fma (head dim a multiple of 8, <= 256; portable otherwise)";
+#if defined(__AVX512F__)
+  const std::string loops = "vectorised loops, AVX-512";
+#elif defined(__AVX2__) && defined(__FMA__)
+  const std::string loops = "vectorised loops, AVX2+FMA";
+#elif defined(__x86_64__)
+  const std::string loops = "vectorised loops, baseline x86-64 (SSE2)";
+#else
+  const std::string loops = "vectorised loops, this architecture's baseline";
 #endif
+  std::map<std::string, std::string> out{{"float32", loops}, {"bfloat16", loops}};
 #if defined(__AVX512BF16__)
-  out["bfloat16"] = "avx512_bf16 (head dim 64; portable otherwise)";
+  out["bfloat16"] = "avx512_bf16 dot products (head dim 64; " + loops + " otherwise)";
 #endif
   return out;
 }
