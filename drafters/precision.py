@@ -87,9 +87,14 @@ def _capability(kind: str) -> Capability:
     avx512_bf16 = _cpu_check("_is_avx512_bf16_supported")
     amx = _cpu_check("_is_amx_tile_supported")
     amx_fp16 = _cpu_check("_is_amx_fp16_supported")
-    bf16 = avx512_bf16 or amx
     found = [f for f, on in (("avx512_bf16", avx512_bf16), ("amx", amx)) if on]
+    # torch told to dispatch narrower kernels (ATEN_CPU_CAPABILITY=avx2, e.g. to reproduce an
+    # AVX2-only machine) is taken at its word: that machine has no native bf16
+    narrowed = bool(found) and not cap.startswith(("AVX512", "AMX"))
+    bf16 = bool(found) and not narrowed
     reason = (f"CPU {cap} with {' and '.join(found)}: native bf16 matmuls" if bf16 else
+              f"CPU with {' and '.join(found)}, but torch dispatches {cap} kernels here "
+              f"(ATEN_CPU_CAPABILITY): treated as a CPU without native bf16" if narrowed else
               f"CPU {cap} without avx512_bf16 or amx: bf16 matmuls are emulated")
     return Capability("cpu", cap, bf16, amx_fp16, reason)
 

@@ -82,9 +82,10 @@ def _cpu_flags_line() -> str:
     return ""
 
 
-def build_directory(isa: str = "native") -> Path:
-    """Where the kernel for this machine (and instruction-set target ``isa``) is built and
-    cached."""
+def build_directory(isa: str | None = None) -> Path:
+    """Where the kernel for this machine (and instruction-set target ``isa``, as
+    :func:`decode_kernel`) is built and cached."""
+    isa = engine_isa(isa)
     root = os.environ.get("TORCH_EXTENSIONS_DIR",
                           str(Path.home() / ".cache" / "dspark_ray" / "torch_extensions"))
     suffix = "" if isa == "native" else f"_{isa}"
@@ -120,7 +121,7 @@ def _module(isa: str):
         return None
 
 
-def decode_kernel(isa: str = "native"):
+def decode_kernel(isa: str | None = None):
     """The compiled ``decode_attention(q, keys, values, slots, lengths, scale, starts=None,
     sinks=None)`` function, or None where it cannot be built (a warning says why, once per
     process).
@@ -135,14 +136,22 @@ def decode_kernel(isa: str = "native"):
     outside ``[0, length)``.
 
     Args:
-        isa: the instruction-set target of the build (:data:`ISA_FLAGS`); the engine uses
-            "native" (this CPU's, so its fastest paths); the others exist to build, test and
-            measure each path on a CPU that has more.
+        isa: the instruction-set target of the build (:data:`ISA_FLAGS`); None = the
+            environment's ``DSPARK_DECODE_KERNEL_ISA``, else "native" (this CPU's, so its fastest
+            paths), which the engine uses. The others exist to build, test and measure each path
+            on a CPU that has more (e.g. an AVX2-only machine's, reproduced on an AVX-512 one
+            with torch's ``ATEN_CPU_CAPABILITY=avx2``).
     Raises:
         ValueError: an unknown target, or one this CPU cannot run (:func:`isa_supported`).
     """
-    module = _module(isa)
+    module = _module(engine_isa(isa))
     return None if module is None else module.decode_attention
+
+
+def engine_isa(isa: str | None = None) -> str:
+    """``isa``, else the environment's ``DSPARK_DECODE_KERNEL_ISA``, else "native": the build the
+    engine uses."""
+    return isa or os.environ.get("DSPARK_DECODE_KERNEL_ISA", "native")
 
 
 def forget_kernels() -> None:
@@ -151,9 +160,9 @@ def forget_kernels() -> None:
     _module.cache_clear()
 
 
-def kernel_paths(isa: str = "native") -> dict[str, str] | None:
+def kernel_paths(isa: str | None = None) -> dict[str, str] | None:
     """The inner path a build takes per dtype ({"float32": ..., "bfloat16": ...}: "avx512_bf16
     dot products ..." or "vectorised loops, <instruction sets>"), as it was compiled; None where
-    it cannot be built."""
-    module = _module(isa)
+    it cannot be built. ``isa``: as :func:`decode_kernel`."""
+    module = _module(engine_isa(isa))
     return None if module is None else dict(module.kernel_paths())

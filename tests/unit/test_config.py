@@ -107,10 +107,12 @@ def test_the_quickstart_fingerprints_stay_those_of_existing_run_directories():
     """Literal stage fingerprints of the shipped quickstart, as run directories made before this
     session's config fields (engine.seeded_sampling, engine.min_tokens_per_s, the renames) recorded
     them: a field added at its default must not make a finished stage look stale. (The values
-    changed once on purpose in session 27: the quickstart's dtypes went from bfloat16 to auto,
-    which computes in fp32 on an AVX2-only CPU, so earlier run directories re-run those stages.)"""
+    changed on purpose in session 27: the quickstart's dtypes went from bfloat16 to auto, which
+    computes in fp32 on an AVX2-only CPU; and in session 28: its generate stage moved to the
+    engine backend. drafter.sliding_window, added then at its default, changed nothing: before
+    the backend change these still read 98e0ace975d5 / 92b38a928d4b / d678efdeeef9.)"""
     from pipeline.stages import stage_fingerprint
 
     cfg = load_config("infra/configs/quickstart.yaml")
     assert {s: stage_fingerprint(cfg, s)[:12] for s in ("generate", "train", "eval")} == {
-        "generate": "98e0ace975d5", "train": "92b38a928d4b", "eval": "d678efdeeef9"}
+        "generate": "8150d903c77d", "train": "642c1fd7b317", "eval": "24c63ac665e5"}

@@ -364,15 +364,20 @@ def test_cost_check_corrects_only_beyond_its_tolerance():
 
     check = CostCheck("test", window=6, tolerance=2.0)
     assert [check.observe(1.0, 1.9) for _ in range(8)] == [None] * 8  # within 2x: kept
+    check = CostCheck("test", window=6, tolerance=2.0)
     assert check.observe(1.0, float("nan")) is None and check.observe(0.0, 1.0) is None
     check = CostCheck("test", window=6, tolerance=2.0)
+    # slower than predicted: never during the warm-up (the first window of calls), however slow
+    assert [check.observe(1.0, 9.0) for _ in range(6)] == [None] * 6
     verdicts = [check.observe(1.0, m) for m in (3.0, 3.5, 0.1, 2.5, 2.6, 3.0)]
-    assert verdicts[:5] == [None] * 5  # mixed: not before the window is full
+    assert verdicts[:5] == [None] * 5  # mixed: not before the window is refilled
     assert verdicts[5] == pytest.approx(2.8)  # its median: one fast call does not decide
     assert len(check.ratios) == 0
-    quick = [check.observe(1.0, m) for m in (0.1, 0.2, 0.1, 0.3)]  # 4 alike decide at once
+    quick = [check.observe(1.0, m) for m in (0.1, 0.2, 0.1, 0.3)]  # 4 faster decide at once
     assert quick == [None] * 3 + [pytest.approx(0.15)]
     assert check.corrections == [verdicts[5], quick[3]]
+    fresh = CostCheck("test", window=6, tolerance=2.0)
+    assert [fresh.observe(1.0, 0.2) for _ in range(4)][-1] == pytest.approx(0.2)  # no warm-up
     with pytest.raises(ValueError):
         CostCheck("bad", tolerance=1.0)
     assert trimmed_mean([1.0, 100.0, 2.0]) == 2.0

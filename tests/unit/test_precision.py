@@ -80,7 +80,9 @@ def test_this_machines_capability_agrees_with_its_cpu_flags():
     if flags is None:
         pytest.skip("no /proc/cpuinfo flags on this platform")
     cap = capability("cpu")
-    assert cap.native_bf16 == ("avx512_bf16" in flags or "amx_tile" in flags), cap
+    dispatched = torch.backends.cpu.get_cpu_capability()  # narrowed by ATEN_CPU_CAPABILITY?
+    assert cap.native_bf16 == (("avx512_bf16" in flags or "amx_tile" in flags)
+                               and dispatched.startswith(("AVX512", "AMX"))), cap
     assert cap.name == torch.backends.cpu.get_cpu_capability()
     assert resolve_dtype("auto", "cpu") == (torch.bfloat16 if cap.native_bf16 else torch.float32)
 
@@ -200,5 +202,21 @@ def test_a_gpu_with_only_emulated_bf16_resolves_to_fp32(monkeypatch):
     try:
         assert resolve_dtype("auto", "cuda") == torch.float32
         assert asked == {"including_emulation": False}
+    finally:
+        precision._capability.cache_clear()
+
+
+def test_torch_told_to_dispatch_avx2_kernels_is_an_avx2_machine(monkeypatch):
+    """ATEN_CPU_CAPABILITY=avx2 on a CPU with avx512_bf16 (reproducing an AVX2-only machine):
+    auto resolves to fp32, and the reason says why."""
+    from drafters import precision
+
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
+    monkeypatch.setattr(precision, "_cpu_check", lambda name: name == "_is_avx512_bf16_supported")
+    precision._capability.cache_clear()
+    try:
+        cap = capability("cpu")
+        assert not cap.native_bf16 and "ATEN_CPU_CAPABILITY" in cap.reason
+        assert resolve_dtype("auto", "cpu", cap) == torch.float32
     finally:
         precision._capability.cache_clear()
