@@ -210,8 +210,9 @@ def packed_attention(q: torch.Tensor, block_k: torch.Tensor, block_v: torch.Tens
 def _attend_chunk(qs: torch.Tensor, kb: torch.Tensor, vb: torch.Tensor, kc: torch.Tensor,
                   vc: torch.Tensor, pos: torch.Tensor, anchor: torch.Tensor,
                   blk_vis: torch.Tensor | None, window: int | None = None) -> torch.Tensor:
-    """One chunk of :func:`packed_attention`: a blocks of one sequence against its first
-    ``ctx_len`` context rows and their own block slots, in one softmax.
+    """One chunk of :func:`packed_attention`: a blocks of one sequence against the context rows
+    some query of the chunk can see (``[lo, ctx_len)``, given as ``kc``/``vc``/``pos``) and their
+    own block slots, in one softmax.
 
     Args:
         qs: [a, nh, S, hd] queries; kb, vb: [a, nkv, S, hd] block keys/values.

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 from dataclasses import dataclass
 
 import torch
@@ -92,10 +93,15 @@ def _capability(kind: str) -> Capability:
     # AVX2-only machine) is taken at its word: that machine has no native bf16
     narrowed = bool(found) and not cap.startswith(("AVX512", "AMX"))
     bf16 = bool(found) and not narrowed
-    reason = (f"CPU {cap} with {' and '.join(found)}: native bf16 matmuls" if bf16 else
-              f"CPU with {' and '.join(found)}, but torch dispatches {cap} kernels here "
-              f"(ATEN_CPU_CAPABILITY): treated as a CPU without native bf16" if narrowed else
-              f"CPU {cap} without avx512_bf16 or amx: bf16 matmuls are emulated")
+    if bf16:
+        reason = f"CPU {cap} with {' and '.join(found)}: native bf16 matmuls"
+    elif narrowed:
+        told = os.environ.get("ATEN_CPU_CAPABILITY")
+        reason = (f"CPU with {' and '.join(found)}, but torch dispatches {cap} kernels here"
+                  + (f" (ATEN_CPU_CAPABILITY={told})" if told else "")
+                  + ": treated as a CPU without native bf16")
+    else:
+        reason = f"CPU {cap} without avx512_bf16 or amx: bf16 matmuls are emulated"
     return Capability("cpu", cap, bf16, amx_fp16, reason)
 
 

@@ -67,20 +67,12 @@ def kernel_state() -> dict:
     """The decode attention kernel on this machine: built (its cached build exists), buildable
     (a C++ compiler is on PATH), and the inner path per dtype (the built module's own report
     where it is built, else what this CPU's instruction sets select)."""
-    from serve.engine.decode_attention import build_directory, isa_supported, kernel_paths
+    from serve.engine.decode_attention import build_directory, expected_paths, kernel_paths
 
     directory = build_directory()
     built = any(directory.rglob("*.so")) if directory.is_dir() else False
     compiler = shutil.which("c++") or shutil.which("g++")
-    if built:
-        paths = kernel_paths() or {}
-    else:
-        loops = ("vectorised loops, " + ("AVX-512" if torch.backends.cpu.get_cpu_capability()
-                                         .startswith("AVX512") else "AVX2+FMA"
-                                         if isa_supported("avx2") else "baseline"))
-        paths = {"float32": loops,
-                 "bfloat16": "avx512_bf16 dot products" if capability("cpu").native_bf16
-                 else loops}
+    paths = (kernel_paths() if built else None) or expected_paths()
     return {"built": built, "build_directory": str(directory), "compiler": compiler,
             "path": "; ".join(f"{k}: {v.split(' (')[0]}" for k, v in sorted(paths.items())),
             "paths": paths,

@@ -90,8 +90,11 @@ ADDED_LATER = [("drafter", "qk_norm", None), ("engine", "kv_cache_memory_gib", 2
                ("engine", "probe_alpha", 0.8), ("prompts", "heldout_ids_from", None),
                # the kernel attends as the PyTorch path did, up to rounding
                ("engine", "attention", "kernel"), ("train", "objective", None),
-               # 'target' is full attention on the targets earlier runs could train for (no
-               # drafter followed a window before; a checkpoint records its own windows)
+               # 'target' is full attention on full-attention targets, so such runs stay
+               # complete. A run on a sliding-window target (Mistral, Phi-3, Qwen2 with
+               # use_sliding_window, Gemma 3 / gpt-oss whose mirrored layers slide) made before
+               # trained a full-attention drafter and stays complete too: its checkpoint says so
+               # (no layer_windows) and loads as such; re-run with --force train for a windowed one
                ("drafter", "sliding_window", "target")]
 # config fields that say where a stage may take its outputs from, not what they are: never
 # fingerprinted, so adding the shipped answers to a run that regenerated them changes nothing

@@ -77,7 +77,10 @@ def dspark_speculators_config(drafter, mask_token_id: int, dtype: str, verifier:
     return {**speculators_header(cfg, "DSparkSpeculator", "dspark", dtype),
             "block_size": cfg.block_size, "aux_hidden_state_layer_ids": aux_layer_ids(cfg),
             "mask_token_id": mask_token_id, "sample_from_anchor": True,
-            "sliding_window_non_causal": False, "target_hidden_size": cfg.target_hidden_size,
+            # the block attends both ways, as trained: vLLM's update_dflash sets
+            # dflash_config.causal = not sliding_window_non_causal (DSpark shares it), and the
+            # speculators trainer makes a windowed block causal unless this is true
+            "sliding_window_non_causal": True, "target_hidden_size": cfg.target_hidden_size,
             "markov_rank": cfg.markov_rank, "markov_head_type": "vanilla",
             "enable_confidence_head": bool(cfg.confidence_head),
             "confidence_head_with_markov": True,

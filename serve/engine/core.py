@@ -233,19 +233,15 @@ class SpecEngine:
         plan = self.planner.plan(reqs, time.perf_counter())
         draft_start = time.perf_counter()
         outputs = self._propose(plan)
-        draft_s = time.perf_counter() - draft_start if plan.predicted_draft_s else 0.0
+        draft_s = self._elapsed(draft_start) if plan.predicted_draft_s else 0.0
         if not plan.rows:  # every request failed while drafting
             return outputs, self._prefill_forward(chunks)
         self.planner.schedule(plan, [self._floor(row.request) for row in plan.rows])
         plan.verify_start_s = time.perf_counter()
         outs, prefill_outs = self._target_pass(plan, chunks)
-        verify_s = time.perf_counter() - plan.verify_start_s
         # the profiles checked against this step (a prompt chunk in the pass: not comparable)
         verify_tokens = 0 if chunks else sum(row.length + 1 for row in plan.rows)
-        for name in self.planner.check_costs(plan, draft_s, verify_tokens, verify_s):
-            self.sps, self.draft_cost = self.planner.sps, self.planner.draft_cost
-            if self.on_profile_correction is not None:
-                self.on_profile_correction(name)
+        self._check_costs(plan, draft_s, verify_tokens, self._elapsed(plan.verify_start_s))
         for i in reversed(range(len(outs))):  # a request whose own target pass raised fails alone
             if isinstance(outs[i], Exception):
                 outputs.append(self._fail(plan.rows[i].request, outs[i], "the target pass"))
@@ -264,6 +260,30 @@ class SpecEngine:
                 outputs.append(self._fail(row.request, err, "verification"))
         self.planner.remember(plan)
         return outputs, prefill_outs
+
+    def _elapsed(self, start: float) -> float:
+        """Seconds since ``start`` (perf_counter) once the device's queued work is done (on CUDA
+        a pass returns before its kernels finish; only then is the time comparable with the
+        profiles', which synchronize)."""
+        if self.planner.checks_costs and self.target.device.type == "cuda":
+            torch.cuda.synchronize(self.target.device)
+        return time.perf_counter() - start
+
+    def _check_costs(self, plan: StepPlan, draft_s: float, verify_tokens: int,
+                     verify_s: float) -> None:
+        """The profiles against this step's measured drafter call and target pass
+        (``StepPlanner.check_costs``); advisory, so any error in it is logged once and turns the
+        check off rather than failing the step's requests."""
+        if not self.planner.checks_costs:
+            return
+        try:
+            for name in self.planner.check_costs(plan, draft_s, verify_tokens, verify_s):
+                self.sps, self.draft_cost = self.planner.sps, self.planner.draft_cost
+                if self.on_profile_correction is not None:
+                    self.on_profile_correction(name)
+        except Exception:  # noqa: BLE001 - the check must never cost a request
+            logger.warning("the profile check failed and is off for this engine", exc_info=True)
+            self.planner.checks_costs = False
 
     def _propose(self, plan: StepPlan) -> list[RequestOutput]:
         """Draft the plan's drafter rows; a request whose drafting raises fails and leaves the

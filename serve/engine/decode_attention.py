@@ -71,6 +71,25 @@ def isa_supported(isa: str) -> bool:
     return {"avx2", "fma"} <= flags
 
 
+def expected_paths(isa: str | None = None) -> dict[str, str]:
+    """The inner paths a build for ``isa`` (as :func:`decode_kernel`) would report, from this
+    CPU's flags, without building it: the C++ file's rule (its ``kernel_paths``)."""
+    isa = engine_isa(isa)
+    flags = set(_cpu_flags_line().split(":", 1)[-1].split())
+    native = isa == "native"
+    if (native and "avx512f" in flags):
+        loops = "vectorised loops, AVX-512"
+    elif isa == "avx2" or (native and {"avx2", "fma"} <= flags):
+        loops = "vectorised loops, AVX2+FMA"
+    elif platform.machine() in ("x86_64", "AMD64"):
+        loops = "vectorised loops, baseline x86-64 (SSE2)"
+    else:
+        loops = "vectorised loops, this architecture's baseline"
+    bf16 = (f"avx512_bf16 dot products (head dim 64; {loops} otherwise)"
+            if native and "avx512_bf16" in flags else loops)
+    return {"float32": loops, "bfloat16": bf16}
+
+
 def _cpu_flags_line() -> str:
     """/proc/cpuinfo's first flags line ("flags : fpu ... avx2 ..."), "" where there is none."""
     try:
@@ -95,7 +114,11 @@ def build_directory(isa: str | None = None) -> Path:
 @functools.lru_cache(maxsize=None)
 def _module(isa: str):
     """The compiled extension module for ``isa``, or None where it cannot be built (a warning
-    says why, once per process and target)."""
+    says why, once per process and target).
+
+    Raises:
+        ValueError: a target this CPU cannot run (:func:`isa_supported`; an explicit argument).
+    """
     from torch.utils.cpp_extension import load
 
     if not isa_supported(isa):
@@ -150,8 +173,21 @@ def decode_kernel(isa: str | None = None):
 
 def engine_isa(isa: str | None = None) -> str:
     """``isa``, else the environment's ``DSPARK_DECODE_KERNEL_ISA``, else "native": the build the
-    engine uses."""
-    return isa or os.environ.get("DSPARK_DECODE_KERNEL_ISA", "native")
+    engine uses. An environment value that is unknown or that this CPU cannot run is warned about
+    (once) and replaced by "native"."""
+    if isa:
+        return isa
+    wanted = os.environ.get("DSPARK_DECODE_KERNEL_ISA", "native")
+    if wanted in ISA_FLAGS and isa_supported(wanted):
+        return wanted
+    _warn_isa_once(wanted)
+    return "native"
+
+
+@functools.lru_cache(maxsize=None)
+def _warn_isa_once(wanted: str) -> None:
+    logger.warning("DSPARK_DECODE_KERNEL_ISA=%r is not a build this CPU can run (%s): using "
+                   "the native build", wanted, sorted(ISA_FLAGS))
 
 
 def forget_kernels() -> None:

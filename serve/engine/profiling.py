@@ -54,10 +54,12 @@ def hardware_fingerprint(runner: TargetRunner) -> dict:
     """What SPS depends on: device, its instruction set (a CPU's capability as torch reports it,
     "AVX2" / "AVX512"..., and whether it multiplies bf16 natively: one "AMD EPYC" model name
     covers AVX2-only and AVX-512-BF16 generations, 4x apart in bf16), threads, software versions,
-    model, dtype and how decode rows attend (the decode attention kernel or PyTorch:
-    ``EngineConfig.attention``). A stored profile whose fingerprint differs in any of these is
+    model, dtype and how decode rows attend (the decode attention kernel and which instruction-set
+    build of it, or PyTorch: ``EngineConfig.attention``). A stored profile whose fingerprint differs in any of these is
     measured again."""
     from drafters.precision import capability
+
+    from .decode_attention import engine_isa
 
     device = device_name(runner.device)
     cap = capability(runner.device)
@@ -67,7 +69,8 @@ def hardware_fingerprint(runner: TargetRunner) -> dict:
             "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
             "model": getattr(cfg, "_name_or_path", ""), "num_layers": cfg.num_hidden_layers,
             "hidden_size": cfg.hidden_size, "dtype": str(runner.dtype),
-            "attention": "kernel" if runner.decode_kernel is not None else "pytorch"}
+            "attention": (f"kernel ({engine_isa()} build)" if runner.decode_kernel is not None
+                          else "pytorch")}
 
 
 def batch_grid(max_tokens: int) -> list[int]:
@@ -80,7 +83,6 @@ def batch_grid(max_tokens: int) -> list[int]:
     return sorted(sizes)
 
 
-@torch.no_grad()
 def trimmed_mean(samples: list[float], trim: float = 0.25) -> float:
     """Mean of ``samples`` without the lowest and highest ``trim`` share of them (at least one
     each from 3 samples on): robust to the one call a page fault, a GC or a neighbour slowed.
@@ -97,6 +99,7 @@ def trimmed_mean(samples: list[float], trim: float = 0.25) -> float:
     return sum(kept) / len(kept)
 
 
+@torch.no_grad()
 def profile_sps(runner: TargetRunner, max_tokens: int, block_tokens: int = 8,
                 context_len: int = 128, repeats: int = 3, seed: int = 0) -> dict[int, float]:
     """Time batched verification forward passes.
@@ -147,7 +150,13 @@ def _reusable(path: Path | None, fingerprint: dict, size_key: str, size: int) ->
     (its ``size_key``), else None (and the caller re-profiles)."""
     if path is None or not path.is_file():
         return None
-    stored = json.loads(path.read_text())
+    try:
+        stored = json.loads(path.read_text())
+        if not isinstance(stored, dict):
+            raise ValueError("not a JSON object")
+    except (OSError, ValueError) as err:
+        logger.warning("profile at %s is unreadable (%s): re-profiling", path, err)
+        return None
     if stored.get("stale"):
         logger.info("profile at %s was contradicted by an engine's own steps (%s): re-profiling",
                     path, stored["stale"])
@@ -164,9 +173,17 @@ def _store(path: Path | None, payload: dict) -> None:
     if path is None:
         return
     try:
-        path.write_text(json.dumps(payload, indent=1))
+        _write_atomically(path, json.dumps(payload, indent=1))
     except OSError as err:
         logger.warning("could not store the profile at %s: %s", path, err)
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    """Replace ``path`` by ``text`` through a temporary file beside it: an engine starting while
+    another rewrites the profile reads the old file or the new one, never half of one."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
 
 
 def mark_profile_stale(directory: str | Path, name: str) -> None:
@@ -177,8 +194,8 @@ def mark_profile_stale(directory: str | Path, name: str) -> None:
     try:
         stored = json.loads(path.read_text())
         stored["stale"] = time.strftime("contradicted at %Y-%m-%dT%H:%M:%SZ", time.gmtime())
-        path.write_text(json.dumps(stored, indent=1))
-    except (OSError, ValueError) as err:
+        _write_atomically(path, json.dumps(stored, indent=1))
+    except (OSError, ValueError, TypeError) as err:
         logger.warning("could not mark the profile at %s for re-profiling: %s", path, err)
 
 

@@ -203,6 +203,8 @@ class StepPlanner:
         if 0 < verify_tokens <= self.sps.max_tokens:
             factor = self.sps_checker.observe(1.0 / self.sps.sps(verify_tokens), verify_s)
             if factor is not None:
+                # schedule_fn keeps the original table: a uniform scale leaves the argmax of
+                # tau * SPS(B) unchanged; the planner, speed floors and admission read this one
                 self.sps = self.sps.scaled(factor)
                 corrected.append("sps")
         return corrected

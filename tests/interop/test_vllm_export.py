@@ -157,10 +157,14 @@ def vllm_drafter(draft_dir, target_dir, method: str = "dspark"):
 def test_vllm_drafts_the_same_block(exported, fmt):
     from vllm.config import set_current_vllm_config
 
+    from vllm.model_executor.models.qwen3_dflash import dflash_has_any_non_causal
+
     root, drafter = exported
     model, spec, cfg = vllm_drafter(root / fmt, root / "target")
     hf = spec.draft_model_config.hf_config
     assert list(hf.target_layer_ids) == [1, 3] and hf.mask_token_id == MASK
+    # the block attends both ways, as trained (what the stand-in attention below computes)
+    assert dflash_has_any_non_causal(hf)
     assert spec.num_speculative_tokens == BLOCK and hf.draft_vocab_size == 64
 
     g = torch.Generator().manual_seed(2)

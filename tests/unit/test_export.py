@@ -258,3 +258,5 @@ def test_exports_state_the_drafters_attention_window(tmp_path, target, tiny_targ
         assert layer["use_sliding_window"] == (window is not None)
         if fmt == "vllm":
             assert cfg["dflash_config"]["causal"] is False
+        else:  # vLLM's update_dflash: causal = not sliding_window_non_causal (DSpark too)
+            assert cfg["sliding_window_non_causal"] is True

@@ -22,10 +22,22 @@ from pipeline.stages import ADDED_LATER, StageContext, preflight, stage_fingerpr
 ROOT = Path(__file__).resolve().parents[2]
 QUICKSTART = ROOT / "infra" / "configs" / "quickstart.yaml"
 QWEN = ROOT / "infra" / "configs" / "qwen3_4b.yaml"
+# the quickstart's generate section as it was before it moved to the engine backend (session 28):
+# the fingerprint tests below ask whether a config written before the backend fields existed, at
+# their defaults, keeps its fingerprint
+OLD_GENERATE = ["generate.backend=hf", "generate.batch_size=32", "generate.max_prompt_tokens=2048",
+                "generate.kv_cache_memory_gib=4.0", "generate.max_num_requests=128"]
+
+
+def _old_quickstart(overrides=()):
+    return load_config(QUICKSTART, [*OLD_GENERATE, *overrides])
 
 
 def test_hf_is_the_default_and_the_gpu_config_uses_vllm():
-    assert load_config(QUICKSTART).generate.backend == "hf"
+    from pipeline.config import GenerateConfig
+
+    assert GenerateConfig().backend == "hf"
+    assert load_config(QUICKSTART).generate.backend == "engine"  # its measured faster choice
     g = load_config(QWEN).generate
     assert g.backend == "vllm"
     assert (g.vllm.num_replicas, g.vllm.tensor_parallel_size) == (8, 1)
@@ -106,7 +118,7 @@ def test_missing_vllm_is_reported_before_any_stage_runs(tmp_path, monkeypatch):
 
 
 def test_configs_without_the_backend_fields_keep_their_fingerprints():
-    cfg = load_config(QUICKSTART)
+    cfg = _old_quickstart()
     dumped = cfg.model_dump(mode="json")
     for key in ("backend", "vllm", "max_num_requests", "kv_cache_memory_gib", "reuse_from"):
         del dumped["generate"][key]  # the generate section as it was dumped before them
@@ -117,9 +129,9 @@ def test_configs_without_the_backend_fields_keep_their_fingerprints():
     assert stage_fingerprint(cfg, "generate") == before
     for override in ("generate.backend=vllm", "generate.backend=engine",
                      "generate.max_num_requests=64", "prompts.heldout_ids_from=heldout.jsonl"):
-        assert stage_fingerprint(load_config(QUICKSTART, [override]), "generate") != before
+        assert stage_fingerprint(_old_quickstart([override]), "generate") != before
     # where earlier answers may be taken from is not what the stage makes
-    assert stage_fingerprint(load_config(QUICKSTART, ["generate.reuse_from=[old.jsonl]"]),
+    assert stage_fingerprint(_old_quickstart(["generate.reuse_from=[old.jsonl]"]),
                              "generate") == before
 
 
@@ -157,7 +169,7 @@ def test_end_tokens_read_from_the_target_files_match_the_hf_backend(tiny_target_
 def test_train_fields_added_this_release_keep_train_fingerprints():
     """train.plateau_patience, train.plateau_min_delta and train.max_train_rows at their defaults
     leave finished runs' train (and later) stages complete."""
-    cfg = load_config(QUICKSTART)
+    cfg = _old_quickstart()
     dumped = cfg.model_dump(mode="json")
     for key in ("plateau_patience", "plateau_min_delta", "max_train_rows", "placement_strategy",
                 "data_mode", "stream_object_store_gib", "stream_shuffle_rows", "objective"):
@@ -172,5 +184,5 @@ def test_train_fields_added_this_release_keep_train_fingerprints():
     before = hashlib.sha256(json.dumps({s: dumped[s] for s in sections},
                                        sort_keys=True).encode()).hexdigest()
     assert stage_fingerprint(cfg, "train") == before
-    assert stage_fingerprint(load_config(QUICKSTART, ["train.plateau_min_delta=0.02"]),
+    assert stage_fingerprint(_old_quickstart(["train.plateau_min_delta=0.02"]),
                              "train") != before

@@ -212,6 +212,7 @@ def test_torch_told_to_dispatch_avx2_kernels_is_an_avx2_machine(monkeypatch):
     from drafters import precision
 
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
+    monkeypatch.setenv("ATEN_CPU_CAPABILITY", "avx2")
     monkeypatch.setattr(precision, "_cpu_check", lambda name: name == "_is_avx512_bf16_supported")
     precision._capability.cache_clear()
     try:
