@@ -50,12 +50,13 @@ def _cpu_key() -> str:
     return hashlib.sha1(f"{flags} {torch.__version__}".encode()).hexdigest()[:12]
 
 
+X86_64 = platform.machine() in ("x86_64", "AMD64")
 # instruction-set targets of a build: the engine's (this CPU's every instruction set) and two
 # fixed ones, so that each inner path of the kernel can be built and tested on a machine that has
 # more (benchmarks/decode_kernel_paths.py, tests/unit/test_decode_attention.py)
 ISA_FLAGS = {"native": ["-march=native"],
              "avx2": ["-march=x86-64-v3"],  # AVX2 + FMA, no AVX-512: an AVX2-only CPU's build
-             "portable": ["-march=x86-64"] if platform.machine() in ("x86_64", "AMD64") else []}
+             "portable": ["-march=x86-64"] if X86_64 else []}
 
 
 def isa_supported(isa: str) -> bool:
@@ -65,9 +66,9 @@ def isa_supported(isa: str) -> bool:
         raise ValueError(f"unknown instruction-set target {isa!r}: one of {sorted(ISA_FLAGS)}")
     if isa != "avx2":
         return True
-    if platform.machine() not in ("x86_64", "AMD64"):
+    if not X86_64:
         return False
-    flags = set(_cpu_flags_line().split(":", 1)[-1].split())
+    flags = _cpu_flags()
     return {"avx2", "fma"} <= flags
 
 
@@ -75,19 +76,24 @@ def expected_paths(isa: str | None = None) -> dict[str, str]:
     """The inner paths a build for ``isa`` (as :func:`decode_kernel`) would report, from this
     CPU's flags, without building it: the C++ file's rule (its ``kernel_paths``)."""
     isa = engine_isa(isa)
-    flags = set(_cpu_flags_line().split(":", 1)[-1].split())
+    flags = _cpu_flags()
     native = isa == "native"
     if (native and "avx512f" in flags):
         loops = "vectorised loops, AVX-512"
     elif isa == "avx2" or (native and {"avx2", "fma"} <= flags):
         loops = "vectorised loops, AVX2+FMA"
-    elif platform.machine() in ("x86_64", "AMD64"):
+    elif X86_64:
         loops = "vectorised loops, baseline x86-64 (SSE2)"
     else:
         loops = "vectorised loops, this architecture's baseline"
     bf16 = (f"avx512_bf16 dot products (head dim 64; {loops} otherwise)"
             if native and "avx512_bf16" in flags else loops)
     return {"float32": loops, "bfloat16": bf16}
+
+
+def _cpu_flags() -> set[str]:
+    """The CPU's instruction-set flags as /proc/cpuinfo lists them (empty where it does not)."""
+    return set(_cpu_flags_line().split(":", 1)[-1].split())
 
 
 def _cpu_flags_line() -> str:
