@@ -10,6 +10,8 @@ prompt (prompt i starts at arm i mod n) so machine drift hits every arm alike:
   and the goodput planner (drafts only where its profiled cost pays, ``serve/engine/draft_planner.py``);
 - ``dspark_lookup``: the same, with prompt-lookup drafts as a second, free source the planner
   picks per request and round (``engine.prompt_lookup_max_ngram``);
+- ``dspark_unfilled``: ``dspark`` planning and verifying on the measured SPS(B) as it is
+  (``engine.fill_passes: false``: no upper envelope, no filled passes);
 - ``dspark_unplanned``: the dspark scheduler drafting gamma tokens every round (no planner);
 - ``dspark_fixed``: the same drafter verifying fixed gamma-token blocks;
 - ``eagle3``: an Eagle3 drafter trained on the same data and steps, fixed gamma (``--eagle3 DIR``,
@@ -91,6 +93,7 @@ class Arms:
                 "dspark": EngineConfig(scheduler="dspark", **one),
                 "dspark_lookup": EngineConfig(scheduler="dspark", prompt_lookup_max_ngram=LOOKUP_NGRAM,
                                               **one),
+                "dspark_unfilled": EngineConfig(scheduler="dspark", fill_passes=False, **one),
                 "dspark_unplanned": EngineConfig(scheduler="dspark", draft_planning="off", **one),
                 "dspark_fixed": EngineConfig(scheduler="fixed", **one),
             }

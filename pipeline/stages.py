@@ -95,7 +95,9 @@ ADDED_LATER = [("drafter", "qk_norm", None), ("engine", "kv_cache_memory_gib", 2
                # use_sliding_window, Gemma 3 / gpt-oss whose mirrored layers slide) made before
                # trained a full-attention drafter and stays complete too: its checkpoint says so
                # (no layer_windows) and loads as such; re-run with --force train for a windowed one
-               ("drafter", "sliding_window", "target")]
+               ("drafter", "sliding_window", "target"),
+               # filling passes changes only speed (lossless), and only on jagged profiles
+               ("engine", "fill_passes", True)]
 # config fields that say where a stage may take its outputs from, not what they are: never
 # fingerprinted, so adding the shipped answers to a run that regenerated them changes nothing
 NOT_FINGERPRINTED = [("generate", "reuse_from")]

@@ -44,6 +44,12 @@ class EngineConfig(BaseModel):
         "the step's expected tokens/s once the drafter's profiled cost is counted "
         "(serve/engine/draft_planner.py); off = draft num_speculative_tokens tokens for every "
         "request every step.")
+    fill_passes: bool = Field(True, description="dspark/async: plan with the SPS(B) profile's "
+                              "upper envelope and fill each target pass with more draft tokens "
+                              "up to the fastest length at or above the scheduled one (lossless; "
+                              "pays where the measured curve is jagged, e.g. fp32 on AVX2 CPUs, "
+                              "where a pass of 2 to 4 tokens is slower than one of 8); false = "
+                              "plan and verify on the measured curve as it is.")
     probe_interval: int = Field(4, ge=1, description="goodput planning: a request the planner "
                                 "keeps from the drafter is drafted for again after N steps (a "
                                 "lossless probe); the interval doubles while probes keep saying "

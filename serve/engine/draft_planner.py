@@ -232,7 +232,8 @@ def plan_drafts(options: list[RequestOptions], sps: SPSTable, draft_cost: DraftC
        drafted for (the margin covers what the cost model leaves out).
     4. A kept drafter row drafts l_r + 1 tokens (one beyond the prediction, so Algorithm 1 can
        verify deeper when this step's confidences are higher), capped at ``cap``; a probe drafts
-       at least one.
+       at least one. With a padded ``sps`` (``SPSTable.padded``) every drafted row drafts as
+       many more as filling the pass to its faster length needs.
     5. The due probes are drafted (all together) when a request accepting ``probe_alpha`` of
        its draft tokens would be kept at this step's batch (otherwise no probe result could
        change the plan: under load on a CPU the verification a draft adds costs more than even
@@ -299,11 +300,16 @@ def plan_drafts(options: list[RequestOptions], sps: SPSTable, draft_cost: DraftC
         drafted_suffix[k] = max(drafted_suffix[k + 1], min(options[i].cap, lengths[i] + 1))
     look_tokens = sum(expected_accepted(a, l) for a, l in lookup_rows)
     look_len = sum(l for _, l in lookup_rows)
+    def fill_extra(batch: int) -> int:
+        """Draft tokens beyond the predicted lengths that let the pass be filled to the length
+        a padded table promises (``SPSTable.padded``; 0 on a measured table)."""
+        return sps.fill_target(batch) - batch if 1 <= batch <= sps.max_tokens else 0
+
     best, cut = -1.0, m
     for k in range(m + 1):  # keep model_rows[k:]
         batch = n + look_len + len_suffix[k]
-        cost = (draft_cost.seconds(m - k, drafted_suffix[k], sampled) + backlog_suffix[k]
-                if draft_cost else 0.0)
+        cost = (draft_cost.seconds(m - k, drafted_suffix[k] + fill_extra(batch), sampled)
+                + backlog_suffix[k] if draft_cost else 0.0)
         value = (0.0 if batch > sps.max_tokens else
                  (n + look_tokens + gain_suffix[k]) / (1.0 / sps.sps(batch) + cost))
         if value >= best:  # ties drop rows: the cheaper plan
@@ -311,6 +317,7 @@ def plan_drafts(options: list[RequestOptions], sps: SPSTable, draft_cost: DraftC
     if cut < m and best < (1.0 + min_gain) * value:  # value: the last cut, nobody drafted
         best, cut = value, m
     kept = model_rows[cut:]
+    fill_tokens = fill_extra(n + look_len + len_suffix[cut])
     plan.predicted_tps = best
     plan.predicted_tps_without_drafter = value  # the last cut: nobody drafted
     kept_set = set(kept)
@@ -352,7 +359,7 @@ def plan_drafts(options: list[RequestOptions], sps: SPSTable, draft_cost: DraftC
             plan.num_draft_tokens[i] = min(options[i].lookup_len, options[i].cap)
             plan.lookup_confidences[i] = preds[i]
         elif plan.sources[i] == "model" and (i in kept_set or i in probes):
-            plan.num_draft_tokens[i] = min(options[i].cap, max(1, lengths[i] + 1))
+            plan.num_draft_tokens[i] = min(options[i].cap, max(1, lengths[i] + 1 + fill_tokens))
             plan.probed[i] = i not in kept_set
         else:
             plan.sources[i] = None

@@ -358,6 +358,61 @@ def hold_speed_floors(confidences: Confidences, lengths: Sequence[int], sps: SPS
     return lengths
 
 
+def fill_pass(confidences: Confidences, lengths: Sequence[int], sps: SPSTable,
+              max_batch_tokens: int | None = None) -> list[int]:
+    """Verify more draft tokens when a longer target pass runs faster than the scheduled one.
+
+    With B = R + sum_r l_r the scheduled pass, and A the draft tokens proposed but not scheduled,
+    the pass is filled to the B* in [B, min(B + A, limit)] of largest measured SPS(B*) (ties: the
+    shorter), by admitting the next B* - B candidates of Algorithm 1's order (a descending, ties
+    smaller j then smaller r; candidates with a = 0 last, in the same tie order) that are not yet
+    admitted. A measured SPS(B) that is jagged (``SPSTable.padded``) makes this pay: more
+    tokens verified in less time. On a non-increasing table B* = B and nothing changes.
+
+    Lossless on top of a lossless plan (Algorithm 1, the asynchronous variant, their floor
+    extension): if x_{r,k} is not in the plan, B and A are functions of the candidates the plan
+    read, which never include a_{r,j>k} (they rank after (r, k)); A counts proposed tokens,
+    fixed before drafting. Whether (r, k) is among the next B* - B candidates then depends on
+    a_{r,k} (computed from x_{r,<k}) and on other requests only, as in :func:`async_schedule`.
+
+    Args:
+        confidences: R rows of calibrated c_{r,1..K_r} in [0, 1].
+        lengths: the plan to fill, l_r in [0, K_r] (not mutated).
+        sps: the measured SPS table (steps/s), not a padded one.
+        max_batch_tokens: optional cap on the pass in tokens.
+    Returns:
+        l: list[int] of length R with l_r >= lengths[r], sum_r (1 + l_r) = B*.
+    Raises:
+        ValueError: a confidence outside [0, 1], ``lengths`` not of length R or outside
+            [0, K_r].
+    Source: this project's extension of DSpark Algorithm 1 for jagged CPU profiles (issue 41).
+    """
+    rows = _as_rows(confidences)
+    num_requests = len(rows)
+    if len(lengths) != num_requests:
+        raise ValueError(f"{num_requests} confidence rows but {len(lengths)} lengths")
+    lengths = [int(l) for l in lengths]
+    if any(not 0 <= l <= len(row) for l, row in zip(lengths, rows)):
+        raise ValueError(f"lengths {lengths} outside [0, K_r] for rows of {[len(r) for r in rows]}")
+    limit = _batch_limit(sps, max_batch_tokens)
+    batch = num_requests + sum(lengths)
+    spare = sum(len(row) for row in rows) - sum(lengths)
+    if num_requests == 0 or batch > limit or spare == 0:
+        return lengths
+    reach = min(limit, batch + spare)
+    best = max(range(batch, reach + 1), key=lambda b: (sps.sps(b), -b))
+    order = sorted(((a, j, r) for r, row in enumerate(_survival(rows))
+                    for j, a in enumerate(row, start=1)),
+                   key=lambda t: (-t[0], t[1], t[2]))
+    for _, j, r in order:
+        if batch == best:
+            break
+        if j > lengths[r]:  # its prefix is admitted: (r, j - 1) came earlier in this order
+            assert lengths[r] == j - 1, "the fill must keep per-request prefixes contiguous"
+            lengths[r], batch = j, batch + 1
+    return lengths
+
+
 def static_threshold_schedule(confidences: Confidences, threshold: float) -> list[int]:
     """Baseline: verify the leading draft tokens whose prefix survival reaches a fixed threshold.
 

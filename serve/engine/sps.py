@@ -29,6 +29,9 @@ class SPSTable:
     """
 
     sps_by_batch: tuple[float, ...]
+    # for a table made by :meth:`padded`: entry i is the pass length (tokens) a verification of
+    # i + 1 tokens is filled to; empty for a measured table (every pass runs as scheduled)
+    fill_to: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         values = tuple(float(v) for v in self.sps_by_batch)
@@ -38,6 +41,12 @@ class SPSTable:
             if not (math.isfinite(v) and v > 0):
                 raise ValueError(f"SPS({b}) must be a finite positive steps/s value, got {v}")
         object.__setattr__(self, "sps_by_batch", values)
+        fill_to = tuple(operator.index(t) for t in self.fill_to)
+        if fill_to and (len(fill_to) != len(values)
+                        or any(not b <= t <= len(values) for b, t in enumerate(fill_to, 1))):
+            raise ValueError(f"fill_to must give, for every B in [1, {len(values)}], a pass "
+                             f"length in [B, {len(values)}], got {fill_to}")
+        object.__setattr__(self, "fill_to", fill_to)
 
     @property
     def max_tokens(self) -> int:
@@ -94,7 +103,47 @@ class SPSTable:
     def scaled(self, factor: float) -> SPSTable:
         """This table with every step's seconds multiplied by ``factor`` (> 0), i.e. SPS divided
         by it: a correction from the engine's measured passes (``serve/engine/cost_check.py``)."""
-        return SPSTable(tuple(v / factor for v in self.sps_by_batch))
+        return SPSTable(tuple(v / factor for v in self.sps_by_batch), self.fill_to)
+
+    def fill_target(self, b: int) -> int:
+        """The pass length (tokens) a verification of ``b`` tokens is filled to: b itself unless
+        this table was made by :meth:`padded`.
+
+        Raises:
+            ValueError: b is outside the table.
+        """
+        self.sps(b)
+        return self.fill_to[b - 1] if self.fill_to else b
+
+    def padded(self, max_tokens: int | None = None) -> SPSTable:
+        """The speeds a verification reaches when its pass may be filled up to a cheaper length:
+        SPS'(B) = max over B <= B' <= max_tokens of SPS(B'), with ``fill_to`` the smallest such
+        B'. Non-increasing in B.
+
+        Why: on CPUs the measured curve is jagged (fp32 on AVX2: a pass of 2 to 4 tokens takes
+        longer than one of 8, from the GEMM kernels chosen per row count), and Algorithm 1's early
+        stop halts at the first dip even where a longer pass would be faster. Filling the pass
+        with more draft tokens (``serve/engine/scheduler.py`` :func:`fill_pass`, lossless) makes
+        the scheduled B cost SPS'(B). A non-increasing table is returned unchanged (fill_to = B).
+
+        Args:
+            max_tokens: the largest pass allowed (the engine's token budget); default and maximum
+                the table's length.
+        Returns:
+            an SPSTable of ``max_tokens`` entries with ``fill_to`` set.
+        Raises:
+            ValueError: max_tokens outside [1, max_tokens of this table].
+        """
+        limit = self.max_tokens if max_tokens is None else operator.index(max_tokens)
+        if not 1 <= limit <= self.max_tokens:
+            raise ValueError(f"max_tokens={limit} is outside [1, {self.max_tokens}]")
+        values, targets = [0.0] * limit, [0] * limit
+        best, best_b = -math.inf, limit
+        for b in range(limit, 0, -1):
+            if self.sps_by_batch[b - 1] >= best:  # ties: the shorter pass
+                best, best_b = self.sps_by_batch[b - 1], b
+            values[b - 1], targets[b - 1] = best, best_b
+        return SPSTable(tuple(values), tuple(targets))
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready form: {"unit": "steps_per_s", "sps": [SPS(1), ..., SPS(max_tokens)]}."""

@@ -20,7 +20,7 @@ from .config import EngineConfig
 from .cost_check import CostCheck
 from .draft_planner import AcceptanceEstimate, DraftCostTable, RequestOptions, Source, plan_drafts
 from .request_state import RequestState
-from .scheduler import hold_speed_floors
+from .scheduler import fill_pass, hold_speed_floors
 from .scheduler_registry import scheduler_entry, scheduler_for
 from .sps import SPSTable
 
@@ -85,7 +85,11 @@ class StepPlanner:
         self.num_speculative_tokens = num_speculative_tokens
         self.sps, self.draft_cost, self.plans = sps, draft_cost, plans
         self.policy = scheduler_entry(scheduler)
-        self.schedule_fn = scheduler_for(scheduler, sps=sps,
+        # what the goodput decisions read: the measured SPS(B), or its upper envelope when passes
+        # are filled to the fastest length at or above the scheduled one (jagged CPU profiles)
+        self.fills = bool(config.fill_passes and sps is not None and self.policy.needs_sps)
+        self.planning_sps = self._planning(sps)
+        self.schedule_fn = scheduler_for(scheduler, sps=self.planning_sps,
                                          num_speculative_tokens=max(num_speculative_tokens, 1),
                                          threshold=config.threshold,
                                          max_batch_tokens=config.max_batch_tokens)
@@ -102,6 +106,13 @@ class StepPlanner:
         # (a test's, a benchmark's) are taken as given
         self.checks_costs = False
         self.steps_without_drafter = 0  # consecutive planned steps without a drafter call
+
+    def _planning(self, sps: SPSTable | None) -> SPSTable | None:
+        """The table the schedulers and the goodput planner read (see ``fills``)."""
+        if not self.fills:
+            return sps
+        limit = self.config.max_batch_tokens
+        return sps.padded(min(sps.max_tokens, limit) if limit else None)
 
     def start(self, r: RequestState) -> None:
         """A request the drafter starts drafting for: its probe back-off and its drafter
@@ -140,7 +151,7 @@ class StepPlanner:
                                           r.lookup_acc.alpha, probe_due=r.skipped >= r.backoff,
                                           pending=len(r.pending.tokens)))
         sampled = any(r.req.params.temperature > 0 for r in reqs)
-        plan = plan_drafts(options, self.sps, self.draft_cost, sampled,
+        plan = plan_drafts(options, self.planning_sps, self.draft_cost, sampled,
                            self.config.max_batch_tokens, probe_allowance_s=self.probe_credit,
                            min_gain=self.config.min_draft_gain,
                            probe_alpha=self.config.probe_alpha)
@@ -206,6 +217,7 @@ class StepPlanner:
                 # schedule_fn keeps the original table: a uniform scale leaves the argmax of
                 # tau * SPS(B) unchanged; the planner, speed floors and admission read this one
                 self.sps = self.sps.scaled(factor)
+                self.planning_sps = self._planning(self.sps)
                 corrected.append("sps")
         return corrected
 
@@ -230,7 +242,10 @@ class StepPlanner:
                 and self.policy.reads_confidence):
             # requests predicted below their speed floor get verification first (lossless)
             lengths = hold_speed_floors([row[:n] for row, n in zip(rows, drafted)], lengths,
-                                        self.sps, floors, self.config.max_batch_tokens)
+                                        self.planning_sps, floors, self.config.max_batch_tokens)
+        if self.fills:  # a longer pass that runs faster verifies more draft tokens (lossless)
+            lengths = fill_pass([row[:n] for row, n in zip(rows, drafted)], lengths, self.sps,
+                                self.config.max_batch_tokens)
         for row, l in zip(plan.rows, lengths):
             row.length = l
 

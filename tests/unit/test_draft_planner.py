@@ -175,3 +175,23 @@ def test_probes_wait_while_even_a_good_draft_would_not_pay_at_this_load():
     quiet = [RequestOptions(4, 0.05, probe_due=True) for _ in range(2)]
     flat = plan_drafts(quiet, FLAT, cost, True, probe_allowance_s=1.0, probe_alpha=0.8)
     assert flat.probed == [True, True] and flat.probe_cost_s > 0
+
+
+# fp32 on AVX2 (measured shape): a pass of 2 to 4 tokens is slower than one of 5 to 8
+JAGGED = SPSTable((100.0, 40.0, 40.0, 40.0, 90.0, 88.0, 86.0, 84.0, 60.0, 50.0))
+
+
+def test_on_a_padded_jagged_table_the_planner_drafts_enough_to_fill_the_pass():
+    """On the measured jagged curve a request accepting 60 % is never worth drafting for (one
+    draft token costs SPS 100 -> 40); on its padded envelope it is, and the drafter drafts the
+    tokens that reach the faster pass. A request whose cap leaves the pass short of the fast
+    length is planned on the slow speed it would get (the padded table's promise needs drafts)."""
+    cost = DraftCostTable((1,), ((0.001, 0.002),), ((0.001, 0.002),), 7)
+    one = [RequestOptions(cap=7, model_alpha=0.6)]
+    assert plan_drafts(one, JAGGED, cost, False).sources == [None]
+    plan = plan_drafts(one, JAGGED.padded(), cost, False)
+    assert plan.sources == ["model"] and 5 <= 1 + plan.num_draft_tokens[0] <= 8
+    # Algorithm 1 on predicted confidences of 0.3: the envelope is flat from 2 to 5 tokens, so it
+    # verifies every predicted token there; the fill-to length is then reached by drafting more
+    low = plan_drafts([RequestOptions(cap=7, model_alpha=0.3)], JAGGED.padded(), cost, False)
+    assert low.sources == ["model"] and 1 + low.num_draft_tokens[0] >= 5

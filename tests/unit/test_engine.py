@@ -243,6 +243,53 @@ def test_a_profile_from_another_cpu_class_is_measured_again(varied_target, tmp_p
 HALF_STEP = DraftCostTable((1,), ((0.005, 0.005),), ((0.005, 0.005),), 4)
 
 
+# a jagged CPU profile (fp32 on AVX2, shape measured): passes of 2 to 4 tokens are slower than
+# passes of 5 to 8, so Algorithm 1 on the measured curve stops before drafting at all
+JAGGED_SPS = SPSTable((100.0, 40.0, 40.0, 40.0, 90.0, 88.0, 86.0, 84.0) + tuple(
+    80.0 - 2.0 * i for i in range(24)))
+
+
+@pytest.mark.parametrize("fill", [True, False])
+def test_filled_passes_on_a_jagged_profile_stay_lossless_and_verify_more(
+        varied_target, corrupted_table, fill):
+    """engine.fill_passes: planning on the profile's upper envelope drafts and verifies where the
+    measured curve's dip would stop Algorithm 1 (with it off the engine decodes target-only),
+    and the output is still the target's greedy output for requests joining and leaving."""
+    d = oracle_drafter(varied_target, corrupted_table, "markov", 4)
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, 96, (n,), generator=g).tolist() for n in (4, 11, 2)]
+    budgets = [24, 9, 17]
+    reqs = [EngineRequest(f"r{i}", p, SamplingParams(max_tokens=m, temperature=0.0))
+            for i, (p, m) in enumerate(zip(prompts, budgets))]
+    engine = SpecEngine(TargetRunner(varied_target, d.config.target_layer_ids), d, [],
+                        EngineConfig(scheduler="dspark", sps_profile="off", fill_passes=fill,
+                                     draft_planning="off"), sps=JAGGED_SPS)
+    # one request at a time: a batch of 3 starts past the dip, where both arms draft
+    out, _ = _run(engine, {0: reqs[:1], 40: reqs[1:2], 80: reqs[2:]})
+    for i, (p, m) in enumerate(zip(prompts, budgets)):
+        assert out[f"r{i}"] == greedy_reference(varied_target, p, m), f"request {i}"
+    if fill:
+        assert engine.stats.verified_tokens > 0 and engine.stats.accepted_tokens > 0
+    else:
+        assert engine.stats.verified_tokens == 0
+
+
+def test_fill_passes_config_and_planner_tables():
+    """The planner plans on the padded table only for the goodput schedulers with the option on,
+    and drafts enough tokens to reach the filled pass length."""
+    from serve.engine.step_plan import StepPlanner
+    on = StepPlanner(EngineConfig(scheduler="dspark"), "dspark", 7, 4096, JAGGED_SPS, None, True)
+    assert on.fills and on.planning_sps == JAGGED_SPS.padded() and on.sps == JAGGED_SPS
+    off = StepPlanner(EngineConfig(scheduler="dspark", fill_passes=False), "dspark", 7, 4096,
+                      JAGGED_SPS, None, True)
+    assert not off.fills and off.planning_sps is JAGGED_SPS
+    fixed = StepPlanner(EngineConfig(scheduler="fixed"), "fixed", 7, 4096, None, None, False)
+    assert not fixed.fills and fixed.planning_sps is None
+    capped = StepPlanner(EngineConfig(scheduler="dspark", max_batch_tokens=6), "dspark", 7, 4096,
+                         JAGGED_SPS, None, True)
+    assert capped.planning_sps.max_tokens == 6
+
+
 def _counting(drafter):
     """Count propose_block and context-extension calls (the drafter's work per step; the engine
     extends contexts through extend_context_batch)."""

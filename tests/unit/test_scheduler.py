@@ -26,6 +26,7 @@ from serve.engine.scheduler import (
     SPSTable,
     async_schedule,
     dspark_schedule,
+    fill_pass,
     fixed_schedule,
     full_search_capacity,
     hold_speed_floors,
@@ -36,6 +37,50 @@ from serve.engine.scheduler import (
 from serve.engine.scheduler_registry import SCHEDULER_NAMES, make_scheduler
 
 # ---- SPSTable -----------------------------------------------------------------------------------
+
+JAGGED = SPSTable((17.0, 9.0, 8.0, 9.8, 10.9, 9.9, 7.6, 11.3, 11.0, 10.7))  # fp32 on AVX2, measured
+
+
+def test_padded_table_is_the_upper_envelope_with_its_fill_lengths():
+    padded = JAGGED.padded()
+    assert padded.sps_by_batch == (17.0, 11.3, 11.3, 11.3, 11.3, 11.3, 11.3, 11.3, 11.0, 10.7)
+    assert [padded.fill_target(b) for b in range(1, 11)] == [1, 8, 8, 8, 8, 8, 8, 8, 9, 10]
+    assert all(a >= b for a, b in zip(padded.sps_by_batch, padded.sps_by_batch[1:]))
+    # a cap on the pass (the engine's token budget) bounds both
+    capped = JAGGED.padded(6)
+    assert capped.max_tokens == 6 and capped.sps_by_batch[1:] == (10.9,) * 4 + (9.9,)
+    assert [capped.fill_target(b) for b in range(1, 7)] == [1, 5, 5, 5, 5, 6]
+    # ties go to the shorter pass; a non-increasing table keeps its values and lengths
+    assert SPSTable((5.0, 4.0, 4.0)).padded().fill_to == (1, 2, 3)
+    # a measured table fills nothing; scaling keeps the fill lengths
+    assert JAGGED.fill_target(3) == 3 and padded.scaled(2.0).fill_to == padded.fill_to
+    with pytest.raises(ValueError, match="max_tokens"):
+        JAGGED.padded(11)
+    with pytest.raises(ValueError, match="fill_to"):
+        SPSTable((2.0, 1.0), (2, 1))
+
+
+def test_fill_pass_hand_cases():
+    # one request, Algorithm 1 on the padded table verifies 1 of 6 drafts (B = 2); filling to
+    # the fastest reachable pass, B* = 5 (SPS 10.9 beats 9.0, 8.0, 9.8), verifies 4
+    conf = [[0.9, 0.1, 0.5, 0.5, 0.5, 0.5]]
+    assert fill_pass(conf, [1], JAGGED) == [4]
+    # only 2 spare drafts: B* in [2, 4] is 4 (9.8 > 9.0 > 8.0)
+    assert fill_pass([[0.9, 0.1, 0.5]], [1], JAGGED) == [3]
+    # two requests, B = 3, 4 spare drafts: B* in [3, 7] is 5 (10.9); the 2 tokens go to the
+    # next candidates in Algorithm 1's order, a = 0.72 (request 0) before a = 0.5 (request 1)
+    two = [[0.9, 0.8, 0.0], [0.5, 0.5]]
+    assert fill_pass(two, [1, 0], JAGGED) == [2, 1]
+    # a candidate with a = 0 still fills (verifying it is lossless, only unlikely to pay)
+    assert fill_pass([[0.9, 0.0, 0.0, 0.0]], [1], JAGGED) == [4]
+    # capped at 3 tokens: B = 2 stays, SPS(2) = 9.0 beats SPS(3) = 8.0
+    assert fill_pass(two, [0, 0], JAGGED, max_batch_tokens=3) == [0, 0]
+    # nothing to fill: no spare draft, a pass at the fastest length, or a plan beyond the cap
+    assert fill_pass([[0.9]], [1], JAGGED) == [1]
+    assert fill_pass([[0.9] * 8], [7], JAGGED) == [7]
+    assert fill_pass([[0.9] * 3] * 4, [3] * 4, JAGGED, max_batch_tokens=10) == [3] * 4
+    with pytest.raises(ValueError, match="lengths"):
+        fill_pass([[0.9]], [2], JAGGED)
 
 
 def test_sps_table_lookup_and_range():
@@ -372,10 +417,27 @@ def _with_floors(base, sps: SPSTable, floors: list, max_batch_tokens=None):
     return sched
 
 
+def _filled(base, sps: SPSTable, max_batch_tokens=None):
+    """``base`` (built on ``sps.padded()``), its pass then filled on the measured ``sps``."""
+    return lambda conf: fill_pass(conf, base(conf), sps, max_batch_tokens)
+
+
 def _lossless_schedulers(rng: random.Random, sps: SPSTable, gamma: int):
     stale = _random_conf(rng, rng.randint(1, 3), gamma)
     floors = _random_floors(rng, 3)
+    padded = sps.padded()
     return {
+        "dspark_filled": _filled(make_scheduler("dspark", sps=padded), sps),
+        "async_filled": _filled(lambda c: async_schedule(c, stale, padded), sps),
+        "dspark_floors_filled": _filled(_with_floors(make_scheduler("dspark", sps=padded), padded,
+                                                     floors), sps),
+        "dspark_capped_filled": _filled(make_scheduler("dspark", sps=sps.padded(
+            min(sps.max_tokens, 4)), max_batch_tokens=4), sps, 4),
+        # on the measured CPU profile the fill changes plans often (on the padded table it only
+        # adds candidates with a = 0): lossless on top of any lossless plan
+        "dspark_jagged_filled": _filled(make_scheduler("dspark", sps=JAGGED), JAGGED),
+        "dspark_jagged_padded_filled": _filled(make_scheduler("dspark", sps=JAGGED.padded()),
+                                               JAGGED),
         "dspark_floors": _with_floors(make_scheduler("dspark", sps=sps), sps, floors),
         "async_floors": _with_floors(lambda c: async_schedule(c, stale, sps), sps, floors, 6),
         "static_floors": _with_floors(make_scheduler("static_threshold", threshold=0.7), sps,
@@ -422,7 +484,8 @@ def test_verify_decision_never_reads_its_own_future(seed):
         assert len(lengths) == len(conf)
         assert all(0 <= l_r <= len(row) for l_r, row in zip(lengths, conf)), name
         if name.startswith(("dspark", "async")) and any(lengths):
-            assert len(conf) + sum(lengths) <= sps.max_tokens, name
+            table = JAGGED if "jagged" in name else sps
+            assert len(conf) + sum(lengths) <= table.max_tokens, name
         assert not _own_future_violations(sched, conf, rng), name
 
 
@@ -435,6 +498,24 @@ def test_floor_extension_is_exercised_by_the_property_instances():
         base = dspark_schedule(conf, sps)
         changed += hold_speed_floors(conf, base, sps, _random_floors(rng, len(conf))) != base
     assert changed >= 10, changed
+
+
+def test_fill_is_exercised_by_the_property_instances():
+    """Coverage guard for the filled variants: on the measured jagged profile filling really
+    changes Algorithm 1's plan often enough for the checks to mean something (both on these
+    property instances and on the exact ones)."""
+    changed = exact = 0
+    for seed in range(200):
+        _, _, _, conf = _property_instance(seed)
+        base = dspark_schedule(conf, JAGGED)
+        changed += fill_pass(conf, base, JAGGED) != base
+    assert changed >= 10, changed
+    for seed in range(NUM_RANDOM_INSTANCES):
+        _, reqs, gamma, vocab, _, _ = _random_instance(seed)
+        conf = [[req.conf[()]] + [0.5] * (gamma - 1) for req in reqs]
+        base = dspark_schedule(conf, JAGGED)
+        exact += fill_pass(conf, base, JAGGED) != base
+    assert exact >= 3, exact
 
 
 def _peeking_schedule(conf: list[list[float]]) -> list[int]:
