@@ -45,7 +45,8 @@ class EngineConfig(BaseModel):
         "(serve/engine/draft_planner.py); off = draft num_speculative_tokens tokens for every "
         "request every step.")
     fill_passes: bool = Field(True, description="dspark/async: plan with the SPS(B) profile's "
-                              "upper envelope and fill each target pass with more draft tokens "
+                              "upper envelope (up to the pass the proposed drafts allow) and fill "
+                              "each target pass with more draft tokens "
                               "up to the fastest length at or above the scheduled one (lossless; "
                               "pays where the measured curve is jagged, e.g. fp32 on AVX2 CPUs, "
                               "where a pass of 2 to 4 tokens is slower than one of 8); false = "

@@ -236,7 +236,8 @@ class SpecEngine:
         draft_s = self._elapsed(draft_start) if plan.predicted_draft_s else 0.0
         if not plan.rows:  # every request failed while drafting
             return outputs, self._prefill_forward(chunks)
-        self.planner.schedule(plan, [self._floor(row.request) for row in plan.rows])
+        self.planner.schedule(plan, [self._floor(row.request) for row in plan.rows],
+                              riding=sum(c.take for c in chunks))
         plan.verify_start_s = time.perf_counter()
         outs, prefill_outs = self._target_pass(plan, chunks)
         # the profiles checked against this step (a prompt chunk in the pass: not comparable)

@@ -218,7 +218,7 @@ class DraftPlan:
 def plan_drafts(options: list[RequestOptions], sps: SPSTable, draft_cost: DraftCostTable | None,
                 sampled: bool, max_batch_tokens: int | None = None,
                 probe_allowance_s: float = math.inf, min_gain: float = 0.0,
-                probe_alpha: float = 1.0) -> DraftPlan:
+                probe_alpha: float = 1.0, fills: bool = False) -> DraftPlan:
     """Choose, for every request, whether the drafter drafts for it and how many tokens, or
     whether it verifies its prompt-lookup draft, maximising the predicted goodput of the whole
     step.
@@ -232,8 +232,11 @@ def plan_drafts(options: list[RequestOptions], sps: SPSTable, draft_cost: DraftC
        drafted for (the margin covers what the cost model leaves out).
     4. A kept drafter row drafts l_r + 1 tokens (one beyond the prediction, so Algorithm 1 can
        verify deeper when this step's confidences are higher), capped at ``cap``; a probe drafts
-       at least one. With a padded ``sps`` (``SPSTable.padded``) every drafted row drafts as
-       many more as filling the pass to its faster length needs.
+       at least one. With ``fills`` (passes filled to a faster length, ``fill_pass``) every kept
+       row drafts as many more as filling the pass to its fastest length needs, and each plan is
+       valued at the speed its own drafts can reach (the measured SPS(B)'s upper envelope up to
+       the pass its proposed tokens allow, ``SPSTable.padded``): never at a speed that drafts it
+       does not propose would be needed for.
     5. The due probes are drafted (all together) when a request accepting ``probe_alpha`` of
        its draft tokens would be kept at this step's batch (otherwise no probe result could
        change the plan: under load on a CPU the verification a draft adds costs more than even
@@ -242,7 +245,7 @@ def plan_drafts(options: list[RequestOptions], sps: SPSTable, draft_cost: DraftC
 
     Args:
         options: one :class:`RequestOptions` per running request.
-        sps: the SPS(B) table (steps/s).
+        sps: the measured SPS(B) table (steps/s).
         draft_cost: the drafter's cost table; None = drafting is free.
         sampled: whether any request samples (temperature > 0): picks the cost column.
         max_batch_tokens: token budget of the step.
@@ -252,6 +255,7 @@ def plan_drafts(options: list[RequestOptions], sps: SPSTable, draft_cost: DraftC
         probe_alpha: the per-token acceptance a probed request is credited with when asking
             whether any probe result could pay this step (1.0 = probe whenever a perfect draft
             would pay).
+        fills: whether the engine fills each target pass (``engine.fill_passes``).
     Returns:
         a :class:`DraftPlan`.
     Source: DSpark paper section 3.2.2 (goodput tau * SPS(B)), extended with the drafting time.
@@ -275,12 +279,33 @@ def plan_drafts(options: list[RequestOptions], sps: SPSTable, draft_cost: DraftC
             preds.append([])
     # predicted confidences must be valid probabilities for Algorithm 1
     preds = [[min(max(c, 0.0), 1.0) for c in row] for row in preds]
-    lengths = dspark_schedule(preds, sps, max_batch_tokens)
+    limit = sps.max_tokens if max_batch_tokens is None else min(sps.max_tokens, max_batch_tokens)
+    # what the verification will schedule on: with fills, the envelope up to every proposal
+    # verified (serve/engine/step_plan.py does the same after drafting)
+    planning = (sps.padded(max(1, min(limit, n + sum(len(row) for row in preds)))) if fills
+                else sps)
+    lengths = dspark_schedule(preds, planning, max_batch_tokens)
     alphas = [row[0] if row else 0.0 for row in preds]
     lookup_rows = [(alphas[i], lengths[i]) for i in range(n) if plan.sources[i] == "lookup"]
     model_rows = sorted((i for i in range(n) if plan.sources[i] == "model" and lengths[i] > 0),
                         key=lambda i: expected_accepted(alphas[i], lengths[i]))
     probes = [i for i in range(n) if plan.sources[i] == "model" and options[i].probe_due]
+
+    def fill_extra(batch: int) -> int:
+        """Draft tokens per kept row beyond l_r + 1 that filling a pass of ``batch`` scheduled
+        tokens to its fastest length needs (0 without fills)."""
+        return planning.fill_target(batch) - batch if fills and 1 <= batch <= limit else 0
+
+    def drafts(i: int, extra: int) -> int:
+        """Draft tokens drafter row i proposes: one beyond its predicted length (a probe: at
+        least one), ``extra`` more to fill the pass, at most its cap."""
+        return min(options[i].cap, max(1, lengths[i] + 1 + extra))
+
+    def speed(batch: int, reach: int) -> float:
+        """SPS of a pass scheduled at ``batch`` tokens whose proposals allow ``reach``."""
+        if not fills:
+            return sps.sps(batch)
+        return max(sps.sps(b) for b in range(batch, max(batch, min(reach, limit)) + 1))
 
     # the economic decision ignores probes: they are paid from the probe budget (below), and a
     # row kept only because its probe was paid for anyway would never let the back-off grow.
@@ -289,35 +314,43 @@ def plan_drafts(options: list[RequestOptions], sps: SPSTable, draft_cost: DraftC
     # many saves little and only dropping them all pays (measured: a greedy descent kept four
     # hopeless rows for ever).
     m = len(model_rows)
-    gain_suffix, len_suffix, drafted_suffix = [0.0] * (m + 1), [0] * (m + 1), [0] * (m + 1)
+    gain_suffix, len_suffix = [0.0] * (m + 1), [0] * (m + 1)
     backlog_suffix = [0.0] * (m + 1)
+    # without a fill: the longest draft and the drafts proposed by the rows kept at each cut
+    longest_suffix, proposed_suffix = [0] * (m + 1), [0] * (m + 1)
     for k in range(m - 1, -1, -1):
         i = model_rows[k]
         gain_suffix[k] = gain_suffix[k + 1] + expected_accepted(alphas[i], lengths[i])
         backlog_suffix[k] = backlog_suffix[k + 1] + (
             draft_cost.backlog_seconds(options[i].pending) if draft_cost else 0.0)
         len_suffix[k] = len_suffix[k + 1] + lengths[i]
-        drafted_suffix[k] = max(drafted_suffix[k + 1], min(options[i].cap, lengths[i] + 1))
+        longest_suffix[k] = max(longest_suffix[k + 1], drafts(i, 0))
+        proposed_suffix[k] = proposed_suffix[k + 1] + drafts(i, 0)
     look_tokens = sum(expected_accepted(a, l) for a, l in lookup_rows)
     look_len = sum(l for _, l in lookup_rows)
-    def fill_extra(batch: int) -> int:
-        """Draft tokens beyond the predicted lengths that let the pass be filled to the length
-        a padded table promises (``SPSTable.padded``; 0 on a measured table)."""
-        return sps.fill_target(batch) - batch if 1 <= batch <= sps.max_tokens else 0
+    # lookup rows propose their whole match: what is not predicted verified can fill the pass
+    look_spare = sum(len(preds[i]) - lengths[i] for i in range(n) if plan.sources[i] == "lookup")
 
-    best, cut = -1.0, m
+    best, cut, value = -1.0, m, 0.0
     for k in range(m + 1):  # keep model_rows[k:]
         batch = n + look_len + len_suffix[k]
-        cost = (draft_cost.seconds(m - k, drafted_suffix[k] + fill_extra(batch), sampled)
+        extra = fill_extra(batch)
+        if extra:  # O(m) only where a fill is wanted
+            proposed = [drafts(i, extra) for i in model_rows[k:]]
+            longest, total = max(proposed, default=0), sum(proposed)
+        else:
+            longest, total = longest_suffix[k], proposed_suffix[k]
+        cost = (draft_cost.seconds(m - k, longest, sampled)
                 + backlog_suffix[k] if draft_cost else 0.0)
-        value = (0.0 if batch > sps.max_tokens else
-                 (n + look_tokens + gain_suffix[k]) / (1.0 / sps.sps(batch) + cost))
+        reach = batch + look_spare + total - len_suffix[k]
+        value = (0.0 if batch > limit else
+                 (n + look_tokens + gain_suffix[k]) / (1.0 / speed(batch, reach) + cost))
         if value >= best:  # ties drop rows: the cheaper plan
             best, cut = value, k
     if cut < m and best < (1.0 + min_gain) * value:  # value: the last cut, nobody drafted
         best, cut = value, m
     kept = model_rows[cut:]
-    fill_tokens = fill_extra(n + look_len + len_suffix[cut])
+    fill_tokens = fill_extra(n + look_len + len_suffix[cut]) if kept else 0
     plan.predicted_tps = best
     plan.predicted_tps_without_drafter = value  # the last cut: nobody drafted
     kept_set = set(kept)
@@ -328,11 +361,12 @@ def plan_drafts(options: list[RequestOptions], sps: SPSTable, draft_cost: DraftC
         longest = max(options[i].cap for i in probes)
         backlog = min(draft_cost.backlog_seconds(options[i].pending) for i in probes)
         could_pay = False
+        kept_tokens = max((drafts(i, fill_tokens) for i in kept), default=0)
         for l in range(1, longest + 1):
             batch = n + look_len + len_suffix[cut] + l
-            if batch > sps.max_tokens:
+            if batch > limit:
                 break
-            cost = (draft_cost.seconds(m - cut + 1, max(drafted_suffix[cut], min(longest, l + 1)),
+            cost = (draft_cost.seconds(m - cut + 1, max(kept_tokens, min(longest, l + 1)),
                                        sampled) + backlog_suffix[cut] + backlog)
             with_probe = ((n + look_tokens + gain_suffix[cut] + expected_accepted(probe_alpha, l))
                           / (1.0 / sps.sps(batch) + cost))
@@ -344,8 +378,8 @@ def plan_drafts(options: list[RequestOptions], sps: SPSTable, draft_cost: DraftC
 
     if probes and draft_cost is not None:
         def call_s(rows: list[int]) -> float:
-            num_draft_tokens = max((min(options[i].cap, max(1, lengths[i] + 1)) for i in rows),
-                                   default=0)
+            num_draft_tokens = max((drafts(i, fill_tokens if i in kept_set else 0)
+                                    for i in rows), default=0)
             return (draft_cost.seconds(len(rows), num_draft_tokens, sampled)
                     + sum(draft_cost.backlog_seconds(options[i].pending) for i in rows))
 
@@ -359,7 +393,7 @@ def plan_drafts(options: list[RequestOptions], sps: SPSTable, draft_cost: DraftC
             plan.num_draft_tokens[i] = min(options[i].lookup_len, options[i].cap)
             plan.lookup_confidences[i] = preds[i]
         elif plan.sources[i] == "model" and (i in kept_set or i in probes):
-            plan.num_draft_tokens[i] = min(options[i].cap, max(1, lengths[i] + 1 + fill_tokens))
+            plan.num_draft_tokens[i] = drafts(i, fill_tokens if i in kept_set else 0)
             plan.probed[i] = i not in kept_set
         else:
             plan.sources[i] = None

@@ -369,11 +369,14 @@ def fill_pass(confidences: Confidences, lengths: Sequence[int], sps: SPSTable,
     admitted. A measured SPS(B) that is jagged (``SPSTable.padded``) makes this pay: more
     tokens verified in less time. On a non-increasing table B* = B and nothing changes.
 
-    Lossless on top of a lossless plan (Algorithm 1, the asynchronous variant, their floor
-    extension): if x_{r,k} is not in the plan, B and A are functions of the candidates the plan
-    read, which never include a_{r,j>k} (they rank after (r, k)); A counts proposed tokens,
-    fixed before drafting. Whether (r, k) is among the next B* - B candidates then depends on
-    a_{r,k} (computed from x_{r,<k}) and on other requests only, as in :func:`async_schedule`.
+    Lossless on top of a base plan whose whole length vector, whenever it leaves x_{r,k} out
+    (l_r < k), does not depend on a_{r,j>k}: true of Algorithm 1, the asynchronous variant and
+    their floor extension (their candidates are read in a fixed order and a_{r,j>k} ranks after
+    (r, k)), not of every lossless rule (one may verify x_{r,k} or not losslessly and still let
+    another request's length read a_{r,k+1}). Then B and A (proposed tokens, fixed before
+    drafting) are functions of what x_{r,<k} decides, and whether (r, k) is among the next
+    B* - B candidates depends on a_{r,k} (computed from x_{r,<k}) and on other requests only,
+    as in :func:`async_schedule`.
 
     Args:
         confidences: R rows of calibrated c_{r,1..K_r} in [0, 1].

@@ -146,8 +146,13 @@ class SPSTable:
         return SPSTable(tuple(values), tuple(targets))
 
     def to_dict(self) -> dict[str, Any]:
-        """JSON-ready form: {"unit": "steps_per_s", "sps": [SPS(1), ..., SPS(max_tokens)]}."""
-        return {"unit": "steps_per_s", "sps": list(self.sps_by_batch)}
+        """JSON-ready form: {"unit": "steps_per_s", "sps": [SPS(1), ..., SPS(max_tokens)]}, plus
+        "fill_to" for a table made by :meth:`padded` (its speeds hold only when passes are
+        filled, so the fill lengths travel with them)."""
+        out: dict[str, Any] = {"unit": "steps_per_s", "sps": list(self.sps_by_batch)}
+        if self.fill_to:
+            out["fill_to"] = list(self.fill_to)
+        return out
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> SPSTable:
@@ -156,10 +161,10 @@ class SPSTable:
         Raises:
             ValueError: missing "sps", unknown keys, a unit other than steps_per_s, or bad values.
         """
-        unknown = set(data) - {"unit", "sps"}
+        unknown = set(data) - {"unit", "sps", "fill_to"}
         if unknown or "sps" not in data:
-            raise ValueError(f"SPS table dict needs key 'sps' (and optional 'unit'), "
+            raise ValueError(f"SPS table dict needs key 'sps' (and optional 'unit', 'fill_to'), "
                              f"got keys {sorted(data)}")
         if data.get("unit", "steps_per_s") != "steps_per_s":
             raise ValueError(f"SPS table unit must be 'steps_per_s', got {data['unit']!r}")
-        return cls(tuple(data["sps"]))
+        return cls(tuple(data["sps"]), tuple(data.get("fill_to", ())))

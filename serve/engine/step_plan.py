@@ -12,6 +12,7 @@ token x_k reads x_k or anything computed from it (``serve/engine/scheduler.py``)
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -85,14 +86,13 @@ class StepPlanner:
         self.num_speculative_tokens = num_speculative_tokens
         self.sps, self.draft_cost, self.plans = sps, draft_cost, plans
         self.policy = scheduler_entry(scheduler)
-        # what the goodput decisions read: the measured SPS(B), or its upper envelope when passes
-        # are filled to the fastest length at or above the scheduled one (jagged CPU profiles)
+        # passes filled to the fastest length at or above the scheduled one (jagged CPU
+        # profiles): the goodput decisions then read the measured SPS(B)'s upper envelope, up to
+        # the pass the step's proposed drafts allow (never a speed no proposal could reach)
         self.fills = bool(config.fill_passes and sps is not None and self.policy.needs_sps)
-        self.planning_sps = self._planning(sps)
-        self.schedule_fn = scheduler_for(scheduler, sps=self.planning_sps,
-                                         num_speculative_tokens=max(num_speculative_tokens, 1),
-                                         threshold=config.threshold,
-                                         max_batch_tokens=config.max_batch_tokens)
+        self.scheduler_name = scheduler
+        self.schedule_fn = self._scheduler(sps)
+        self.envelopes: dict[int, tuple[SPSTable, Callable]] = {}  # reach -> (envelope, scheduler)
         self.probe_credit = 0.0  # seconds of drafter time probes may still spend (probe_budget)
         # the drafter's engine-wide realized acceptance, greedy and sampled: a new request's
         # prior, so that with a drafter that accepts little here every newcomer does not start at
@@ -107,12 +107,31 @@ class StepPlanner:
         self.checks_costs = False
         self.steps_without_drafter = 0  # consecutive planned steps without a drafter call
 
-    def _planning(self, sps: SPSTable | None) -> SPSTable | None:
-        """The table the schedulers and the goodput planner read (see ``fills``)."""
+    def _scheduler(self, sps: SPSTable | None):
+        return scheduler_for(self.scheduler_name, sps=sps,
+                             num_speculative_tokens=max(self.num_speculative_tokens, 1),
+                             threshold=self.config.threshold,
+                             max_batch_tokens=self.config.max_batch_tokens)
+
+    def envelope(self, reach: int) -> tuple[SPSTable | None, Callable]:
+        """The SPS table a step's verification schedules on, and its scheduler: with ``fills``
+        the measured table's upper envelope up to ``reach`` tokens (``SPSTable.padded``), else
+        the measured table.
+
+        Args:
+            reach: the longest pass the step's proposals allow, R + sum_r K_r tokens (fixed
+                before drafting: reading it keeps the schedule lossless).
+        """
         if not self.fills:
-            return sps
-        limit = self.config.max_batch_tokens
-        return sps.padded(min(sps.max_tokens, limit) if limit else None)
+            return self.sps, self.schedule_fn
+        limit = self.sps.max_tokens
+        if self.config.max_batch_tokens:
+            limit = min(limit, self.config.max_batch_tokens)
+        reach = max(1, min(limit, reach))
+        if reach not in self.envelopes:
+            table = self.sps.padded(reach)
+            self.envelopes[reach] = (table, self._scheduler(table))
+        return self.envelopes[reach]
 
     def start(self, r: RequestState) -> None:
         """A request the drafter starts drafting for: its probe back-off and its drafter
@@ -151,10 +170,10 @@ class StepPlanner:
                                           r.lookup_acc.alpha, probe_due=r.skipped >= r.backoff,
                                           pending=len(r.pending.tokens)))
         sampled = any(r.req.params.temperature > 0 for r in reqs)
-        plan = plan_drafts(options, self.planning_sps, self.draft_cost, sampled,
+        plan = plan_drafts(options, self.sps, self.draft_cost, sampled,
                            self.config.max_batch_tokens, probe_allowance_s=self.probe_credit,
                            min_gain=self.config.min_draft_gain,
-                           probe_alpha=self.config.probe_alpha)
+                           probe_alpha=self.config.probe_alpha, fills=self.fills)
         # the budget grows by its share of a target-only step of this batch (a prediction, so
         # the plan stays a function of the past only), up to one full-block call for everyone
         ceiling = (self.draft_cost.seconds(len(reqs), self.draft_cost.block_size, sampled)
@@ -217,13 +236,15 @@ class StepPlanner:
                 # schedule_fn keeps the original table: a uniform scale leaves the argmax of
                 # tau * SPS(B) unchanged; the planner, speed floors and admission read this one
                 self.sps = self.sps.scaled(factor)
-                self.planning_sps = self._planning(self.sps)
+                self.envelopes.clear()
                 corrected.append("sps")
         return corrected
 
-    def schedule(self, plan: StepPlan, floors: list[float | None]) -> None:
+    def schedule(self, plan: StepPlan, floors: list[float | None], riding: int = 0) -> None:
         """Set each row's verification length l from the configured policy, clipped to its
-        drafts; ``floors``: per row its speed floor in tokens/s, or None.
+        drafts; ``floors``: per row its speed floor in tokens/s, or None; ``riding``: prompt
+        tokens packed into the same target pass (such a pass is not filled: the profile's
+        speeds are of passes of draft rows only).
 
         Rows without confidences (a drafter without a confidence head, under fixed or none) are
         given placeholder ones: those policies read only the row lengths."""
@@ -237,13 +258,16 @@ class StepPlanner:
                 # nothing was drafted then (the planner skipped the drafter): like the warm-up,
                 # Algorithm 1 on the current confidences (the choice depends on the past only)
                 stale = None
-        lengths = [min(l, n) for l, n in zip(self.schedule_fn(rows, stale), drafted)]
+        fills = self.fills and not riding
+        table, schedule_fn = (self.envelope(len(rows) + sum(drafted)) if fills
+                              else (self.sps, self.schedule_fn))
+        lengths = [min(l, n) for l, n in zip(schedule_fn(rows, stale), drafted)]
         if (floors and any(f is not None for f in floors) and self.sps is not None
                 and self.policy.reads_confidence):
             # requests predicted below their speed floor get verification first (lossless)
             lengths = hold_speed_floors([row[:n] for row, n in zip(rows, drafted)], lengths,
-                                        self.planning_sps, floors, self.config.max_batch_tokens)
-        if self.fills:  # a longer pass that runs faster verifies more draft tokens (lossless)
+                                        table, floors, self.config.max_batch_tokens)
+        if fills:  # a longer pass that runs faster verifies more draft tokens (lossless)
             lengths = fill_pass([row[:n] for row, n in zip(rows, drafted)], lengths, self.sps,
                                 self.config.max_batch_tokens)
         for row, l in zip(plan.rows, lengths):

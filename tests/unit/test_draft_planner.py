@@ -181,17 +181,36 @@ def test_probes_wait_while_even_a_good_draft_would_not_pay_at_this_load():
 JAGGED = SPSTable((100.0, 40.0, 40.0, 40.0, 90.0, 88.0, 86.0, 84.0, 60.0, 50.0))
 
 
-def test_on_a_padded_jagged_table_the_planner_drafts_enough_to_fill_the_pass():
+def test_with_filled_passes_the_planner_drafts_enough_to_fill_the_pass():
     """On the measured jagged curve a request accepting 60 % is never worth drafting for (one
-    draft token costs SPS 100 -> 40); on its padded envelope it is, and the drafter drafts the
+    draft token costs SPS 100 -> 40); with filled passes it is, and the drafter drafts the
     tokens that reach the faster pass. A request whose cap leaves the pass short of the fast
-    length is planned on the slow speed it would get (the padded table's promise needs drafts)."""
+    length is planned on the slow speed it would get (the envelope's promise needs drafts)."""
     cost = DraftCostTable((1,), ((0.001, 0.002),), ((0.001, 0.002),), 7)
     one = [RequestOptions(cap=7, model_alpha=0.6)]
     assert plan_drafts(one, JAGGED, cost, False).sources == [None]
-    plan = plan_drafts(one, JAGGED.padded(), cost, False)
+    plan = plan_drafts(one, JAGGED, cost, False, fills=True)
     assert plan.sources == ["model"] and 5 <= 1 + plan.num_draft_tokens[0] <= 8
     # Algorithm 1 on predicted confidences of 0.3: the envelope is flat from 2 to 5 tokens, so it
     # verifies every predicted token there; the fill-to length is then reached by drafting more
-    low = plan_drafts([RequestOptions(cap=7, model_alpha=0.3)], JAGGED.padded(), cost, False)
+    low = plan_drafts([RequestOptions(cap=7, model_alpha=0.3)], JAGGED, cost, False, fills=True)
     assert low.sources == ["model"] and 1 + low.num_draft_tokens[0] >= 5
+    # a cap of 3 drafts reaches a pass of 4 tokens at most: all in the dip, nothing pays
+    short = plan_drafts([RequestOptions(cap=3, model_alpha=0.6)], JAGGED, cost, False, fills=True)
+    assert short.sources == [None] and short.predicted_tps_without_drafter == 100.0
+
+
+def test_filled_plan_drafts_the_fill_for_the_rows_it_keeps():
+    """Two requests; A's context is 8 positions behind (its extension costs 8 ms), so the plan
+    keeps B alone. B's predicted 4 tokens put the pass at 6, in the dip (SPS 50 from 2 to 7
+    tokens, 95 at 8): B must draft 2 more than l + 1 for the pass to be filled to 8, and the plan
+    is valued (and chosen) only because it does. Drafting for nobody is valued at the measured
+    SPS(2) = 50 (no drafts, no fill), not the envelope's 95."""
+    table = SPSTable((100.0,) + (50.0,) * 6 + (95.0, 60.0))
+    cost = DraftCostTable((1,), ((0.001, 0.002),), ((0.001, 0.002),), 7,
+                          extend_s_per_position=0.001)
+    options = [RequestOptions(cap=7, model_alpha=0.6, pending=10),
+               RequestOptions(cap=7, model_alpha=0.8)]
+    plan = plan_drafts(options, table, cost, False, fills=True)
+    assert plan.sources == [None, "model"] and plan.num_draft_tokens == [0, 7]
+    assert plan.predicted_tps_without_drafter == 2 * 50.0

@@ -274,20 +274,54 @@ def test_filled_passes_on_a_jagged_profile_stay_lossless_and_verify_more(
         assert engine.stats.verified_tokens == 0
 
 
-def test_fill_passes_config_and_planner_tables():
-    """The planner plans on the padded table only for the goodput schedulers with the option on,
-    and drafts enough tokens to reach the filled pass length."""
+def _one_row_plan(confidences: list[float]):
+    from serve.engine.step_plan import PlanRow, StepPlan
+    row = PlanRow(request=None, cap=len(confidences), source="model",
+                  num_draft_tokens=len(confidences), tokens=[1] * len(confidences),
+                  confidences=list(confidences))
+    return StepPlan([row])
+
+
+def test_fill_passes_config_envelopes_and_schedule():
+    """The planner fills passes only for the goodput schedulers with the option on; the table it
+    schedules on is the measured one's envelope up to the pass the proposals allow; the fill
+    really runs in ``schedule`` (not on a pass carrying prompt chunks); a rescaled profile
+    drops the envelopes made from the old one."""
+    from serve.engine.draft_planner import DraftCostTable
     from serve.engine.step_plan import StepPlanner
     on = StepPlanner(EngineConfig(scheduler="dspark"), "dspark", 7, 4096, JAGGED_SPS, None, True)
-    assert on.fills and on.planning_sps == JAGGED_SPS.padded() and on.sps == JAGGED_SPS
+    assert on.fills and on.sps == JAGGED_SPS
+    assert on.envelope(8)[0] == JAGGED_SPS.padded(8) and on.envelope(500)[0].max_tokens == 32
     off = StepPlanner(EngineConfig(scheduler="dspark", fill_passes=False), "dspark", 7, 4096,
                       JAGGED_SPS, None, True)
-    assert not off.fills and off.planning_sps is JAGGED_SPS
+    assert not off.fills and off.envelope(8)[0] is JAGGED_SPS
     fixed = StepPlanner(EngineConfig(scheduler="fixed"), "fixed", 7, 4096, None, None, False)
-    assert not fixed.fills and fixed.planning_sps is None
+    assert not fixed.fills
     capped = StepPlanner(EngineConfig(scheduler="dspark", max_batch_tokens=6), "dspark", 7, 4096,
                          JAGGED_SPS, None, True)
-    assert capped.planning_sps.max_tokens == 6
+    assert capped.envelope(32)[0].max_tokens == 6
+
+    # c = (0.9, 0, ...): Algorithm 1 verifies x_1 (B = 2, SPS 40); the fill takes the pass to
+    # the measured 90 at B = 5 by verifying three more (a = 0: lossless, only unlikely to pay)
+    plan = _one_row_plan([0.9] + [0.0] * 6)
+    on.schedule(plan, [None])
+    assert plan.rows[0].length == 4
+    off.schedule(plan, [None])
+    assert plan.rows[0].length == 0  # measured curve: 1.9 * 40 < 100
+    on.schedule(plan, [None], riding=3)  # prompt tokens in the pass: no fill
+    assert plan.rows[0].length <= 1
+    # three drafts reach a pass of 4 tokens at most, all in the dip: nothing is verified (the
+    # envelope of the whole table would have promised 90 and verified into the dip)
+    short = _one_row_plan([0.9, 0.9, 0.9])
+    on.schedule(short, [None])
+    assert short.rows[0].length == 0
+
+    on.draft_cost = DraftCostTable((1,), ((0.001, 0.002),), ((0.001, 0.002),), 7)
+    on.checks_costs = True
+    for _ in range(200):  # every pass measured 3x slower than profiled
+        if on.check_costs(plan, 0.0, 5, 3.0 / JAGGED_SPS.sps(5)) == ["sps"]:
+            break
+    assert on.sps != JAGGED_SPS and on.envelope(8)[0] == on.sps.padded(8)
 
 
 def _counting(drafter):

@@ -9,6 +9,7 @@ exact rational arithmetic.
 
 from __future__ import annotations
 
+import collections
 import itertools
 import json
 import math
@@ -132,6 +133,11 @@ def test_sps_table_json_round_trip():
     t = SPSTable.from_measurements({1: 10.0, 3: 9.1, 7: 2.3})
     back = SPSTable.from_dict(json.loads(json.dumps(t.to_dict())))
     assert back == t
+    # a padded table keeps its fill lengths (its speeds hold only for filled passes)
+    padded = JAGGED.padded()
+    back = SPSTable.from_dict(json.loads(json.dumps(padded.to_dict())))
+    assert back == padded and back.fill_target(2) == 8
+    assert "fill_to" not in t.to_dict()
     with pytest.raises(ValueError, match="sps"):
         SPSTable.from_dict({"values": [1.0]})
     with pytest.raises(ValueError, match="unit"):
@@ -422,11 +428,26 @@ def _filled(base, sps: SPSTable, max_batch_tokens=None):
     return lambda conf: fill_pass(conf, base(conf), sps, max_batch_tokens)
 
 
+def _reach_filled(sps: SPSTable, floors: list | None = None):
+    """The engine's filled plan: Algorithm 1 (with floors when given) on the envelope up to the
+    pass the proposals allow, R + sum_r K_r tokens (fixed before drafting), then the fill."""
+    def sched(conf):
+        table = sps.padded(min(sps.max_tokens, len(conf) + sum(len(row) for row in conf)))
+        base = make_scheduler("dspark", sps=table)
+        if floors is not None:
+            base = _with_floors(base, table, floors)
+        return fill_pass(conf, base(conf), sps)
+    return sched
+
+
 def _lossless_schedulers(rng: random.Random, sps: SPSTable, gamma: int):
     stale = _random_conf(rng, rng.randint(1, 3), gamma)
     floors = _random_floors(rng, 3)
     padded = sps.padded()
     return {
+        "dspark_reach_filled": _reach_filled(sps),
+        "dspark_floors_reach_filled": _reach_filled(sps, floors),
+        "dspark_jagged_reach_filled": _reach_filled(JAGGED),
         "dspark_filled": _filled(make_scheduler("dspark", sps=padded), sps),
         "async_filled": _filled(lambda c: async_schedule(c, stale, padded), sps),
         "dspark_floors_filled": _filled(_with_floors(make_scheduler("dspark", sps=padded), padded,
@@ -486,6 +507,8 @@ def test_verify_decision_never_reads_its_own_future(seed):
         if name.startswith(("dspark", "async")) and any(lengths):
             table = JAGGED if "jagged" in name else sps
             assert len(conf) + sum(lengths) <= table.max_tokens, name
+        if name == "dspark_capped_filled" and any(lengths):
+            assert len(conf) + sum(lengths) <= 4, name
         assert not _own_future_violations(sched, conf, rng), name
 
 
@@ -747,7 +770,7 @@ def test_random_instances_exactly_lossless():
     """First two output tokens of every request, jointly, equal target-only sampling exactly, for
     every lossless scheduler. Coverage guard: in enough instances Algorithm 1's plan must actually
     change with the sampled drafts, else the check would be vacuous."""
-    varied = 0
+    varied = collections.Counter()
     for seed in range(NUM_RANDOM_INSTANCES):
         rng, reqs, gamma, vocab, m, sps = _random_instance(seed)
         target = _nonzero(_target_distribution(reqs, vocab, m))
@@ -761,8 +784,11 @@ def test_random_instances_exactly_lossless():
 
             got = _nonzero(_output_distribution(reqs, recording, gamma, vocab, m))
             assert got == target, (seed, name)
-            varied += name == "dspark" and len(plans) > 1
-    assert varied >= NUM_RANDOM_INSTANCES // 5, varied
+            varied[name] += len(plans) > 1
+    assert varied["dspark"] >= NUM_RANDOM_INSTANCES // 5, varied
+    # the filled plans, too, change with the sampled drafts in enough instances
+    for name in ("dspark_reach_filled", "dspark_jagged_reach_filled", "dspark_jagged_filled"):
+        assert varied[name] >= NUM_RANDOM_INSTANCES // 5, (name, varied)
 
 
 def test_random_instances_detect_a_peeking_rule():
