@@ -111,10 +111,11 @@ def test_the_quickstart_fingerprints_stay_those_of_existing_run_directories():
     computes in fp32 on an AVX2-only CPU; and in session 28: its generate stage moved to the
     engine backend. drafter.sliding_window, added then at its default, changed nothing: before
     the backend change these still read 98e0ace975d5 / 92b38a928d4b / d678efdeeef9. In session
-    30 the quickstart trains 200 instead of 280 steps and its eval skips the fixed-gamma pass,
+    30 the quickstart trains 170 instead of 280 steps, its eval decodes 32 instead of 40 new
+    tokens and skips the fixed-gamma pass,
     for its 15-minute budget: train and eval were 642c1fd7b317 / 24c63ac665e5.)"""
     from pipeline.stages import stage_fingerprint
 
     cfg = load_config("infra/configs/quickstart.yaml")
     assert {s: stage_fingerprint(cfg, s)[:12] for s in ("generate", "train", "eval")} == {
-        "generate": "8150d903c77d", "train": "c85ce4137e0a", "eval": "4304a3dffb22"}
+        "generate": "8150d903c77d", "train": "5fc1263ec1e3", "eval": "3d656ac6e361"}
