@@ -280,8 +280,9 @@ def plan_drafts(options: list[RequestOptions], sps: SPSTable, draft_cost: DraftC
     # predicted confidences must be valid probabilities for Algorithm 1
     preds = [[min(max(c, 0.0), 1.0) for c in row] for row in preds]
     limit = sps.max_tokens if max_batch_tokens is None else min(sps.max_tokens, max_batch_tokens)
-    # what the verification will schedule on: with fills, the envelope up to every proposal
-    # verified (serve/engine/step_plan.py does the same after drafting)
+    # with fills: the envelope up to every request proposing its whole cap (lookup: its match),
+    # the widest reach a plan can have; serve/engine/step_plan.py schedules on the envelope up to
+    # what was really proposed, and each cut below is valued at its own reach
     planning = (sps.padded(max(1, min(limit, n + sum(len(row) for row in preds)))) if fills
                 else sps)
     lengths = dspark_schedule(preds, planning, max_batch_tokens)
