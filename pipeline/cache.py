@@ -3,23 +3,21 @@ as the target cache of SPEC 1.4 (:mod:`pipeline.cache_format`) by Ray Data actor
 (:class:`CacheWriterUDF`, through :mod:`pipeline.cache_writer`).
 
 Shards are deterministic slices of the conversations in cache order (hashed ids,
-:func:`pipeline.cache_format.shard_key`), so a re-run writes only missing shards. Each worker writes
+:func:`pipeline.cache_format.shard_key`; planned by :mod:`pipeline.cache_shards`), so a re-run
+writes only missing shards. Each worker writes
 its own shards, streaming them row group by row group; nothing V-sized or cache-sized passes the
 driver.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
-from pathlib import Path
 
 import numpy as np
-import pyarrow as pa
 
 from . import storage
-from .cache_format import parse_conversation_line, shard_key, shard_name
+from .cache_shards import pack_shards
 from .cache_writer import ShardWriter, read_sidecar, row_group_sizes, write_sidecar
 from .config import CacheConfig
 from .target_features import CacheTarget, TargetFeatures, length_batches  # noqa: F401 (API)
@@ -30,7 +28,8 @@ logger = logging.getLogger(__name__)
 class CacheWriterUDF(TargetFeatures):
     """Ray Data callable class: tokenizes conversations, runs the target, writes one shard per
     input row. Input columns: ``shard`` (int), ``path`` (shard base path without suffix),
-    ``fingerprint`` and ``rows`` (JSON list of conversations). Output: one summary row per shard.
+    ``fingerprint`` and ``rows`` (JSON list of conversations). Output: one row per shard,
+    ``shard``, ``path`` and ``summary`` (its sidecar as JSON).
 
     A shard's samples go to the target a row group at a time (at most ``rows_per_row_group``
     rows and ``row_group_bytes`` bytes, :func:`row_group_sizes`, known from the token counts
@@ -72,7 +71,7 @@ class CacheWriterUDF(TargetFeatures):
         return summary
 
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, list]:
-        summaries = {"shard": [], "summary": []}
+        summaries = {"shard": [], "path": [], "summary": []}
         for shard, path, fingerprint, rows_json in zip(batch["shard"], batch["path"],
                                                        batch["fingerprint"], batch["rows"]):
             path, convs = str(path), json.loads(rows_json)
@@ -81,129 +80,19 @@ class CacheWriterUDF(TargetFeatures):
                                                base_delay_s=self.retry_base_delay_s)
                        if storage.is_url(path) else write())
             summaries["shard"].append(int(shard))
+            summaries["path"].append(path)
             summaries["summary"].append(json.dumps(summary))
         return summaries
 
 
-def shard_fingerprint(rows: list[dict], settings: dict) -> str:
-    """What a shard was made from: its sample ids and contents plus the cache settings. A sidecar
-    with another fingerprint belongs to a different run and the shard is rewritten."""
-    h = hashlib.sha256(json.dumps(settings, sort_keys=True).encode())
-    for row in rows:
-        h.update(json.dumps([row["id"], row["messages"]], ensure_ascii=False).encode())
-    return h.hexdigest()
-
-
-def shard_bounds(ids: list[str], rows_per_shard: int) -> list[str]:
-    """Deterministic shards of the conversations in cache order
-    (:func:`pipeline.cache_format.shard_key`) cut every ``rows_per_shard`` rows: the first key of
-    every shard after the first (shard of an id = ``bisect_right(bounds, shard_key(id))``).
-
-    Raises:
-        ValueError: an id occurs twice (naming it).
-    """
-    ids = sorted(ids)
-    dup = next((a for a, b in zip(ids, ids[1:]) if a == b), None)
-    if dup is not None:
-        raise ValueError(f"conversation id {dup!r} occurs more than once in the generate output")
-    return sorted(shard_key(i) for i in ids)[rows_per_shard::rows_per_shard]
-
-
-def _key_lines(batch: dict) -> dict:
-    """Ray Data batch: JSON lines (``text``) -> ``id``, its ``key`` in cache order and the line
-    itself; blank and unreadable (torn) lines are dropped
-    (:func:`pipeline.cache_format.parse_conversation_line`)."""
-    ids, keys, texts = [], [], []
-    for line in batch["text"]:
-        parsed = parse_conversation_line(str(line))
-        if parsed is not None:
-            ids.append(parsed[0])
-            keys.append(shard_key(parsed[0]))
-            texts.append(str(line))
-    return {"id": np.array(ids, dtype=object), "key": np.array(keys, dtype=object),
-            "text": np.array(texts, dtype=object)}
-
-
-def _assign_shard(batch: dict, bounds: list[str]) -> dict:
-    """Ray Data batch: add ``shard`` (int64) from ``key`` (:func:`shard_bounds`)."""
-    shard = np.searchsorted(np.array(bounds, dtype=object), batch["key"], side="right")
-    return {**batch, "shard": np.asarray(shard, dtype=np.int64)}
-
-
-def _pack_shard(group: dict, split_dir: str, settings: dict) -> dict:
-    """Ray Data ``map_groups``: the rows of one shard -> one row ``shard``, ``path``,
-    ``fingerprint`` and ``rows`` (JSON list of its conversations in cache order)."""
-    order = np.argsort(group["key"].astype(str), kind="stable")
-    convs = [json.loads(group["text"][i]) for i in order]
-    shard = int(group["shard"][0])
-    return {"shard": np.array([shard], dtype=np.int64),
-            "path": np.array([storage.join(split_dir, shard_name(shard))], dtype=object),
-            "fingerprint": np.array([shard_fingerprint(convs, settings)], dtype=object),
-            "rows": np.array([json.dumps(convs, ensure_ascii=False)], dtype=object)}
-
-
-# Ray's label of a node's id (every node carries it); a task pinned to a node selects it
-NODE_ID_LABEL = "ray.io/node-id"
-
-
-def conversations_dataset(conversations: list[dict] | str):
-    """A Ray Data dataset of JSON lines (column ``text``): a JSONL file (local path, read on
-    the driver's node, or s3://), or conversations given in memory (tests, small inputs)."""
-    import ray
-
-    if isinstance(conversations, str):
-        if storage.is_url(conversations):
-            return ray.data.read_text(conversations)
-        # a local file lives on the driver's node, where the read must run (what Ray's
-        # deprecated local:// scheme did, by this same node label); it asks for no CPU because a
-        # cluster's head often offers none (the work it does is light file I/O)
-        return ray.data.read_text(conversations, num_cpus=0, label_selector={
-            NODE_ID_LABEL: ray.get_runtime_context().get_node_id()})
-    return ray.data.from_items([{"text": json.dumps(c, ensure_ascii=False)}
-                                for c in conversations])
-
-
-def pack_shards(conversations: list[dict] | str, cache_dir: str, split: str,
-                target: CacheTarget, cache: CacheConfig):
-    """The split's shards as a materialized Ray Data dataset, one row per shard (``shard``,
-    ``path``, ``fingerprint``, ``rows``: its conversations in cache order as JSON), and the number of
-    shards; (None, 0) when there are no conversations. Stale temporaries of writers killed
-    mid-shard are removed.
-
-    Raises:
-        ValueError: a conversation id occurs twice.
-    """
-    split_dir = storage.join(cache_dir, split)
-    if not storage.is_url(split_dir):  # temporaries of writers killed mid-shard (never listed)
-        for stale in Path(split_dir).glob(".shard-*.tmp-*"):
-            stale.unlink(missing_ok=True)
-    # what a shard's rows depend on (its fingerprint; unchanged since sidecars of summary 2)
-    settings = {"target": target.name_or_path, "dtype": target.dtype,
-                "layer_ids": list(target.layer_ids), "template_kwargs": target.template_kwargs,
-                "max_length": cache.max_length, "min_supervised": cache.min_supervised_tokens,
-                "summary": 2,  # 2: sidecars carry supervised_token_counts
-                "order": "shard_key"}  # shards cut in hashed-id order (cache_format.shard_key)
-    keyed = conversations_dataset(conversations).map_batches(
-        _key_lines, batch_format="numpy").materialize()
-    ids = [str(r["id"]) for r in keyed.select_columns(["id"]).take_all()]
-    if not ids:
-        return None, 0
-    bounds = shard_bounds(ids, cache.rows_per_shard)
-    packed = (keyed.map_batches(_assign_shard, fn_kwargs={"bounds": bounds}, batch_format="numpy")
-              .groupby("shard", num_partitions=min(len(bounds) + 1, 64))
-              .map_groups(_pack_shard, fn_kwargs={"split_dir": split_dir, "settings": settings},
-                          batch_format="numpy")
-              .materialize())
-    return packed, len(bounds) + 1
-
-
-def run_cache_split(conversations: list[dict] | str, cache_dir: str, split: str,
-                    target: CacheTarget, cache: CacheConfig,
-                    storage_options: dict) -> list[dict]:
-    """Write the missing shards of one split; return every shard's summary (in shard order).
+def run_cache(splits: dict[str, list[dict] | str], cache_dir: str, target: CacheTarget,
+              cache: CacheConfig, storage_options: dict) -> dict[str, list[dict]]:
+    """Write the missing shards of every split in one pass (one writer actor pool: an actor's
+    start, which loads the target, is paid once, not once a split); return each split's shard
+    summaries in shard order (splits without conversations are left out).
 
     The conversations are read as a Ray Data dataset (a generate output file is never loaded into
-    the driver, which holds only the ids): shards are the conversations in cache order
+    the driver, which holds only the ids): a split's shards are its conversations in cache order
     (``cache_format.shard_key``) cut every ``rows_per_shard``, packed one row per shard by a
     ``groupby``, fingerprinted there, and only shards without a sidecar of the same fingerprint go
     to the writer actors (:class:`CacheWriterUDF`; ``cache.forward_batch_tokens`` is its
@@ -212,36 +101,35 @@ def run_cache_split(conversations: list[dict] | str, cache_dir: str, split: str,
     the rows, so a shard written with other caps is kept.
 
     Args:
-        conversations: a JSONL file of conversations (``id``, ``messages``, ``domain``; local or
-            s3://) or the conversations themselves.
-        cache_dir: the cache's location (local or s3://); the split's shards go under
-            ``<cache_dir>/<split>/``.
-        split: "train" or "heldout".
+        splits: split -> a JSONL file of conversations (``id``, ``messages``, ``domain``; local
+            or s3://) or the conversations themselves; shards go under ``<cache_dir>/<split>/``.
+        cache_dir: the cache's location (local or s3://).
         target: the target to forward; cache: the ``cache:`` config section.
     Raises:
-        ValueError: a conversation id occurs twice.
+        ValueError: a conversation id occurs twice in a split.
     """
     import ray
     from ray.data.expressions import col
 
-    packed, num_shards = pack_shards(conversations, cache_dir, split, target, cache)
+    packed, num_shards = pack_shards(splits, cache_dir, target, cache)
     if packed is None:
-        return []
-    split_dir = storage.join(cache_dir, split)
-    summaries: dict[int, dict] = {}
-    todo = set()
-    for row in packed.select_columns(["shard", "path", "fingerprint"]).take_all():
-        i, base, fingerprint = int(row["shard"]), str(row["path"]), str(row["fingerprint"])
+        return {}
+    summaries: dict[str, dict[int, dict]] = {split: {} for split in num_shards}
+    todo: dict[str, tuple[str, int]] = {}  # path -> (split, shard)
+    for row in packed.select_columns(["split", "shard", "path", "fingerprint"]).take_all():
+        split, i, base = str(row["split"]), int(row["shard"]), str(row["path"])
         done = read_sidecar(base, storage_options)
         if done is not None:
-            if done.get("fingerprint") == fingerprint:
-                summaries[i] = done
+            if done.get("fingerprint") == str(row["fingerprint"]):
+                summaries[split][i] = done
                 continue
             logger.warning("%s was written from other inputs or settings: rewriting it", base)
-        todo.add(i)
+        todo[base] = (split, i)
     if todo:
-        logger.info("cache %s: writing %d of %d shards", split_dir, len(todo), num_shards)
-        ds = packed.filter(expr=col("shard").is_in(sorted(todo)))
+        for split, n in num_shards.items():
+            logger.info("cache %s: writing %d of %d shards", storage.join(cache_dir, split),
+                        sum(s == split for s, _ in todo.values()), n)
+        ds = packed.filter(expr=col("path").is_in(sorted(todo)))
         ds = ds.repartition(len(todo)).map_batches(
             CacheWriterUDF,
             fn_constructor_kwargs=dict(target=target, cache=cache,
@@ -250,5 +138,16 @@ def run_cache_split(conversations: list[dict] | str, cache_dir: str, split: str,
             num_cpus=cache.cpus_per_actor,
             num_gpus=cache.gpus_per_actor or None, batch_format="numpy")
         for row in ds.iter_rows():
-            summaries[int(row["shard"])] = json.loads(row["summary"])
-    return [summaries[i] for i in range(num_shards)]
+            split, i = todo[str(row["path"])]
+            summaries[split][i] = json.loads(row["summary"])
+    return {split: [shards[i] for i in range(num_shards[split])]
+            for split, shards in summaries.items()}
+
+
+def run_cache_split(conversations: list[dict] | str, cache_dir: str, split: str,
+                    target: CacheTarget, cache: CacheConfig,
+                    storage_options: dict) -> list[dict]:
+    """:func:`run_cache` of one split: its shard summaries in shard order ([] without
+    conversations)."""
+    return run_cache({split: conversations}, cache_dir, target, cache,
+                     storage_options).get(split, [])

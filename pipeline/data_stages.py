@@ -60,23 +60,16 @@ def stage_generate(ctx: StageContext) -> dict:
                                           out / "errors.jsonl", sources, ctx.cfg.storage_options)
     target = dict(target=ctx.target, dtype=ctx.cfg.target.dtype,
                   template_kwargs=ctx.cfg.target.chat_template_kwargs, seed=ctx.cfg.seed)
-    if g.backend == "vllm":
-        from .generate_vllm import run_generate_vllm
-
-        splits = {split: (prompts[split], out / f"{split}.jsonl") for split in SPLITS}
-        with tqdm(total=sum(len(rows) for rows, _ in splits.values()), desc="generate (vllm)",
-                  unit="prompt", mininterval=5) as bar:
-            summary = run_generate_vllm(splits, out / "errors.jsonl", g, **target, progress=bar)
-        for split, counts in reused.items():
-            summary[split].update(counts)
-        return summary
-    summary = {}
-    for split in SPLITS:
-        rows = prompts[split]
-        with tqdm(total=len(rows), desc=f"generate {split}", unit="prompt", mininterval=5) as bar:
-            counts = run_generate(rows, out / f"{split}.jsonl", out / "errors.jsonl", g, **target,
-                                  progress=bar)
-        summary[split] = {**counts, **reused.get(split, {})}
+    splits = {split: (prompts[split], out / f"{split}.jsonl") for split in SPLITS}
+    if g.backend == "vllm":  # vLLM's own engines, not a Ray Data actor pool
+        from .generate_vllm import run_generate_vllm as regenerate
+    else:
+        regenerate = run_generate
+    with tqdm(total=sum(len(rows) for rows, _ in splits.values()), desc=f"generate ({g.backend})",
+              unit="prompt", mininterval=5) as bar:
+        summary = regenerate(splits, out / "errors.jsonl", g, **target, progress=bar)
+    for split, counts in reused.items():
+        summary[split].update(counts)
     return summary
 
 
@@ -125,7 +118,7 @@ def write_cache(ctx: StageContext) -> dict:
     Raises:
         ValueError: the cache has no training rows.
     """
-    from .cache import run_cache_split
+    from .cache import run_cache
     from .cache_format import read_manifest
 
     so = ctx.cfg.storage_options
@@ -136,16 +129,13 @@ def write_cache(ctx: StageContext) -> dict:
     ensure_ray(ctx.cfg)
     c = ctx.cfg.cache
     target = cache_target(ctx)
-    splits = {}
     errors_path = ctx.stage_dir("cache") / "errors.jsonl"
-    for split in SPLITS:
-        # read by Ray Data inside run_cache_split: the driver never holds the conversations
-        generated = ctx.run_dir / "generate" / f"{split}.jsonl"
-        if not generated.exists() or generated.stat().st_size == 0:
-            continue
-        shards = run_cache_split(str(generated), ctx.cache_dir, split, target, c, so)
-        if shards:
-            splits[split] = shards
+    # read by Ray Data inside run_cache: the driver never holds the conversations
+    generated = {split: ctx.run_dir / "generate" / f"{split}.jsonl" for split in SPLITS}
+    splits = run_cache({split: str(path) for split, path in generated.items()
+                        if path.exists() and path.stat().st_size > 0},
+                       ctx.cache_dir, target, c, so)
+    splits = {split: shards for split, shards in splits.items() if shards}
     errors = [e for shards in splits.values() for s in shards for e in s["errors"]]
     with open(errors_path, "w", encoding="utf-8") as fh:
         fh.writelines(json.dumps(e, ensure_ascii=False) + "\n" for e in errors)

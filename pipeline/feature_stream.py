@@ -119,7 +119,7 @@ def scan_split(path: str, target: CacheTarget, cache: CacheConfig) -> SplitScan:
     """
     import ray
 
-    from .cache import conversations_dataset
+    from .cache_shards import conversations_dataset
 
     rows = conversations_dataset(path).map_batches(
         TokenScanUDF, fn_constructor_kwargs={"target": target, "cache": cache},

@@ -12,6 +12,7 @@ import json
 import logging
 import os
 import zlib
+from contextlib import ExitStack
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -292,12 +293,15 @@ def backend_udf(cfg: GenerateConfig) -> tuple[type, dict]:
                      "pipeline.generate_vllm.run_generate_vllm runs it")
 
 
-def run_generate(rows: list[dict], out_path: Path, errors_path: Path, cfg: GenerateConfig, *,
-                 target: str, dtype: str, template_kwargs: dict, seed: int, progress=None,
-                 udf: type | None = None) -> dict:
-    """Regenerate answers for ``rows`` not yet in ``out_path`` / ``errors_path``.
+def run_generate(splits: dict[str, tuple[list[dict], Path]], errors_path: Path,
+                 cfg: GenerateConfig, *, target: str, dtype: str, template_kwargs: dict,
+                 seed: int, progress=None, udf: type | None = None) -> dict:
+    """Regenerate the rows of every split not yet in its output file or ``errors_path``; all
+    splits go through one Ray Data pass (one actor pool: an actor's start, which loads the
+    target, is paid once, not once a split).
 
     Args:
+        splits: split -> (prompt rows ``{id, domain, messages}``, output JSONL path).
         cfg: the ``generate`` section (backend hf or engine: sampling, actor pool, batch size,
             prompt limit, and the engine's batch and KV budget).
         target, dtype, template_kwargs: the target to load (name or directory), its dtype and
@@ -307,20 +311,85 @@ def run_generate(rows: list[dict], out_path: Path, errors_path: Path, cfg: Gener
         udf: an actor class to use instead of the backend's (:func:`backend_udf`), constructed
             with the shared arguments only (tests).
     Returns:
-        counts ``{"generated", "errors", "skipped"}`` of this invocation.
+        per split, counts ``{"generated", "errors", "skipped"}`` of this invocation.
     Raises:
-        ValueError: backend vllm.
+        ValueError: backend vllm, or a prompt id in two splits.
     """
     import ray
 
     udf_cls, udf_kwargs = (udf, {}) if udf is not None else backend_udf(cfg)
-    truncate_torn_line(out_path)
     truncate_torn_line(errors_path)
-    done = done_ids(out_path, errors_path)
-    pending = [r for r in rows if r["id"] not in done]
-    counts = {"generated": 0, "errors": 0, "skipped": len(rows) - len(pending)}
+    counts, pending, split_of = {}, [], {}
+    for split, (rows, out_path) in splits.items():
+        truncate_torn_line(out_path)
+        done = done_ids(out_path, errors_path)
+        todo = [r for r in rows if r["id"] not in done]
+        counts[split] = {"generated": 0, "errors": 0, "skipped": len(rows) - len(todo)}
+        for r in todo:
+            if r["id"] in split_of:
+                raise ValueError(f"prompt id {r['id']!r} is in splits {split_of[r['id']]!r} "
+                                 f"and {split!r}")
+            split_of[r["id"]] = split
+        pending += todo
     if not pending:
         return counts
+    # similar prompt lengths share a batch: left padding to the longest prompt otherwise costs
+    # more prefill compute than the answers themselves
+    pending.sort(key=lambda r: sum(len(m["content"]) for m in r["messages"]))
+    items = [{"id": r["id"], "domain": r["domain"],
+              "messages": json.dumps(r["messages"], ensure_ascii=False)} for r in pending]
+    # Blocks as small as Ray Data makes them (one row): rows leave an actor as soon as its UDF
+    # yields them (the engine backend yields finished conversations while its batch decodes),
+    # so they are written, and kept by a stopped run, then rather than at the end of a batch of
+    # hundreds. The datasets created under the setting keep it (DataContext.get_current's docs).
+    context = ray.data.DataContext.get_current()
+    block_size, context.target_max_block_size = context.target_max_block_size, 1
+    try:
+        ds = ray.data.from_items(items,
+                                 override_num_blocks=max(1, -(-len(items) // cfg.batch_size)))
+    finally:
+        context.target_max_block_size = block_size
+    ds = ds.map_batches(
+        udf_cls,
+        fn_constructor_kwargs=dict(target=target, dtype=dtype, sampling=cfg.sampling.model_dump(),
+                                   template_kwargs=template_kwargs, num_threads=cfg.num_threads,
+                                   max_prompt_tokens=cfg.max_prompt_tokens, seed=seed,
+                                   **udf_kwargs),
+        batch_size=cfg.batch_size, compute=ray.data.ActorPoolStrategy(size=cfg.num_actors),
+        num_cpus=cfg.cpus_per_actor,
+        num_gpus=cfg.gpus_per_actor or None, batch_format="numpy")
+    for _, out_path in splits.values():
+        out_path.parent.mkdir(parents=True, exist_ok=True)
+    errors_path.parent.mkdir(parents=True, exist_ok=True)
+    with ExitStack() as files:
+        outs = {split: files.enter_context(open(out_path, "a", encoding="utf-8"))
+                for split, (_, out_path) in splits.items()}
+        err = files.enter_context(open(errors_path, "a", encoding="utf-8"))
+        # prefetch_batches=0: a prefetching iterator holds each block until the next one exists
+        for batch in ds.iter_batches(batch_size=None, batch_format="numpy", prefetch_batches=0):
+            written = set()
+            for i in range(len(batch["id"])):
+                row_id = str(batch["id"][i])
+                split = split_of.pop(row_id, None)
+                if split is None:  # a retried actor task may yield a row again
+                    continue
+                fh = err if batch["error"][i] else outs[split]
+                written.add(fh)
+                if batch["error"][i]:
+                    _append(err, {"id": row_id, "stage": "generate",
+                                  "error": str(batch["error"][i])})
+                    counts[split]["errors"] += 1
+                else:
+                    _append(fh, {"id": row_id, "domain": str(batch["domain"][i]),
+                                 "messages": json.loads(batch["messages"][i]),
+                                 "finish_reasons": json.loads(batch["finish_reasons"][i])})
+                    counts[split]["generated"] += 1
+            for fh in written:
+                fh.flush()
+                os.fsync(fh.fileno())
+            if progress is not None:
+                progress.update(len(batch["id"]))
+    return counts
     # similar prompt lengths share a batch: left padding to the longest prompt otherwise costs
     # more prefill compute than the answers themselves
     pending.sort(key=lambda r: sum(len(m["content"]) for m in r["messages"]))

@@ -135,7 +135,7 @@ def train_hybrid(ctx: StageContext) -> dict:
     """``train.data_mode: hybrid`` without a finished cache: the first epoch streams (and writes)
     the cache, the rest reads it. Returns the last phase's :func:`pipeline.train.run_train`
     result with ``phases`` (steps of each)."""
-    from .cache import pack_shards
+    from .cache_shards import pack_shards
     from .cache_format import read_manifest
     from .data_stages import cache_target, write_cache
     from .feature_stream import HybridStream
@@ -148,7 +148,7 @@ def train_hybrid(ctx: StageContext) -> dict:
     tc, so, c = ctx.cfg.train, ctx.cfg.storage_options, ctx.cfg.cache
     per_epoch = steps_per_epoch(scans["train"].rows, tc.global_batch_size)
     storage.check_writable(ctx.cache_dir, so)
-    packed, _ = pack_shards(files["train"], ctx.cache_dir, "train", cache_target(ctx), c)
+    packed, _ = pack_shards({"train": files["train"]}, ctx.cache_dir, cache_target(ctx), c)
     heldout = _heldout(ctx, files, scans)
 
     def streams(checkpoints, total_steps: int) -> dict:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 from pathlib import Path
 
@@ -11,7 +12,50 @@ os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 os.environ.setdefault("WANDB_MODE", "offline")
 
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # one torch thread per test worker: the tests on the Ray worker (whose Ray processes take
+    # their own thread counts) keep a core instead of sharing both with the unit tests' torch
+    import torch
+
+    torch.set_num_threads(1)
+
 SMOLLM2_DIR = Path("~/.cache/dspark_ray/models/SmolLM2-135M-Instruct").expanduser()
+
+
+#: what makes a test module's tests run on the Ray worker (tests/unit/test_test_groups.py checks
+#: that every module starting a cluster says one of them)
+RAY_MODULE_SIGNS = ("pytest.mark.ray", "ray_local")
+
+
+@functools.cache
+def ray_modules(root: str) -> frozenset[str]:
+    """Test modules (paths relative to ``root``, as in node ids) that start or use a Ray
+    cluster: marked ``pytest.mark.ray`` or using the ``ray_local`` fixture."""
+    return frozenset(str(path.relative_to(root)) for path in Path(root, "tests").rglob("test_*.py")
+                     if any(sign in path.read_text() for sign in RAY_MODULE_SIGNS))
+
+
+def xdist_scope(nodeid: str, root: str) -> str:
+    """The work unit of a test under pytest-xdist: "ray" for every test of a Ray module (they
+    run one after another on one worker), else the test alone."""
+    return "ray" if nodeid.split("::")[0] in ray_modules(root) else nodeid
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """Under ``pytest -n N`` (the README's test command runs ``-n 2``) the tests of modules that
+    start or use a Ray cluster run in turn on one worker while the others share the rest: two
+    local Ray clusters starting at once on a small machine time out each other's start-up.
+    (xdist's own ``--dist loadgroup`` cannot group them under pytest 9.2: it renames node ids
+    through an attribute pytest no longer reads.)"""
+    from xdist.scheduler import LoadScopeScheduling
+
+    root = str(config.rootpath)
+
+    class RayOnOneWorker(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return xdist_scope(nodeid, root)
+
+    return RayOnOneWorker(config, log)
 
 
 @pytest.fixture(scope="session")

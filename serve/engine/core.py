@@ -230,14 +230,15 @@ class SpecEngine:
         """One speculative round for the running ``reqs``: plan -> propose -> verify -> commit,
         the prefill ``chunks`` packed into the same target pass; returns (their outputs, the
         chunks' pass outputs)."""
-        plan = self.planner.plan(reqs, time.perf_counter())
+        riding = sum(c.take for c in chunks)
+        plan = self.planner.plan(reqs, time.perf_counter(), riding=riding)
         draft_start = time.perf_counter()
         outputs = self._propose(plan)
         draft_s = self._elapsed(draft_start) if plan.predicted_draft_s else 0.0
         if not plan.rows:  # every request failed while drafting
             return outputs, self._prefill_forward(chunks)
         self.planner.schedule(plan, [self._floor(row.request) for row in plan.rows],
-                              riding=sum(c.take for c in chunks))
+                              riding=riding)
         plan.verify_start_s = time.perf_counter()
         outs, prefill_outs = self._target_pass(plan, chunks)
         # the profiles checked against this step (a prompt chunk in the pass: not comparable)

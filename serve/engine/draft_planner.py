@@ -238,10 +238,11 @@ def plan_drafts(options: list[RequestOptions], sps: SPSTable, draft_cost: DraftC
        the pass its proposed tokens allow, ``SPSTable.padded``): never at a speed that drafts it
        does not propose would be needed for.
     5. The due probes are drafted (all together) when a request accepting ``probe_alpha`` of
-       its draft tokens would be kept at this step's batch (otherwise no probe result could
-       change the plan: under load on a CPU the verification a draft adds costs more than even
-       a well-predicted draft returns) and what they add to the drafter call's cost is within
-       ``probe_allowance_s``; otherwise none is, and they stay due.
+       its draft tokens would be kept at this step's batch, valued as the cuts are (with
+       ``fills``: at the speed its pass can reach), and what they add to the drafter call's
+       cost is within ``probe_allowance_s``; otherwise none is, and they stay due. (When no
+       such request would be kept, no probe result could change the plan: under load on a CPU
+       the verification a draft adds costs more than even a well-predicted draft returns.)
 
     Args:
         options: one :class:`RequestOptions` per running request.
@@ -362,15 +363,21 @@ def plan_drafts(options: list[RequestOptions], sps: SPSTable, draft_cost: DraftC
         longest = max(options[i].cap for i in probes)
         backlog = min(draft_cost.backlog_seconds(options[i].pending) for i in probes)
         could_pay = False
-        kept_tokens = max((drafts(i, fill_tokens) for i in kept), default=0)
+        kept_proposals = [drafts(i, fill_tokens) for i in kept]
+        kept_tokens = max(kept_proposals, default=0)
+        # the kept rows' and lookups' proposals beyond their predicted lengths: with fills the
+        # pass can reach that far, and the plan's cuts were valued at that reach too
+        spare = look_spare + sum(kept_proposals) - len_suffix[cut]
         for l in range(1, longest + 1):
             batch = n + look_len + len_suffix[cut] + l
             if batch > limit:
                 break
-            cost = (draft_cost.seconds(m - cut + 1, max(kept_tokens, min(longest, l + 1)),
-                                       sampled) + backlog_suffix[cut] + backlog)
+            probe_tokens = min(longest, l + 1)
+            cost = (draft_cost.seconds(m - cut + 1, max(kept_tokens, probe_tokens), sampled)
+                    + backlog_suffix[cut] + backlog)
+            reach = batch + spare + probe_tokens - l
             with_probe = ((n + look_tokens + gain_suffix[cut] + expected_accepted(probe_alpha, l))
-                          / (1.0 / sps.sps(batch) + cost))
+                          / (1.0 / speed(batch, reach) + cost))
             if with_probe > best and with_probe >= (1.0 + min_gain) * value:
                 could_pay = True
                 break

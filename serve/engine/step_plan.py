@@ -154,10 +154,12 @@ class StepPlanner:
             out.append(0 if r.pos + l >= self.drafter_context else l)
         return out
 
-    def plan(self, reqs: list[RequestState], start_s: float) -> StepPlan:
+    def plan(self, reqs: list[RequestState], start_s: float, riding: int = 0) -> StepPlan:
         """The step's rows: source, num_draft_tokens and probing from the goodput planner (a lookup
         row gets its draft and predicted confidences now), or num_speculative_tokens (each row's
-        cap) from the drafter for every request without it."""
+        cap) from the drafter for every request without it. ``riding``: prompt tokens packed
+        into the step's target pass; such a pass is not filled (:meth:`schedule`), so the
+        planner drafts no fill for it either."""
         caps = self.caps(reqs)
         if not self.plans:
             return StepPlan([PlanRow(r, c, "model" if c > 0 else None, c)
@@ -173,7 +175,8 @@ class StepPlanner:
         plan = plan_drafts(options, self.sps, self.draft_cost, sampled,
                            self.config.max_batch_tokens, probe_allowance_s=self.probe_credit,
                            min_gain=self.config.min_draft_gain,
-                           probe_alpha=self.config.probe_alpha, fills=self.fills)
+                           probe_alpha=self.config.probe_alpha,
+                           fills=self.fills and not riding)
         # the budget grows by its share of a target-only step of this batch (a prediction, so
         # the plan stays a function of the past only), up to one full-block call for everyone
         ceiling = (self.draft_cost.seconds(len(reqs), self.draft_cost.block_size, sampled)

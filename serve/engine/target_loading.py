@@ -76,10 +76,12 @@ def materialize_gguf_target(output_dir: str | os.PathLike, package: str, filenam
             quantizer.remove_quantization_config(model)
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
-        if out.exists():  # a concurrent conversion finished first
-            shutil.rmtree(tmp)
-        else:
+        try:
             tmp.rename(out)
+        except OSError:
+            if not (out / "config.json").is_file():
+                raise
+            shutil.rmtree(tmp)  # a concurrent conversion (another test worker) finished first
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

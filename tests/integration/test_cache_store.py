@@ -21,7 +21,7 @@ from serve.engine.target_loading import load_target, load_tokenizer
 
 from .conftest import conversations
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.ray]
 LAYERS = [1, 3]
 
 

@@ -19,7 +19,7 @@ import yaml
 
 from .pipeline_config import ROOT, tiny_pipeline_config
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.ray]
 BUCKET = "s3://dspark-test/multinode"
 CHECKPOINT_EVERY = 3
 

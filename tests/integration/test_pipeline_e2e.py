@@ -13,7 +13,7 @@ import yaml
 
 from .pipeline_config import ROOT, tiny_pipeline_config
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.ray]
 
 
 def run_pipeline(config: Path, *extra: str, timeout: int = 600) -> subprocess.CompletedProcess:

@@ -17,7 +17,7 @@ from pipeline.generate import run_generate
 
 from .conftest import conversations
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.ray]
 
 
 class EchoUDF:
@@ -40,7 +40,7 @@ class SummaryWriter:
         pass
 
     def __call__(self, batch: dict) -> dict:
-        return {"shard": batch["shard"],
+        return {"shard": batch["shard"], "path": batch["path"],
                 "summary": np.array([json.dumps({"shard": int(s)}) for s in batch["shard"]],
                                     dtype=object)}
 
@@ -77,11 +77,11 @@ def test_generate_and_cache_calls_warn_nothing(tmp_path, ray_warnings, monkeypat
     records, caught = ray_warnings
     rows = [{"id": c["id"], "domain": c["domain"], "messages": c["messages"][:1]}
             for c in conversations(6)]
-    counts = run_generate(rows, tmp_path / "gen.jsonl", tmp_path / "errors.jsonl",
+    counts = run_generate({"train": (rows, tmp_path / "gen.jsonl")}, tmp_path / "errors.jsonl",
                           GenerateConfig(batch_size=4, num_actors=1, cpus_per_actor=1,
                                          gpus_per_actor=0, num_threads=1, max_prompt_tokens=64),
                           target="-", dtype="float32", template_kwargs={}, seed=0, udf=EchoUDF)
-    assert counts["generated"] == 6
+    assert counts["train"]["generated"] == 6
 
     # the cache stage reads the generate output (a local JSONL file, read on this node)
     monkeypatch.setattr(cache, "CacheWriterUDF", SummaryWriter)

@@ -19,7 +19,7 @@ import torch
 
 from tests.tiny import tiny_drafter
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.ray]
 
 MODEL = "tiny-dspark"
 TEMPLATE_KWARGS = {"enable_thinking": False}

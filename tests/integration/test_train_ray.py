@@ -10,7 +10,7 @@ import pytest
 
 from drafters.config import DrafterConfig
 from drafters.loading import load_drafter
-from pipeline.cache import CacheTarget, run_cache_split
+from pipeline.cache import CacheTarget, run_cache
 from pipeline.cache_format import build_manifest
 from pipeline.checkpoints import MARKER, inspect_checkpoint
 from pipeline.config import CacheConfig, TrainConfig
@@ -19,7 +19,7 @@ from pipeline.train import run_train
 
 from .conftest import conversations
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.ray]
 WANDB = {"project": "t", "entity": None, "mode": "offline"}
 
 
@@ -27,12 +27,10 @@ WANDB = {"project": "t", "entity": None, "mode": "offline"}
 def tiny_cache(tmp_path_factory, tiny_target_dir, ray_local):
     root = tmp_path_factory.mktemp("cache")
     convs = conversations(10)
-    splits = {}
-    for split, rows in (("train", convs[:8]), ("heldout", convs[8:])):
-        splits[split] = run_cache_split(
-            rows, str(root), split, CacheTarget(str(tiny_target_dir), "float32", [1, 3], {}),
-            CacheConfig(max_length=256, min_supervised_tokens=5, rows_per_shard=4,
-                        rows_per_row_group=2, num_threads=1), {})
+    splits = run_cache({"train": convs[:8], "heldout": convs[8:]}, str(root),
+                       CacheTarget(str(tiny_target_dir), "float32", [1, 3], {}),
+                       CacheConfig(max_length=256, min_supervised_tokens=5, rows_per_shard=4,
+                                   rows_per_row_group=2, num_threads=1), {})
     manifest = build_manifest(target=str(tiny_target_dir), revision=None, layer_ids=[1, 3],
                               hidden_size=64, vocab_size=49152, template_sha256="x",
                               template_kwargs={}, max_length=256, splits=splits)
@@ -86,15 +84,15 @@ def test_resume_with_another_worker_count_matches_uninterrupted_run(tmp_path, ti
         assert inspect_checkpoint(str(ckpt)).complete
         marker = json.loads((ckpt / MARKER).read_text())
         assert marker["world_size"] == 2 and any("zero_pp_rank_1" in n for n in marker["ranks"][1])
-    for workers in (2, 1):
-        result, log_b = _train(tiny_cache, tiny_target_dir, tmp_path / f"b{workers}",
-                               num_epochs=3, num_workers=workers, resume_from=str(ckpts[3]))
-        assert result["resumed_from"] == str(ckpts[3])
-        assert [h["step"] for h in log_b] == [1, 2, 3, 4, 5, 6]  # the log continues A's
-        assert log_b[:3] == log_a[:3]
-        for a, b in zip(log_a[3:], log_b[3:]):
-            assert b["loss"] == pytest.approx(a["loss"], rel=1e-4), (workers, a, b)
-            assert b["lr"] == pytest.approx(a["lr"], rel=1e-6)
+    # (a resume on the same worker count: the bad-steps test below)
+    result, log_b = _train(tiny_cache, tiny_target_dir, tmp_path / "b", num_epochs=3,
+                           num_workers=1, resume_from=str(ckpts[3]))
+    assert result["resumed_from"] == str(ckpts[3])
+    assert [h["step"] for h in log_b] == [1, 2, 3, 4, 5, 6]  # the log continues A's
+    assert log_b[:3] == log_a[:3]
+    for a, b in zip(log_a[3:], log_b[3:]):
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-4), (a, b)
+        assert b["lr"] == pytest.approx(a["lr"], rel=1e-6)
     # a fresh start from the same weights (init_from) is a different run: LR schedule restarts
     _, log_c = _train(tiny_cache, tiny_target_dir, tmp_path / "c", num_epochs=1,
                       init_from=str(tmp_path / "a" / "drafter"))

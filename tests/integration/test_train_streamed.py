@@ -16,7 +16,7 @@ from pipeline.cache_format import verify_shard
 from .pipeline_config import tiny_pipeline_config
 from .test_pipeline_e2e import run_pipeline
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.ray]
 STREAM = ("--set", "train.eval_every=2", "--set", "train.checkpoint_every=2",
           "--set", "train.resume_from=latest", "--set", "train.num_epochs=3",
           "--set", "cache.rows_per_shard=3")

@@ -196,8 +196,8 @@ def test_shards_are_cut_in_cache_order_and_mix_the_sources():
     that start with their source's name land in shards of mixed sources."""
     import json
 
-    from pipeline.cache import (_assign_shard, _key_lines, _pack_shard, shard_bounds,
-                                shard_fingerprint)
+    from pipeline.cache_shards import (_assign_shard, _key_lines, _pack_shard, shard_bounds,
+                                       shard_fingerprint)
     from pipeline.cache_format import shard_key
 
     convs = [{"id": f"{src}-{i:02d}", "domain": "math", "messages": [
@@ -205,16 +205,23 @@ def test_shards_are_cut_in_cache_order_and_mix_the_sources():
         for src in ("alpha", "beta") for i in (7, 3, 9, 0, 4, 1, 8, 2, 6, 5)]
     lines = np.array([json.dumps(c, ensure_ascii=False) for c in convs] + ["", '{"id": "c1'],
                      dtype=object)
-    keyed = _key_lines({"text": lines})
+    keyed = _key_lines({"text": lines}, "train")
+    assert set(keyed["split"]) == {"train"}
     assert sorted(keyed["id"]) == sorted(c["id"] for c in convs)
     bounds = shard_bounds(list(keyed["id"]), 8)
     ordered = sorted(convs, key=lambda c: shard_key(c["id"]))
     assert bounds == [shard_key(ordered[8]["id"]), shard_key(ordered[16]["id"])]
-    keyed = _assign_shard(keyed, bounds)
+    # another split's rows in the same batch are cut by that split's own bounds
+    other = _key_lines({"text": lines[:3]}, "heldout")
+    keyed = _assign_shard({k: np.concatenate([keyed[k], other[k]]) for k in keyed},
+                          {"train": bounds, "heldout": []})
+    assert list(keyed["shard"][-3:]) == [0, 0, 0]
+    keyed = {k: v[:-3] for k, v in keyed.items()}
     settings = {"target": "t", "summary": 2}
     for shard in range(3):
         pick = keyed["shard"] == shard
-        packed = _pack_shard({k: v[pick] for k, v in keyed.items()}, "/cache/train", settings)
+        packed = _pack_shard({k: v[pick] for k, v in keyed.items()}, "/cache", settings)
+        assert packed["split"][0] == "train"
         want = ordered[8 * shard:8 * shard + 8]
         assert json.loads(packed["rows"][0]) == want
         assert packed["fingerprint"][0] == shard_fingerprint(want, settings)

@@ -214,3 +214,20 @@ def test_filled_plan_drafts_the_fill_for_the_rows_it_keeps():
     plan = plan_drafts(options, table, cost, False, fills=True)
     assert plan.sources == [None, "model"] and plan.num_draft_tokens == [0, 7]
     assert plan.predicted_tps_without_drafter == 2 * 50.0
+
+
+def test_with_filled_passes_a_probe_is_weighed_at_the_speed_its_pass_can_reach():
+    """A keeps a 2-token draft (1 predicted verified), B's probe is due. A probe at 1 token puts
+    the pass at 4 tokens, measured 20 steps/s; but A's spare draft and the probe's own second
+    token let the pass be filled to 6 tokens (50 steps/s, Algorithm 1 on the envelope), the speed
+    the plan's cuts are valued at too. At that speed a perfect probe would pay, so B is probed;
+    weighed at the measured 20, it would not be."""
+    table = SPSTable((95.0, 95.0, 100.0, 20.0, 50.0, 10.0, 50.0))
+    cost = DraftCostTable((1,), ((0.001, 0.002),), ((0.001, 0.002),), 7)
+    options = [RequestOptions(cap=2, model_alpha=0.95),
+               RequestOptions(cap=3, model_alpha=0.5, probe_due=True)]
+    plan = plan_drafts(options, table, cost, False, fills=True)
+    assert plan.sources == ["model", "model"] and plan.num_draft_tokens == [2, 1]
+    assert plan.probed == [False, True]
+    unfilled = plan_drafts(options, table, cost, False, fills=False)
+    assert unfilled.probed == [False, False]  # the measured curve: no probe could pay here

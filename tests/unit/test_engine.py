@@ -324,6 +324,29 @@ def test_fill_passes_config_envelopes_and_schedule():
     assert on.sps != JAGGED_SPS and on.envelope(8)[0] == on.sps.padded(8)
 
 
+def test_a_pass_carrying_prompt_chunks_is_planned_without_fill():
+    """The planner drafts for a fill only where ``schedule`` will fill: a pass with prompt
+    chunks riding in it is not filled, so the plan for it is the unfilled one. On this table
+    (SPS 50 from 2 to 7 tokens, 95 at 8) a request drafts 7 only for the fill to 8 tokens."""
+    from types import SimpleNamespace
+
+    from serve.engine.draft_planner import DraftCostTable, SPSTable
+    from serve.engine.step_plan import StepPlanner
+    table = SPSTable((100.0,) + (50.0,) * 6 + (95.0, 60.0))
+    cost = DraftCostTable((1,), ((0.001, 0.002),), ((0.001, 0.002),), 7,
+                          extend_s_per_position=0.001)
+    planner = StepPlanner(EngineConfig(scheduler="dspark"), "dspark", 7, 4096, table, cost, True)
+    request = SimpleNamespace(
+        req=SimpleNamespace(params=SimpleNamespace(max_tokens=100, temperature=0.0)),
+        output=[], pos=10, lookup=None, model_acc=SimpleNamespace(alpha=0.8),
+        lookup_acc=SimpleNamespace(alpha=0.5), skipped=0, backoff=1000,
+        pending=SimpleNamespace(tokens=[]))
+    filled = planner.plan([request], 0.0)
+    assert [(r.source, r.num_draft_tokens) for r in filled.rows] == [("model", 7)]
+    riding = planner.plan([request], 0.0, riding=3)
+    assert [(r.source, r.num_draft_tokens) for r in riding.rows] == [(None, 0)]
+
+
 def _counting(drafter):
     """Count propose_block and context-extension calls (the drafter's work per step; the engine
     extends contexts through extend_context_batch)."""

@@ -1,8 +1,8 @@
 """generate.backend: engine (pipeline/generate_engine.py): the continuous-batching engine draws
 answers from the distribution plain transformers ``generate`` samples (two-sample chi-square on
 next-token histograms at three positions, the real SmolLM2 target), a row's answer does not depend
-on its batch, one bad row fails alone, and the stage writes the hf backend's rows and resumes by
-id."""
+on its batch, and one bad row fails alone (the stage itself, on Ray:
+tests/integration/test_generate_stage.py)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import pytest
 import torch
 from scipy.stats import chi2_contingency
 
-from pipeline.config import GenerateConfig, SamplingConfig
+from pipeline.config import GenerateConfig
 from pipeline.generate import GenerateUDF, run_generate
 from pipeline.generate_engine import EngineGenerateUDF, answer_seed
 from serve.engine.chat import render_prompt_ids
@@ -108,34 +108,6 @@ def test_the_kv_budget_must_hold_the_longest_prompt_and_answer(smollm2_dir):
                           kv_cache_memory_gib=0.05)
 
 
-def test_the_stage_writes_the_hf_backends_rows_and_resumes_by_id(smollm2_dir, tmp_path,
-                                                                  ray_local):
-    rows = [{"id": f"p{i}", "domain": "chat",
-             "messages": [{"role": "user", "content": f"Question {i}?"}]} for i in range(6)]
-    rows.append({"id": "long", "domain": "chat",
-                 "messages": [{"role": "user", "content": "word " * 400}]})
-    hf = GenerateConfig(sampling=SamplingConfig(**dict(SAMPLING, max_new_tokens=6,
-                                                       temperature=0.0)),
-                        batch_size=4, num_actors=1, cpus_per_actor=1, gpus_per_actor=0,
-                        num_threads=1, max_prompt_tokens=64)
-    engine = hf.model_copy(update={"backend": "engine", "max_num_requests": 4,
-                                   "kv_cache_memory_gib": 0.05})
-    common = dict(target=str(smollm2_dir), dtype="float32", template_kwargs={}, seed=0)
-    out, err = tmp_path / "engine" / "train.jsonl", tmp_path / "engine" / "errors.jsonl"
-    first = run_generate(rows[:3], out, err, engine, **common)
-    assert first == {"generated": 3, "errors": 0, "skipped": 0}
-    again = run_generate(rows, out, err, engine, **common)
-    assert again == {"generated": 3, "errors": 1, "skipped": 3}
-    written = [json.loads(line) for line in out.read_text().splitlines()]
-    assert sorted(r["id"] for r in written) == [f"p{i}" for i in range(6)]
-    assert "max_prompt_tokens" in err.read_text()
-    hf_out = tmp_path / "hf" / "train.jsonl"
-    run_generate(rows[:6], hf_out, tmp_path / "hf" / "errors.jsonl", hf, **common)
-    hf_rows = {r["id"]: r for r in map(json.loads, hf_out.read_text().splitlines())}
-    for r in written:  # greedy: the same answers, the same fields
-        assert r == hf_rows[r["id"]]
-
-
 def test_the_hf_udf_counts_generated_tokens_too(tiny_target_dir):
     udf = GenerateUDF(str(tiny_target_dir), "float32", dict(SAMPLING, max_new_tokens=4), {},
                       num_threads=1, max_prompt_tokens=64, seed=0)
@@ -186,44 +158,14 @@ def test_the_engine_walks_each_conversation_as_the_hf_backend_does_and_yields_ro
                                           "user", "assistant"]
 
 
-class _WaitsForItsFirstRow:
-    """A generate actor that yields one row, then waits until the stage has written it to the
-    output file (its ``target`` argument) before yielding the rest: it raises if rows only leave
-    an actor at the end of its batch."""
-
-    def __init__(self, target, **_):
-        from pathlib import Path
-
-        self.out = Path(target)
-
-    def __call__(self, batch):
-        import time
-
-        def rows(sl):
-            return {"id": list(batch["id"][sl]), "domain": list(batch["domain"][sl]),
-                    "messages": list(batch["messages"][sl]),
-                    "finish_reasons": ['["stop"]'] * len(batch["id"][sl]),
-                    "error": [""] * len(batch["id"][sl])}
-
-        yield rows(slice(0, 1))
-        deadline = time.monotonic() + 60
-        while str(batch["id"][0]) not in (self.out.read_text() if self.out.exists() else ""):
-            if time.monotonic() > deadline:
-                raise TimeoutError("the first yielded row was not written while the batch ran")
-            time.sleep(0.2)
-        yield rows(slice(1, None))
-
-
-def test_the_stage_writes_rows_an_actor_yields_before_its_batch_ends(tmp_path, ray_local):
-    rows = [{"id": f"p{i}", "domain": "chat",
-             "messages": [{"role": "user", "content": f"Question {i}?"}]} for i in range(5)]
+def test_a_prompt_id_in_two_splits_is_refused_before_anything_runs(tmp_path):
+    row = {"id": "p0", "domain": "chat", "messages": [{"role": "user", "content": "Hi?"}]}
     cfg = GenerateConfig(batch_size=8, num_actors=1, cpus_per_actor=1, gpus_per_actor=0)
-    out = tmp_path / "train.jsonl"
-    counts = run_generate(rows, out, tmp_path / "errors.jsonl", cfg, target=str(out),
-                          dtype="float32", template_kwargs={}, seed=0, udf=_WaitsForItsFirstRow)
-    assert counts == {"generated": 5, "errors": 0, "skipped": 0}
-    assert sorted(json.loads(line)["id"] for line in out.read_text().splitlines()) == [
-        f"p{i}" for i in range(5)]
+    with pytest.raises(ValueError, match="'p0' is in splits 'train' and 'heldout'"):
+        run_generate({"train": ([row], tmp_path / "train.jsonl"),
+                      "heldout": ([row], tmp_path / "heldout.jsonl")}, tmp_path / "errors.jsonl",
+                     cfg, target="-", dtype="float32", template_kwargs={}, seed=0)
+    assert not (tmp_path / "train.jsonl").exists()
 
 
 def test_a_failed_engine_step_retries_each_answer_alone_and_the_walk_goes_on(smollm2_dir,

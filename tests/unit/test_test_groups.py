@@ -1,0 +1,46 @@
+"""The README's test command runs on 2 pytest-xdist workers (``-n 2``); every test module that
+starts a Ray cluster must run on the one worker that runs them all in turn (tests/conftest.py),
+since two local clusters starting at once time out each other's start-up."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from tests.conftest import RAY_MODULE_SIGNS, ray_modules, xdist_scope
+
+ROOT = Path(__file__).resolve().parents[2]
+
+# what starts a cluster: the pipeline as a user runs it, ray.init, Ray Serve, a multi-node cluster
+STARTS_RAY = re.compile(r'"run\.py"|\brun_pipeline\(|\bray\.init\(|\bserve\.run\(|cluster_utils')
+
+
+def test_every_module_that_starts_ray_says_so():
+    unmarked = []
+    for path in sorted((ROOT / "tests").rglob("test_*.py")):
+        if path.parent.name == "interop":  # its own interpreter and command, one process
+            continue
+        text = path.read_text()
+        if STARTS_RAY.search(text) and not any(sign in text for sign in RAY_MODULE_SIGNS):
+            unmarked.append(str(path.relative_to(ROOT)))
+    assert unmarked == [], f"mark these pytest.mark.ray: {unmarked}"
+
+
+def test_the_guard_sees_a_pipeline_run_and_not_a_stand_in():
+    assert STARTS_RAY.search('subprocess.run([sys.executable, str(ROOT / "pipeline" / "run.py")])')
+    assert not STARTS_RAY.search('monkeypatch.setattr(ray, "init", lambda *a, **k: None)')
+
+
+def test_ray_modules_share_one_work_unit_and_the_others_are_spread():
+    modules = ray_modules(str(ROOT))
+    for module in ("tests/integration/test_pipeline_e2e.py", "tests/integration/test_train_ray.py",
+                   "tests/integration/test_feature_stream.py"):  # marked, marked, ray_local
+        assert module in modules
+    assert "tests/unit/test_scheduler.py" not in modules
+    assert "tests/unit/test_generate_engine.py" not in modules  # its Ray tests moved out
+    ray_ids = ["tests/integration/test_pipeline_e2e.py::test_end_to_end_smoke_and_rerun",
+               "tests/integration/test_feature_stream.py::test_one_epoch_of_the_online_stream_"
+               "holds_every_sample_once"]
+    assert {xdist_scope(i, str(ROOT)) for i in ray_ids} == {"ray"}
+    other = "tests/unit/test_scheduler.py::test_random_instances_exactly_lossless"
+    assert xdist_scope(other, str(ROOT)) == other
