@@ -373,9 +373,9 @@ class HybridShardUDF:
 
 @dataclass
 class HybridStream:
-    """Hybrid's first epoch as a dataset factory: the packed shards (``pipeline.cache.
-    pack_shards``) in a seeded order through :class:`HybridShardUDF`, less what the checkpoint
-    the workers continue from records as trained on."""
+    """Hybrid's first epoch as a dataset factory: the packed shards
+    (``pipeline.cache_shards.pack_shards``) in a seeded order through :class:`HybridShardUDF`,
+    less what the checkpoint the workers continue from records as trained on."""
 
     packed: object  # a materialized Ray Data dataset, one row per shard
     rows: int  # samples of the epoch

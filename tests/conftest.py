@@ -41,6 +41,7 @@ def xdist_scope(nodeid: str, root: str) -> str:
     return "ray" if nodeid.split("::")[0] in ray_modules(root) else nodeid
 
 
+@pytest.hookimpl(optionalhook=True)  # pytest without xdist (.venv-interop) has no such hook
 def pytest_xdist_make_scheduler(config, log):
     """Under ``pytest -n N`` (the README's test command runs ``-n 2``) the tests of modules that
     start or use a Ray cluster run in turn on one worker while the others share the rest: two
@@ -49,6 +50,8 @@ def pytest_xdist_make_scheduler(config, log):
     through an attribute pytest no longer reads.)"""
     from xdist.scheduler import LoadScopeScheduling
 
+    if config.getvalue("dist") != "load":  # a --dist the caller chose explicitly
+        return None
     root = str(config.rootpath)
 
     class RayOnOneWorker(LoadScopeScheduling):

@@ -1,6 +1,7 @@
 """The generate stage's Ray Data pass (``pipeline.generate.run_generate``): both splits in one
 pass, each to its own file; the engine backend writes the hf backend's rows (greedy, fp32);
-a re-run resumes by id; rows leave an actor as soon as it yields them."""
+a re-run resumes by id; rows leave an actor as soon as it yields them; a prompt id in two splits
+is refused before anything runs."""
 
 from __future__ import annotations
 
@@ -89,3 +90,13 @@ def test_the_stage_writes_rows_an_actor_yields_before_its_batch_ends(tmp_path, r
     assert counts == {"train": {"generated": 5, "errors": 0, "skipped": 0}}
     assert sorted(json.loads(line)["id"] for line in out.read_text().splitlines()) == [
         f"p{i}" for i in range(5)]
+
+
+def test_a_prompt_id_in_two_splits_is_refused_before_anything_runs(tmp_path):
+    row = {"id": "p0", "domain": "chat", "messages": [{"role": "user", "content": "Hi?"}]}
+    cfg = GenerateConfig(batch_size=8, num_actors=1, cpus_per_actor=1, gpus_per_actor=0)
+    with pytest.raises(ValueError, match="'p0' is in splits 'train' and 'heldout'"):
+        run_generate({"train": ([row], tmp_path / "train.jsonl"),
+                      "heldout": ([row], tmp_path / "heldout.jsonl")}, tmp_path / "errors.jsonl",
+                     cfg, target="-", dtype="float32", template_kwargs={}, seed=0)
+    assert not (tmp_path / "train.jsonl").exists()

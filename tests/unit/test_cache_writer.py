@@ -212,11 +212,15 @@ def test_shards_are_cut_in_cache_order_and_mix_the_sources():
     ordered = sorted(convs, key=lambda c: shard_key(c["id"]))
     assert bounds == [shard_key(ordered[8]["id"]), shard_key(ordered[16]["id"])]
     # another split's rows in the same batch are cut by that split's own bounds
-    other = _key_lines({"text": lines[:3]}, "heldout")
-    keyed = _assign_shard({k: np.concatenate([keyed[k], other[k]]) for k in keyed},
-                          {"train": bounds, "heldout": []})
-    assert list(keyed["shard"][-3:]) == [0, 0, 0]
-    keyed = {k: v[:-3] for k, v in keyed.items()}
+    other = _key_lines({"text": lines[:6]}, "heldout")
+    other_bounds = shard_bounds(list(other["id"]), 2)  # 6 rows, 3 shards
+    both = _assign_shard({k: np.concatenate([keyed[k], other[k]]) for k in keyed},
+                         {"train": bounds, "heldout": other_bounds})
+    assert sorted(both["shard"][-6:]) == [0, 0, 1, 1, 2, 2]
+    assert list(both["shard"][-6:]) == list(np.searchsorted(
+        np.array(other_bounds, dtype=object), other["key"], side="right"))
+    assert list(both["shard"][:-6]) == list(_assign_shard(keyed, {"train": bounds})["shard"])
+    keyed = _assign_shard(keyed, {"train": bounds})
     settings = {"target": "t", "summary": 2}
     for shard in range(3):
         pick = keyed["shard"] == shard

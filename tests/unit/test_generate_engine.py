@@ -13,8 +13,7 @@ import pytest
 import torch
 from scipy.stats import chi2_contingency
 
-from pipeline.config import GenerateConfig
-from pipeline.generate import GenerateUDF, run_generate
+from pipeline.generate import GenerateUDF
 from pipeline.generate_engine import EngineGenerateUDF, answer_seed
 from serve.engine.chat import render_prompt_ids
 from serve.engine.target_loading import load_target
@@ -156,16 +155,6 @@ def test_the_engine_walks_each_conversation_as_the_hf_backend_does_and_yields_ro
     three = json.loads(got["three"]["messages"])
     assert [t["role"] for t in three] == ["system", "user", "assistant", "user", "assistant",
                                           "user", "assistant"]
-
-
-def test_a_prompt_id_in_two_splits_is_refused_before_anything_runs(tmp_path):
-    row = {"id": "p0", "domain": "chat", "messages": [{"role": "user", "content": "Hi?"}]}
-    cfg = GenerateConfig(batch_size=8, num_actors=1, cpus_per_actor=1, gpus_per_actor=0)
-    with pytest.raises(ValueError, match="'p0' is in splits 'train' and 'heldout'"):
-        run_generate({"train": ([row], tmp_path / "train.jsonl"),
-                      "heldout": ([row], tmp_path / "heldout.jsonl")}, tmp_path / "errors.jsonl",
-                     cfg, target="-", dtype="float32", template_kwargs={}, seed=0)
-    assert not (tmp_path / "train.jsonl").exists()
 
 
 def test_a_failed_engine_step_retries_each_answer_alone_and_the_walk_goes_on(smollm2_dir,
