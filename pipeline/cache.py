@@ -114,7 +114,8 @@ def run_cache(splits: dict[str, list[dict] | str], cache_dir: str, target: Cache
     packed, num_shards = pack_shards(splits, cache_dir, target, cache)
     if packed is None:
         return {}
-    summaries: dict[str, dict[int, dict]] = {split: {} for split in num_shards}
+    # in the order the splits were given (the union's rows come in no fixed order)
+    summaries: dict[str, dict[int, dict]] = {split: {} for split in splits if split in num_shards}
     todo: dict[str, tuple[str, int]] = {}  # path -> (split, shard)
     for row in packed.select_columns(["split", "shard", "path", "fingerprint"]).take_all():
         split, i, base = str(row["split"]), int(row["shard"]), str(row["path"])

@@ -293,6 +293,37 @@ def backend_udf(cfg: GenerateConfig) -> tuple[type, dict]:
                      "pipeline.generate_vllm.run_generate_vllm runs it")
 
 
+def pending_rows(splits: dict[str, tuple[list[dict], Path]],
+                 errors_path: Path) -> tuple[dict, list[dict], dict[str, str]]:
+    """What a generate pass still has to do: the rows of every split not yet in its output file
+    or ``errors_path`` (torn last lines cut off first, so a stopped run resumes by id).
+
+    Args:
+        splits: split -> (prompt rows ``{id, domain, messages}``, output JSONL path).
+    Returns:
+        (per split the counts ``{"generated": 0, "errors": 0, "skipped"}``, the pending rows in
+        split order, pending id -> its split).
+    Raises:
+        ValueError: a prompt id in two splits.
+    """
+    owner: dict[str, str] = {}  # prompt id -> its split (every row, done or not)
+    for split, (rows, _) in splits.items():
+        for r in rows:
+            if owner.setdefault(r["id"], split) != split:
+                raise ValueError(f"prompt id {r['id']!r} is in splits {owner[r['id']]!r} "
+                                 f"and {split!r}")
+    truncate_torn_line(errors_path)
+    counts, pending, split_of = {}, [], {}
+    for split, (rows, out_path) in splits.items():
+        truncate_torn_line(out_path)
+        done = done_ids(out_path, errors_path)
+        todo = [r for r in rows if r["id"] not in done]
+        counts[split] = {"generated": 0, "errors": 0, "skipped": len(rows) - len(todo)}
+        split_of.update((r["id"], split) for r in todo)
+        pending += todo
+    return counts, pending, split_of
+
+
 def run_generate(splits: dict[str, tuple[list[dict], Path]], errors_path: Path,
                  cfg: GenerateConfig, *, target: str, dtype: str, template_kwargs: dict,
                  seed: int, progress=None, udf: type | None = None) -> dict:
@@ -318,19 +349,7 @@ def run_generate(splits: dict[str, tuple[list[dict], Path]], errors_path: Path,
     import ray
 
     udf_cls, udf_kwargs = (udf, {}) if udf is not None else backend_udf(cfg)
-    truncate_torn_line(errors_path)
-    counts, pending, split_of = {}, [], {}
-    for split, (rows, out_path) in splits.items():
-        truncate_torn_line(out_path)
-        done = done_ids(out_path, errors_path)
-        todo = [r for r in rows if r["id"] not in done]
-        counts[split] = {"generated": 0, "errors": 0, "skipped": len(rows) - len(todo)}
-        for r in todo:
-            if r["id"] in split_of:
-                raise ValueError(f"prompt id {r['id']!r} is in splits {split_of[r['id']]!r} "
-                                 f"and {split!r}")
-            split_of[r["id"]] = split
-        pending += todo
+    counts, pending, split_of = pending_rows(splits, errors_path)
     if not pending:
         return counts
     # similar prompt lengths share a batch: left padding to the longest prompt otherwise costs
@@ -358,12 +377,13 @@ def run_generate(splits: dict[str, tuple[list[dict], Path]], errors_path: Path,
         batch_size=cfg.batch_size, compute=ray.data.ActorPoolStrategy(size=cfg.num_actors),
         num_cpus=cfg.cpus_per_actor,
         num_gpus=cfg.gpus_per_actor or None, batch_format="numpy")
-    for _, out_path in splits.values():
-        out_path.parent.mkdir(parents=True, exist_ok=True)
+    pending_splits = set(split_of.values())  # no empty output file for a split with nothing to do
+    for split in pending_splits:
+        splits[split][1].parent.mkdir(parents=True, exist_ok=True)
     errors_path.parent.mkdir(parents=True, exist_ok=True)
     with ExitStack() as files:
-        outs = {split: files.enter_context(open(out_path, "a", encoding="utf-8"))
-                for split, (_, out_path) in splits.items()}
+        outs = {split: files.enter_context(open(splits[split][1], "a", encoding="utf-8"))
+                for split in pending_splits}
         err = files.enter_context(open(errors_path, "a", encoding="utf-8"))
         # prefetch_batches=0: a prefetching iterator holds each block until the next one exists
         for batch in ds.iter_batches(batch_size=None, batch_format="numpy", prefetch_batches=0):
@@ -387,54 +407,6 @@ def run_generate(splits: dict[str, tuple[list[dict], Path]], errors_path: Path,
             for fh in written:
                 fh.flush()
                 os.fsync(fh.fileno())
-            if progress is not None:
-                progress.update(len(batch["id"]))
-    return counts
-    # similar prompt lengths share a batch: left padding to the longest prompt otherwise costs
-    # more prefill compute than the answers themselves
-    pending.sort(key=lambda r: sum(len(m["content"]) for m in r["messages"]))
-    items = [{"id": r["id"], "domain": r["domain"],
-              "messages": json.dumps(r["messages"], ensure_ascii=False)} for r in pending]
-    # Blocks as small as Ray Data makes them (one row): rows leave an actor as soon as its UDF
-    # yields them (the engine backend yields finished conversations while its batch decodes),
-    # so they are written, and kept by a stopped run, then rather than at the end of a batch of
-    # hundreds. The datasets created under the setting keep it (DataContext.get_current's docs).
-    context = ray.data.DataContext.get_current()
-    block_size, context.target_max_block_size = context.target_max_block_size, 1
-    try:
-        ds = ray.data.from_items(items,
-                                 override_num_blocks=max(1, -(-len(items) // cfg.batch_size)))
-    finally:
-        context.target_max_block_size = block_size
-    ds = ds.map_batches(
-        udf_cls,
-        fn_constructor_kwargs=dict(target=target, dtype=dtype, sampling=cfg.sampling.model_dump(),
-                                   template_kwargs=template_kwargs, num_threads=cfg.num_threads,
-                                   max_prompt_tokens=cfg.max_prompt_tokens, seed=seed,
-                                   **udf_kwargs),
-        batch_size=cfg.batch_size, compute=ray.data.ActorPoolStrategy(size=cfg.num_actors),
-        num_cpus=cfg.cpus_per_actor,
-        num_gpus=cfg.gpus_per_actor or None, batch_format="numpy")
-    out_path.parent.mkdir(parents=True, exist_ok=True)
-    with open(out_path, "a", encoding="utf-8") as out, open(errors_path, "a", encoding="utf-8") as err:
-        # prefetch_batches=0: a prefetching iterator holds each block until the next one exists
-        for batch in ds.iter_batches(batch_size=None, batch_format="numpy", prefetch_batches=0):
-            for i in range(len(batch["id"])):
-                if str(batch["id"][i]) in done:  # a retried actor task may yield a row again
-                    continue
-                done.add(str(batch["id"][i]))
-                if batch["error"][i]:
-                    _append(err, {"id": str(batch["id"][i]), "stage": "generate",
-                                  "error": str(batch["error"][i])})
-                    counts["errors"] += 1
-                else:
-                    _append(out, {"id": str(batch["id"][i]), "domain": str(batch["domain"][i]),
-                                  "messages": json.loads(batch["messages"][i]),
-                                  "finish_reasons": json.loads(batch["finish_reasons"][i])})
-                    counts["generated"] += 1
-            out.flush()
-            err.flush()
-            os.fsync(out.fileno())
             if progress is not None:
                 progress.update(len(batch["id"]))
     return counts

@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from .config import GenerateConfig, VllmGenerateConfig
-from .generate import _append, done_ids, finish_answer, next_user_turn, truncate_torn_line
+from .generate import _append, finish_answer, next_user_turn, pending_rows
 
 logger = logging.getLogger(__name__)
 
@@ -237,23 +237,16 @@ def run_generate_vllm(splits: dict[str, tuple[list[dict], Path]], errors_path: P
         per split, counts ``{"generated", "errors", "skipped"}`` of this invocation.
     Raises:
         VllmNotInstalledError: vLLM is not installed.
+        ValueError: a prompt id in two splits.
     """
     from transformers import AutoConfig
 
     require_vllm()
     sampling, max_prompt_tokens, vllm = cfg.sampling.model_dump(), cfg.max_prompt_tokens, cfg.vllm
-    truncate_torn_line(errors_path)
+    counts, pending, split_of = pending_rows(splits, errors_path)
     # the conversations still being regenerated (dropped once written)
-    counts, state, split_of = {}, {}, {}
-    for split, (rows, out_path) in splits.items():
-        truncate_torn_line(out_path)
-        done = done_ids(out_path, errors_path)
-        pending = [r for r in rows if r["id"] not in done]
-        counts[split] = {"generated": 0, "errors": 0, "skipped": len(rows) - len(pending)}
-        for r in pending:
-            state[r["id"]] = {"domain": r["domain"], "turns": r["messages"], "history": [],
-                              "cursor": 0, "reasons": []}
-            split_of[r["id"]] = split
+    state = {r["id"]: {"domain": r["domain"], "turns": r["messages"], "history": [], "cursor": 0,
+                       "reasons": []} for r in pending}
     if not state:
         return counts
     end_ids = target_end_tokens(target)
