@@ -4,9 +4,8 @@ as the target cache of SPEC 1.4 (:mod:`pipeline.cache_format`) by Ray Data actor
 
 Shards are deterministic slices of the conversations in cache order (hashed ids,
 :func:`pipeline.cache_format.shard_key`; planned by :mod:`pipeline.cache_shards`), so a re-run
-writes only missing shards. Each worker writes
-its own shards, streaming them row group by row group; nothing V-sized or cache-sized passes the
-driver.
+writes only missing shards. Each worker writes its own shards, streaming them row group by row
+group; nothing V-sized or cache-sized passes the driver.
 """
 
 from __future__ import annotations
