@@ -69,7 +69,7 @@ def worker(args) -> dict:
     import torch
 
     from drafters.loading import build_drafter
-    from drafters.target_weights import load_frozen_head
+    from drafters.target_weights import final_logit_softcap, load_frozen_head
     from pipeline.cache_format import read_manifest
     from pipeline.config import load_config
     from pipeline.stages import StageContext
@@ -111,7 +111,7 @@ def worker(args) -> dict:
     # one head for the whole run, as each training worker holds (None: one per call; the landed
     # arm computes its target logits itself)
     per_call = args.arm == "landed" or args.arm.startswith("per_call_head_")
-    head = None if per_call else target_head(model, tc)
+    head = None if per_call else target_head(model, tc, final_logit_softcap(target_cfg))
     times, supervised, faults = [], [], []
 
     def loop():

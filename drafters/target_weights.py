@@ -31,6 +31,18 @@ def load_target_config(name_or_path: str):
         raise FileNotFoundError(f"unknown target model {name_or_path!r}: {err}") from err
 
 
+def final_logit_softcap(config) -> float | None:
+    """The soft cap the target applies to its output logits (``logits = c * tanh(logits / c)``),
+    or None: Gemma 2's ``final_logit_softcapping`` (30.0 in its released configs), read from the
+    text config of a multimodal one. Whatever computes the target's logits from its final hidden
+    state outside the model's own forward (training's frozen head) applies it, else it trains
+    toward another distribution than the one the target samples from.
+    """
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    cap = getattr(text, "final_logit_softcapping", None)
+    return float(cap) if cap else None
+
+
 def load_target(name_or_path: str, dtype: str = "float32", device: str | None = None):
     """Load the frozen target model (eval mode, no grad) with ``from_pretrained``.
 

@@ -87,10 +87,13 @@ class TargetHead:
     Args:
         weight: the LM head [V, H] (frozen; cast once here).
         dtype: the dtype of the product (torch.bfloat16 under bf16 autocast, else the weight's).
+        softcap: the target's final logit soft cap c (``c * tanh(logits / c)``, Gemma 2:
+            :func:`drafters.target_weights.final_logit_softcap`), applied in place; None: none.
     """
 
-    def __init__(self, weight, dtype):
+    def __init__(self, weight, dtype, softcap: float | None = None):
         self.weight = weight.detach().to(dtype)
+        self.softcap = softcap
         self.copied = weight.dtype != dtype  # else the head itself, shared
         self.buffer = None
 
@@ -109,7 +112,10 @@ class TargetHead:
         import torch
 
         x = rows.detach().to(self.weight.dtype)
-        return torch.mm(x, self.weight.t(), out=self.reserve(x.shape[0])[:x.shape[0]])
+        out = torch.mm(x, self.weight.t(), out=self.reserve(x.shape[0])[:x.shape[0]])
+        if self.softcap is not None:  # as the target's forward does after its LM head
+            out.div_(self.softcap).tanh_().mul_(self.softcap)
+        return out
 
     def owned_bytes(self) -> int:
         """Bytes this head holds beyond the LM head it was made from (its cast copy, if any, and
@@ -118,14 +124,14 @@ class TargetHead:
                 + (0 if self.buffer is None else self.buffer.numel() * self.buffer.element_size()))
 
 
-def target_head(model, tc: TrainConfig) -> TargetHead:
+def target_head(model, tc: TrainConfig, softcap: float | None = None) -> TargetHead:
     """A :class:`TargetHead` of ``model`` (a DeepSpeed engine or a bare drafter) in the dtype
-    ``tc.precision`` computes in."""
+    ``tc.precision`` computes in, with the target's final logit soft cap ``softcap``."""
     import torch
 
     module = getattr(model, "module", model)
     dtype = torch.bfloat16 if uses_bf16(tc) else module.lm_head_weight.dtype
-    return TargetHead(module.lm_head_weight, dtype)
+    return TargetHead(module.lm_head_weight, dtype, softcap)
 
 
 def batch_losses(model, samples: list[dict], tc: TrainConfig, objective: str, weights, device,
@@ -203,7 +209,7 @@ def train_loop_per_worker(loop_cfg: dict) -> None:
     import torch
 
     from drafters.loading import build_drafter
-    from drafters.target_weights import load_frozen_head
+    from drafters.target_weights import final_logit_softcap, load_frozen_head
 
     from .train_data import row_generator
     from .train_sources import CachedRows, StreamedRows
@@ -279,7 +285,8 @@ def train_loop_per_worker(loop_cfg: dict) -> None:
 
         bar = tqdm(total=total_steps, initial=step, desc="train", unit="step", mininterval=5)
 
-    head = target_head(engine, tc)  # the frozen LM head cast once, its logits buffer reused
+    # the frozen LM head cast once (and soft-capped as the target's forward is), its buffer reused
+    head = target_head(engine, tc, final_logit_softcap(target_cfg))
 
     def heldout_metrics() -> dict:
         engine.eval()

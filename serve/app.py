@@ -291,6 +291,7 @@ class SpecServer:
             stream = await self.engine.add_request(EngineRequest(
                 request_id, prompt_ids, params,
                 return_spec_details=bool(body.return_spec_details),
+                spec_decode_metrics=self._spec_decode_metrics(body),
                 min_tokens_per_s=body.min_tokens_per_s))
         except RequestError as err:
             raise request_error(err, chat) from err
@@ -314,13 +315,19 @@ class SpecServer:
                                                            self._token_bytes)
                                     if wants else None,
                                     finish_reason=last.finish_reason)],
-                spec_details=last.spec_details).model_dump()
+                spec_details=last.spec_details, metrics=last.metrics).model_dump()
         return CompletionResponse(
             id=request_id, created=created, model=self.model_name, usage=usage,
             choices=[CompletionChoice(text=text, finish_reason=last.finish_reason,
                                       logprobs=completion_logprobs(logprobs, self._token_text)
                                       if wants else None)],
-            spec_details=last.spec_details).model_dump()
+            spec_details=last.spec_details, metrics=last.metrics).model_dump()
+
+    def _spec_decode_metrics(self, body) -> str:
+        """The level of vLLM's per-request stats this request gets: the deployment's, at least
+        ``summary`` for a request that set ``return_spec_details``."""
+        level = self.cfg.per_request_spec_decode_metrics
+        return "summary" if level == "none" and body.return_spec_details else level
 
     async def _collect(self, stream: RequestStream, timer: RequestTimer, chat: bool):
         """All of a request's text, its last output and its token logprobs (when asked); a
@@ -349,12 +356,12 @@ class SpecServer:
     async def _chat_events(self, stream: RequestStream, request_id: str, created: int,
                            include_usage: bool, timer: RequestTimer):
         def chunk(delta: DeltaMessage, finish_reason=None, usage=None, choices=True,
-                  logprobs=None, spec_details=None):
+                  logprobs=None, spec_details=None, metrics=None):
             return sse(ChatCompletionChunk(
                 id=request_id, created=created, model=self.model_name, usage=usage,
                 choices=[ChatChunkChoice(delta=delta, finish_reason=finish_reason,
                                          logprobs=logprobs)]
-                if choices else [], spec_details=spec_details))
+                if choices else [], spec_details=spec_details, metrics=metrics))
 
         last = None
         try:
@@ -371,7 +378,7 @@ class SpecServer:
                     yield chunk(DeltaMessage(), finish_reason=out.finish_reason,
                                 spec_details=out.spec_details)
             if include_usage and last is not None:
-                yield chunk(DeltaMessage(), choices=False,
+                yield chunk(DeltaMessage(), choices=False, metrics=last.metrics,
                             usage=Usage.of(stream.num_prompt_tokens, last.num_generated_tokens))
             yield SSE_DONE
         except EngineDeadError as err:
@@ -388,12 +395,12 @@ class SpecServer:
     async def _completion_events(self, stream: RequestStream, request_id: str, created: int,
                                  include_usage: bool, timer: RequestTimer):
         def chunk(text: str, finish_reason=None, usage=None, choices=True, logprobs=None,
-                  spec_details=None):
+                  spec_details=None, metrics=None):
             return sse(CompletionResponse(
                 id=request_id, created=created, model=self.model_name, usage=usage,
                 choices=[CompletionChoice(text=text, finish_reason=finish_reason,
                                           logprobs=logprobs)]
-                if choices else [], spec_details=spec_details))
+                if choices else [], spec_details=spec_details, metrics=metrics))
 
         last, offset = None, 0
         try:
@@ -408,7 +415,7 @@ class SpecServer:
                     yield chunk(out.new_text, finish_reason=out.finish_reason, logprobs=lp,
                                 spec_details=out.spec_details)
             if include_usage and last is not None:
-                yield chunk("", choices=False,
+                yield chunk("", choices=False, metrics=last.metrics,
                             usage=Usage.of(stream.num_prompt_tokens, last.num_generated_tokens))
             yield SSE_DONE
         except EngineDeadError as err:

@@ -40,13 +40,17 @@ class ServeMetrics:
     ``vllm_time_to_first_token_seconds``, ``vllm_time_per_output_token_seconds`` (after the first
     token), ``vllm_request_prompt_tokens``, ``vllm_request_generation_tokens``,
     ``vllm_request_success`` (Prometheus: ``ray_vllm_request_success_total``, tag
-    ``finished_reason``: stop, length, abort, error).
+    ``finished_reason``: stop, length, abort, error), and the exact token counters
+    ``vllm_prompt_tokens`` / ``vllm_generation_tokens`` (Prometheus:
+    ``ray_vllm_prompt_tokens_total`` / ``ray_vllm_generation_tokens_total``): each finished
+    request adds its ``usage`` prompt and completion tokens, so their sums over the served
+    requests are these counters.
     Gauges: ``dspark_num_waiting_requests``, ``dspark_num_running_requests``,
     ``dspark_engine_alive`` (1/0). Every tag takes a bounded set of values (no free-form user
     label).
 
     Ray 2.60's OpenTelemetry recorder reports a histogram's ``_sum`` from bucket midpoints, so
-    read the bucket counts (exact), not ``_sum / _count``.
+    read the bucket counts (exact), not ``_sum / _count``; token totals come from the counters.
     """
 
     COUNTERS = {"drafted_rounds": "vllm_spec_decode_num_drafts",
@@ -83,6 +87,10 @@ class ServeMetrics:
         self.generation_tokens = m.Histogram("vllm_request_generation_tokens",
                                              boundaries=TOKEN_BUCKETS,
                                              description="Generated tokens per request.")
+        self.prompt_tokens_total = m.Counter(
+            "vllm_prompt_tokens", description="Prompt tokens of finished requests (usage).")
+        self.generation_tokens_total = m.Counter(
+            "vllm_generation_tokens", description="Generated tokens of finished requests (usage).")
         self.finished = m.Counter("vllm_request_success", tag_keys=("finished_reason",),
                                   description="Finished requests by finish reason.")
         self.waiting = m.Gauge("dspark_num_waiting_requests", description="Engine queue length.")
@@ -142,8 +150,12 @@ class RequestTimer:
             reason = "error"
         m = self.metrics
         m.finished.inc(1, tags={"finished_reason": reason})
+        generated = last.num_generated_tokens if last is not None else 0
         m.prompt_tokens.observe(self.num_prompt_tokens)
-        m.generation_tokens.observe(last.num_generated_tokens if last is not None else 0)
+        m.generation_tokens.observe(generated)
+        m.prompt_tokens_total.inc(self.num_prompt_tokens)
+        if generated:  # Ray's counters refuse a zero increment
+            m.generation_tokens_total.inc(generated)
         m.e2e.observe(self.last_s - self.arrival_s)
         if last is None or self.first_s is None:
             return

@@ -91,6 +91,12 @@ class ServeConfig(BaseModel):
         "answers 429 before Serve queues anything.")
     metrics_interval_s: float = Field(1.0, gt=0, description="Seconds between engine-counter "
                                       "exports to Ray's metrics.")
+    per_request_spec_decode_metrics: Literal["none", "summary", "detailed"] = Field(
+        "none", description="vLLM's --per-request-spec-decode-metrics: summary puts vLLM's "
+        "per-request acceptance stats (`metrics.speculative_decoding`) in every response (the "
+        "usage chunk when streaming), detailed adds per-step lists; none: only in responses to "
+        "requests that set return_spec_details (summary). backend vllm: pass vLLM's own "
+        "frontend flag instead.")
     engine: EngineConfig = Field(default_factory=EngineConfig)
     backend: Literal["dspark-ray", "vllm"] = Field(
         "dspark-ray", description="dspark-ray: this project's engine (the reference, and the CPU "

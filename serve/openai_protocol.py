@@ -235,7 +235,9 @@ class _SamplingFields(_NullMeansDefault):
     # this server's extension (SGLang returns the like in its meta_info)
     return_spec_details: bool | None = Field(None, description="Add `spec_details`, the "
                                              "request's speculation summary, to the response (the "
-                                             "final chunk when streaming); default false.")
+                                             "final chunk when streaming), and vLLM's "
+                                             "`metrics.speculative_decoding` (the usage chunk "
+                                             "when streaming); default false.")
     # accepted only at their neutral values
     frequency_penalty: float | None = None
     presence_penalty: float | None = None

@@ -108,6 +108,14 @@ def _spec_details_field():
     return Field(None, exclude_if=lambda v: v is None)
 
 
+def _metrics_field():
+    """vLLM's per-request ``metrics`` object, ``{"speculative_decoding": ...}``
+    (``serve.engine.metrics.vllm_spec_decode_metrics``): only when the deployment's
+    ``per_request_spec_decode_metrics`` or the request's ``return_spec_details`` asks; streamed
+    on the usage chunk, as vLLM does."""
+    return Field(None, exclude_if=lambda v: v is None)
+
+
 class CompletionResponse(BaseModel):
     """``text_completion`` object; also the streamed chunk (one delta of ``text`` per chunk)."""
 
@@ -118,6 +126,7 @@ class CompletionResponse(BaseModel):
     choices: list[CompletionChoice]
     usage: Usage | None = None
     spec_details: dict | None = _spec_details_field()
+    metrics: dict | None = _metrics_field()
 
 
 class AssistantMessage(BaseModel):
@@ -140,6 +149,7 @@ class ChatCompletionResponse(BaseModel):
     choices: list[ChatChoice]
     usage: Usage
     spec_details: dict | None = _spec_details_field()
+    metrics: dict | None = _metrics_field()
 
 
 class DeltaMessage(BaseModel):
@@ -166,6 +176,7 @@ class ChatCompletionChunk(BaseModel):
     choices: list[ChatChunkChoice]
     usage: Usage | None = None
     spec_details: dict | None = _spec_details_field()
+    metrics: dict | None = _metrics_field()
 
 
 class ModelCard(BaseModel):

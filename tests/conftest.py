@@ -104,6 +104,9 @@ def ray_local():
     """One local Ray for the whole session (4 logical CPUs on this 2-core machine)."""
     import ray
 
+    # metrics reach the node's Prometheus endpoint each second, not each 10 (the serve app's
+    # counter test waits for them); read by the processes ray.init starts
+    os.environ.setdefault("RAY_metrics_report_interval_ms", "1000")
     # address="local": always a new instance, never a cluster another test (or agent) started
     ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
     ray.data.DataContext.get_current().enable_progress_bars = False

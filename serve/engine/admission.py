@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from .config import EngineConfig
 from .errors import RequestError
+from .metrics import SPEC_DECODE_METRICS_LEVELS
 from .requests import EngineRequest
 from .sps import SPSTable
 from .target_runner import TargetRunner
@@ -77,9 +78,13 @@ def check_request(request: EngineRequest, max_model_len: int, vocab_size: int,
         has_tokenizer: whether the engine can detokenize (stop strings need it).
     Raises:
         RequestError: empty prompt (400), prompt + max_tokens beyond the model length (413), a
-            stop token id outside the vocabulary (400), stop strings without a tokenizer (400).
+            stop token id outside the vocabulary (400), stop strings without a tokenizer (400), a
+            ``spec_decode_metrics`` level other than none / summary / detailed (400).
     """
     p = request.params
+    if request.spec_decode_metrics not in SPEC_DECODE_METRICS_LEVELS:
+        raise RequestError(f"spec_decode_metrics must be one of {SPEC_DECODE_METRICS_LEVELS}, got "
+                           f"{request.spec_decode_metrics!r}", field="spec_decode_metrics")
     if not request.prompt_ids:
         raise RequestError("the prompt is empty", field="prompt")
     if len(request.prompt_ids) + p.max_tokens > max_model_len:

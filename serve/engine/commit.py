@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import time
 
-from .metrics import request_spec_details
+from .metrics import request_spec_details, vllm_spec_decode_metrics
 from .request_state import RequestState
 from .requests import RequestOutput, TokenLogprob
 
@@ -42,12 +42,17 @@ def commit_tokens(r: RequestState, tokens: list[int], eos: set[int],
                          logprobs=None if logprobs is None else logprobs[:len(keep)])
 
 
-def with_spec_details(r: RequestState, out: RequestOutput) -> RequestOutput:
+def with_spec_details(r: RequestState, out: RequestOutput, num_spec_tokens: int) -> RequestOutput:
     """A finished output carries the request's speculation summary when it asked, with the
     engine's own timing of it: ``engine_ttft_s`` (arrival in the engine to its first token, queue
     and prefill included) and ``engine_decode_tokens_per_s`` (tokens after the first over the
     seconds from the first to now, the last; None for a one-token answer). A client compares them
-    with what it reads behind HTTP to tell the engine's pace from the serving path's."""
+    with what it reads behind HTTP to tell the engine's pace from the serving path's. With
+    ``spec_decode_metrics`` it also carries vLLM's per-request ``metrics`` object
+    (``num_spec_tokens``: the engine's k)."""
+    if out.finished and r.req.spec_decode_metrics != "none":
+        out.metrics = {"speculative_decoding": vllm_spec_decode_metrics(
+            r.rounds, num_spec_tokens, detailed=r.req.spec_decode_metrics == "detailed")}
     if out.finished and r.req.return_spec_details:
         out.spec_details = request_spec_details(r.rounds)
         now = time.perf_counter()

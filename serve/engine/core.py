@@ -334,7 +334,7 @@ class SpecEngine:
         self.stats.record_round(len(row.tokens), l, min(n, kept), kept)
         if r.finish_reason is not None:
             self.running.remove(r)
-            return with_spec_details(r, out)
+            return with_spec_details(r, out, self.num_speculative_tokens)
         self.planner.learn(row, n)
         # keep the anchor and the accepted drafts; rejected positions never enter a cache
         o.keep(n + 1)
@@ -383,7 +383,8 @@ class SpecEngine:
                         r.lookup = NgramIndex(r.req.prompt_ids + [tok], self.lookup_n,
                                               self.config.prompt_lookup_min_ngram)
                 results.append(with_spec_details(r, commit_tokens(
-                    r, [tok], self.eos, token_logprobs(r, o.logits[-1:], [tok]))))
+                    r, [tok], self.eos, token_logprobs(r, o.logits[-1:], [tok])),
+                    self.num_speculative_tokens))
             except Exception as err:  # noqa: BLE001 - this request fails, the engine goes on
                 results.append(self._fail(r, err, "prefill"))
                 continue

@@ -123,3 +123,49 @@ def request_spec_details(rounds) -> dict:
                            "draft_tokens_accepted": s.accepted_tokens}
                     for name, s in sources.items()},
     }
+
+
+SPEC_DECODE_METRICS_LEVELS = ("none", "summary", "detailed")  # vLLM's per-request switch values
+
+
+def vllm_spec_decode_metrics(rounds, num_spec_tokens: int, detailed: bool = False) -> dict:
+    """One request's ``metrics.speculative_decoding`` in the shape of vLLM's per-request
+    acceptance stats (vLLM PR #48915, ``--per-request-spec-decode-metrics summary|detailed``),
+    so AIPerf, llama-swap and other clients that read vLLM's read this engine's too.
+
+    A *step* is a round that proposed draft tokens (what the ``vllm_spec_decode_num_drafts``
+    counter counts); rounds of plain decoding are not steps. A step's draft tokens are those sent
+    to verification: vLLM verifies every draft token it keeps and counts those, while DSpark's
+    scheduler may verify fewer than it drafted (the unverified ones are like vLLM's drafts dropped
+    by structured-output constraints). Summed over requests, ``num_spec_steps``,
+    ``num_draft_tokens`` and ``num_accepted_draft_tokens`` equal the increments of the
+    ``vllm_spec_decode_num_drafts`` / ``_num_draft_tokens`` / ``_num_accepted_tokens`` counters.
+
+    Args:
+        rounds: the request's round records in order (``RoundRecord``: drafted, verified,
+            accepted).
+        num_spec_tokens: the engine's ``num_speculative_tokens`` k (the longest draft).
+        detailed: add ``per_step_accepted`` and ``per_step_drafted`` (one entry per step).
+    Returns:
+        ``{"mean_acceptance_length": 1 + accepted / steps (1.0 without a step),
+        "draft_acceptance_rate": accepted / draft tokens (0.0 without one),
+        "acceptance_histogram": [k + 1 ints], entry j: steps that accepted exactly j drafts,
+        "num_spec_steps", "num_accepted_draft_tokens", "num_draft_tokens", "num_spec_tokens"}``
+        (+ the two lists when ``detailed``).
+    """
+    steps = [r for r in rounds if r.drafted > 0]
+    accepted = [r.accepted for r in steps]
+    drafted = [r.verified for r in steps]
+    histogram = [0] * (max([num_spec_tokens] + accepted) + 1)
+    for a in accepted:
+        histogram[a] += 1
+    out = {"mean_acceptance_length": 1.0 + sum(accepted) / len(steps) if steps else 1.0,
+           "draft_acceptance_rate": sum(accepted) / sum(drafted) if sum(drafted) else 0.0,
+           "acceptance_histogram": histogram,
+           "num_spec_steps": len(steps),
+           "num_accepted_draft_tokens": sum(accepted),
+           "num_draft_tokens": sum(drafted),
+           "num_spec_tokens": num_spec_tokens}
+    if detailed:
+        out["per_step_accepted"], out["per_step_drafted"] = accepted, drafted
+    return out

@@ -111,12 +111,16 @@ class EngineRequest:
     prompt_ids: the rendered prompt (chat template already applied), non-empty.
     return_spec_details: attach the request's speculation summary to its finished output
     (:func:`serve.engine.metrics.request_spec_details`).
+    spec_decode_metrics: ``"summary"`` / ``"detailed"`` attach vLLM's per-request acceptance
+    stats to its finished output (:func:`serve.engine.metrics.vllm_spec_decode_metrics`);
+    ``"none"``: not.
     """
 
     request_id: str
     prompt_ids: list[int]
     params: SamplingParams = field(default_factory=SamplingParams)
     return_spec_details: bool = False
+    spec_decode_metrics: str = "none"
     # per-user speed floor in tokens/s (EngineConfig.min_tokens_per_s); None = the engine's
     min_tokens_per_s: float | None = None
 
@@ -144,3 +148,6 @@ class RequestOutput:
     # on the finished output of a request that asked (return_spec_details): its speculation
     # summary, serve.engine.metrics.request_spec_details
     spec_details: dict | None = None
+    # on the finished output of a request that asked (spec_decode_metrics): vLLM's per-request
+    # ``metrics`` object, {"speculative_decoding": serve.engine.metrics.vllm_spec_decode_metrics}
+    metrics: dict | None = None

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import socket
 import threading
 import time
@@ -429,7 +430,7 @@ def test_spec_details_over_http_when_asked(http):
     body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 12, "temperature": 0,
             "ignore_eos": True}
     plain = http.post("/v1/chat/completions", json=body).json()
-    assert "spec_details" not in plain
+    assert "spec_details" not in plain and "metrics" not in plain
     for path, extra in (("/v1/chat/completions", {}),
                         ("/v1/completions", {"prompt": "Once upon a time", "messages": None})):
         req = {**body, **extra, "return_spec_details": True}
@@ -441,13 +442,79 @@ def test_spec_details_over_http_when_asked(http):
         assert (d["accept_length"] or 0) * d["rounds"] == pytest.approx(generated - 1)
         assert d["draft_tokens_accepted"] <= d["draft_tokens_verified"] <= d["draft_tokens_proposed"]
         assert d["engine_ttft_s"] >= 0 and d["engine_decode_tokens_per_s"] > 0
+        # vLLM's per-request stats beside them (vLLM PR #48915's summary shape)
+        v = out["metrics"]["speculative_decoding"]
+        assert set(v) == {"mean_acceptance_length", "draft_acceptance_rate",
+                          "acceptance_histogram", "num_spec_steps", "num_accepted_draft_tokens",
+                          "num_draft_tokens", "num_spec_tokens"}
+        assert v["num_accepted_draft_tokens"] == d["draft_tokens_accepted"]
+        assert v["num_draft_tokens"] == d["draft_tokens_verified"]
+        assert v["num_spec_steps"] == d["drafted_rounds"] == sum(v["acceptance_histogram"])
         with http.stream("POST", path, json={**req, "stream": True}) as r:
             events = [json.loads(line[len("data: "):]) for line in r.iter_lines()
                       if line.startswith("data: {")]
         carrying = [e for e in events if "spec_details" in e]
         assert len(carrying) == 1 and carrying[0]["choices"][0]["finish_reason"] == "length"
+        assert not any("metrics" in e for e in events)  # vLLM's ride the usage chunk only
+        with http.stream("POST", path, json={**req, "stream": True,
+                                             "stream_options": {"include_usage": True}}) as r:
+            events = [json.loads(line[len("data: "):]) for line in r.iter_lines()
+                      if line.startswith("data: {")]
+        assert [e["choices"] for e in events if "metrics" in e] == [[]]
+        assert events[-1]["metrics"]["speculative_decoding"]["num_spec_tokens"] == \
+            v["num_spec_tokens"] and "usage" in events[-1]
         # (not compared with d: a separate decode of the same request)
         streamed = carrying[0]["spec_details"]
         assert sum(streamed["accept_histogram"]) == streamed["rounds"] >= 1
         assert (streamed["accept_length"] or 0) * streamed["rounds"] == pytest.approx(
             generated - 1)
+
+
+def _prometheus_totals(names: tuple[str, ...]) -> dict[str, float]:
+    """Each metric of ``names`` summed over its label sets, scraped from this node's Prometheus
+    endpoint (Ray's metrics agent; absent metrics read 0)."""
+    import ray
+
+    port = next(n["MetricsExportPort"] for n in ray.nodes() if n["Alive"])
+    text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
+    totals = dict.fromkeys(names, 0.0)
+    for line in text.splitlines():
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        if name in totals:
+            totals[name] += float(line.rsplit(" ", 1)[1])
+    return totals
+
+
+def test_prometheus_token_counters_equal_the_served_usage_sums(http):
+    """``ray_vllm_prompt_tokens_total`` / ``ray_vllm_generation_tokens_total`` grow by exactly
+    the ``usage`` of the requests served, streamed or not (the histograms' ``_sum`` does not:
+    Ray estimates it from bucket midpoints)."""
+    report_s = int(os.environ.get("RAY_metrics_report_interval_ms", 10_000)) / 1000
+    names = ("ray_vllm_prompt_tokens_total", "ray_vllm_generation_tokens_total")
+    before, deadline = _prometheus_totals(names), time.time() + 60
+    while time.time() < deadline:  # earlier tests' requests exported: two reads apart agree
+        time.sleep(3 * report_s)
+        now = _prometheus_totals(names)
+        if now == before:
+            break
+        before = now
+    prompt = generated = 0
+    for i, (path, stream) in enumerate([("/v1/chat/completions", False),
+                                        ("/v1/completions", True),
+                                        ("/v1/chat/completions", True),
+                                        ("/v1/completions", False)]):
+        req = {"model": MODEL, "max_tokens": 5 + 3 * i, "temperature": 1.0, "seed": i}
+        req.update({"messages": MESSAGES} if "chat" in path
+                   else {"prompt": "Once upon a time " * (i + 1)})
+        if stream:
+            req.update(stream=True, stream_options={"include_usage": True})
+            with http.stream("POST", path, json=req) as r:
+                usage = [json.loads(line[len("data: "):]) for line in r.iter_lines()
+                         if line.startswith("data: {")][-1]["usage"]
+        else:
+            usage = http.post(path, json=req).json()["usage"]
+        prompt, generated = prompt + usage["prompt_tokens"], generated + usage["completion_tokens"]
+    expected = {names[0]: before[names[0]] + prompt, names[1]: before[names[1]] + generated}
+    while time.time() < deadline + 30 and _prometheus_totals(names) != expected:
+        time.sleep(report_s)
+    assert _prometheus_totals(names) == expected and prompt > 0 and generated > 0

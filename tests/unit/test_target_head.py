@@ -7,8 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from drafters.target_weights import final_logit_softcap
 from pipeline.config import TrainConfig
 from pipeline.train_worker import TargetHead, batch_losses, target_head
+from tests.families import FAMILIES, family_target
 from tests.tiny import tiny_drafter, tiny_target
 
 LAYERS = (1, 3)
@@ -84,3 +86,27 @@ def test_a_reused_head_gives_the_losses_and_gradients_of_the_per_call_path(preci
         assert torch.equal(loss_a, loss_b) and grads_a
         assert all(torch.equal(a, b) for a, b in zip(grads_a, grads_b))
     assert reused.buffer.shape[0] == 5  # one chunk's rows, reused by every chunk
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_head_on_the_cached_final_state_gives_the_targets_own_logits(family):
+    """What training's target side computes (the frozen LM head on ``last_hidden``, the decoder's
+    final normed state as the cache stage takes it: ``model.model(...).last_hidden_state``) equals
+    the target's own logits for every family, Gemma 2's final soft cap included (set low here so
+    that it binds: without it the logits differ)."""
+    # Gemma 2 ships a cap of 30; here one low enough to bind (the others: their defaults)
+    target = family_target(family, **({"final_logit_softcapping": 1.0} if family == "gemma2"
+                                      else {}))
+    ids = torch.randint(2, target.config.vocab_size, (2, 20),
+                        generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        last = target.model(input_ids=ids, use_cache=False).last_hidden_state  # [2, 20, H]
+        expected = target(input_ids=ids, use_cache=False).logits  # [2, 20, V]
+    weight = target.get_output_embeddings().weight
+    cap = final_logit_softcap(target.config)
+    assert (cap is not None) == (family == "gemma2")
+    got = TargetHead(weight, torch.float32, cap).logits(last.flatten(0, 1)).view_as(expected)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    if cap is not None:  # the cap binds on these logits: leaving it out would be caught
+        uncapped = TargetHead(weight, torch.float32).logits(last.flatten(0, 1)).view_as(expected)
+        assert (uncapped - expected).abs().max() > 0.1
