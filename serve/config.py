@@ -13,6 +13,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from .engine.config import EngineConfig, deprecated_name
+from .engine.metrics import SpecDecodeMetricsLevel
 
 logger = logging.getLogger(__name__)
 
@@ -91,7 +92,7 @@ class ServeConfig(BaseModel):
         "answers 429 before Serve queues anything.")
     metrics_interval_s: float = Field(1.0, gt=0, description="Seconds between engine-counter "
                                       "exports to Ray's metrics.")
-    per_request_spec_decode_metrics: Literal["none", "summary", "detailed"] = Field(
+    per_request_spec_decode_metrics: SpecDecodeMetricsLevel = Field(
         "none", description="vLLM's --per-request-spec-decode-metrics: summary puts vLLM's "
         "per-request acceptance stats (`metrics.speculative_decoding`) in every response (the "
         "usage chunk when streaming), detailed adds per-step lists; none: only in responses to "

@@ -102,17 +102,13 @@ class CompletionChoice(BaseModel):
     finish_reason: FinishReason | None = None
 
 
-def _spec_details_field():
-    """``spec_details`` (``serve.engine.metrics.request_spec_details``): only in responses to
-    requests that set ``return_spec_details``, so other clients see the plain OpenAI object."""
-    return Field(None, exclude_if=lambda v: v is None)
-
-
-def _metrics_field():
-    """vLLM's per-request ``metrics`` object, ``{"speculative_decoding": ...}``
-    (``serve.engine.metrics.vllm_spec_decode_metrics``): only when the deployment's
-    ``per_request_spec_decode_metrics`` or the request's ``return_spec_details`` asks; streamed
-    on the usage chunk, as vLLM does."""
+def _omitted_when_none():
+    """A field left out of the JSON when None, so clients that did not ask see the plain OpenAI
+    object: ``spec_details`` (``serve.engine.metrics.request_spec_details``, for requests that
+    set ``return_spec_details``) and vLLM's per-request ``metrics`` object,
+    ``{"speculative_decoding": serve.engine.metrics.vllm_spec_decode_metrics}`` (when the
+    deployment's ``per_request_spec_decode_metrics`` or ``return_spec_details`` asks; streamed on
+    the usage chunk, as vLLM does)."""
     return Field(None, exclude_if=lambda v: v is None)
 
 
@@ -125,8 +121,8 @@ class CompletionResponse(BaseModel):
     model: str
     choices: list[CompletionChoice]
     usage: Usage | None = None
-    spec_details: dict | None = _spec_details_field()
-    metrics: dict | None = _metrics_field()
+    spec_details: dict | None = _omitted_when_none()
+    metrics: dict | None = _omitted_when_none()
 
 
 class AssistantMessage(BaseModel):
@@ -148,8 +144,8 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: Usage
-    spec_details: dict | None = _spec_details_field()
-    metrics: dict | None = _metrics_field()
+    spec_details: dict | None = _omitted_when_none()
+    metrics: dict | None = _omitted_when_none()
 
 
 class DeltaMessage(BaseModel):
@@ -175,8 +171,8 @@ class ChatCompletionChunk(BaseModel):
     model: str
     choices: list[ChatChunkChoice]
     usage: Usage | None = None
-    spec_details: dict | None = _spec_details_field()
-    metrics: dict | None = _metrics_field()
+    spec_details: dict | None = _omitted_when_none()
+    metrics: dict | None = _omitted_when_none()
 
 
 class ModelCard(BaseModel):

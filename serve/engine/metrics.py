@@ -12,6 +12,7 @@ accepted), paper Fig. 2).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Literal, get_args
 
 
 @dataclass
@@ -125,7 +126,9 @@ def request_spec_details(rounds) -> dict:
     }
 
 
-SPEC_DECODE_METRICS_LEVELS = ("none", "summary", "detailed")  # vLLM's per-request switch values
+# vLLM's per-request switch values (--per-request-spec-decode-metrics)
+SpecDecodeMetricsLevel = Literal["none", "summary", "detailed"]
+SPEC_DECODE_METRICS_LEVELS = get_args(SpecDecodeMetricsLevel)
 
 
 def vllm_spec_decode_metrics(rounds, num_spec_tokens: int, detailed: bool = False) -> dict:

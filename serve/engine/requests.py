@@ -120,7 +120,7 @@ class EngineRequest:
     prompt_ids: list[int]
     params: SamplingParams = field(default_factory=SamplingParams)
     return_spec_details: bool = False
-    spec_decode_metrics: str = "none"
+    spec_decode_metrics: str = "none"  # serve.engine.metrics.SpecDecodeMetricsLevel
     # per-user speed floor in tokens/s (EngineConfig.min_tokens_per_s); None = the engine's
     min_tokens_per_s: float | None = None
 
