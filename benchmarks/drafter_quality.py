@@ -25,6 +25,9 @@ from drafters.precision import resolve_dtype_name  # noqa: E402
 
 from pipeline import stages, storage  # noqa: E402
 from pipeline.config import ConfigError, load_config  # noqa: E402
+from pipeline.evaluate import DOMAINS, domain_cells  # noqa: E402
+from pipeline.tau_intervals import METHOD as INTERVAL_METHOD  # noqa: E402
+from pipeline.tau_intervals import format_interval, paired_difference  # noqa: E402
 
 # drafter section overrides of each contender (DSpark's comes from the config itself)
 CONTENDERS = {
@@ -103,13 +106,16 @@ def mean(values):
 
 
 def build_table(results: dict, temperature: str) -> dict:
-    """Per contender: tau per dataset and domain, macro tau, latency, parameters, training."""
+    """Per contender: tau per dataset and domain (95 % intervals beside), macro tau, latency,
+    parameters, training."""
     table = {}
     for name, res in results.items():
         cells = {d: by_t[temperature] for d, by_t in res["report"]["results"].items()}
         table[name] = {
             "tau": {d: c["tau"] for d, c in cells.items()},
+            "tau_interval": {d: c.get("tau_interval") for d, c in cells.items()},
             "domains": res["report"]["domains"][temperature],
+            "domain_intervals": res["report"].get("domain_intervals", {}).get(temperature, {}),
             "draft_ms_per_round": mean([c["draft_ms_per_round"] for c in cells.values()]),
             "verify_ms_per_round": mean([c["verify_ms_per_round"] for c in cells.values()]),
             # mean over the benchmarks that reached position k (None: none did)
@@ -122,6 +128,19 @@ def build_table(results: dict, temperature: str) -> dict:
             "final_train_metrics": res["train"].get("final_metrics", {}),
         }
     return table
+
+
+def comparisons(results: dict, temperature: str) -> dict:
+    """The first contender against each other one: :func:`pipeline.tau_intervals.
+    paired_difference` of the macro tau over the same prompts (``{"dspark / eagle3": {...}}``);
+    empty where a report carries no per-prompt counts (one written before intervals existed)."""
+    names = list(results)
+    cells = {n: domain_cells(results[n]["report"]["results"], temperature) for n in names}
+    if any(not c or not all(c.values()) for c in cells.values()):
+        return {}
+    domain_of = {d: DOMAINS.get(d, "other") for d in cells[names[0]]}
+    return {f"{names[0]} / {other}": paired_difference(cells[names[0]], cells[other], domain_of)
+            for other in names[1:]}
 
 
 def render_md(table: dict, results: dict, meta: dict) -> str:
@@ -144,6 +163,14 @@ def render_md(table: dict, results: dict, meta: dict) -> str:
         lines.append(f"| {n} | " + " | ".join(f"{t['tau'][d]:.3f}" for d in datasets) + " | " +
                      " | ".join(f"{t['domains'][d]:.3f}" for d in domains) +
                      f" | {t['domains']['macro']:.3f} |")
+    lines += ["", f"The same taus with 95 % intervals ({INTERVAL_METHOD}):", "",
+              "| drafter | " + " | ".join(domains) + " | macro |",
+              "|---|" + "---|" * (len(domains) + 1)]
+    for n in names:
+        t, ci = table[n], table[n].get("domain_intervals", {})
+        lines.append(f"| {n} | " + " | ".join(format_interval(t["domains"][d], ci.get(d))
+                                               for d in domains) +
+                     f" | {format_interval(t['domains']['macro'], ci.get('macro'))} |")
     lines += ["", "## DSpark's tau relative to the baselines", "",
               "| ratio | " + " | ".join(domains) + " | macro |", "|---|" + "---|" * (len(domains) + 1)]
     ref = names[0]  # the first contender (dspark by default)
@@ -151,6 +178,20 @@ def render_md(table: dict, results: dict, meta: dict) -> str:
         lines.append(f"| {ref} / {base} | " + " | ".join(
             f"{table[ref]['domains'][d] / table[base]['domains'][d]:.3f}" for d in domains) +
             f" | {table[ref]['domains']['macro'] / table[base]['domains']['macro']:.3f} |")
+    paired = meta.get("comparisons") or {}
+    if paired:
+        lines += ["", "Paired on the same prompts and seeds (macro tau; 'separates': the 95 % "
+                  "interval of the difference excludes 0; half-width: the smallest difference "
+                  "this eval resolves, relative to the second drafter's macro tau):", "",
+                  "| pair | macro difference [95 %] | ratio [95 %] | half-width | separates |",
+                  "|---|---|---|---|---|"]
+        for pair, c in paired.items():
+            ratio = "-" if c["ratio"] is None else format_interval(c["ratio"], c["ratio_interval"], 3)
+            rel = c["relative_half_width"]
+            lines.append(f"| {pair} | {format_interval(c['difference'], c['difference_interval'], 3)}"
+                         f" | {ratio} | {c['half_width']:.3f}"
+                         f"{'' if rel is None else f' ({rel:.1%})'} | "
+                         f"{'yes' if c['separates'] else 'no'} |")
     lines += ["", "## Cost", "",
               "| drafter | trainable parameters | draft ms/round | verify ms/round | rounds | "
               "final train loss | final held-out tau (probabilistic) |",
@@ -282,7 +323,8 @@ def main() -> int:
     reliability = Path(results[names[0]]["run_dir"]) / "calibrate" / "reliability.png"
     if reliability.exists():
         (out / files["reliability"]).write_bytes(reliability.read_bytes())
-    meta = {"target": cfg.target.name_or_path, "dtype": resolve_dtype_name(cfg.eval.dtype),
+    meta = {"comparisons": comparisons(results, temperature),
+            "target": cfg.target.name_or_path, "dtype": resolve_dtype_name(cfg.eval.dtype),
             "gamma": cfg.drafter.block_size, "temperature": temperature,
             "prompts_per_dataset": max(cfg.eval.datasets.values()),
             "max_new_tokens": cfg.eval.max_new_tokens,

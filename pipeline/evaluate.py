@@ -18,6 +18,9 @@ from pathlib import Path
 
 from drafters.precision import dtype_name, resolve_dtype_name
 
+from .tau_intervals import METHOD as INTERVAL_METHOD
+from .tau_intervals import domain_intervals, format_interval, prompt_counts, tau_interval
+
 # benchmark file stem -> domain (SPEC 5; paper Table 1 groups math, code and chat)
 DOMAINS = {"gsm8k": "math", "math500": "math", "aime24": "math", "aime25": "math",
            "humaneval": "code", "mbpp": "code", "livecodebench": "code", "lbpp": "code",
@@ -94,10 +97,13 @@ def summarize(records: list[dict], gamma: int, sts_temperatures: list[float] | N
     base_s = sum(rec["base_s"] for rec in records)
     spec_tps = spec_tokens / spec_s if spec_s else 0.0
     base_tps = base_tokens / base_s if base_s else 0.0
+    per_prompt = prompt_counts([rec["spec_rounds"] for rec in records])
     out = {
         "prompts": len(records),
         "rounds": len(rounds),
         "tau": stats.tau,
+        "tau_interval": tau_interval(per_prompt),  # 95 %, bootstrap over prompts
+        "per_prompt": per_prompt,  # [committed, rounds] per prompt: what intervals resample
         "accept_rate": survival,
         "conditional_acceptance": conditional,
         # the rates' denominators: a confidence scheduler verifies deep positions rarely, and a
@@ -146,7 +152,8 @@ def confidence_summary(full_rounds: list, gamma: int, sts_temperatures: list[flo
 
 
 def domain_summary(results: dict, temperature: str) -> dict:
-    """Per-domain mean tau (mean over the domain's datasets) and the macro average over domains."""
+    """Per-domain mean tau (mean over the domain's datasets) and the macro average over domains
+    (their intervals: :func:`domain_summary_intervals`)."""
     by_domain: dict[str, list[float]] = {}
     for name, by_t in results.items():
         if temperature in by_t:
@@ -155,6 +162,20 @@ def domain_summary(results: dict, temperature: str) -> dict:
     if out:
         out["macro"] = sum(out.values()) / len(out)
     return out
+
+
+def domain_cells(results: dict, temperature: str) -> dict[str, list[list[int]]]:
+    """dataset -> its per-prompt ``[committed, rounds]`` at ``temperature`` (what the intervals
+    resample)."""
+    return {name: by_t[temperature].get("per_prompt", []) for name, by_t in results.items()
+            if temperature in by_t}
+
+
+def domain_summary_intervals(results: dict, temperature: str) -> dict:
+    """95 % intervals of :func:`domain_summary`'s taus: ``{domain: [low, high], "macro": ...}``
+    (bootstrap over prompts, ``pipeline.tau_intervals``)."""
+    cells = domain_cells(results, temperature)
+    return domain_intervals(cells, {n: DOMAINS.get(n, "other") for n in cells})
 
 
 def evaluate(*, target: str, dtype: str, drafter_dir: str, template_kwargs: dict,
@@ -249,8 +270,13 @@ def evaluate(*, target: str, dtype: str, drafter_dir: str, template_kwargs: dict
             "dtype": dtype, "baseline": f"transformers generate ({baseline_dtype})"
             if speed_baseline else None, "max_new_tokens": max_new_tokens, "results": results,
             "domains": {str(t): domain_summary(results, str(t)) for t in temperatures},
+            "domain_intervals": {str(t): domain_summary_intervals(results, str(t))
+                                 for t in temperatures},
+            "interval_method": INTERVAL_METHOD,
             **({"fixed_gamma": {"results": fixed, "domains": {
-                str(t): domain_summary(fixed, str(t)) for t in temperatures}}} if fixed else {})}
+                str(t): domain_summary(fixed, str(t)) for t in temperatures},
+                "domain_intervals": {str(t): domain_summary_intervals(fixed, str(t))
+                                     for t in temperatures}}} if fixed else {})}
 
 
 def _rendered_prompts(tokenizer, datasets: dict[str, list[str]], temperatures: list[float],
@@ -297,15 +323,18 @@ def _fixed_gamma_results(decoder, tokenizer, datasets: dict[str, list[str]],
     return _summaries(cells, datasets, temperatures, gamma, sts_temperatures)
 
 
-def _domain_table(domains: dict) -> list[str]:
-    """Markdown rows: mean tau per domain and the macro average, one row per temperature."""
+def _domain_table(domains: dict, intervals: dict | None = None) -> list[str]:
+    """Markdown rows: mean tau per domain and the macro average, one row per temperature, each
+    with its 95 % interval where ``intervals`` has one."""
     names = sorted({d for by_d in domains.values() for d in by_d if d != "macro"})
+    intervals = intervals or {}
     lines = ["| temperature | " + " | ".join(names) + " | macro |",
              "|---|" + "---|" * (len(names) + 1)]
     for temp, by_d in domains.items():
+        ci = intervals.get(temp, {})
         lines.append(f"| {temp} | " + " | ".join(
-            f"{by_d[d]:.2f}" if d in by_d else "-" for d in names) +
-            f" | {by_d.get('macro', 0.0):.2f} |")
+            format_interval(by_d[d], ci.get(d)) if d in by_d else "-" for d in names) +
+            f" | {format_interval(by_d.get('macro', 0.0), ci.get('macro'))} |")
     return lines
 
 
@@ -325,7 +354,8 @@ def render_report_md(report: dict) -> str:
         f"max_new_tokens = {report['max_new_tokens']}; tau counts the bonus token; tokens/s are "
         "measured in the same run on the same prompts, plain decoding "
         f"({report.get('baseline') or 'not measured'}) and speculative alternating; speed-up = "
-        "speculative tokens/s / plain tokens/s. 'greedy identical' (only when both run in the same "
+        "speculative tokens/s / plain tokens/s. tau [brackets]: "
+        f"{report.get('interval_method', INTERVAL_METHOD)}. 'greedy identical' (only when both run in the same "
         "dtype) compares the two outputs token by token: in bf16, verifying several tokens in one "
         "pass can flip near-ties against one-token steps, so it may read below 100 %; "
         "losslessness itself is tested in fp32 (tests/unit/test_speculative_lossless.py, "
@@ -341,7 +371,8 @@ def render_report_md(report: dict) -> str:
             same = s.get("greedy_identical_share")
             base, speedup = s["target_tokens_per_s"], s["speedup"]
             lines.append(
-                f"| {name} | {temp} | {s['prompts']} | {s['tau']:.2f} | {rates} | "
+                f"| {name} | {temp} | {s['prompts']} | "
+                f"{format_interval(s['tau'], s.get('tau_interval'))} | {rates} | "
                 f"{s['spec_tokens_per_s']:.1f} | {'-' if base is None else f'{base:.1f}'} | "
                 f"{'-' if speedup is None else f'{speedup:.2f}x'} | "
                 f"{s['draft_ms_per_round']:.1f} | "
@@ -359,7 +390,7 @@ def render_report_md(report: dict) -> str:
     domains = report.get("domains", {})
     if domains:
         lines += ["", "Mean tau per domain (mean over the domain's datasets) and macro average:", ""]
-        lines += _domain_table(domains)
+        lines += _domain_table(domains, report.get("domain_intervals"))
     fixed = report.get("fixed_gamma")
     if fixed:
         lines += ["", f"The drafter at fixed gamma = {gamma} (the same prompts and seeds, every "
@@ -372,10 +403,11 @@ def render_report_md(report: dict) -> str:
                 rates = " / ".join(_rate_cells(s["accept_rate"], s.get("verified_per_position")))
                 cond = " / ".join(_rate_cells(s["conditional_acceptance"],
                                               s.get("reached_per_position")))
-                lines.append(f"| {name} | {temp} | {s['rounds']} | {s['tau']:.2f} | {rates} | "
+                lines.append(f"| {name} | {temp} | {s['rounds']} | "
+                             f"{format_interval(s['tau'], s.get('tau_interval'))} | {rates} | "
                              f"{cond} |")
         lines += ["", f"Mean tau per domain at fixed gamma = {gamma} and macro average:", ""]
-        lines += _domain_table(fixed["domains"])
+        lines += _domain_table(fixed["domains"], fixed.get("domain_intervals"))
     cal_rows = _cells_with(report, "calibration")
     if cal_rows:
         lines += ["", "Calibration of the prefix survival a_k on these rounds (ECE, 20 bins; 'after' "

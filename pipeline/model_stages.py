@@ -167,7 +167,8 @@ def stage_eval(ctx: StageContext) -> dict:
     if run is not None:
         log_evaluation(run, report, out)
         run.finish()
-    return {"domains": report["domains"], "engine_files": engine_files,
+    return {"domains": report["domains"], "domain_intervals": report["domain_intervals"],
+            "engine_files": engine_files,
             **({"fixed_gamma_domains": report["fixed_gamma"]["domains"]}
                if "fixed_gamma" in report else {}),
             **{name: {t: {"tau": round(s["tau"], 3),

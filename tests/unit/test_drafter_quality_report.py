@@ -3,10 +3,13 @@ and the markdown naming the plots it wrote (a --suffix run keeps the default run
 
 from __future__ import annotations
 
+import pytest
 
-def contender(tau: float, rates: list, calibrated: bool = False) -> dict:
+
+def contender(tau: float, rates: list, calibrated: bool = False, per_prompt=None) -> dict:
     cell = {"tau": tau, "draft_ms_per_round": 10.0, "verify_ms_per_round": 40.0,
-            "conditional_acceptance": rates, "rounds": 100}
+            "conditional_acceptance": rates, "rounds": 100,
+            **({"per_prompt": per_prompt} if per_prompt else {})}
     return {"report": {"results": {"gsm8k": {"1.0": cell}, "mt-bench": {"1.0": cell}},
                        "domains": {"1.0": {"math": tau, "chat": tau, "macro": tau}},
                        "trainable_parameters": 12_900_000},
@@ -79,3 +82,27 @@ def test_trained_from_refuses_the_runs_own_directory(tmp_path, monkeypatch, caps
     assert drafter_quality.main() == 2
     assert "own directory" in capsys.readouterr().err
     assert not (run_dir / "dspark" / "config.yaml").exists()
+
+
+def test_paired_comparison_says_whether_the_difference_separates():
+    """drafter_quality's comparison table: the macro difference of the first contender against
+    each other one with its paired 95 % interval, and "separates" only where it excludes 0."""
+    from benchmarks.drafter_quality import build_table, comparisons, render_md
+
+    spread = [[20 + 7 * i, 10] for i in range(8)]  # prompt taus 2.0 .. 6.9
+    results = {"dspark": contender(2.0, [0.5], per_prompt=spread),
+               "eagle3": contender(1.6, [0.4], per_prompt=[[c - 2, r] for c, r in spread]),
+               "dflash": contender(1.6, [0.4], per_prompt=spread)}
+    pairs = comparisons(results, "1.0")
+    assert pairs["dspark / eagle3"]["separates"] and not pairs["dspark / dflash"]["separates"]
+    assert pairs["dspark / eagle3"]["difference"] == pytest.approx(0.2)
+    meta = {"target": "t", "dtype": "bfloat16", "gamma": 1, "temperature": "1.0",
+            "prompts_per_dataset": 8, "max_new_tokens": 64, "train_steps": 600,
+            "global_batch_size": 16, "machine": "m", "wall_minutes": 1.0, "command": "c",
+            "comparisons": pairs, "files": {"conditional_acceptance": "c.png"}}
+    md = render_md(build_table(results, "1.0"), results, meta)
+    assert "| dspark / eagle3 | 0.200 [0.200, 0.200] |" in md and "| yes |" in md
+    assert "| dspark / dflash | 0.000 [0.000, 0.000] |" in md and "| no |" in md
+    # a report from before intervals: no per-prompt counts, no paired table (nothing invented)
+    assert comparisons({"dspark": contender(2.0, [0.5]), "eagle3": contender(1.6, [0.4])},
+                       "1.0") == {}

@@ -86,3 +86,25 @@ def test_report_marks_positions_no_round_verified():
                            "results": {"gsm8k": {"1.0": s}}, "domains": {}})
     assert "| 1.00 / 0.67 / 0.50 / - / - |" in md
     assert "| gsm8k | 1.0 | 1.00 | 0.67 | 1.00 | - | - |" in md
+
+
+def test_every_tau_carries_its_interval():
+    """Each cell keeps its per-prompt counts and a 95 % interval over prompts; the report prints
+    the interval beside each tau and beside each domain and macro tau (issue 42)."""
+    from pipeline.evaluate import domain_summary_intervals
+
+    one = summarize(_records(), gamma=3)
+    assert one["per_prompt"] == [[9, 3]] and one["tau_interval"] is None  # one prompt
+    short = [RoundRecord(1, 1, 0, 1, 0.0, 0.0, None)] * 4  # a prompt where every draft fails
+    two = summarize(_records() + [dict(_records()[0], spec_rounds=short)], gamma=3)
+    assert two["per_prompt"] == [[9, 3], [4, 4]] and two["tau"] == pytest.approx(13 / 7)
+    low, high = two["tau_interval"]
+    assert low == pytest.approx(1.0) and high == pytest.approx(3.0)  # all one or all the other
+    results = {"gsm8k": {"1.0": two}, "mbpp": {"1.0": two}}
+    ci = domain_summary_intervals(results, "1.0")
+    assert set(ci) == {"math", "code", "macro"} and ci["macro"][0] < two["tau"] < ci["macro"][1]
+    md = render_report_md({"gamma": 3, "target": "t", "dtype": "float32", "max_new_tokens": 8,
+                           "results": results, "domains": {"1.0": domain_summary(results, "1.0")},
+                           "domain_intervals": {"1.0": ci}})
+    assert f"| gsm8k | 1.0 | 2 | 1.86 [{low:.2f}, {high:.2f}] |" in md
+    assert f"| 1.86 [{ci['macro'][0]:.2f}, {ci['macro'][1]:.2f}] |" in md
