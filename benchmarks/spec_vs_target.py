@@ -166,11 +166,15 @@ def summarize(results: list[dict], gamma: int) -> dict:
            "tokens_per_s": tokens / seconds if seconds else 0.0}
     all_rounds = [rd for r in results for rd in r["rounds"]]
     if rounds:
+        from pipeline.tau_intervals import prompt_counts, tau_interval
+
         stats = SpecDecodeStats()
         for rd in rounds:
             stats.record_round(rd.drafted, rd.verified, rd.accepted, rd.committed)
         row.update({
             "tau": stats.tau, "verified_per_round": stats.mean_verification_budget(),
+            # 95 %, bootstrap over prompts (pipeline/tau_intervals.py)
+            "tau_interval": tau_interval(prompt_counts([r["rounds"] for r in results])),
             # accept_rate@k: rounds that verified >= k draft tokens and accepted the first k
             "accept_rate": stats.accept_rate_at_k(),
             "draft_ms_per_round": 1e3 * statistics.fmean(rd.draft_s for rd in all_rounds),
@@ -226,6 +230,8 @@ def profile_steps(arms: Arms, arm: str, ids: list[int], max_new: int) -> dict:
 
 
 def render(rows: list[dict], meta: dict) -> str:
+    from pipeline.tau_intervals import format_interval
+
     lines = [
         "# Speculative decoding vs plain `generate` (measured)", "",
         f"Target `{meta['target']}`, arms in {meta['dtype']} (plain generate in fp32 and bf16), "
@@ -233,7 +239,7 @@ def render(rows: list[dict], meta: dict) -> str:
         f"{meta['date']}, {meta['seconds']:.0f} s, {meta.get('machine', 'machine not recorded')}. "
         f"speed-up = tokens/s / tokens/s of the faster "
         "plain `generate` on the same prompts. tau = committed tokens per round that verified drafts "
-        "(bonus included); accept_rate@k = share of rounds verifying >= k drafts that accepted the "
+        "(bonus included), [its 95 % interval, bootstrap over prompts]; accept_rate@k = share of rounds verifying >= k drafts that accepted the "
         "first k; draft / verify ms = per engine step (all steps); drafter / lookup steps = share "
         "of steps in which the drafter ran / a prompt-lookup draft was verified; identical = "
         "share of prompts whose fp32 greedy output equals plain fp32 `generate` token for token "
@@ -252,7 +258,8 @@ def render(rows: list[dict], meta: dict) -> str:
                if "drafter_step_share" in r else "")
         lines.append(
             f"| {r['dataset']} | {r['temperature']:g} | {r['arm']} | {r['tokens_per_s']:.1f} | "
-            f"{r['speedup_vs_generate']:.2f}x | {r.get('tau', float('nan')):.2f} | "
+            f"{r['speedup_vs_generate']:.2f}x | "
+            f"{format_interval(r['tau'], r.get('tau_interval')) if 'tau' in r else '-'} | "
             f"{r.get('verified_per_round', float('nan')):.2f} | {acc} | {dv} | {src} | "
             f"{'' if same is None else f'{same:.0%}'} |".replace("nan", "-"))
     for prof in meta.get("profile", []):
