@@ -16,6 +16,8 @@ import logging
 import numpy as np
 
 from . import storage
+from .cache_check import check_head_agreement, head_agreement, read_first_row
+from .cache_format import shard_name
 from .cache_shards import pack_shards
 from .cache_writer import ShardWriter, read_sidecar, row_group_sizes, write_sidecar
 from .config import CacheConfig
@@ -36,12 +38,17 @@ class CacheWriterUDF(TargetFeatures):
     (:meth:`TargetFeatures.forward`), and the row group is written (streamed) before the next one
     is computed. Row order stays the conversations' order. A shard whose upload still fails after
     the store client's retries is rewritten from scratch with backoff
-    (:func:`pipeline.storage.retry_transient`).
+    (:func:`pipeline.storage.retry_transient`). The first shard of each split is checked before
+    its sidecar marks it done: the target's LM head on its first row's cached final state must
+    give the target's own logits (:mod:`pipeline.cache_check`); a failing shard keeps no sidecar,
+    so a re-run writes it again.
     """
 
     def __init__(self, target: CacheTarget, cache: CacheConfig, storage_options: dict,
                  retry_base_delay_s: float = 2.0):
         super().__init__(target, cache)
+        self.target_name = target.name_or_path
+        self._head = None  # (LM head [V, H], soft cap): read at the first checked shard
         self.row_group_bytes = cache.row_group_bytes
         self.rows_per_row_group = cache.rows_per_row_group
         self.storage_options = storage_options
@@ -66,8 +73,29 @@ class CacheWriterUDF(TargetFeatures):
                 writer.write_table(self.forward(samples[start:start + n]))
                 start += n
             summary = {**writer.close(), "fingerprint": fingerprint, "errors": errors}
+        if path.rsplit("/", 1)[-1] == shard_name(0) and summary["rows"]:
+            summary["head_check"] = self.check_head(storage.join(
+                path.rsplit("/", 1)[0], summary["file"]))
         write_sidecar(path, summary, self.storage_options)
         return summary
+
+    def check_head(self, shard_file: str) -> dict:
+        """:func:`pipeline.cache_check.head_agreement` on the first row of ``shard_file``, read
+        back from the store.
+
+        Raises:
+            CacheHeadMismatchError: the cached final state is not the LM head's input.
+        """
+        from drafters.target_weights import final_logit_softcap, load_frozen_head
+
+        if self._head is None:
+            config, _, head = load_frozen_head(self.target_name)
+            self._head = (head, final_logit_softcap(config))
+        row = read_first_row(shard_file, self.model.config.hidden_size, len(self.layer_ids),
+                             self.storage_options)
+        result = head_agreement(self.model, row, *self._head)
+        check_head_agreement(result, shard_file, row["sample_id"])
+        return result
 
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, list]:
         summaries = {"shard": [], "path": [], "summary": []}
