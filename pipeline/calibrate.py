@@ -20,6 +20,8 @@ from pathlib import Path
 
 from drafters.precision import dtype_name
 
+from .tau_intervals import prompt_counts, tau_interval
+
 logger = logging.getLogger(__name__)
 
 
@@ -50,16 +52,33 @@ def collect_rounds(*, target: str, dtype: str, drafter_dir: str, template_kwargs
     tokenizer, drafter = models.tokenizer, models.drafter
     gamma = drafter.config.block_size
     out = {"gamma": gamma, "has_confidence": drafter.config.confidence_head, "rounds": [],
+           "per_prompt": [], "temperature": temperature,
            "dtype": dtype_name(models.runner.dtype), "device": device_name(models.runner.device)}
-    if not drafter.config.confidence_head:
-        return out
+    # fixed gamma (no scheduler): every round verifies the whole block, so the same decode gives
+    # STS its labels and the served tau the eval stage sets beside the trainer's held-out tau
     decoder = SpeculativeDecoder(models.runner, drafter, models.eos)
     for i, text in enumerate(tqdm(prompts, desc="calibrate", unit="prompt", mininterval=5)):
         ids = render_prompt_ids(tokenizer, [{"role": "user", "content": text}], template_kwargs)
         res = decoder.generate(ids, max_new_tokens, temperature, seed + i)
-        out["rounds"].append([(r.confidence_logits, r.accepted) for r in res.rounds
-                              if r.verified == gamma and r.confidence_logits is not None])
+        out["per_prompt"] += prompt_counts([res.rounds])
+        if drafter.config.confidence_head:
+            out["rounds"].append([(r.confidence_logits, r.accepted) for r in res.rounds
+                                  if r.verified == gamma and r.confidence_logits is not None])
     return out
+
+
+def served_tau(collected: dict) -> dict:
+    """The drafter's tau at fixed gamma on the held-out prompts, as served (the target in the
+    loop, ``calibrate.temperature``), with its 95 % interval over prompts: ``{"served_tau",
+    "served_tau_interval", "served_prompts", "served_temperature"}`` ({} when nothing was
+    decoded)."""
+    counts = collected.get("per_prompt") or []
+    rounds = sum(r for _, r in counts)
+    if not rounds:
+        return {}
+    return {"served_tau": sum(c for c, _ in counts) / rounds,
+            "served_tau_interval": tau_interval(counts), "served_prompts": len(counts),
+            "served_temperature": collected.get("temperature")}
 
 
 def fit_and_report(collected: dict, out_dir: Path, drafter_dir: str, seed: int,
@@ -81,7 +100,8 @@ def fit_and_report(collected: dict, out_dir: Path, drafter_dir: str, seed: int,
 
     from .plots import reliability_diagram
 
-    measured = {k: collected[k] for k in ("dtype", "device") if k in collected}
+    measured = {**{k: collected[k] for k in ("dtype", "device") if k in collected},
+                **served_tau(collected)}
     dest = out_dir / "drafter"
     if dest.exists():
         shutil.rmtree(dest)

@@ -128,6 +128,24 @@ def export_engine_files(ctx: StageContext, sps_profile: dict | None, dst: Path) 
     return summary
 
 
+def _train_vs_serve(ctx: StageContext) -> dict | None:
+    """:func:`pipeline.evaluate.train_vs_serve` of this run's training log and calibrate report
+    (None when either is missing, e.g. a drafter trained elsewhere); a flagged gap is logged."""
+    from .evaluate import train_vs_serve
+
+    log = ctx.run_dir / "train" / "drafter" / "training_log.jsonl"
+    calibration = ctx.run_dir / "calibrate" / "report.json"
+    if not log.is_file() or not calibration.is_file():
+        return None
+    history = [json.loads(line) for line in log.read_text().splitlines() if line.strip()]
+    result = train_vs_serve(history, json.loads(calibration.read_text()))
+    if result and result["flagged"]:
+        logger.warning("eval: the trainer's held-out tau %.2f lies outside the served tau's "
+                       "interval %s: a train/serve mismatch? (eval/report.md)",
+                       result["trainer_heldout_tau"], result["served_tau_interval"])
+    return result
+
+
 def stage_eval(ctx: StageContext) -> dict:
     import ray
 
@@ -149,6 +167,7 @@ def stage_eval(ctx: StageContext) -> dict:
         baseline_dtype=e.baseline_dtype or e.dtype,
         engine=ctx.cfg.engine.model_copy(update={"max_num_requests": 1}),
         fixed_gamma_pass=e.fixed_gamma_pass))
+    report["train_vs_serve"] = _train_vs_serve(ctx)
     out = ctx.stage_dir("eval")
     engine_files = export_engine_files(ctx, report.pop("sps_profile", None), out / "engine_files")
     (out / "report.json").write_text(json.dumps(report, indent=1))
@@ -168,6 +187,7 @@ def stage_eval(ctx: StageContext) -> dict:
         log_evaluation(run, report, out)
         run.finish()
     return {"domains": report["domains"], "domain_intervals": report["domain_intervals"],
+            "train_vs_serve": report["train_vs_serve"],
             "engine_files": engine_files,
             **({"fixed_gamma_domains": report["fixed_gamma"]["domains"]}
                if "fixed_gamma" in report else {}),

@@ -108,3 +108,32 @@ def test_every_tau_carries_its_interval():
                            "domain_intervals": {"1.0": ci}})
     assert f"| gsm8k | 1.0 | 2 | 1.86 [{low:.2f}, {high:.2f}] |" in md
     assert f"| 1.86 [{ci['macro'][0]:.2f}, {ci['macro'][1]:.2f}] |" in md
+
+
+def test_train_vs_serve_flags_a_trainer_tau_outside_the_served_interval():
+    """The eval report puts the trainer's held-out tau beside the served tau at fixed gamma on
+    the held-out prompts (calibrate stage) and flags a gap the served interval does not cover."""
+    from pipeline.calibrate import served_tau
+    from pipeline.evaluate import train_vs_serve
+
+    collected = {"per_prompt": [[20, 10], [30, 10], [25, 10], [22, 10]], "temperature": 1.0}
+    served = served_tau(collected)
+    assert served["served_tau"] == pytest.approx(97 / 40) and served["served_prompts"] == 4
+    low, high = served["served_tau_interval"]
+    history = [{"step": 10, "tau": 3.0}, {"step": 20, "heldout_tau": 2.4}, {"step": 25, "tau": 3.1}]
+    ok = train_vs_serve(history, served)
+    assert ok["trainer_heldout_tau"] == 2.4 and ok["trainer_step"] == 20
+    assert low <= 2.4 <= high and ok["flagged"] is False
+    gap = train_vs_serve([{"step": 20, "heldout_tau": 3.4}], served)
+    assert gap["flagged"] and gap["gap"] == pytest.approx(3.4 - 97 / 40)
+    md = render_report_md({"gamma": 3, "target": "t", "dtype": "float32", "max_new_tokens": 8,
+                           "results": {}, "domains": {}, "train_vs_serve": gap})
+    assert "**GAP**" in md and "3.40" in md
+    at_t0 = train_vs_serve([{"step": 20, "heldout_tau": 3.4}], {**served, "served_temperature": 0.0})
+    assert at_t0["flagged"] is None  # teacher-forced TV acceptance is T = 1's: not compared
+    none = train_vs_serve([{"step": 5, "tau": 2.0}], served)
+    assert none["flagged"] is None and "eval_every" in "".join(
+        render_report_md({"gamma": 3, "target": "t", "dtype": "float32", "max_new_tokens": 8,
+                          "results": {}, "domains": {}, "train_vs_serve": none}))
+    assert served_tau({"per_prompt": [], "temperature": 1.0}) == {}
+    assert train_vs_serve(history, {}) is None
