@@ -113,9 +113,11 @@ def test_the_quickstart_fingerprints_stay_those_of_existing_run_directories():
     the backend change these still read 98e0ace975d5 / 92b38a928d4b / d678efdeeef9. In session
     30 the quickstart trains 170 instead of 280 steps, its eval decodes 32 instead of 40 new
     tokens and skips the fixed-gamma pass,
-    for its 15-minute budget: train and eval were 642c1fd7b317 / 24c63ac665e5.)"""
+    for its 15-minute budget: train and eval were 642c1fd7b317 / 24c63ac665e5. In session 33 it
+    evaluates held-out once at its last step, train.eval_every 170, for the eval report's train vs
+    serve check: train and eval were 5fc1263ec1e3 / 3d656ac6e361.)"""
     from pipeline.stages import stage_fingerprint
 
     cfg = load_config("infra/configs/quickstart.yaml")
     assert {s: stage_fingerprint(cfg, s)[:12] for s in ("generate", "train", "eval")} == {
-        "generate": "8150d903c77d", "train": "5fc1263ec1e3", "eval": "3d656ac6e361"}
+        "generate": "8150d903c77d", "train": "ee77161dea50", "eval": "5aa1603b12cd"}
