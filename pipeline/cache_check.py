@@ -19,10 +19,11 @@ import pyarrow.parquet as pq
 from . import storage
 from .cache_format import decode_row
 
-# bf16 storage of the state and a bf16 forward leave ~1 % relative error in the logits; a state
-# the head does not read (pre-norm: another scale per position and no norm weight) leaves errors
-# of the order of the logits themselves
-MAX_RELATIVE_ERROR = 0.05
+# Measured on SmolLM2-135M (session 33): a correct cache leaves 0.3 % (fp32 forward) to 1.4-2.1 %
+# (bf16 forward: the cache's batched pass and the check's single pass round differently, and the
+# error grows along a row) relative error in the logits; a pre-norm cache leaves 2,575 %. The bound
+# sits ~10x above the bf16 noise, so a long bf16 row of a larger target does not trip it
+MAX_RELATIVE_ERROR = 0.25
 CHECKED_POSITIONS = 256  # the row's last supervised positions: bounds the [n, V] logits
 
 
