@@ -25,7 +25,7 @@ from drafters.precision import resolve_dtype_name  # noqa: E402
 
 from pipeline import stages, storage  # noqa: E402
 from pipeline.config import ConfigError, load_config  # noqa: E402
-from pipeline.evaluate import DOMAINS, domain_cells  # noqa: E402
+from pipeline.evaluate import domain_cells, domain_of  # noqa: E402
 from pipeline.tau_intervals import METHOD as INTERVAL_METHOD  # noqa: E402
 from pipeline.tau_intervals import format_interval, paired_difference  # noqa: E402
 
@@ -138,9 +138,14 @@ def comparisons(results: dict, temperature: str) -> dict:
     cells = {n: domain_cells(results[n]["report"]["results"], temperature) for n in names}
     if any(not c or not all(c.values()) for c in cells.values()):
         return {}
-    domain_of = {d: DOMAINS.get(d, "other") for d in cells[names[0]]}
-    return {f"{names[0]} / {other}": paired_difference(cells[names[0]], cells[other], domain_of)
-            for other in names[1:]}
+    domains = domain_of(cells[names[0]])
+    out = {}
+    for other in names[1:]:
+        try:
+            out[f"{names[0]} / {other}"] = paired_difference(cells[names[0]], cells[other], domains)
+        except ValueError as err:  # evals of other prompts: no pairing, the tables still stand
+            logging.getLogger(__name__).warning("no paired comparison with %s: %s", other, err)
+    return out
 
 
 def render_md(table: dict, results: dict, meta: dict) -> str:

@@ -20,11 +20,19 @@ from drafters.precision import dtype_name, resolve_dtype_name
 
 from .tau_intervals import METHOD as INTERVAL_METHOD
 from .tau_intervals import domain_intervals, format_interval, prompt_counts, tau_interval
+from .train_vs_serve import train_vs_serve_lines
 
 # benchmark file stem -> domain (SPEC 5; paper Table 1 groups math, code and chat)
 DOMAINS = {"gsm8k": "math", "math500": "math", "aime24": "math", "aime25": "math",
            "humaneval": "code", "mbpp": "code", "livecodebench": "code", "lbpp": "code",
            "swe-bench": "code", "mt-bench": "chat", "alpaca": "chat", "arena-hard-v2": "chat"}
+
+
+def domain_of(datasets) -> dict[str, str]:
+    """dataset -> its domain (``DOMAINS``; ``"other"`` for a set not listed there)."""
+    return {name: DOMAINS.get(name, "other") for name in datasets}
+
+
 THRESHOLDS = [round(0.05 * i, 2) for i in range(20)]
 
 
@@ -155,9 +163,10 @@ def domain_summary(results: dict, temperature: str) -> dict:
     """Per-domain mean tau (mean over the domain's datasets) and the macro average over domains
     (their intervals: :func:`domain_summary_intervals`)."""
     by_domain: dict[str, list[float]] = {}
+    domains = domain_of(results)
     for name, by_t in results.items():
         if temperature in by_t:
-            by_domain.setdefault(DOMAINS.get(name, "other"), []).append(by_t[temperature]["tau"])
+            by_domain.setdefault(domains[name], []).append(by_t[temperature]["tau"])
     out = {d: sum(v) / len(v) for d, v in by_domain.items()}
     if out:
         out["macro"] = sum(out.values()) / len(out)
@@ -175,7 +184,7 @@ def domain_summary_intervals(results: dict, temperature: str) -> dict:
     """95 % intervals of :func:`domain_summary`'s taus: ``{domain: [low, high], "macro": ...}``
     (bootstrap over prompts, ``pipeline.tau_intervals``)."""
     cells = domain_cells(results, temperature)
-    return domain_intervals(cells, {n: DOMAINS.get(n, "other") for n in cells})
+    return domain_intervals(cells, domain_of(cells))
 
 
 def evaluate(*, target: str, dtype: str, drafter_dir: str, template_kwargs: dict,
@@ -279,57 +288,6 @@ def evaluate(*, target: str, dtype: str, drafter_dir: str, template_kwargs: dict
                                      for t in temperatures}}} if fixed else {})}
 
 
-def train_vs_serve(history: list[dict], calibration: dict) -> dict | None:
-    """The trainer's held-out tau beside the tau the drafter reaches served, and whether they
-    differ by more than the served interval (issue 42: a gap is the usual sign of a train/serve
-    mismatch: pre-norm features, untrained norms, a template or thinking-mode difference).
-
-    The trainer's held-out tau (``heldout_tau``, teacher-forced on held-out cache rows: 1 + sum
-    over k of prod_{i<=k} (1 - TV_i)) is the expected committed tokens per full-block round
-    when target and drafter both sample at temperature 1; the calibrate stage's served tau is
-    measured on the held-out prompts at fixed gamma, the target in the loop. The two are
-    comparable at ``calibrate.temperature`` 1 (``comparable``).
-
-    Args:
-        history: the training log's entries (``training_log.jsonl``), oldest first.
-        calibration: the calibrate stage's ``report.json`` (:func:`pipeline.calibrate.served_tau`
-            fields).
-    Returns:
-        None without a served tau; else ``{"served_tau", "served_tau_interval", "served_prompts",
-        "served_temperature", "trainer_heldout_tau", "trainer_step", "comparable", "gap",
-        "flagged"}`` (``gap`` = trainer - served; ``flagged``: the trainer's tau lies outside the
-        served 95 % interval at a comparable temperature; None where either is missing).
-    """
-    if calibration.get("served_tau") is None:
-        return None
-    heldout = [h for h in history if h.get("heldout_tau") is not None]
-    trainer = heldout[-1]["heldout_tau"] if heldout else None
-    served, ci = calibration["served_tau"], calibration.get("served_tau_interval")
-    comparable = calibration.get("served_temperature") == 1.0
-    return {"served_tau": served, "served_tau_interval": ci,
-            "served_prompts": calibration.get("served_prompts"),
-            "served_temperature": calibration.get("served_temperature"),
-            "trainer_heldout_tau": trainer, "trainer_step": heldout[-1].get("step") if heldout else None,
-            "comparable": comparable, "gap": None if trainer is None else trainer - served,
-            "flagged": (None if trainer is None or ci is None or not comparable
-                        else not ci[0] <= trainer <= ci[1])}
-
-
-def _train_vs_serve_lines(tvs: dict) -> list[str]:
-    """The report's train-vs-serve paragraph."""
-    served = format_interval(tvs["served_tau"], tvs["served_tau_interval"])
-    head = (f"Train vs serve: the drafter's tau at fixed gamma on {tvs['served_prompts']} held-out "
-            f"prompts, served at T = {tvs['served_temperature']} (calibrate stage): {served}")
-    if tvs["trainer_heldout_tau"] is None:
-        return ["", head + "; the trainer measured no held-out tau (`train.eval_every` unset)."]
-    verdict = ("**GAP**: the trainer's tau lies outside the served interval; check the cache "
-               "(pre-norm features, template or thinking mode) and the drafter's norms"
-               if tvs["flagged"] else "within the served interval" if tvs["flagged"] is False
-               else "not compared (served at another temperature than 1, or no interval)")
-    return ["", f"{head}; the trainer's held-out tau (step {tvs['trainer_step']}): "
-            f"{tvs['trainer_heldout_tau']:.2f}, {verdict}."]
-
-
 def _rendered_prompts(tokenizer, datasets: dict[str, list[str]], temperatures: list[float],
                       template_kwargs: dict, desc: str, progress: bool):
     """Yield ``(dataset, temperature, prompt index, prompt ids)`` for every prompt at every
@@ -406,8 +364,8 @@ def render_report_md(report: dict) -> str:
         "measured in the same run on the same prompts, plain decoding "
         f"({report.get('baseline') or 'not measured'}) and speculative alternating; speed-up = "
         "speculative tokens/s / plain tokens/s. tau [brackets]: "
-        f"{report.get('interval_method', INTERVAL_METHOD)}. 'greedy identical' (only when both run in the same "
-        "dtype) compares the two outputs token by token: in bf16, verifying several tokens in one "
+        f"{report.get('interval_method', INTERVAL_METHOD)}. 'greedy identical' (only when both "
+        "run in the same dtype) compares the two outputs token by token: in bf16, verifying several tokens in one "
         "pass can flip near-ties against one-token steps, so it may read below 100 %; "
         "losslessness itself is tested in fp32 (tests/unit/test_speculative_lossless.py, "
         "benchmarks/spec_vs_target.py).",
@@ -460,7 +418,7 @@ def render_report_md(report: dict) -> str:
         lines += ["", f"Mean tau per domain at fixed gamma = {gamma} and macro average:", ""]
         lines += _domain_table(fixed["domains"], fixed.get("domain_intervals"))
     if report.get("train_vs_serve"):
-        lines += _train_vs_serve_lines(report["train_vs_serve"])
+        lines += train_vs_serve_lines(report["train_vs_serve"])
     cal_rows = _cells_with(report, "calibration")
     if cal_rows:
         lines += ["", "Calibration of the prefix survival a_k on these rounds (ECE, 20 bins; 'after' "

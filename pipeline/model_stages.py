@@ -131,14 +131,20 @@ def export_engine_files(ctx: StageContext, sps_profile: dict | None, dst: Path) 
 def _train_vs_serve(ctx: StageContext) -> dict | None:
     """:func:`pipeline.evaluate.train_vs_serve` of this run's training log and calibrate report
     (None when either is missing, e.g. a drafter trained elsewhere); a flagged gap is logged."""
-    from .evaluate import train_vs_serve
+    from .train_vs_serve import train_vs_serve
 
     log = ctx.run_dir / "train" / "drafter" / "training_log.jsonl"
     calibration = ctx.run_dir / "calibrate" / "report.json"
     if not log.is_file() or not calibration.is_file():
         return None
-    history = [json.loads(line) for line in log.read_text().splitlines() if line.strip()]
-    result = train_vs_serve(history, json.loads(calibration.read_text()))
+    try:
+        history = [json.loads(line) for line in log.read_text().splitlines() if line.strip()]
+        calibrated = json.loads(calibration.read_text())
+    except (OSError, ValueError) as err:  # the evaluation just measured stands without it
+        logger.warning("eval: no train vs serve check: %s or %s unreadable (%s)", log,
+                       calibration, err)
+        return None
+    result = train_vs_serve(history, calibrated)
     if result and result["flagged"]:
         logger.warning("eval: the trainer's held-out tau %.2f lies outside the served tau's "
                        "interval %s: a train/serve mismatch? (eval/report.md)",

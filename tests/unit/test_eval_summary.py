@@ -114,7 +114,7 @@ def test_train_vs_serve_flags_a_trainer_tau_outside_the_served_interval():
     """The eval report puts the trainer's held-out tau beside the served tau at fixed gamma on
     the held-out prompts (calibrate stage) and flags a gap the served interval does not cover."""
     from pipeline.calibrate import served_tau
-    from pipeline.evaluate import train_vs_serve
+    from pipeline.train_vs_serve import train_vs_serve
 
     collected = {"per_prompt": [[20, 10], [30, 10], [25, 10], [22, 10]], "temperature": 1.0}
     served = served_tau(collected)
@@ -137,3 +137,25 @@ def test_train_vs_serve_flags_a_trainer_tau_outside_the_served_interval():
                           "results": {}, "domains": {}, "train_vs_serve": none}))
     assert served_tau({"per_prompt": [], "temperature": 1.0}) == {}
     assert train_vs_serve(history, {}) is None
+
+
+def test_an_unreadable_training_log_leaves_the_evaluation_standing(tmp_path, caplog):
+    """The eval stage reads the training log after hours of decoding: a damaged log drops only
+    the train-vs-serve paragraph (a warning names the files), never the measured report."""
+    import logging
+    from types import SimpleNamespace
+
+    from pipeline.model_stages import _train_vs_serve
+
+    (tmp_path / "train" / "drafter").mkdir(parents=True)
+    (tmp_path / "calibrate").mkdir()
+    (tmp_path / "calibrate" / "report.json").write_text(
+        '{"served_tau": 1.5, "served_tau_interval": [1.4, 1.6], "served_prompts": 4, '
+        '"served_temperature": 1.0}')
+    log = tmp_path / "train" / "drafter" / "training_log.jsonl"
+    log.write_text('{"step": 10, "heldout_tau": 1.55}\n')
+    assert _train_vs_serve(SimpleNamespace(run_dir=tmp_path))["flagged"] is False
+    log.write_text('{"step": 10, "heldout_tau": 1.5\n')  # cut off mid-line
+    with caplog.at_level(logging.WARNING):
+        assert _train_vs_serve(SimpleNamespace(run_dir=tmp_path)) is None
+    assert "training_log.jsonl" in caplog.text
