@@ -30,11 +30,13 @@ from pipeline.tau_intervals import METHOD as INTERVAL_METHOD  # noqa: E402
 from pipeline.tau_intervals import format_interval, paired_difference  # noqa: E402
 
 # drafter section overrides of each contender (DSpark's comes from the config itself)
+DFLASH = {"drafter_type": "dflash", "head_type": "none", "confidence_head": False}
+EAGLE3 = {"drafter_type": "eagle3", "head_type": "none", "confidence_head": False,
+          "init": "random"}  # an Eagle3 layer reads a 2H-wide input: no target-layer start
 CONTENDERS = {
     "dspark": {},
-    "dflash": {"drafter_type": "dflash", "head_type": "none", "confidence_head": False},
-    "eagle3": {"drafter_type": "eagle3", "head_type": "none", "confidence_head": False,
-               "init": "random"},  # an Eagle3 layer reads a 2H-wide input: no target-layer start
+    "dflash": DFLASH,
+    "eagle3": EAGLE3,
     # DSpark ablations (--contenders): which design choice explains DSpark's standing
     # the sequential head off (the confidence head reads its embedding, so it goes too; the
     # benchmark verifies fixed gamma blocks, which needs no confidence)
@@ -51,6 +53,15 @@ CONTENDERS = {
     # DSpark's architecture with Eagle3's objective (soft cross-entropy against the target's
     # distribution, plus the confidence term): objective or architecture behind a gap to Eagle3
     "dspark-soft_ce": {"train.objective": "soft_ce"},
+    # the first-slot ablation (issue 42): the anchor also reads H_ctx[p-1], the last context
+    # position's fused target state that Eagle3's first step reads
+    "dspark-anchor_features": {"anchor_features": True},
+    # the paper's structural claims at equal data and steps: a 2-layer DSpark against a 5-layer
+    # DFlash, and every type at gamma 15 against its gamma 7
+    "dflash-layers_5": {**DFLASH, "num_layers": 5},
+    "dspark-block_15": {"block_size": 15},
+    "dflash-block_15": {**DFLASH, "block_size": 15},
+    "eagle3-block_15": {**EAGLE3, "block_size": 15},
 }
 DEFAULT_CONTENDERS = "dspark,dflash,eagle3"
 SHARED_STAGES = ("prompts", "generate", "cache")

@@ -66,6 +66,12 @@ class DrafterConfig(BaseModel):
         "its window, any other full attention), an integer = every layer slides with it, null "
         "= full attention. DSpark/DFlash only (an Eagle3 drafter attends its whole context).")
 
+    anchor_features: bool = Field(
+        False, description="The anchor slot also reads the fused target features of the last "
+        "context position p-1, as Eagle3's first draft step does: its input becomes embed(x_p) + "
+        "W_a H_ctx[p-1] (W_a starts at zero). The first-slot variant of issue 42; DSpark/DFlash "
+        "only; vLLM and speculators exports refuse it (their anchor reads its embedding only).")
+
     @field_validator("drafter_type")
     @classmethod
     def _registered(cls, v: str) -> str:
@@ -97,6 +103,9 @@ class DrafterConfig(BaseModel):
             raise ValueError(f"sliding_window {self.sliding_window} is shorter than one block "
                              f"pass ({self.num_block_inputs} inputs): a block query would not "
                              "see its own block")
+        if self.anchor_features and not spec.anchor_features:
+            raise ValueError(f"anchor_features: a {spec.title} drafter has no anchor slot that "
+                             "could read the last context state; set false")
         if self.init == "target_layers" and not spec.target_layer_init:
             raise ValueError(f"init 'target_layers' copies the target's decoder layers, which a "
                              f"{spec.title} drafter's layers are not: use init 'random'")
@@ -249,7 +258,8 @@ _TARGET_KEYS = {"target_name_or_path": "name_or_path", "target_vocab_size": "voc
                 "rope_theta": "rope_theta", "max_position_embeddings": "max_position_embeddings"}
 # config.json fields of DrafterConfig (the layer count goes as num_hidden_layers)
 _DRAFTER_KEYS = ("drafter_type", "block_size", "head_type", "markov_rank", "confidence_head",
-                 "qk_norm", "loss_decay", "draft_vocab_size", "sliding_window", "layer_windows")
+                 "qk_norm", "loss_decay", "draft_vocab_size", "sliding_window", "layer_windows",
+                 "anchor_features")
 # bookkeeping keys transformers' PretrainedConfig wrote beside ours (ignored on reading)
 _HF_KEYS = ("transformers_version", "architectures", "dtype", "torch_dtype", "_name_or_path")
 
@@ -312,6 +322,8 @@ class BoundDrafterConfig(DrafterConfig):
                    hidden_size=self.target.hidden_size, vocab_size=self.target.vocab_size,
                    calibration_temperatures=self.calibration_temperatures,
                    draft_vocab_sha256=self.draft_vocab_sha256)
+        if not self.anchor_features:  # written only when set, so a plain drafter's config.json
+            del out["anchor_features"]  # stays readable by versions that predate the field
         return out
 
     @classmethod

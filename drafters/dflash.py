@@ -24,4 +24,5 @@ class DFlashDrafter(DSparkDrafter):
 SPEC = DrafterSpec(
     name="dflash", title="DFlash", model_class=DFlashDrafter, objective="ce",
     step_weights=block_position_weights, anchor_slots=1, target_layer_init=True,
-    windowed_attention=True, exporters=EXPORTERS, vllm_method="dflash", vllm_architectures=("DFlashDraftModel",))
+    windowed_attention=True, anchor_features=True, exporters=EXPORTERS, vllm_method="dflash",
+    vllm_architectures=("DFlashDraftModel",))

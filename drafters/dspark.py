@@ -40,10 +40,13 @@ class DraftContextCache:
 
     keys[i], values[i]: [B, nkv, C, hd] with RoPE applied. Context features of a position never
     change once the target has processed it, so the cache only grows (by accepted tokens).
+    last_state: [B, H], the context state H_ctx of position C-1, which the anchor slot of the next
+    block reads (``drafter.anchor_features``); None when the drafter does not read it.
     """
 
     keys: list = field(default_factory=list)
     values: list = field(default_factory=list)
+    last_state: torch.Tensor | None = None
 
     @property
     def length(self) -> int:
@@ -81,6 +84,12 @@ class DSparkDrafter(DrafterBase):
         self.context_proj = nn.Linear(m_h, h, bias=False)  # W_c of Eq. 2
         self.context_norm = RMSNorm(h, config.rms_norm_eps)
         self.mask_embedding = nn.Parameter(torch.randn(h) * float(embed_weight.float().std()))
+        # the first-slot variant (issue 42): the anchor input also reads H_ctx[p-1], the state
+        # Eagle3's first step reads; zero at the start, so it begins as the plain anchor
+        self.anchor_proj = None
+        if config.anchor_features:
+            self.anchor_proj = nn.Linear(h, h, bias=False)
+            nn.init.zeros_(self.anchor_proj.weight)
         windows = config.layer_windows or [None] * config.num_hidden_layers
         self.layers = nn.ModuleList(DrafterLayer(config, w) for w in windows)
         self.norm = RMSNorm(h, config.rms_norm_eps)
@@ -139,9 +148,24 @@ class DSparkDrafter(DrafterBase):
         """H_ctx = RMSNorm(W_c [h_l1; ...; h_lm]) (Eq. 2): [B, T, m*H_t] -> [B, T, H]."""
         return self.context_norm(self.context_proj(context_features.to(self.context_proj.weight.dtype)))
 
-    def block_inputs(self, anchor_tokens: torch.Tensor) -> torch.Tensor:
-        """Anchor embedding followed by S-1 mask embeddings: int64 [...] -> [..., S, H]."""
+    def block_inputs(self, anchor_tokens: torch.Tensor,
+                     last_states: torch.Tensor | None = None) -> torch.Tensor:
+        """Anchor input followed by S-1 mask embeddings: int64 [...] -> [..., S, H].
+
+        The anchor input is embed(x_p), plus W_a H_ctx[p-1] when ``config.anchor_features`` is set
+        (``last_states`` [..., H], the context state of the position before each anchor; the
+        first-slot variant of issue 42, after Eagle3's first step, which reads [embed(x_p);
+        g_{p-1}]).
+
+        Raises:
+            ValueError: ``last_states`` missing where the config reads them.
+        """
         anchor = F.embedding(anchor_tokens, self.embed_weight).to(self.mask_embedding.dtype)
+        if self.anchor_proj is not None:
+            if last_states is None:
+                raise ValueError("this drafter's anchor slot reads the last context state "
+                                 "(anchor_features): extend its context before drafting")
+            anchor = anchor + self.anchor_proj(last_states.to(anchor.dtype))
         masks = self.mask_embedding.expand(*anchor_tokens.shape, self.config.num_block_inputs - 1, -1)
         return torch.cat((anchor.unsqueeze(-2), masks), dim=-2)
 
@@ -163,12 +187,22 @@ class DSparkDrafter(DrafterBase):
         q_pos = packed.anchor_positions[:, None] + torch.arange(
             self.config.num_block_inputs, device=ctx.device)  # [N, S]
         block_rope = self.rotary(q_pos, ctx.dtype)
-        hidden = self.block_inputs(packed.anchor_tokens)  # [N, S, H]
+        hidden = self.block_inputs(packed.anchor_tokens, self._last_context_rows(ctx, packed))
         for layer in self.layers:
             ctx_kv = layer.self_attn.project_packed_context(ctx, *ctx_rope)
             hidden = layer(hidden, block_rope, ctx_kv, packed=packed)
         off = self.config.anchor_slots
         return self.norm(hidden)[:, off:off + self.config.block_size]
+
+    def _last_context_rows(self, ctx: torch.Tensor, packed: PackedBlocks) -> torch.Tensor | None:
+        """H_ctx[p-1] of every packed block, [N, H] (zeros at an anchor at position 0), or None
+        when the anchor does not read it. Sequence s's context rows are its positions 0..L_s-1
+        from ``context_offsets[s]`` on (``pack_blocks``), and every anchor p <= L_s."""
+        if self.anchor_proj is None:
+            return None
+        p = packed.anchor_positions
+        rows = packed.context_offsets[packed.block_sequence_ids()] + p - 1
+        return ctx[rows.clamp(min=0)] * (p > 0)[:, None].to(ctx.dtype)
 
     # ------------------------------------------------------------------ heads
     def head_features(self, hidden: torch.Tensor, prev_tokens: torch.Tensor):
@@ -230,6 +264,8 @@ class DSparkDrafter(DrafterBase):
         rope = self.rotary(positions, ctx.dtype)
         new = [layer.self_attn.project_kv(ctx, *rope) for layer in self.layers]
         cache.keys, cache.values = _grown(cache, new)
+        if self.anchor_proj is not None and ctx.shape[1]:
+            cache.last_state = ctx[:, -1]
 
     @torch.no_grad()
     def extend_context_batch(self, states: list[DraftContextCache],
@@ -259,12 +295,19 @@ class DSparkDrafter(DrafterBase):
         positions = torch.cat([torch.arange(c.length, c.length + n, device=dev)
                                for c, n in zip(states, lengths)])
         pieces: list[list[tuple[torch.Tensor, torch.Tensor]]] = []  # per piece, per layer
+        states_of_rows = []  # the context states H_ctx, kept only where the anchor reads them
         done = 0
         for n in row_pieces(feats.shape[0]):
             ctx = self.context_states(feats[None, done:done + n])
             rope = self.rotary(positions[None, done:done + n], ctx.dtype)
             pieces.append([layer.self_attn.project_kv(ctx, *rope) for layer in self.layers])
+            if self.anchor_proj is not None:
+                states_of_rows.append(ctx[0])
             done += n
+        last_rows = None
+        if states_of_rows:  # each request's last new row: [R', H] over the requests with rows
+            ends = torch.tensor(lengths, device=dev).cumsum(0) - 1
+            last_rows = torch.cat(states_of_rows)[ends[torch.tensor(lengths, device=dev) > 0]]
         per_request: list[list] = [[] for _ in states]  # per request, per layer: (k, v)
         for i in range(len(self.layers)):
             k_rows = torch.cat([p[i][0] for p in pieces], dim=2).split(lengths, dim=2)
@@ -272,8 +315,11 @@ class DSparkDrafter(DrafterBase):
             for mine, k, v in zip(per_request, k_rows, v_rows):
                 mine.append((k, v))
         grown = [_grown(c, kv) for c, kv, n in zip(states, per_request, lengths) if n]
-        for cache, (keys, values) in zip([c for c, n in zip(states, lengths) if n], grown):
+        extended = [c for c, n in zip(states, lengths) if n]
+        for j, (cache, (keys, values)) in enumerate(zip(extended, grown)):
             cache.keys, cache.values = keys, values  # only now: all or nothing
+            if last_rows is not None:
+                cache.last_state = last_rows[j:j + 1]
 
     def _window_masks(self, ctx_pos: torch.Tensor, q_pos: torch.Tensor) -> dict:
         """Attention masks of one block pass, one per distinct layer window.
@@ -306,7 +352,7 @@ class DSparkDrafter(DrafterBase):
         -> prediction-slot states [B, K, H]. The cache must hold exactly positions < anchor."""
         s = self.config.num_block_inputs
         dev = anchor_tokens.device
-        hidden = self.block_inputs(anchor_tokens)  # [B, S, H]
+        hidden = self.block_inputs(anchor_tokens, cache.last_state)  # [B, S, H]
         q_pos = anchor_positions[:, None] + torch.arange(s, device=dev)  # [B, S]
         rope = self.rotary(q_pos, hidden.dtype)
         ctx_pos = torch.arange(cache.length, device=dev).expand(len(anchor_tokens), -1)
@@ -399,7 +445,10 @@ class DSparkDrafter(DrafterBase):
         lengths = [st.length for st in states]
         c_max = max(lengths)
         dev = anchor_tokens.device
-        hidden = self.block_inputs(anchor_tokens)  # [R, S, H]
+        last = None  # block_inputs names the missing state if the anchor reads it
+        if self.anchor_proj is not None and all(st.last_state is not None for st in states):
+            last = torch.cat([st.last_state for st in states])
+        hidden = self.block_inputs(anchor_tokens, last)  # [R, S, H]
         q_pos = anchor_positions[:, None] + torch.arange(s, device=dev)  # [R, S]
         rope = self.rotary(q_pos, hidden.dtype)
         # right-aligned rows: key j of row r holds position j - (C_max - C_r); < 0 is padding
@@ -428,5 +477,5 @@ def block_position_weights(config: BoundDrafterConfig) -> torch.Tensor:
 SPEC = DrafterSpec(
     name="dspark", title="DSpark", model_class=DSparkDrafter, objective="dspark",
     step_weights=block_position_weights, has_heads=True, target_layer_init=True,
-    windowed_attention=True, exporters=EXPORTERS, vllm_method="dspark",
+    windowed_attention=True, anchor_features=True, exporters=EXPORTERS, vllm_method="dspark",
     vllm_architectures=("Qwen3DSparkModel",))

@@ -42,6 +42,8 @@ class DrafterSpec:
         layers_field: the config field that sets its layer count.
         windowed_attention: whether its layers can attend through a sliding window
             (``sliding_window``; DSpark/DFlash's block queries over the injected context).
+        anchor_features: whether its anchor slot can also read the last context position's
+            fused target features (``drafter.anchor_features``; DSpark/DFlash's anchor input).
         drafts_whole_block: drafts its block in one pass, so a round drafts at most block_size
             tokens in any engine; False for a chained drafter (an engine may run more steps).
         exporters: export format -> :class:`drafters.export.common.Exporter`.
@@ -61,6 +63,7 @@ class DrafterSpec:
     target_layer_init: bool = False
     layers_field: str = "num_layers"
     windowed_attention: bool = False
+    anchor_features: bool = False
     drafts_whole_block: bool = True
     exporters: Mapping[str, Any] = field(default_factory=dict)
     vllm_method: str | None = None

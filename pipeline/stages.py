@@ -97,7 +97,9 @@ ADDED_LATER = [("drafter", "qk_norm", None), ("engine", "kv_cache_memory_gib", 2
                # (no layer_windows) and loads as such; re-run with --force train for a windowed one
                ("drafter", "sliding_window", "target"),
                # filling passes changes only speed (lossless), and only on jagged profiles
-               ("engine", "fill_passes", True)]
+               ("engine", "fill_passes", True),
+               # the plain anchor is what every run before the first-slot variant trained
+               ("drafter", "anchor_features", False)]
 # config fields that say where a stage may take its outputs from, not what they are: never
 # fingerprinted, so adding the shipped answers to a run that regenerated them changes nothing
 NOT_FINGERPRINTED = [("generate", "reuse_from")]

@@ -27,9 +27,11 @@ def tiny_target(vocab_size: int = 96, seed: int = 0, num_layers: int = 6) -> Qwe
 
 def tiny_drafter(target, layer_ids=(1, 3), block_size: int = 4, head_type: str = "markov",
                  num_layers: int = 1, seed: int = 0, drafter_type: str = "dspark",
-                 draft_vocab: list[int] | None = None, sliding_window="target") -> DrafterBase:
+                 draft_vocab: list[int] | None = None, sliding_window="target",
+                 anchor_features: bool = False) -> DrafterBase:
     """A 1-layer drafter for ``target``; ``draft_vocab`` (target ids) makes it predict in that
-    subset only (``drafters/draft_vocab.py``); ``sliding_window`` as the config field."""
+    subset only (``drafters/draft_vocab.py``); ``sliding_window`` and ``anchor_features`` as the
+    config fields."""
     torch.manual_seed(seed)
     heads = get_spec(drafter_type).has_heads
     cfg = DrafterConfig(
@@ -37,7 +39,7 @@ def tiny_drafter(target, layer_ids=(1, 3), block_size: int = 4, head_type: str =
         **{get_spec(drafter_type).layers_field: num_layers},
         head_type=head_type if heads else "none", markov_rank=16, confidence_head=heads,
         qk_norm=True, draft_vocab_size=len(draft_vocab) if draft_vocab else 0,
-        sliding_window=sliding_window,
+        sliding_window=sliding_window, anchor_features=anchor_features,
     ).for_target(target.config, "tiny-qwen3", list(layer_ids))
     cfg.target.max_position_embeddings = 512
     emb = target.get_input_embeddings().weight

@@ -121,9 +121,15 @@ def check_qwen3_layers(cfg, target_layers: int) -> None:
 
     Raises:
         ExportError: layers without q/k norms (vLLM's ``DFlashQwen3Attention`` always normalises
-            q and k; an RMSNorm with unit weight is no identity), or a drafter reading the
-            target's last layer.
+            q and k; an RMSNorm with unit weight is no identity), a drafter whose anchor reads the
+            last context state (``anchor_features``: vLLM's anchor input is its token embedding
+            alone, and dropping W_a would change every draft), or a drafter reading the target's
+            last layer.
     """
+    if cfg.anchor_features:
+        raise ExportError(f"vLLM's {cfg.spec.title} anchor input is the anchor's embedding alone; "
+                          "this drafter's anchor also reads the last context state "
+                          "(anchor_features true), which no vLLM or speculators model has")
     if not cfg.qk_norm:
         raise ExportError(f"vLLM's {cfg.spec.title} layers are Qwen3 layers with q/k norms; "
                           "this drafter has none (qk_norm false, a Llama-style target)")

@@ -106,3 +106,19 @@ def test_paired_comparison_says_whether_the_difference_separates():
     # a report from before intervals: no per-prompt counts, no paired table (nothing invented)
     assert comparisons({"dspark": contender(2.0, [0.5]), "eagle3": contender(1.6, [0.4])},
                        "1.0") == {}
+
+
+@pytest.mark.parametrize("config", ["infra/configs/drafter_quality.yaml",
+                                    "infra/configs/smollm2_reference.yaml"])
+def test_every_contender_is_a_valid_config_of_its_own_type(config):
+    """A contender whose overrides do not make a valid drafter (e.g. DSpark's heads left on a
+    DFlash) would fail only after the earlier contenders trained for an hour."""
+    from benchmarks.drafter_quality import CONTENDERS, contender_config
+
+    for name in CONTENDERS:
+        cfg = contender_config(config, name, [])
+        assert cfg.run_dir.endswith(name)
+        assert cfg.drafter.drafter_type == name.split("-")[0]
+    assert contender_config(config, "dspark-anchor_features", []).drafter.anchor_features
+    assert contender_config(config, "dflash-layers_5", []).drafter.num_hidden_layers == 5
+    assert contender_config(config, "eagle3-block_15", []).drafter.block_size == 15
