@@ -158,3 +158,22 @@ def test_eagle3_and_exports_refuse_it(target):
     _, variant = _pair(target)
     with pytest.raises(ExportError, match="anchor_features"):
         check_qwen3_layers(variant.config, target.config.num_hidden_layers)
+
+
+def test_the_batching_engine_stays_lossless_with_it():
+    """Requests joining at different steps, greedy: each output is the target's own (the anchor
+    state travels with each request's draft state through prefill, extension and rollback)."""
+    from serve.engine.requests import EngineRequest, SamplingParams
+    from tests.unit.helpers import greedy_reference, permuted_target
+    from tests.unit.test_engine import _engine, _run
+
+    tgt = permuted_target()
+    variant = _trained(randomize_heads(tiny_drafter(tgt, block_size=K, anchor_features=True)))
+    engine = _engine(tgt, variant, "fixed", max_num_requests=4)
+    prompts = {"a": [5, 17, 33], "b": [9, 2], "c": [40, 41, 42, 43, 44]}
+    out, _ = _run(engine, {0: [EngineRequest("a", prompts["a"], SamplingParams(14, 0.0)),
+                               EngineRequest("b", prompts["b"], SamplingParams(9, 0.0))],
+                           3: [EngineRequest("c", prompts["c"], SamplingParams(11, 0.0))]})
+    for rid, prompt in prompts.items():
+        assert out[rid] == greedy_reference(tgt, prompt, len(out[rid])), rid
+    assert [len(out[r]) for r in "abc"] == [14, 9, 11]
