@@ -9,6 +9,7 @@ N draft vocabulary.
 
 from __future__ import annotations
 
+from abc import ABCMeta, abstractmethod
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -74,14 +75,18 @@ class BlockProposal:
     confidence_logits: torch.Tensor | None
 
 
-class DrafterBase(nn.Module):
+class DrafterBase(nn.Module, metaclass=ABCMeta):
     """What every drafter shares: the frozen target embedding and LM head (non-persistent
     buffers, so checkpoints carry only the drafter's own weights), HF-style checkpoints, and the
     calibrated confidence c_k = sigma(z_k / T_k).
 
-    Subclasses implement the training forward (``forward(packed) -> [N, K, H]``),
-    ``draft_logits`` and the inference protocol ``new_draft_state`` / ``extend_context`` /
-    ``propose_block`` used by the speculative engine.
+    A drafter type implements the abstract methods below, which are everything training
+    (``forward``, ``head_features``, ``logits_from``), calibration, evaluation and serving
+    (``new_draft_state``, ``extend_context``, ``propose_block``) call; the batched inference
+    calls and ``draft_logits`` have generic versions here that a type may override for speed.
+    A class that leaves one out cannot be built, and ``drafters.registry.register`` refuses it
+    naming what is missing. Types whose spec sets ``target_layer_init`` also implement
+    ``init_from_target``; exporters read their own type's parameters.
 
     With ``config.draft_vocab_size`` N > 0 the drafter predicts in a frequency-ranked draft
     vocabulary (``drafters/draft_vocab.py``): ``d2t`` (int64 [N], a persistent buffer saved with the
@@ -215,6 +220,81 @@ class DrafterBase(nn.Module):
                                  "from different drafters)")
         # the drafter runs where the target's tensors are (they were bound as buffers)
         return model.to(device=embed_weight.device, dtype=dtype).eval()
+
+    # ------------------------------------------------------------------ the interface
+    @abstractmethod
+    def forward(self, packed: PackedBlocks) -> torch.Tensor:
+        """Teacher-forced training forward over packed blocks (SPEC 3).
+
+        Args:
+            packed: a :class:`~drafters.packing.PackedBlocks` from :meth:`pack_blocks` (N blocks).
+        Returns:
+            the K = block_size prediction-slot states [N, K, H] (after the final norm), in the
+            drafter's parameter dtype; slot k predicts x_{p+k}.
+        """
+
+    @abstractmethod
+    def head_features(self, hidden: torch.Tensor, prev_tokens: torch.Tensor):
+        """Teacher-forced sequential-head features and confidence logits, without any
+        vocabulary-sized tensor (the trainer turns rows into logits chunk by chunk).
+
+        Args:
+            hidden: [N, K, H] slot states from :meth:`forward`.
+            prev_tokens: int64 [N, K], x_{k-1} of each slot (x_0 = the anchor), target ids.
+        Returns:
+            (features [N, K, r] or None without a sequential head, confidence logits fp32
+            [N, K] or None without a confidence head).
+        """
+
+    @abstractmethod
+    def logits_from(self, hidden: torch.Tensor, features: torch.Tensor | None) -> torch.Tensor:
+        """Draft logits from slot states [..., H] and :meth:`head_features`' features [..., r]
+        (or None): fp32 [..., N] over the draft vocabulary."""
+
+    @abstractmethod
+    def new_draft_state(self):
+        """An empty per-request draft state with a ``length`` (committed positions it holds)."""
+
+    @abstractmethod
+    def extend_context(self, state, context_features: torch.Tensor, positions: torch.Tensor,
+                       next_tokens: torch.Tensor | None = None) -> None:
+        """Append committed positions to a draft state (it only grows, by accepted tokens).
+
+        Args:
+            state: from :meth:`new_draft_state`.
+            context_features: [B, n, m*H_t] target features of the new positions.
+            positions: int64 [B, n], consecutive from ``state.length``.
+            next_tokens: int64 [B, n], the token after each position (or None where unused).
+        """
+
+    @abstractmethod
+    def propose_block(self, state, anchor_tokens: torch.Tensor, anchor_positions: torch.Tensor,
+                      num_draft_tokens: int, temperature, generator=None,
+                      top_p=1.0) -> BlockProposal:
+        """Draft ``num_draft_tokens`` (<= block_size, or more for a chained type) tokens after
+        the anchors.
+
+        Args:
+            state: a draft state holding exactly the positions < anchor.
+            anchor_tokens, anchor_positions: int64 [B], x_p and p.
+            temperature: float or fp32 [B] (<= 0: greedy); the one the target verifies at.
+            generator: RNG, or one per row; top_p: float or fp32 [B].
+        Returns:
+            a :class:`BlockProposal` in target ids (``probs`` None when every row is greedy).
+        """
+
+    def draft_logits(self, hidden: torch.Tensor, prev_tokens: torch.Tensor):
+        """Teacher-forced draft logits and confidence logits, dense (small shapes; tests and
+        calibration): :meth:`head_features` then :meth:`logits_from`.
+
+        Args:
+            hidden: [N, K, H]; prev_tokens: int64 [N, K], x_{k-1} of each slot, target ids.
+        Returns:
+            (logits fp32 [N, K, N_d] over the draft vocabulary, confidence logits fp32 [N, K]
+            or None).
+        """
+        features, confidence = self.head_features(hidden, prev_tokens)
+        return self.logits_from(hidden, features), confidence
 
     def num_trainable_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters() if p.requires_grad)

@@ -228,19 +228,6 @@ class DSparkDrafter(DrafterBase):
         logits = self.draft_head(hidden)
         return logits if features is None else logits + self.head.w2(features).float()
 
-    def draft_logits(self, hidden: torch.Tensor, prev_tokens: torch.Tensor):
-        """Teacher-forced corrected draft logits and confidence logits (dense; small shapes).
-
-        Args:
-            hidden: [N, K, H] prediction-slot states.
-            prev_tokens: int64 [N, K], x_{k-1} of each slot (x_0 = anchor), ground truth.
-        Returns:
-            (logits fp32 [N, K, N_d] = U_k + B_k (Eq. 4) over the draft vocabulary, confidence
-            logits fp32 [N, K] or None).
-        """
-        feat, conf = self.head_features(hidden, prev_tokens)
-        return self.logits_from(hidden, feat), conf
-
     # ------------------------------------------------------------------ inference
     # Inference protocol shared by every drafter (DSpark, DFlash, Eagle3) and used by the
     # speculative engine: new_draft_state -> extend_context (committed positions) ->

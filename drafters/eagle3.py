@@ -254,17 +254,6 @@ class Eagle3Drafter(DrafterBase):
         [..., H] -> fp32 [..., N]."""
         return self.draft_head(hidden)
 
-    def draft_logits(self, hidden: torch.Tensor, prev_tokens: torch.Tensor):
-        """Draft logits through the frozen LM head (Eagle3 has no sequential or confidence head).
-
-        Args:
-            hidden: [N, K, H] step outputs (after the final norm).
-            prev_tokens: int64 [N, K], unused (the previous tokens already entered the chain).
-        Returns:
-            (logits fp32 [N, K, N_d] over the draft vocabulary, None).
-        """
-        return self.draft_head(hidden), None
-
     # ------------------------------------------------------------------ inference
     def new_draft_state(self) -> Eagle3DraftState:
         """An empty per-request draft state."""

@@ -8,24 +8,54 @@ and serving then find it by its ``drafter_type``.
 
 from __future__ import annotations
 
+import inspect
+
+from .base import DrafterBase
 from .dflash import SPEC as DFLASH
 from .dspark import SPEC as DSPARK
 from .eagle3 import SPEC as EAGLE3
 from .spec import DrafterSpec
 
-SPECS: dict[str, DrafterSpec] = {spec.name: spec for spec in (DSPARK, DFLASH, EAGLE3)}
+SPECS: dict[str, DrafterSpec] = {}
+
+
+def check_model_class(spec: DrafterSpec) -> None:
+    """Refuse a spec whose model class is not a complete drafter.
+
+    Raises:
+        ValueError: the class is no :class:`~drafters.base.DrafterBase`, leaves one of its
+            abstract methods out (named), or lacks ``init_from_target`` where the spec sets
+            ``target_layer_init``.
+    """
+    cls = spec.model_class
+    if not (inspect.isclass(cls) and issubclass(cls, DrafterBase)):
+        raise ValueError(f"drafter_type {spec.name!r}: its model_class {cls!r} is not a "
+                         "drafters.base.DrafterBase")
+    missing = sorted(getattr(cls, "__abstractmethods__", ()))
+    if spec.target_layer_init and not callable(getattr(cls, "init_from_target", None)):
+        missing.append("init_from_target (its spec sets target_layer_init)")
+    if missing:
+        raise ValueError(f"drafter_type {spec.name!r}: {cls.__name__} does not implement "
+                         f"{', '.join(missing)} (drafters/base.py declares what every drafter "
+                         "implements)")
 
 
 def register(spec: DrafterSpec) -> DrafterSpec:
     """Add a drafter type.
 
     Raises:
-        ValueError: another spec is registered under ``spec.name``.
+        ValueError: another spec is registered under ``spec.name``, or its model class is not a
+            complete drafter (:func:`check_model_class`).
     """
     if SPECS.get(spec.name, spec) is not spec:
         raise ValueError(f"drafter_type {spec.name!r} is already registered")
+    check_model_class(spec)
     SPECS[spec.name] = spec
     return spec
+
+
+for _spec in (DSPARK, DFLASH, EAGLE3):
+    register(_spec)
 
 
 def drafter_types() -> tuple[str, ...]:

@@ -228,3 +228,35 @@ def test_checkpoints_of_the_previous_layout_load(tmp_path):
     assert cfg.qk_norm is False and cfg.loss_decay == 4.0 and cfg.target_layer_ids == [1, 3]
     assert {k: v for k, v in cfg.to_json_dict().items() if v != old.get(k)} == {
         "loss_decay": 4.0, "qk_norm": False}
+
+
+def test_a_drafter_missing_part_of_the_interface_is_refused_at_registration(registered):
+    """A type without propose_block would otherwise be found out mid-evaluation, after training."""
+
+    class NoProposal(DrafterBase):  # everything but propose_block
+        forward = LastFeatureDrafter.forward
+        head_features = LastFeatureDrafter.head_features
+        logits_from = LastFeatureDrafter.logits_from
+        new_draft_state = LastFeatureDrafter.new_draft_state
+        extend_context = LastFeatureDrafter.extend_context
+
+    with pytest.raises(ValueError, match="does not implement propose_block"):
+        registry.register(DrafterSpec(name="no_proposal", title="X", model_class=NoProposal,
+                                      objective="ce", step_weights=lambda cfg: None))
+
+    class Half(DrafterBase):  # only the training half
+        forward = LastFeatureDrafter.forward
+        head_features = LastFeatureDrafter.head_features
+        logits_from = LastFeatureDrafter.logits_from
+
+    with pytest.raises(ValueError, match="extend_context, new_draft_state, propose_block"):
+        registry.register(DrafterSpec(name="half", title="X", model_class=Half, objective="ce",
+                                      step_weights=lambda cfg: None))
+    with pytest.raises(ValueError, match="init_from_target"):
+        registry.register(DrafterSpec(name="no_init", title="X", model_class=LastFeatureDrafter,
+                                      objective="ce", step_weights=lambda cfg: None,
+                                      target_layer_init=True))
+    with pytest.raises(ValueError, match="not a drafters.base.DrafterBase"):
+        registry.register(DrafterSpec(name="module", title="X", model_class=nn.Linear,
+                                      objective="ce", step_weights=lambda cfg: None))
+    assert "half" not in registry.drafter_types() and "no_proposal" not in registry.drafter_types()
