@@ -2,8 +2,8 @@
 through Ray Data (SPEC section 3).
 
 The driver checks the inputs (cache shards, ``init_from``, storage), selects the draft
-vocabulary, sizes the run and launches the workers (``pipeline/train_worker.py``); it hands them
-the typed config sections as they are. Checkpoints are a Hugging Face drafter directory plus the
+vocabulary, sizes the run and launches the workers (``pipeline/train_loop.py``) with one frozen
+:class:`~pipeline.train_job.TrainJob`. Checkpoints are a Hugging Face drafter directory plus the
 DeepSpeed training state, reported to Ray Train (``pipeline/train_state.py``).
 """
 
@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from .train_data import steps_per_epoch
+from .train_job import CheckpointPlace, TrainJob
 
 if TYPE_CHECKING:
     from drafters.config import DrafterConfig
@@ -59,7 +60,7 @@ def run_train(*, cache_dir: str, manifest: dict, out_dir: Path, target: str, lay
     from . import storage
     from .checkpoints import latest_checkpoint, require_complete
     from .tracking import log_drafter_artifact, open_run, run_id
-    from .train_worker import train_loop_per_worker
+    from .train_loop import train_loop_per_worker
 
     rows = manifest["splits"]["train"]["rows"]
     if train.init_from and not storage.is_url(train.init_from):  # named now, not by each worker
@@ -116,27 +117,23 @@ def run_train(*, cache_dir: str, manifest: dict, out_dir: Path, target: str, lay
             preserve_order=True))
     wandb_dir = out_dir / "wandb"
     wandb_dir.mkdir(parents=True, exist_ok=True)
-    loop_cfg = {
-        "train": train, "drafter": drafter, "target": target,
-        "layer_ids": layer_ids,
-        "hidden_size": manifest["target"]["hidden_size"], "total_steps": total,
-        "steps_per_epoch": per_epoch, "cache_dir": cache_dir, "manifest": manifest,
-        "storage_options": storage_options, "resume_from": resume,
-        "storage_path": storage_path,
-        "init_from": storage.resolve(train.init_from) if train.init_from else None,
-        "wandb": wandb_cfg, "wandb_dir": str(wandb_dir), "run_name": run_name,
-        "draft_vocab": draft_vocab, "wandb_run_id": run_id(out_dir.parent),
-        "streamed": datasets is not None, "streamed_heldout": bool(datasets and "heldout" in datasets),
-        "stop_step": stop_step, "fit_id": fit_id,
-        "torch_extensions_dir": os.environ.get(
-            "TORCH_EXTENSIONS_DIR", str(Path.home() / ".cache" / "dspark_ray" / "torch_extensions")),
-    }
+    job = TrainJob(
+        train=train, drafter=drafter, target=target, layer_ids=tuple(layer_ids),
+        target_hidden_size=manifest["target"]["hidden_size"], total_steps=total,
+        steps_per_epoch=per_epoch, stop_step=stop_step, manifest=manifest, cache_dir=cache_dir,
+        checkpoints=CheckpointPlace(storage_path, storage_options, run_name, fit_id, resume),
+        wandb=wandb_cfg, wandb_dir=str(wandb_dir), wandb_run_id=run_id(out_dir.parent),
+        streamed=datasets is not None, streamed_heldout=bool(datasets and "heldout" in datasets),
+        draft_vocab=tuple(draft_vocab) if draft_vocab is not None else None,
+        init_from=storage.resolve(train.init_from) if train.init_from else None,
+        torch_extensions_dir=os.environ.get(
+            "TORCH_EXTENSIONS_DIR", str(Path.home() / ".cache" / "dspark_ray" / "torch_extensions")))
     train_fs, train_fs_path = storage.get_arrow_fs(storage_path, storage_options)
     resources = {"CPU": train.cpus_per_worker}
     if train.use_gpu:
         resources["GPU"] = 1
     trainer = TorchTrainer(
-        train_loop_per_worker, train_loop_config=loop_cfg,
+        train_loop_per_worker, train_loop_config={"job": job},
         scaling_config=ScalingConfig(num_workers=train.num_workers, use_gpu=train.use_gpu,
                                      resources_per_worker=resources,
                                      placement_strategy=train.placement_strategy),

@@ -11,12 +11,16 @@ import logging
 import os
 import shutil
 import tempfile
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .train_job import CheckpointPlace
 
 logger = logging.getLogger(__name__)
 
 
 def save_training_state(engine, step: int, world: int, history: list[dict], metrics: dict,
-                        loop_cfg: dict, extra_files: dict[str, str] | None = None) -> None:
+                        place: CheckpointPlace, extra_files: dict[str, str] | None = None) -> None:
     """Report a Ray Train checkpoint: DeepSpeed state (model, optimizer, LR schedule; every rank
     writes its shard), the HF drafter directory, the training log and ``train_state.json``; then,
     once every rank's upload has returned, rank 0 marks it complete (``pipeline/checkpoints.py``:
@@ -41,7 +45,7 @@ def save_training_state(engine, step: int, world: int, history: list[dict], metr
             with open(os.path.join(tmp, "drafter", "training_log.jsonl"), "w") as fh:
                 fh.writelines(json.dumps(h) + "\n" for h in history)
             with open(os.path.join(tmp, STATE), "wb") as fh:
-                fh.write(train_state_bytes(step, world, loop_cfg.get("fit_id")))
+                fh.write(train_state_bytes(step, world, place.fit_id))
         for name, text in (extra_files or {}).items():  # e.g. the stream's consumed samples
             with open(os.path.join(tmp, name), "w") as fh:
                 fh.write(text)
@@ -51,11 +55,11 @@ def save_training_state(engine, step: int, world: int, history: list[dict], metr
     # report returns once this rank's files are uploaded: past the barrier, every rank's are
     dist.barrier()
     if rank == 0:
-        write_marker(checkpoint_url(ray.train.get_checkpoint().path, loop_cfg["storage_path"]),
-                     step, rank_files, loop_cfg["storage_options"])
+        write_marker(checkpoint_url(ray.train.get_checkpoint().path, place.storage_path),
+                     step, rank_files, place.storage_options)
 
 
-def resume_checkpoint(loop_cfg: dict):
+def resume_checkpoint(place: CheckpointPlace):
     """The ``ray.train.Checkpoint`` this worker group continues from, or None (step 0); the same
     on every worker (rank 0 chooses with :func:`pipeline.checkpoints.restore_choice`, from Ray
     Train's restored checkpoint and the driver's ``resume_from``, and broadcasts the choice).
@@ -66,14 +70,13 @@ def resume_checkpoint(loop_cfg: dict):
     from . import storage
     from .checkpoints import checkpoint_url, restore_choice
 
-    so, storage_path = loop_cfg["storage_options"], loop_cfg["storage_path"]
+    so, storage_path = place.storage_options, place.storage_path
     choice = [None]
     if ray.train.get_context().get_world_rank() == 0:
         restored = ray.train.get_checkpoint()
         choice[0] = restore_choice(
             checkpoint_url(restored.path, storage_path) if restored is not None else None,
-            loop_cfg["resume_from"], storage_path, loop_cfg["run_name"], so,
-            loop_cfg.get("fit_id"))
+            place.resume_from, storage_path, place.run_name, so, place.fit_id)
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.broadcast_object_list(choice, src=0)
     if choice[0] is None:

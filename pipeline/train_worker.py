@@ -1,5 +1,7 @@
-"""Train stage, the Ray Train worker: builds the drafter from its config, wraps it in DeepSpeed
-(ZeRO-1/2) and trains on its slice of every global batch of the target cache (SPEC section 3).
+"""Train stage, the pieces of a Ray Train worker's step: the LR schedule, DeepSpeed's config
+(ZeRO-1/2), the frozen target head, one micro-batch's losses, the metrics reduction over the
+workers and the non-finite-loss handling (SPEC section 3). The loop that runs them is
+``pipeline/train_loop.py``.
 
 Workers receive only O(H) hidden states from the cache; target probabilities are recomputed on the
 worker from ``last_hidden`` through the frozen LM head and only at supervised rows (never V-sized
@@ -12,11 +14,9 @@ from __future__ import annotations
 import logging
 import math
 import os
-import time
 
 from typing import TYPE_CHECKING
 
-from .train_data import plateau_reached
 
 if TYPE_CHECKING:
     from .config import TrainConfig
@@ -60,7 +60,7 @@ def deepspeed_config(tc: TrainConfig, world_size: int) -> dict:
                                                   "torch_adam": True}},
         "steps_per_print": 10**9,
     }
-    # bf16 runs as autocast around the forward (train_loop_per_worker): the weights, gradients and
+    # bf16 runs as autocast around the forward (pipeline/train_loop.py): the weights, gradients and
     # optimizer state stay fp32 (SPEC 3: bf16 with fp32 master weights) on CPU and GPU alike. On
     # CUDA, DeepSpeed's engine.forward re-enters autocast(enabled=False) unless its own
     # torch_autocast section asks for bf16, which would silently run the backbone in fp32.
@@ -194,186 +194,6 @@ def reduce_metrics(outs: list[dict], block_size: int, prefix: str = "", device=N
     out.update({f"{prefix}accept_rate@{k + 1}": float(vec[len(METRIC_KEYS) + k])
                 for k in range(block_size)})
     return out
-
-
-def train_loop_per_worker(loop_cfg: dict) -> None:
-    """Ray Train worker: builds the drafter, wraps it in DeepSpeed, trains on its slice of every
-    global batch, evaluates on the held-out split every ``eval_every`` steps, checkpoints every
-    ``checkpoint_every`` steps, and resumes from ``resume_checkpoint`` when given."""
-    os.environ.setdefault("TORCH_EXTENSIONS_DIR", loop_cfg["torch_extensions_dir"])
-    # wandb writes only under the run directory and stays quiet (offline mode opens no connection)
-    os.environ["WANDB_DIR"] = loop_cfg["wandb_dir"]
-    os.environ["WANDB_SILENT"] = "true"
-    import deepspeed
-    import ray.train
-    import torch
-
-    from drafters.loading import build_drafter
-    from drafters.target_weights import final_logit_softcap, load_frozen_head
-
-    from .train_data import row_generator
-    from .train_sources import CachedRows, StreamedRows
-    from .train_state import (load_training_log, load_training_state, resume_checkpoint,
-                              save_training_state)
-
-    # the typed config sections, as the driver validated them (pickled by Ray, not re-parsed)
-    tc, dsec = loop_cfg["train"], loop_cfg["drafter"]
-    ctx = ray.train.get_context()
-    rank, world = ctx.get_world_rank(), ctx.get_world_size()
-    if tc.num_threads:
-        torch.set_num_threads(tc.num_threads)
-    torch.manual_seed(tc.seed)
-    device = torch.device("cuda", ctx.get_local_rank()) if tc.use_gpu else torch.device("cpu")
-
-    from_target = dsec.init == "target_layers"
-    target_cfg, emb, head, *top = load_frozen_head(
-        loop_cfg["target"], dsec.num_hidden_layers if from_target else 0)
-    dcfg = dsec.for_target(target_cfg, loop_cfg["target"], loop_cfg["layer_ids"])
-    model = build_drafter(dcfg, emb, head, loop_cfg.get("draft_vocab"))
-    if from_target and not loop_cfg.get("init_from") and not loop_cfg["resume_from"]:
-        model.init_from_target(*top[0])
-    if loop_cfg.get("init_from"):
-        init_weights(model, loop_cfg["init_from"])
-    model = model.to(device)
-    total_steps = loop_cfg["total_steps"]
-    engine, _, _, _ = deepspeed.initialize(
-        model=model, model_parameters=[p for p in model.parameters() if p.requires_grad],
-        config=deepspeed_config(tc, world),
-        lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(
-            opt, lr_lambda(total_steps, tc.warmup_ratio)))
-    objective, weights = dcfg.spec.training_objective(dcfg, tc.objective)
-    weights = weights.to(device)
-    hidden, m = loop_cfg["hidden_size"], len(loop_cfg["layer_ids"])
-    eval_rows = tc.eval_rows if tc.eval_every else None
-    if loop_cfg.get("streamed"):  # train.data_mode online, or hybrid's first epoch
-        data = StreamedRows(hidden, m, eval_rows if loop_cfg["streamed_heldout"] else None,
-                            rank, world, loop_cfg["manifest"]["splits"]["train"]["rows"])
-    else:
-        data = CachedRows(loop_cfg["cache_dir"], loop_cfg["manifest"], loop_cfg["storage_options"],
-                          hidden, m, eval_rows, rank, world)
-    step = 0
-    restored = resume_checkpoint(loop_cfg)
-    history = []
-    if restored is not None:
-        with restored.as_directory() as ckpt_dir:
-            step = load_training_state(engine, ckpt_dir)
-            history = load_training_log(ckpt_dir, step)
-            data.restore(ckpt_dir)
-
-    def checkpoint(metrics: dict) -> None:  # all workers together
-        save_training_state(engine, step, world, history, metrics, loop_cfg,
-                            extra_files=data.checkpoint_files())
-
-    run = bar = None
-    if rank == 0 and loop_cfg["wandb"]["mode"] != "disabled":
-        import wandb
-
-        # one W&B run per run directory: resumes and later stages log into it (pipeline/tracking.py)
-        manifest = loop_cfg["manifest"]
-        run = wandb.init(project=loop_cfg["wandb"]["project"], entity=loop_cfg["wandb"]["entity"],
-                         mode=loop_cfg["wandb"]["mode"], dir=loop_cfg["wandb_dir"],
-                         id=loop_cfg["wandb_run_id"], resume="allow", job_type="train",
-                         name=loop_cfg["run_name"],
-                         config={"train": tc.model_dump(), "drafter": dsec.model_dump(),
-                                 "target": loop_cfg["target"], "layer_ids": loop_cfg["layer_ids"],
-                                 "cache_manifest": {k: manifest.get(k) for k in (
-                                     "target", "layer_ids", "splits", "max_length",
-                                     "template_sha256", "draft_vocab_coverage")},
-                                 "draft_vocab_size": len(loop_cfg["draft_vocab"] or [])})
-    if rank == 0:
-        from tqdm import tqdm
-
-        bar = tqdm(total=total_steps, initial=step, desc="train", unit="step", mininterval=5)
-
-    # the frozen LM head cast once (and soft-capped as the target's forward is), its buffer reused
-    head = target_head(engine, tc, final_logit_softcap(target_cfg))
-
-    def heldout_metrics() -> dict:
-        engine.eval()
-        outs = []
-        with torch.no_grad():
-            for keys, samples in data.heldout_batches(tc.micro_batch_size):
-                gens = [row_generator(tc.seed, e, k) for e, k in keys]
-                outs.append(batch_losses(engine, samples, tc, objective, weights, device, gens,
-                                         head))
-        engine.train()
-        return reduce_metrics(outs, dcfg.block_size, prefix="heldout_", device=device)
-
-    per_epoch = loop_cfg["steps_per_epoch"]
-    last = {"step": step}
-    if history and history[-1].get("plateau"):  # a finished run
-        total_steps = step
-    # hybrid's streamed first epoch ends at stop_step (checkpointed); the LR schedule stays the
-    # whole run's
-    end_step = min(total_steps, loop_cfg.get("stop_step") or total_steps)
-    if history and step >= end_step:  # nothing left to train: report the restored state once
-        checkpoint(history[-1])
-    skipped, bad_in_a_row = (history[-1].get("skipped_steps", 0) if history else 0), 0
-    # times this run continued from a checkpoint (a worker-group restart or a re-run's resume)
-    resumes = history[-1].get("resumes", 0) + 1 if restored is not None and history else 0
-    # every micro-batch this worker will read, in order (the offline reader works ahead of the
-    # loop without changing what a step sees, pipeline/train_data.py)
-    micro_per_step = tc.global_batch_size // world // tc.micro_batch_size
-    stream = data.micro_batches(step, end_step, per_epoch, tc)
-    while step < end_step:
-        epoch = step // per_epoch
-        outs, bad, waited = [], False, 0.0
-        for _ in range(micro_per_step):
-            t0 = time.perf_counter()
-            keys, samples = next(stream)
-            waited += time.perf_counter() - t0
-            gens = [row_generator(tc.seed, e, k) for e, k in keys]
-            out = batch_losses(engine, samples, tc, objective, weights, device, gens, head)
-            loss = out["loss"]
-            if not finite_on_all_workers(loss, device):
-                # every worker still runs backward and step, so DeepSpeed's gradient all-reduce
-                # stays in lock-step; the zero loss adds nothing to the accumulated gradients
-                bad, loss = True, zero_loss(engine)
-            else:
-                outs.append(out)
-            engine.backward(loss)
-            if bad and engine.is_gradient_accumulation_boundary():
-                skip_update(engine)
-            engine.step()
-        step += 1
-        if bad:
-            skipped, bad_in_a_row = skipped + 1, bad_in_a_row + 1
-            logger.warning("step %d: non-finite loss on some worker, update skipped (%d in a "
-                           "row, %d in all)", step, bad_in_a_row, skipped)
-            if bad_in_a_row > tc.max_bad_steps:
-                raise NonFiniteLossError(
-                    f"{bad_in_a_row} consecutive optimizer steps (last: {step}) had a non-finite "
-                    f"loss, more than train.max_bad_steps = {tc.max_bad_steps}: check the cache "
-                    "for NaN/inf features and the learning rate; the checkpoints written before "
-                    "are intact")
-        else:
-            bad_in_a_row = 0
-        # data_wait_s: this worker's time waiting for its micro-batches (reader or stream)
-        last = {"step": step, "epoch": epoch, "lr": engine.get_lr()[0], "skipped_steps": skipped,
-                "data_wait_s": round(waited, 4),
-                "resumes": resumes,
-                **reduce_metrics(outs, dcfg.block_size, device=device)}
-        if data.has_heldout and (step % tc.eval_every == 0 or step == total_steps):
-            last.update(heldout_metrics())
-        history.append(last)
-        if plateau_reached(history, tc.plateau_patience, tc.plateau_min_delta):
-            last["plateau"] = True  # recorded in the log: a re-run does not train on
-            logger.info("step %d: held-out tau has not improved by %.3f for %d evaluations: "
-                        "stopping at the plateau", step, tc.plateau_min_delta, tc.plateau_patience)
-            total_steps = end_step = step
-        if rank == 0:
-            if run is not None and (step % tc.log_every == 0 or step == total_steps):
-                run.log(last, step=step)
-            bar.update(1)
-            bar.set_postfix(loss=f"{last['loss']:.3f}", tau=f"{last['tau']:.2f}")
-        if step == end_step or (tc.checkpoint_every and step % tc.checkpoint_every == 0):
-            checkpoint(last)
-    stream.close()
-    data.close()
-    if bar is not None:
-        bar.close()
-    if run is not None:
-        run.finish()
 
 
 class NonFiniteLossError(RuntimeError):

@@ -295,8 +295,9 @@ def test_the_worker_side_writes_the_marker_last_and_resumes_the_newest_complete(
     monkeypatch.setattr(ray.train, "get_context", lambda: Context)
     monkeypatch.setattr(ray.train, "report", report)
     monkeypatch.setattr(ray.train, "get_checkpoint", lambda: persisted[-1] if persisted else None)
-    loop_cfg = {"storage_path": str(store), "storage_options": {}, "run_name": RUN,
-                "resume_from": None, "fit_id": "fit-1"}
+    from pipeline.train_job import CheckpointPlace
+
+    loop_cfg = CheckpointPlace(str(store), {}, RUN, fit_id="fit-1")
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
         assert resume_checkpoint(loop_cfg) is None  # nothing yet: step 0
