@@ -43,6 +43,33 @@ class CorruptShardError(ValueError):
     """A cache row or shard does not match its manifest (sizes, hash or schema)."""
 
 
+def check_schema(schema: pa.Schema, path: str) -> None:
+    """Refuse a shard whose columns drifted from :data:`SCHEMA` (written by another tool or
+    version: a ``large_binary`` or list column, a missing one), naming the shard, each column and
+    its type, before any row is decoded (the reader reads the byte columns' int32 offsets, so
+    another type would decode as garbage or as empty rows).
+
+    Args:
+        schema: the shard's Arrow schema (e.g. its Parquet footer's
+            ``metadata.schema.to_arrow_schema()``).
+        path: the shard, for the message.
+    Raises:
+        CorruptShardError: listing every missing or mistyped column.
+    """
+    problems = []
+    for field in SCHEMA:
+        i = schema.get_field_index(field.name)
+        if i < 0:
+            problems.append(f"{field.name} is missing")
+        elif not schema.field(i).type.equals(field.type):
+            problems.append(f"{field.name} is {schema.field(i).type}, expected {field.type}")
+    if problems:
+        raise CorruptShardError(
+            f"cache shard {path} does not have the cache schema ({CACHE_FORMAT}): "
+            + "; ".join(problems) + ". It was written by another tool or version: re-run the "
+            "cache stage for it (pipeline/run.py --stages cache --repair-cache, or --force cache)")
+
+
 def shard_name(index: int) -> str:
     return f"shard-{index:05d}"
 
@@ -248,5 +275,7 @@ def verify_shard(cache_dir: str, split: str, shard: dict, storage_options: dict 
         table = pq.read_table(io.BytesIO(data))
     except Exception as err:
         raise CorruptShardError(f"shard {path} is not readable Parquet: {err}") from err
-    if table.num_rows != shard["rows"] or not table.schema.equals(SCHEMA, check_metadata=False):
-        raise CorruptShardError(f"shard {path}: {table.num_rows} rows / schema differ from manifest")
+    check_schema(table.schema, path)
+    if table.num_rows != shard["rows"]:
+        raise CorruptShardError(f"shard {path}: {table.num_rows} rows, the manifest says "
+                                f"{shard['rows']}")

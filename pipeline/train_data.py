@@ -28,7 +28,7 @@ from typing import Iterable, Iterator
 import numpy as np
 
 from . import storage
-from .cache_format import BYTE_COLUMNS, CorruptShardError, decode_columns
+from .cache_format import BYTE_COLUMNS, CorruptShardError, check_schema, decode_columns
 
 
 @dataclass(frozen=True)
@@ -49,7 +49,8 @@ class CacheRowIndex:
         split: ``"train"`` or ``"heldout"``.
         storage_options: s3fs options.
     Raises:
-        CorruptShardError: a shard's Parquet footer disagrees with the manifest's row count.
+        CorruptShardError: a shard's Parquet footer disagrees with the manifest's row count, or
+            its columns with the cache schema (:func:`pipeline.cache_format.check_schema`).
         FileNotFoundError: a listed shard is missing.
     """
 
@@ -65,6 +66,7 @@ class CacheRowIndex:
             path = f"{base}/{shard['file']}"
             with self.fs.open_input_file(path) as fh:
                 meta = pq.ParquetFile(fh).metadata
+            check_schema(meta.schema.to_arrow_schema(), path)
             if meta.num_rows != shard["rows"]:
                 raise CorruptShardError(f"cache shard {path} has {meta.num_rows} rows, the "
                                         f"manifest says {shard['rows']}")

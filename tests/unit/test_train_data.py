@@ -155,6 +155,34 @@ def test_missing_shard_is_raised_by_the_index(tmp_path):
         CacheRowIndex(cache_dir, manifest, "train", {})
 
 
+@pytest.mark.parametrize("drift, named", [
+    (lambda sch: sch.set(sch.get_field_index("context_hidden"),
+                         pa.field("context_hidden", pa.large_binary())),
+     "context_hidden is large_binary, expected binary"),
+    (lambda sch: sch.remove(sch.get_field_index("loss_mask")), "loss_mask is missing"),
+    (lambda sch: sch.set(sch.get_field_index("input_ids"),
+                         pa.field("input_ids", pa.list_(pa.int32()))),
+     "input_ids is list<.*int32>, expected binary"),
+])
+def test_a_shard_whose_schema_drifted_is_named_with_its_columns_by_the_index(tmp_path, drift,
+                                                                             named):
+    """Written by another tool (large_binary, a list column, a dropped column), the shard used
+    to fail mid-training as 'column input_ids has 0 bytes', naming neither shard nor schema."""
+    cache_dir, manifest = _cache(tmp_path)
+    path = tmp_path / "train" / "shard-00001.parquet"
+    table = pq.read_table(path)
+    schema = drift(table.schema)
+    columns = {}
+    for f in schema:
+        col = table.column(f.name)
+        if pa.types.is_list(f.type):  # the bytes as int32 lists
+            col = pa.array([list(np.frombuffer(v, dtype="<i4")) for v in col.to_pylist()], f.type)
+        columns[f.name] = col.cast(f.type) if not pa.types.is_list(f.type) else col
+    pq.write_table(pa.table(columns, schema=schema), path, row_group_size=2)
+    with pytest.raises(CorruptShardError, match=f"shard-00001.parquet.*{named}.*--repair-cache"):
+        CacheRowIndex(cache_dir, manifest, "train", {})
+
+
 def test_arrow_row_group_handles_chunked_and_sliced_columns():
     """A binary column over 2 GiB comes back in several chunks; chunks may be slices."""
     rows = [_row(i, 2 + i) for i in range(5)]
