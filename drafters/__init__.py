@@ -8,7 +8,8 @@ engines load).
 
 from .base import BlockProposal, DrafterBase, check_target_compatibility
 from .config import BoundDrafterConfig, DrafterConfig
-from .dspark import DraftContextCache, DSparkDrafter
+from .context_cache import DraftContextCache
+from .dspark import DSparkDrafter
 
 __all__ = ["DrafterConfig", "BoundDrafterConfig", "DrafterBase", "DSparkDrafter",
            "DraftContextCache", "BlockProposal", "check_target_compatibility"]

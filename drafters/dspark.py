@@ -14,7 +14,6 @@ engine binds the target's tensors at load time.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
@@ -22,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .base import BlockProposal, DrafterBase, row_pieces
+from .context_cache import DraftContextCache, grown_kv
 from .export.dspark import EXPORTERS
 from .heads import ConfidenceHead, MarkovHead, RNNHead
 from .layer_init import map_layer_state
@@ -32,35 +32,6 @@ from .spec import DrafterSpec
 
 if TYPE_CHECKING:
     from .config import BoundDrafterConfig
-
-
-@dataclass
-class DraftContextCache:
-    """Per-layer context keys/values of the committed prefix (positions 0..length-1).
-
-    keys[i], values[i]: [B, nkv, C, hd] with RoPE applied. Context features of a position never
-    change once the target has processed it, so the cache only grows (by accepted tokens).
-    last_state: [B, H], the context state H_ctx of position C-1, which the anchor slot of the next
-    block reads (``drafter.anchor_features``); None when the drafter does not read it.
-    """
-
-    keys: list = field(default_factory=list)
-    values: list = field(default_factory=list)
-    last_state: torch.Tensor | None = None
-
-    @property
-    def length(self) -> int:
-        return 0 if not self.keys else self.keys[0].shape[2]
-
-
-
-def _grown(cache: DraftContextCache, new: list[tuple[torch.Tensor, torch.Tensor]]):
-    """The per-layer keys and values ``cache`` would hold with ``new`` (per layer (k, v), each
-    [B, nkv, n, hd]) appended: (keys, values) lists, the cache itself untouched."""
-    if not cache.keys:
-        return [k.contiguous() for k, _ in new], [v.contiguous() for _, v in new]
-    return ([torch.cat((old, k), dim=2) for old, (k, _) in zip(cache.keys, new)],
-            [torch.cat((old, v), dim=2) for old, (_, v) in zip(cache.values, new)])
 
 
 class DSparkDrafter(DrafterBase):
@@ -250,7 +221,7 @@ class DSparkDrafter(DrafterBase):
         ctx = self.context_states(context_features)
         rope = self.rotary(positions, ctx.dtype)
         new = [layer.self_attn.project_kv(ctx, *rope) for layer in self.layers]
-        cache.keys, cache.values = _grown(cache, new)
+        cache.keys, cache.values = grown_kv(cache, new)
         if self.anchor_proj is not None and ctx.shape[1]:
             cache.last_state = ctx[:, -1]
 
@@ -301,7 +272,7 @@ class DSparkDrafter(DrafterBase):
             v_rows = torch.cat([p[i][1] for p in pieces], dim=2).split(lengths, dim=2)
             for mine, k, v in zip(per_request, k_rows, v_rows):
                 mine.append((k, v))
-        grown = [_grown(c, kv) for c, kv, n in zip(states, per_request, lengths) if n]
+        grown = [grown_kv(c, kv) for c, kv, n in zip(states, per_request, lengths) if n]
         extended = [c for c, n in zip(states, lengths) if n]
         for j, (cache, (keys, values)) in enumerate(zip(extended, grown)):
             cache.keys, cache.values = keys, values  # only now: all or nothing

@@ -6,7 +6,6 @@ Configs are data (YAML through ``yaml.safe_load``), never executed Python.
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 from typing import Any, Literal
@@ -18,13 +17,11 @@ from drafters.config import DrafterConfig
 from drafters.losses import OBJECTIVES
 from serve.engine.config import EngineConfig
 
+from .overrides import ConfigError, format_validation_error, parse_override, set_dotted
+
 # "auto": bf16 where the computing process's device multiplies it natively (CUDA, AVX-512-BF16 or
 # AMX CPUs), fp32 otherwise (drafters/precision.py); an explicit dtype always wins
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
-
-
-class ConfigError(ValueError):
-    """A config file or override is invalid; the message lists every offending field."""
 
 
 class Strict(BaseModel):
@@ -388,42 +385,6 @@ class PipelineConfig(Strict):
 
 
 # ----------------------------------------------------------------------------- loading
-def _set_dotted(raw: dict, dotted: str, value: Any) -> None:
-    keys = dotted.split(".")
-    node = raw
-    for i, key in enumerate(keys[:-1]):
-        child = node.get(key)
-        if child is None:
-            child = node[key] = {}
-        if not isinstance(child, dict):
-            raise ConfigError(f"--set {dotted}: {'.'.join(keys[:i + 1])} is not a section")
-        node = child
-    node[keys[-1]] = value
-
-
-def parse_override(text: str) -> tuple[str, Any]:
-    """``"train.lr=3e-4"`` -> ``("train.lr", 3e-4)`` (the value is parsed as YAML).
-
-    Raises:
-        ConfigError: no ``=`` or an empty key.
-    """
-    key, sep, value = text.partition("=")
-    if not sep or not key.strip():
-        raise ConfigError(f"--set expects section.field=value, got {text!r}")
-    return key.strip(), yaml.safe_load(value) if value.strip() else None
-
-
-def format_validation_error(err: ValidationError, source: str) -> str:
-    lines = [f"invalid config {source}: {err.error_count()} problem(s)"]
-    for e in err.errors():
-        loc = ".".join(str(p) for p in e["loc"]) or "<root>"
-        if e["type"] == "extra_forbidden":
-            lines.append(f"  {loc}: unknown key")
-        else:
-            lines.append(f"  {loc}: {e['msg']} (got {json.dumps(e.get('input'), default=str)[:80]})")
-    return "\n".join(lines)
-
-
 def load_config(path: str | os.PathLike, overrides: list[str] | None = None) -> PipelineConfig:
     """Read a YAML config, apply ``section.field=value`` overrides, validate.
 
@@ -441,7 +402,7 @@ def load_config(path: str | os.PathLike, overrides: list[str] | None = None) -> 
         raise ConfigError(f"config {path} must be a mapping at the top level")
     for text in overrides or []:
         key, value = parse_override(text)
-        _set_dotted(raw, key, value)
+        set_dotted(raw, key, value)
     try:
         return PipelineConfig.model_validate(raw)
     except ValidationError as err:

@@ -35,7 +35,6 @@ counters a ``_total`` suffix): see :class:`serve.app_metrics.ServeMetrics`.
 
 import asyncio
 import logging
-import os
 import time
 
 from fastapi import FastAPI, Request
@@ -47,10 +46,11 @@ from starlette.exceptions import HTTPException
 
 from .app_metrics import RequestTimer, ServeMetrics
 from .async_engine import AsyncSpecEngine, RequestStream, copy_stats
-from .config import ServeConfig, _is_path
+from .config import ServeConfig
 from .engine.detokenize import token_bytes
 from .engine.errors import EngineDeadError, RequestError
 from .engine.requests import EngineRequest, SamplingParams
+from .replica import load_engine
 from .openai_protocol import (APIError, ChatCompletionRequest, CompletionRequest, dead_error,
                               request_error, validation_error)
 from .openai_responses import (SSE_DONE, AssistantMessage, ChatChoice, ChatChunkChoice,
@@ -59,44 +59,6 @@ from .openai_responses import (SSE_DONE, AssistantMessage, ChatChoice, ChatChunk
                                chat_logprobs, completion_logprobs, new_id, now_s, sse)
 
 logger = logging.getLogger(__name__)
-
-
-def load_engine(cfg: ServeConfig):
-    """Load target, tokenizer and drafter and build the :class:`SpecEngine` (no Ray).
-
-    The SPS(B) table is measured (or reused from ``<drafter>/sps_profile.json`` when its hardware
-    fingerprint matches) only for the dspark and async schedulers; ``engine.sps_profile: off``
-    assumes SPS constant.
-
-    Returns:
-        the engine (its ``tokenizer`` attribute set).
-    Raises:
-        FileNotFoundError: target or drafter missing (path named).
-        ValueError: the drafter was trained for another target (each mismatch named), or the
-            scheduler needs a confidence head the drafter lacks.
-        RuntimeError: the config asks for a GPU and this process sees none.
-    """
-    import torch
-
-    from .engine.builder import build_engine, load_models
-    from .engine.paths import resolve
-
-    if cfg.num_threads:
-        torch.set_num_threads(cfg.num_threads)
-    device = cfg.torch_device()
-    if device == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError(f"this replica asked for num_gpus={cfg.num_gpus} but sees no CUDA device "
-                           f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r}, "
-                           f"torch {torch.__version__}, CUDA build: {torch.version.cuda})")
-    target = resolve(cfg.target) if _is_path(cfg.target) else cfg.target
-    models = load_models(target, cfg.dtype, resolve(cfg.drafter) if cfg.drafter else None,
-                         allow_name_mismatch=cfg.allow_target_name_mismatch, device=device,
-                         storage_options=cfg.storage_options)
-    start = time.perf_counter()
-    engine = build_engine(models, cfg.engine)
-    if engine.sps is not None:
-        logger.info("SPS(B) and drafter cost ready in %.1f s", time.perf_counter() - start)
-    return engine
 
 
 # ---------------------------------------------------------------------------------------- app

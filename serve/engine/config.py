@@ -92,7 +92,7 @@ class EngineConfig(BaseModel):
         None, gt=0, description="Per-user speed floor (tokens/s) for every request (a request's "
         "own min_tokens_per_s overrides it); None = none. With a confidence-based scheduler, "
         "verification goes first to requests predicted below their floor "
-        "(serve.engine.scheduler.hold_speed_floors, lossless), a waiting request is admitted "
+        "(serve.engine.plan_extensions.hold_speed_floors, lossless), a waiting request is admitted "
         "only while the engine's measured speed per request, rescaled to one more request "
         "(serve.engine.admission.Pace.predict_step_s: the SPS(B) pass plus the per-request rest "
         "of a step), holds this floor (otherwise it queues; a full queue answers 429), and a "

@@ -21,7 +21,7 @@ from .config import EngineConfig
 from .cost_check import CostCheck
 from .draft_planner import AcceptanceEstimate, DraftCostTable, RequestOptions, Source, plan_drafts
 from .request_state import RequestState
-from .scheduler import fill_pass, hold_speed_floors
+from .plan_extensions import fill_pass, hold_speed_floors
 from .scheduler_registry import scheduler_entry, scheduler_for
 from .sps import SPSTable
 

@@ -191,7 +191,8 @@ def test_gpu_serve_config_reserves_a_gpu_and_a_replica_without_one_fails_loudly(
     from ray.serve.schema import ServeDeploySchema
 
     from pipeline.storage import project_root
-    from serve.app import ServeConfig, build_app, load_engine
+    from serve.app import ServeConfig, build_app
+    from serve.replica import load_engine
 
     raw = yaml.safe_load((project_root() / "infra" / "configs" / "serve_gpu.yaml").read_text())
     (app,) = ServeDeploySchema.model_validate(raw).applications

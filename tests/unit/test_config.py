@@ -4,7 +4,8 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.config import ConfigError, load_config, parse_override
+from pipeline.config import ConfigError, load_config
+from pipeline.overrides import parse_override
 
 ROOT = Path(__file__).resolve().parents[2]
 

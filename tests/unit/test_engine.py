@@ -871,7 +871,7 @@ def engine_rounds_verified_blocks(drafter, target, prompt) -> int:
 def test_speed_floors_add_verification_losslessly_and_gate_admission(varied_target,
                                                                      corrupted_table):
     """With a per-user speed floor above what the throughput plan gives, requests verify more
-    (serve.engine.scheduler.hold_speed_floors) and greedy output stays the target's; admission waits
+    (serve.engine.plan_extensions.hold_speed_floors) and greedy output stays the target's; admission waits
     while the measured speed, rescaled to one more request, would break a floor."""
     from serve.engine.admission import Pace
 

@@ -27,14 +27,13 @@ from serve.engine.scheduler import (
     SPSTable,
     async_schedule,
     dspark_schedule,
-    fill_pass,
     fixed_schedule,
     full_search_capacity,
-    hold_speed_floors,
     no_speculation_schedule,
     prefix_survival,
     static_threshold_schedule,
 )
+from serve.engine.plan_extensions import fill_pass, hold_speed_floors
 from serve.engine.scheduler_registry import SCHEDULER_NAMES, make_scheduler
 
 # ---- SPSTable -----------------------------------------------------------------------------------
