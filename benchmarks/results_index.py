@@ -1,0 +1,107 @@
+"""Write ``benchmarks/results/INDEX.md``: every result of ``benchmarks/results/`` with the script
+that made it, its title, date and machine, and the JSON and plots beside it.
+
+The date and machine come from the result's JSON ``meta`` (``benchmarks/machine.py``'s fields, or
+the older ``machine`` string), else from the markdown itself (its first ISO date, its
+``Machine: ...`` sentence); '-' where a result recorded neither (results written before
+issue 41 named no machine).
+
+    python -m benchmarks.results_index            # rewrites the index
+    python -m benchmarks.results_index --check    # exit 1 if it is out of date (CI's test)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent
+RESULTS = ROOT / "results"
+INDEX = RESULTS / "INDEX.md"
+DATE = re.compile(r"\b20\d\d-\d\d-\d\d\b")
+MACHINE = re.compile(r"Machine: ([^.`|]+)")
+
+
+def script_of(stem: str, scripts: list[str]) -> str:
+    """The benchmark script whose name the result's name starts with (the longest), or '-'."""
+    matches = [s for s in scripts if stem == s or stem.startswith(s + "_")]
+    return max(matches, key=len) if matches else "-"
+
+
+def _meta(json_path: Path) -> dict:
+    try:
+        data = json.loads(json_path.read_text())
+    except (OSError, ValueError):
+        return {}
+    meta = data.get("meta", data) if isinstance(data, dict) else {}
+    return meta if isinstance(meta, dict) else {}
+
+
+def machine_text(meta: dict, markdown: str) -> str:
+    """The machine a result names: JSON meta first (structured or a string), then the markdown."""
+    m = meta.get("machine")
+    if isinstance(m, dict) and "cpu_capability" in m:
+        from benchmarks.machine import describe
+
+        return describe(m)
+    if isinstance(m, str) and m:
+        return m
+    found = MACHINE.search(markdown)
+    return found.group(1).strip() if found else "-"
+
+
+def entry(md: Path, scripts: list[str]) -> dict:
+    """One row of the index for result ``md``."""
+    text = md.read_text()
+    meta = _meta(md.with_suffix(".json"))
+    title = next((line[2:].strip() for line in text.splitlines() if line.startswith("# ")), md.stem)
+    date = meta.get("date") if isinstance(meta.get("date"), str) else None
+    found = DATE.search(text)
+    plots = sorted(p.name for p in RESULTS.glob("*.png") if p.name in text)  # the ones it names
+    return {"file": md.name, "script": script_of(md.stem, scripts), "title": title,
+            "date": (date or (found.group(0) if found else "-"))[:10],
+            "machine": machine_text(meta, text),
+            "json": md.with_suffix(".json").name if md.with_suffix(".json").exists() else "-",
+            "plots": plots}
+
+
+def render(rows: list[dict]) -> str:
+    lines = ["# Benchmark results: the index", "",
+             "Written by `python -m benchmarks.results_index` (a test keeps it current). A result's "
+             "name is its script's name plus the suffix its run chose (`--suffix`); what each "
+             "script measures and how to run it: [`../README.md`](../README.md).", "",
+             "| result | script | title | date (meta, else the first in its text) | machine | JSON | "
+             "plots it names |", "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| [`{r['file']}`]({r['file']}) | `{r['script']}.py` | {r['title']} | "
+                     f"{r['date']} | {r['machine']} | {r['json']} | "
+                     f"{', '.join(r['plots']) or '-'} |")
+    return "\n".join(lines) + "\n"
+
+
+def build() -> str:
+    scripts = sorted(p.stem for p in ROOT.glob("*.py") if not p.stem.startswith("_"))
+    rows = [entry(md, scripts) for md in sorted(RESULTS.glob("*.md")) if md != INDEX]
+    return render(rows)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--check", action="store_true", help="exit 1 when the index is stale")
+    args = parser.parse_args()
+    text = build()
+    if args.check:
+        if not INDEX.exists() or INDEX.read_text() != text:
+            print(f"{INDEX} is out of date: run python -m benchmarks.results_index", file=sys.stderr)
+            return 1
+        return 0
+    INDEX.write_text(text)
+    print(f"wrote {INDEX} ({text.count(chr(10)) - 6} results)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
