@@ -72,7 +72,7 @@ def render(rows: list[dict]) -> str:
     lines = ["# Benchmark results: the index", "",
              "Written by `python -m benchmarks.results_index` (a test keeps it current). A result's "
              "name is its script's name plus the suffix its run chose (`--suffix`); what each "
-             "script measures and how to run it: [`../README.md`](../README.md).", "",
+             "script measures and how to run it: [`docs/benchmarks.md`](../../docs/benchmarks.md).", "",
              "| result | script | title | date (meta, else the first in its text) | machine | JSON | "
              "plots it names |", "|---|---|---|---|---|---|---|"]
     for r in rows:
