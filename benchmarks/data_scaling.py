@@ -34,6 +34,7 @@ sys.path.insert(0, str(ROOT))
 
 from pipeline import stages  # noqa: E402
 from pipeline.config import ConfigError, load_config  # noqa: E402
+from pipeline.run_layout import CACHE, TRAIN, RunLayout, link_stages  # noqa: E402
 
 
 def parse_points(text: str) -> list[int | None]:
@@ -68,7 +69,7 @@ def domain_metrics(ctx, drafter_dir: Path, rows_per_batch: int = 8) -> dict:
     target = load_target(ctx.target, "float32")
     drafter = load_drafter(drafter_dir, target, ctx.target).eval()
     domain_of = {r["id"]: r["domain"]
-                 for r in read_jsonl(str(ctx.run_dir / "prompts" / "heldout.jsonl"))}
+                 for r in read_jsonl(str(ctx.layout.prompts("heldout")))}
     index = CacheRowIndex(ctx.cache_dir, manifest, "heldout", cfg.storage_options)
     reader = CacheRowReader(index, manifest["target"]["hidden_size"], len(ctx.layer_ids))
     tc = cfg.train
@@ -119,7 +120,7 @@ def check_same_heldout(base_run: Path, other_run: Path) -> None:
     """
     from pipeline.prompts import read_ids, read_jsonl
 
-    files = [run / "prompts" / "heldout.jsonl" for run in (base_run, other_run)]
+    files = [RunLayout(Path(run)).prompts("heldout") for run in (base_run, other_run)]
     for f in files:
         if not f.exists():
             raise FileNotFoundError(f"{f}: no prompts stage there yet")
@@ -128,7 +129,7 @@ def check_same_heldout(base_run: Path, other_run: Path) -> None:
         raise ValueError(f"{other_run} holds out other prompts than {base_run} ({len(other - base)} "
                          f"not in the base run's, {len(base - other)} missing): its tau is not a "
                          "point of this curve")
-    answers = [run / "generate" / "heldout.jsonl" for run in (base_run, other_run)]
+    answers = [RunLayout(Path(run)).generated("heldout") for run in (base_run, other_run)]
     if all(a.exists() for a in answers):  # the held-out cache rows are these answers
         base_rows, other_rows = ({r["id"]: r["messages"] for r in read_jsonl(str(a))}
                                  for a in answers)
@@ -160,7 +161,7 @@ def train_point(base_cfg_path: str, sets: list[str], rows: int | None, args,
     base = load_config(base_cfg_path, sets)
     cfg = load_config(base_cfg_path, overrides)
     src = stages.StageContext.create(base)
-    if not (src.run_dir / "cache" / "_SUCCESS.json").exists():
+    if not src.layout.marker(CACHE).exists():
         raise FileNotFoundError(f"no finished cache stage under {src.run_dir}: run the pipeline's "
                                 "data stages first (pipeline/run.py --stages prompts,generate,cache)")
     if own_run:
@@ -172,15 +173,12 @@ def train_point(base_cfg_path: str, sets: list[str], rows: int | None, args,
         cfg.run_dir = str(Path(base.run_dir).with_name(
             f"{Path(base.run_dir).name}_scaling_{label}"))
         ctx = stages.StageContext.create(cfg)
-        for stage in ("prompts", "generate", "cache"):  # share the data stages
-            link = ctx.run_dir / stage
-            if not link.exists():
-                link.symlink_to(src.run_dir / stage, target_is_directory=True)
+        link_stages(src.run_dir, ctx.run_dir)  # share the data stages
     start = time.time()
-    summary = stages.run_stage(ctx, "train")
+    summary = stages.run_stage(ctx, TRAIN)
     seconds = time.time() - start
-    drafter_dir = ctx.run_dir / "train" / "drafter"
-    log = [json.loads(line) for line in (drafter_dir / "training_log.jsonl").read_text().splitlines()]
+    drafter_dir = ctx.layout.drafter(TRAIN)
+    log = [json.loads(line) for line in ctx.layout.training_log.read_text().splitlines()]
     evals = [e for e in log if "heldout_tau" in e]
     best = max(evals, key=lambda e: e["heldout_tau"])
     manifest = subset_manifest(read_manifest(ctx.cache_dir, cfg.storage_options),

@@ -22,6 +22,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from benchmarks.machine import describe as describe_machine, machine as machine_fields  # noqa: E402,I001
 from drafters.precision import resolve_dtype_name  # noqa: E402
+from pipeline.run_layout import (CACHE, CALIBRATE, GENERATE, PROMPTS, STAGE_ORDER, TRAIN,  # noqa: E402
+                                 RunLayout, link_stages)
 
 from pipeline import stages, storage  # noqa: E402
 from pipeline.config import ConfigError, load_config  # noqa: E402
@@ -64,8 +66,8 @@ CONTENDERS = {
     "eagle3-block_15": {**EAGLE3, "block_size": 15},
 }
 DEFAULT_CONTENDERS = "dspark,dflash,eagle3"
-SHARED_STAGES = ("prompts", "generate", "cache")
-MODEL_STAGES = ("train", "calibrate")  # what --trained-from takes, so only eval runs again
+SHARED_STAGES = (PROMPTS, GENERATE, CACHE)
+MODEL_STAGES = (TRAIN, CALIBRATE)  # what --trained-from takes, so only eval runs again
 
 
 def contender_config(base, name: str, overrides: list[str]):
@@ -78,35 +80,24 @@ def contender_config(base, name: str, overrides: list[str]):
     return cfg
 
 
-def link_stages(src: Path, dest: Path, names=SHARED_STAGES) -> None:
-    """Link stages ``names`` of the run dir ``src`` into the contender's run dir ``dest`` (by
-    default the shared data stages of the first contender: their fingerprints match, only the
-    drafter section differs). A stage ``dest`` already has is left as it is."""
-    dest.mkdir(parents=True, exist_ok=True)
-    for stage in names:
-        link = dest / stage
-        if not link.exists() and not link.is_symlink():
-            link.symlink_to(src / stage, target_is_directory=True)
-
-
 def missing_trained_stages(trained_from: Path, names: list[str]) -> list[str]:
     """The ``<contender>/<stage>`` of ``trained_from`` that have no completion marker (empty: every
     contender there was trained and calibrated)."""
     return [f"{name}/{stage}" for name in names for stage in MODEL_STAGES
-            if not (trained_from / name / stage / "_SUCCESS.json").exists()]
+            if not RunLayout(trained_from / name).marker(stage).exists()]
 
 
 def run_contender(cfg, timings: dict, name: str) -> dict:
     ctx = stages.StageContext.create(cfg)
-    for stage in ("prompts", "generate", "cache", "train", "calibrate", "eval"):
+    for stage in STAGE_ORDER:
         start = time.time()
         summary = stages.run_stage(ctx, stage)
         if "seconds" in summary and time.time() - start > 1:
             timings[f"{name}.{stage}"] = summary["seconds"]
     return {
-        "report": json.loads((ctx.run_dir / "eval" / "report.json").read_text()),
-        "calibration": json.loads((ctx.run_dir / "calibrate" / "report.json").read_text()),
-        "train": json.loads((ctx.run_dir / "train" / "_SUCCESS.json").read_text()),
+        "report": json.loads(ctx.layout.eval_report("json").read_text()),
+        "calibration": json.loads(ctx.layout.calibration_report.read_text()),
+        "train": json.loads(ctx.layout.marker(TRAIN).read_text()),
         "run_dir": str(ctx.run_dir),
     }
 
@@ -295,7 +286,7 @@ def main() -> int:
     first_dir = None
     if args.data_from:
         first_dir = Path(args.data_from).resolve()
-        if not (first_dir / "cache" / "_SUCCESS.json").exists():
+        if not RunLayout(first_dir).marker(CACHE).exists():
             print(f"--data-from {args.data_from}: no finished cache stage there", file=sys.stderr)
             return 1
     trained_from = Path(args.trained_from).resolve() if args.trained_from else None
@@ -336,7 +327,7 @@ def main() -> int:
                                 title="P(token k accepted | tokens < k accepted), mean over benchmarks")
     tau_bar_plot({n: t["tau"] for n, t in table.items()}, out / files["tau"],
                  title=f"Accepted length tau at T = {temperature}")
-    reliability = Path(results[names[0]]["run_dir"]) / "calibrate" / "reliability.png"
+    reliability = RunLayout(Path(results[names[0]]["run_dir"])).reliability_plot
     if reliability.exists():
         (out / files["reliability"]).write_bytes(reliability.read_bytes())
     meta = {"comparisons": comparisons(results, temperature),

@@ -29,6 +29,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from benchmarks.machine import describe as describe_machine, machine as machine_fields  # noqa: E402,I001
+from pipeline.run_layout import GENERATE, PROMPTS, TRAIN, RunLayout  # noqa: E402
 
 from tests.faulty_s3 import FaultyS3Proxy  # noqa: E402 - after the path insert
 
@@ -43,7 +44,7 @@ SMALL = [  # the quickstart, small: see the module docstring
     "train.global_batch_size=4", "train.micro_batch_size=2", "train.eval_every=null",
     "wandb.mode=disabled",
 ]
-DATA_STAGES = ("prompts", "generate")
+DATA_STAGES = (PROMPTS, GENERATE)
 
 
 # ------------------------------------------------------------------------------ running the pipeline
@@ -55,13 +56,14 @@ class Run:
         self.extra = list(extra or [])
         self.log = root / f"{name}.log"
         self.dir.mkdir(parents=True, exist_ok=True)
+        self.layout = RunLayout(self.dir)
 
     @property
     def cache_dir(self) -> str:
         for item in self.extra:
             if item.startswith("cache.output="):
                 return item.split("=", 1)[1]
-        return str(self.dir / "cache")
+        return str(self.layout.default_cache_dir)
 
     def command(self, stages: str, *flags: str) -> list[str]:
         sets = [f"run_dir={self.dir}", *SMALL, *self.extra]
@@ -92,9 +94,9 @@ class Run:
         """Start from another run's finished stages; without ``markers`` the stages run again
         and resume from the copied outputs (needed when their config fingerprint differs)."""
         for stage in stages:
-            shutil.copytree(other.dir / stage, self.dir / stage)
+            shutil.copytree(other.layout.stage_dir(stage), self.layout.stage_dir(stage))
             if not markers:
-                (self.dir / stage / "_SUCCESS.json").unlink(missing_ok=True)
+                self.layout.marker(stage).unlink(missing_ok=True)
 
 
 def session_pids(session: int) -> list[int]:
@@ -179,7 +181,7 @@ def checkpoint_steps(run: Run, complete: bool = False) -> list[int]:
     from pipeline.checkpoints import MARKER
 
     return sorted(json.loads(p.read_text())["step"]
-                  for p in (run.dir / "train" / "ray_train").glob("*/checkpoint_*/train_state.json")
+                  for p in (run.layout.ray_train_dir).glob("*/checkpoint_*/train_state.json")
                   if not complete or (p.parent / MARKER).exists())
 
 
@@ -188,7 +190,7 @@ def generated(run: Run) -> dict:
     """{id: [sha256 of its conversation, ...]} over both splits (a list: duplicates show)."""
     out: dict[str, list[str]] = {}
     for split in ("train", "heldout"):
-        path = run.dir / "generate" / f"{split}.jsonl"
+        path = run.layout.generated(split)
         for line in (path.read_text().splitlines() if path.exists() else []):
             row = json.loads(line)
             digest = hashlib.sha256(json.dumps(row["messages"], sort_keys=True).encode()).hexdigest()
@@ -222,7 +224,7 @@ def cache_rows(run: Run, storage_options: dict | None = None) -> dict:
 def weights(run: Run):
     from safetensors.torch import load_file
 
-    return load_file(str(run.dir / "train" / "drafter" / "model.safetensors"))
+    return load_file(str(run.layout.drafter(TRAIN) / "model.safetensors"))
 
 
 def compare(reference: dict, got: dict) -> dict:
@@ -280,7 +282,7 @@ def outcome(first_rc: int, rerun_rc: int | None) -> str:
 def fault_generate_actor_kill(root: Path, ref: dict) -> dict:
     run = Run(root, "generate_actor_kill")
     proc = run.start("prompts,generate")
-    path = run.dir / "generate" / "train.jsonl"
+    path = run.layout.generated("train")
     hit = wait_until(lambda: lines_in(path) >= 3, proc)
     pid = kill_process_matching("GenerateUDF", proc.pid) if hit else None
     rc = proc.wait(timeout=900)
@@ -293,7 +295,7 @@ def fault_generate_actor_kill(root: Path, ref: dict) -> dict:
 def fault_generate_driver_kill(root: Path, ref: dict) -> dict:
     run = Run(root, "generate_driver_kill")
     proc = run.start("prompts,generate")
-    path = run.dir / "generate" / "train.jsonl"
+    path = run.layout.generated("train")
     hit = wait_until(lambda: lines_in(path) >= 3, proc)
     kill_driver(proc) if hit else proc.wait()
     rerun = run.run("prompts,generate")
@@ -346,10 +348,10 @@ def _train_fault(root: Path, ref_run: Run, ref: dict, name: str, what: str, work
                                     "RayTrainWorker" if worker else None, poll=0.05)
     row = {"fault": what, "injected": injected, "outcome": outcome(rc, rerun), "stage": "train", "lost": [], "duplicated": [],
            "changed": [], "extra": []}
-    if (run.dir / "train" / "drafter" / "model.safetensors").exists():
+    if (run.layout.drafter(TRAIN) / "model.safetensors").exists():
         row["max_weight_diff"] = weight_diff(ref["weights"], weights(run))
         log = [json.loads(l) for l in
-               (run.dir / "train" / "drafter" / "training_log.jsonl").read_text().splitlines()]
+               (run.layout.training_log).read_text().splitlines()]
         row["logged_steps"] = [h["step"] for h in log]
     return row
 
@@ -406,7 +408,7 @@ def _streamed_fault(root: Path, ref_run: Run, ref: dict, name: str, what: str, m
     injected, rc, rerun = kill_when(run, "prompts,generate,cache,train", ready, kill, poll=0.05)
     row = {"fault": what, "injected": injected, "outcome": outcome(rc, rerun),
            "stage": f"train ({mode})", "lost": [], "duplicated": [], "changed": [], "extra": []}
-    if mode == "hybrid" and (run.dir / "cache" / "manifest.json").exists():
+    if mode == "hybrid" and (run.layout.default_cache_dir / "manifest.json").exists():
         row.update(compare(ref["cache"], cache_rows(run)))
     record = stream_record(run)
     if record:
@@ -417,9 +419,9 @@ def _streamed_fault(root: Path, ref_run: Run, ref: dict, name: str, what: str, m
         row["lost"] = sum(max(0, d - record["distinct"].get(e, 0))
                           for e, d in expected["distinct"].items())
         row["duplicated"] = row.pop("stream_repeated")
-    if (run.dir / "train" / "drafter" / "training_log.jsonl").exists():
+    if (run.layout.training_log).exists():
         log = [json.loads(l) for l in
-               (run.dir / "train" / "drafter" / "training_log.jsonl").read_text().splitlines()]
+               (run.layout.training_log).read_text().splitlines()]
         row["logged_steps"] = [h["step"] for h in log]
         row["resumes"] = log[-1].get("resumes", 0)
     return row
@@ -433,7 +435,7 @@ def stream_record(run: Run) -> dict | None:
 
     from pipeline.checkpoints import MARKER
 
-    files = sorted(p for p in (run.dir / "train" / "ray_train").glob(f"*/checkpoint_*/{STATE_FILE}")
+    files = sorted(p for p in (run.layout.ray_train_dir).glob(f"*/checkpoint_*/{STATE_FILE}")
                    if (p.parent / MARKER).exists())  # complete checkpoints only
     if not files:
         return None
@@ -576,7 +578,7 @@ def fault_nan_row(root, ref_run, ref):
     row = {"fault": "NaN feature row in the cache (hash updated: only the loss sees it)",
            "injected": True, "outcome": outcome(rc, None), "stage": "train", "lost": [],
            "duplicated": [], "changed": [], "extra": []}
-    log_path = run.dir / "train" / "drafter" / "training_log.jsonl"
+    log_path = run.layout.training_log
     if log_path.exists():
         log = [json.loads(l) for l in log_path.read_text().splitlines()]
         row["skipped_steps"] = log[-1].get("skipped_steps")
@@ -639,11 +641,11 @@ def fault_bad_prompt_rows(root, ref_run, ref):
         json.dumps({"id": "blank", "messages": [{"role": "user", "content": " "}]})]) + "\n")
     sources = sources_with(bad)
     run = Run(root, "bad_prompt_rows", [f"prompts.sources={sources}"])
-    rc = run.run("prompts")
-    errors = [json.loads(l) for l in (run.dir / "prompts" / "errors.jsonl").read_text()
+    rc = run.run(PROMPTS)
+    errors = [json.loads(l) for l in run.layout.errors(PROMPTS).read_text()
               .splitlines()] if rc == 0 else []
     named = sorted(e["line"] for e in errors if e["file"] == str(bad))
-    same = all((run.dir / "prompts" / f).read_bytes() == (ref_run.dir / "prompts" / f).read_bytes()
+    same = all((run.layout.stage_dir(PROMPTS) / f).read_bytes() == (ref_run.layout.stage_dir(PROMPTS) / f).read_bytes()
                for f in ("train.jsonl", "heldout.jsonl"))
     return {"fault": "prompt JSONL with 4 bad rows (malformed JSON, no messages, assistant "
                      "first, blank turn) next to the good file", "stage": "prompts",
@@ -697,7 +699,7 @@ def fault_bad_target_dir(root, ref_run, ref):
 
 def fault_bad_drafter_dir(root, ref_run, ref):
     drafter = root / "damaged_drafter"
-    shutil.copytree(ref_run.dir / "train" / "drafter", drafter)
+    shutil.copytree(ref_run.layout.drafter(TRAIN), drafter)
     weights = drafter / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[:1000])  # truncated
     row = _bad_input(root, ref_run, "bad_drafter_dir",

@@ -24,6 +24,7 @@ sys.path.insert(0, str(ROOT))
 
 from pipeline import stages  # noqa: E402
 from pipeline.config import ConfigError, load_config  # noqa: E402
+from pipeline.run_layout import CACHE, TRAIN, link_stages  # noqa: E402
 
 
 def main() -> int:
@@ -46,23 +47,20 @@ def main() -> int:
         print(f"error: {err}", file=sys.stderr)
         return 2
     src = stages.StageContext.create(base)
-    if not (src.run_dir / "cache" / "_SUCCESS.json").exists():
+    if not src.layout.marker(CACHE).exists():
         print(f"error: no finished cache stage under {src.run_dir}: run the pipeline's data stages "
               "first (pipeline/run.py --stages prompts,generate,cache)", file=sys.stderr)
         return 1
     cfg.run_dir = str(Path(base.run_dir).with_name(Path(base.run_dir).name + "_" + args.label))
     ctx = stages.StageContext.create(cfg)
     ctx.run_dir.mkdir(parents=True, exist_ok=True)
-    for stage in ("prompts", "generate", "cache"):  # share the data stages
-        link = ctx.run_dir / stage
-        if not link.exists():
-            link.symlink_to(src.run_dir / stage, target_is_directory=True)
-    shutil.rmtree(ctx.run_dir / "train", ignore_errors=True)
+    link_stages(src.run_dir, ctx.run_dir)  # share the data stages
+    shutil.rmtree(ctx.layout.stage_dir(TRAIN), ignore_errors=True)
     start = time.time()
-    stages.run_stage(ctx, "train")
+    stages.run_stage(ctx, TRAIN)
     seconds = time.time() - start
     log = [json.loads(l) for l in
-           (ctx.run_dir / "train" / "drafter" / "training_log.jsonl").read_text().splitlines()]
+           ctx.layout.training_log.read_text().splitlines()]
     points = [{"step": e["step"], "heldout_accept_rate@1": e["heldout_accept_rate@1"],
                "heldout_tau": e["heldout_tau"], "train_accept_rate@1": e["accept_rate@1"],
                "train_tau": e["tau"], "heldout_loss": e["heldout_loss"]}

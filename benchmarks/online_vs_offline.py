@@ -30,6 +30,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from benchmarks.machine import describe as describe_machine, machine as machine_fields  # noqa: E402,I001
+from pipeline.run_layout import CACHE, GENERATE, PROMPTS, TRAIN, RunLayout  # noqa: E402
 
 MODES = ("offline", "online", "hybrid")
 
@@ -53,19 +54,19 @@ def one_arm(config: str, base: Path, work: Path, mode: str, sets: list[str], log
     run_dir = work / mode
     shutil.rmtree(run_dir, ignore_errors=True)
     run_dir.mkdir(parents=True)
-    for stage in ("prompts", "generate"):
-        shutil.copytree(base / stage, run_dir / stage)
+    src, layout = RunLayout(base), RunLayout(run_dir)
+    for stage in (PROMPTS, GENERATE):
+        shutil.copytree(src.stage_dir(stage), layout.stage_dir(stage))
     start = time.time()
     run(config, run_dir, "cache,train", [*sets, f"train.data_mode={mode}"], log)
     wall = time.time() - start
-    cache = json.loads((run_dir / "cache" / "_SUCCESS.json").read_text())
-    train = json.loads((run_dir / "train" / "_SUCCESS.json").read_text())
-    history = [json.loads(l) for l in
-               (run_dir / "train" / "drafter" / "training_log.jsonl").read_text().splitlines()]
+    cache = json.loads(layout.marker(CACHE).read_text())
+    train = json.loads(layout.marker(TRAIN).read_text())
+    history = [json.loads(l) for l in layout.training_log.read_text().splitlines()]
     evals = [h for h in history if "heldout_tau" in h]
     return {"mode": mode, "cache_s": cache["seconds"], "train_s": train["seconds"], "wall_s": wall,
             "steps": train["steps"], "steps_per_s": train["steps"] / (cache["seconds"] + train["seconds"]),
-            "stored_bytes": tree_bytes(run_dir / "cache"),
+            "stored_bytes": tree_bytes(layout.default_cache_dir),
             # rank 0's time waiting for its micro-batches, over the train stage's wall time
             "data_wait_share": sum(h.get("data_wait_s", 0.0) for h in history) / train["seconds"],
             "heldout_tau": evals[-1]["heldout_tau"] if evals else None,
@@ -130,7 +131,7 @@ def main() -> int:
     sets = [f"train.max_steps={args.max_steps}", "train.eval_every=" + str(args.max_steps),
             "wandb.mode=disabled", *args.set]
     base = work / "base"
-    if not (base / "generate" / "_SUCCESS.json").exists():
+    if not RunLayout(base).marker(GENERATE).exists():
         run(args.config, base, "prompts,generate", sets, log)
     started, arms = time.time(), []
     for r in range(args.rounds):

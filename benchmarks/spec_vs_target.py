@@ -47,6 +47,7 @@ from pipeline import storage  # noqa: E402
 from pipeline.config import ConfigError, load_config  # noqa: E402
 from pipeline.evaluate import load_eval_prompts  # noqa: E402
 from pipeline.stages import StageContext  # noqa: E402
+from pipeline.run_layout import CALIBRATE, TRAIN, link_stages  # noqa: E402
 
 PLAIN = ("hf_generate_fp32", "hf_generate_bf16")
 PROMPT_LOOKUP_TOKENS = 10
@@ -146,12 +147,9 @@ def train_eagle3(config: str, overrides: list[str]) -> str:
     cfg.run_dir = str(base.run_dir) + "_eagle3"
     ctx = StageContext.create(cfg)
     ctx.run_dir.mkdir(parents=True, exist_ok=True)
-    for stage in ("prompts", "generate", "cache"):
-        link = ctx.run_dir / stage
-        if not link.exists():
-            link.symlink_to(base.run_dir / stage, target_is_directory=True)
-    stages.run_stage(ctx, "train")
-    return str(ctx.run_dir / "train" / "drafter")
+    link_stages(base.run_dir, ctx.run_dir)
+    stages.run_stage(ctx, TRAIN)
+    return str(ctx.layout.drafter(TRAIN))
 
 
 def summarize(results: list[dict], gamma: int) -> dict:
@@ -316,7 +314,7 @@ def main() -> int:
 
     torch.set_num_threads(args.threads)
     ctx = StageContext.create(cfg)
-    drafter = args.drafter or str(ctx.run_dir / "calibrate" / "drafter")
+    drafter = args.drafter or str(ctx.layout.drafter(CALIBRATE))
     if args.eagle3 == "train":
         args.eagle3 = train_eagle3(args.config, args.set)
     for path in filter(None, (drafter, args.eagle3)):

@@ -9,6 +9,7 @@ import logging
 
 from . import storage
 from .stage_context import SPLITS, StageContext, ensure_ray
+from .run_layout import CACHE, GENERATE, PROMPTS
 
 logger = logging.getLogger(__name__)
 
@@ -25,12 +26,13 @@ def stage_prompts(ctx: StageContext) -> dict:
         heldout_ids = read_ids(path, ctx.cfg.storage_options)
     split = load_prompts(sources, cfg.heldout_fraction, cfg.seed, ctx.cfg.storage_options,
                          heldout_ids=heldout_ids, heldout_ids_file=ids_file)
-    out = ctx.stage_dir("prompts")
-    write_jsonl(str(out / "train.jsonl"), split.train)
-    write_jsonl(str(out / "heldout.jsonl"), split.heldout)
-    write_jsonl(str(out / "errors.jsonl"), split.errors)
+    ctx.stage_dir(PROMPTS)
+    layout = ctx.layout
+    write_jsonl(str(layout.prompts("train")), split.train)
+    write_jsonl(str(layout.prompts("heldout")), split.heldout)
+    write_jsonl(str(layout.errors(PROMPTS)), split.errors)
     if not split.train:
-        raise ValueError(f"no valid training prompts in {sources} (see {out / 'errors.jsonl'})")
+        raise ValueError(f"no valid training prompts in {sources} (see {layout.errors(PROMPTS)})")
     return {"train": len(split.train), "heldout": len(split.heldout), "errors": len(split.errors)}
 
 
@@ -44,8 +46,8 @@ def stage_generate(ctx: StageContext) -> dict:
 
     ensure_ray(ctx.cfg)
     g = ctx.cfg.generate
-    out = ctx.stage_dir("generate")
-    prompts = {split: read_jsonl(str(ctx.run_dir / "prompts" / f"{split}.jsonl"))
+    out, layout = ctx.stage_dir(GENERATE), ctx.layout
+    prompts = {split: read_jsonl(str(layout.prompts(split)))
                for split in SPLITS}
     record = generation_record(ctx.cfg)
     sources = [storage.resolve(p) for p in g.reuse_from or []]
@@ -56,18 +58,19 @@ def stage_generate(ctx: StageContext) -> dict:
     reused = {}
     if sources:
         for split in SPLITS:
-            reused[split] = reuse_answers(prompts[split], out / f"{split}.jsonl",
-                                          out / "errors.jsonl", sources, ctx.cfg.storage_options)
+            reused[split] = reuse_answers(prompts[split], layout.generated(split),
+                                          layout.errors(GENERATE), sources,
+                                          ctx.cfg.storage_options)
     target = dict(target=ctx.target, dtype=ctx.cfg.target.dtype,
                   template_kwargs=ctx.cfg.target.chat_template_kwargs, seed=ctx.cfg.seed)
-    splits = {split: (prompts[split], out / f"{split}.jsonl") for split in SPLITS}
+    splits = {split: (prompts[split], layout.generated(split)) for split in SPLITS}
     if g.backend == "vllm":  # vLLM's own engines, not a Ray Data actor pool
         from .generate_vllm import run_generate_vllm as regenerate
     else:
         regenerate = run_generate
     with tqdm(total=sum(len(rows) for rows, _ in splits.values()), desc=f"generate ({g.backend})",
               unit="prompt", mininterval=5) as bar:
-        summary = regenerate(splits, out / "errors.jsonl", g, **target, progress=bar)
+        summary = regenerate(splits, layout.errors(GENERATE), g, **target, progress=bar)
     for split, counts in reused.items():
         summary[split].update(counts)
     return summary
@@ -129,9 +132,10 @@ def write_cache(ctx: StageContext) -> dict:
     ensure_ray(ctx.cfg)
     c = ctx.cfg.cache
     target = cache_target(ctx)
-    errors_path = ctx.stage_dir("cache") / "errors.jsonl"
+    ctx.stage_dir(CACHE)
+    errors_path = ctx.layout.errors(CACHE)
     # read by Ray Data inside run_cache: the driver never holds the conversations
-    generated = {split: ctx.run_dir / "generate" / f"{split}.jsonl" for split in SPLITS}
+    generated = {split: ctx.layout.generated(split) for split in SPLITS}
     splits = run_cache({split: str(path) for split, path in generated.items()
                         if path.exists() and path.stat().st_size > 0},
                        ctx.cache_dir, target, c, so)

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from . import storage
 from .config import PipelineConfig
+from .run_layout import CACHE, CALIBRATE, EVAL, TRAIN
 from .stage_context import StageContext, ensure_ray
 
 logger = logging.getLogger(__name__)
@@ -29,7 +30,7 @@ def stage_train(ctx: StageContext) -> dict:
         result = train_hybrid(ctx)
         extra["phases"] = result["phases"]
     else:  # offline, or hybrid once its cache is finished
-        if not has_cache and json.loads(ctx.marker("cache").read_text()).get("skipped"):
+        if not has_cache and json.loads(ctx.marker(CACHE).read_text()).get("skipped"):
             raise ValueError(f"no cache at {ctx.cache_dir}: the cache stage was skipped because "
                              "train.data_mode was not offline when it ran; pass --force cache")
         manifest = read_manifest(ctx.cache_dir, so)
@@ -37,13 +38,13 @@ def stage_train(ctx: StageContext) -> dict:
         manifest = subset_manifest(manifest, ctx.cfg.train.max_train_rows, ctx.cfg.seed)
         ensure_ray(ctx.cfg)
         result = run_train(
-            cache_dir=ctx.cache_dir, manifest=manifest, out_dir=ctx.stage_dir("train"),
+            cache_dir=ctx.cache_dir, manifest=manifest, out_dir=ctx.stage_dir(TRAIN),
             target=ctx.target, layer_ids=ctx.layer_ids, drafter=ctx.cfg.drafter,
             train=ctx.cfg.train, wandb_cfg=ctx.cfg.wandb.model_dump(),
             storage_options=so, run_name=ctx.run_dir.name)
     return {**extra, "steps": result["steps"], "rows": result["rows"],
-            "drafter": str(ctx.run_dir / "train" / "drafter"),
-            "published": ctx.publish_drafter("train"), "draft_vocab": result["draft_vocab"],
+            "drafter": str(ctx.layout.drafter(TRAIN)),
+            "published": ctx.publish_drafter(TRAIN), "draft_vocab": result["draft_vocab"],
             "final_metrics": {k: v for k, v in result["metrics"].items()
                               if isinstance(v, (int, float))}}
 
@@ -53,10 +54,10 @@ def _heldout_prompts(ctx: StageContext, limit: int) -> list[str]:
     warning when the split is empty, e.g. heldout_fraction 0)."""
     from .prompts import read_jsonl
 
-    rows = read_jsonl(str(ctx.run_dir / "prompts" / "heldout.jsonl"))
+    rows = read_jsonl(str(ctx.layout.prompts("heldout")))
     if not rows:
         logger.warning("no held-out prompts: calibrating on training prompts instead")
-        rows = read_jsonl(str(ctx.run_dir / "prompts" / "train.jsonl"))
+        rows = read_jsonl(str(ctx.layout.prompts("train")))
     return [r["messages"][0]["content"] for r in rows[:limit]]
 
 
@@ -70,7 +71,7 @@ def stage_calibrate(ctx: StageContext) -> dict:
     c = ctx.cfg.calibrate
     ensure_ray(ctx.cfg)
     task = ray.remote(num_cpus=c.cpus, num_gpus=c.gpus or None)(collect_rounds)
-    drafter_dir = ctx.drafter_location("train")
+    drafter_dir = ctx.drafter_location(TRAIN)
     so = ctx.cfg.storage_options
     collected = ray.get(task.remote(
         target=ctx.target, dtype=c.dtype, drafter_dir=drafter_dir,
@@ -78,10 +79,10 @@ def stage_calibrate(ctx: StageContext) -> dict:
         prompts=_heldout_prompts(ctx, c.max_prompts), temperature=c.temperature,
         max_new_tokens=c.max_new_tokens, seed=ctx.cfg.seed, num_threads=c.num_threads,
         storage_options=so))
-    out = ctx.stage_dir("calibrate")
+    out = ctx.stage_dir(CALIBRATE)
     summary = fit_and_report(collected, out, storage.local_copy(drafter_dir, so), ctx.cfg.seed)
-    summary["published"] = ctx.publish_drafter("calibrate")
-    run = open_run(ctx.cfg.wandb.model_dump(), ctx.run_dir, ctx.run_dir.name, "calibrate")
+    summary["published"] = ctx.publish_drafter(CALIBRATE)
+    run = open_run(ctx.cfg.wandb.model_dump(), ctx.run_dir, ctx.run_dir.name, CALIBRATE)
     if run is not None:
         log_calibration(run, summary.get("report") or {}, out)
         log_drafter_artifact(run, out / "drafter", f"drafter-calibrated-{ctx.run_dir.name}",
@@ -117,10 +118,10 @@ def export_engine_files(ctx: StageContext, sps_profile: dict | None, dst: Path) 
     """
     from serve.engine.engine_files import EngineFileError, write_engine_files
 
-    drafter = storage.local_copy(ctx.drafter_location("calibrate"), ctx.cfg.storage_options)
+    drafter = storage.local_copy(ctx.drafter_location(CALIBRATE), ctx.cfg.storage_options)
     try:
         summary = write_engine_files(drafter, dst, sps_profile=sps_profile,
-                                     calibration_report=ctx.run_dir / "calibrate" / "report.json")
+                                     calibration_report=ctx.layout.calibration_report)
     except (EngineFileError, OSError, ValueError, KeyError) as err:  # the evaluation stands
         summary = {"dst": str(dst), "written": [], "skipped": {"sts and sps": str(err)}}
     for what, why in summary["skipped"].items():
@@ -133,8 +134,7 @@ def _train_vs_serve(ctx: StageContext) -> dict | None:
     (None when either is missing, e.g. a drafter trained elsewhere); a flagged gap is logged."""
     from .train_vs_serve import train_vs_serve
 
-    log = ctx.run_dir / "train" / "drafter" / "training_log.jsonl"
-    calibration = ctx.run_dir / "calibrate" / "report.json"
+    log, calibration = ctx.layout.training_log, ctx.layout.calibration_report
     if not log.is_file() or not calibration.is_file():
         return None
     try:
@@ -165,7 +165,7 @@ def stage_eval(ctx: StageContext) -> dict:
     ensure_ray(ctx.cfg)
     task = ray.remote(num_cpus=e.cpus, num_gpus=e.gpus or None)(evaluate)
     report = ray.get(task.remote(
-        target=ctx.target, dtype=e.dtype, drafter_dir=ctx.drafter_location("calibrate"),
+        target=ctx.target, dtype=e.dtype, drafter_dir=ctx.drafter_location(CALIBRATE),
         storage_options=ctx.cfg.storage_options,
         template_kwargs=ctx.cfg.target.chat_template_kwargs, datasets=datasets,
         temperatures=e.temperatures, max_new_tokens=e.max_new_tokens,
@@ -174,10 +174,11 @@ def stage_eval(ctx: StageContext) -> dict:
         engine=ctx.cfg.engine.model_copy(update={"max_num_requests": 1}),
         fixed_gamma_pass=e.fixed_gamma_pass))
     report["train_vs_serve"] = _train_vs_serve(ctx)
-    out = ctx.stage_dir("eval")
-    engine_files = export_engine_files(ctx, report.pop("sps_profile", None), out / "engine_files")
-    (out / "report.json").write_text(json.dumps(report, indent=1))
-    (out / "report.md").write_text(render_report_md(report))
+    out = ctx.stage_dir(EVAL)
+    engine_files = export_engine_files(ctx, report.pop("sps_profile", None),
+                                       ctx.layout.engine_files)
+    ctx.layout.eval_report("json").write_text(json.dumps(report, indent=1))
+    ctx.layout.eval_report("md").write_text(render_report_md(report))
     for temp in map(str, e.temperatures):
         curves = {name: by_t[temp]["conditional_acceptance"]
                   for name, by_t in report["results"].items()}
@@ -188,7 +189,7 @@ def stage_eval(ctx: StageContext) -> dict:
         for name, sweep in sweeps:
             threshold_sweep_plot(sweep, out / f"threshold_sweep_{name}_T{temp}.png",
                                  title=f"Static confidence threshold, {name}, T = {temp}")
-    run = open_run(ctx.cfg.wandb.model_dump(), ctx.run_dir, ctx.run_dir.name, "eval")
+    run = open_run(ctx.cfg.wandb.model_dump(), ctx.run_dir, ctx.run_dir.name, EVAL)
     if run is not None:
         log_evaluation(run, report, out)
         run.finish()

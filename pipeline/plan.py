@@ -28,6 +28,8 @@ import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from .run_layout import RunLayout
+
 BYTES_PER_FEATURE = 2  # bf16 hidden states
 BYTES_PER_TOKEN_IDS = 5  # int32 input id + uint8 loss mask
 SIDECAR_FILES_PER_SHARD = 2  # <shard>.parquet and its <shard>.json completion marker
@@ -135,7 +137,7 @@ def plan(cfg, hidden_size: int, num_layers: int, tokens_per_sample: float | None
         train_rows = prompts - heldout
     source = "--tokens-per-sample"
     if tokens_per_sample is None:
-        cache = cfg.cache.output or str(Path(storage.resolve(cfg.run_dir)) / "cache")
+        cache = cfg.cache.output or str(RunLayout(Path(storage.resolve(cfg.run_dir))).default_cache_dir)
         manifest_path = storage.join(storage.resolve(cache), "manifest.json")
         if not storage.exists(manifest_path, cfg.storage_options):
             raise ValueError("no cache manifest to take tokens per sample from: pass "

@@ -36,6 +36,8 @@ import tempfile
 from datetime import datetime, timezone
 from pathlib import Path
 
+from .run_layout import CALIBRATE, EVAL, STAGE_ORDER, RunLayout
+
 # the cache manifest's per-split keys worth keeping (the token frequency table is ~1 MB of ids)
 SPLIT_SUMMARY_KEYS = ("rows", "tokens", "supervised_tokens")
 
@@ -60,10 +62,11 @@ def _display_path(path: Path) -> str:
 
 
 def _require_stage(run_dir: Path, name: str) -> dict:
-    marker = run_dir / name / "_SUCCESS.json"
+    layout = RunLayout(run_dir)
+    marker = layout.marker(name)
     if not marker.is_file():
         raise ReleaseError(f"{run_dir}: the {name} stage has not finished ({marker} missing); "
-                           f"run `python pipeline/run.py --config {run_dir / 'config.yaml'}` first")
+                           f"run `python pipeline/run.py --config {layout.config_file}` first")
     return _read_json(marker)
 
 
@@ -74,12 +77,12 @@ def _run_config(run_dir: Path, eval_marker: dict):
     from .config import ConfigError, load_config
     from .stages import stage_fingerprint
 
-    path = run_dir / "config.yaml"
+    path = RunLayout(run_dir).config_file
     try:
         cfg = load_config(path)
     except (ConfigError, OSError) as err:
         raise ReleaseError(f"{path}: {err}") from err
-    if stage_fingerprint(cfg, "eval") != eval_marker.get("config_fingerprint"):
+    if stage_fingerprint(cfg, EVAL) != eval_marker.get("config_fingerprint"):
         raise ReleaseError(f"{path} is not the config the run's stages ran under (a later "
                            "run.py call with other settings rewrote it); re-run the pipeline with "
                            "the run's config to restore it")
@@ -201,23 +204,23 @@ def release(run_dir: str | Path, out_dir: str | Path, dtype: str = "bfloat16",
         raise ReleaseError(f"--dtype {dtype!r}: use bfloat16, float16 or float32")
     if out_dir.exists() and not force:
         raise ReleaseError(f"{out_dir} exists; pass --force to replace it")
-    from .stages import STAGE_NAMES
-
-    stage_dirs = [run_dir / name for name in STAGE_NAMES]
+    layout = RunLayout(run_dir)
+    stage_dirs = [layout.stage_dir(name) for name in STAGE_ORDER]
     if (out_dir == run_dir or out_dir in run_dir.parents
             or any(out_dir == d or d in out_dir.parents for d in stage_dirs)):
         raise ReleaseError(f"--out {out_dir} overlaps the run directory {run_dir} or one of its "
                            "stages; choose a directory of its own")
-    calibration = _require_stage(run_dir, "calibrate")
-    eval_marker = _require_stage(run_dir, "eval")
+    calibration = _require_stage(run_dir, CALIBRATE)
+    eval_marker = _require_stage(run_dir, EVAL)
     cfg = _run_config(run_dir, eval_marker)
-    source = run_dir / "calibrate" / "drafter"
+    source = layout.drafter(CALIBRATE)
     check_checkpoint(source)
     from . import storage
 
-    cache_dir = storage.resolve(cfg.cache.output) if cfg.cache.output else str(run_dir / "cache")
+    cache_dir = (storage.resolve(cfg.cache.output) if cfg.cache.output
+                 else str(layout.default_cache_dir))
     manifest = read_manifest(cache_dir, cfg.storage_options)
-    eval_report = _read_json(run_dir / "eval" / "report.json")
+    eval_report = _read_json(layout.eval_report("json"))
     log_path = source / "training_log.jsonl"
     try:
         log_text = log_path.read_text() if log_path.is_file() else ""
@@ -233,9 +236,9 @@ def release(run_dir: str | Path, out_dir: str | Path, dtype: str = "bfloat16",
         shutil.copyfile(source / "config.json", tmp / "config.json")
         if (source / "draft_vocab.json").is_file():
             shutil.copyfile(source / "draft_vocab.json", tmp / "draft_vocab.json")
-        shutil.copyfile(run_dir / "config.yaml", tmp / "training_config.yaml")
-        shutil.copyfile(run_dir / "eval" / "report.md", tmp / "eval_report.md")
-        shutil.copyfile(run_dir / "eval" / "report.json", tmp / "eval_report.json")
+        shutil.copyfile(layout.config_file, tmp / "training_config.yaml")
+        shutil.copyfile(layout.eval_report("md"), tmp / "eval_report.md")
+        shutil.copyfile(layout.eval_report("json"), tmp / "eval_report.json")
         (tmp / "calibration.json").write_text(json.dumps(calibration, indent=1) + "\n")
         summary = cache_summary(manifest)
         (tmp / "cache_summary.json").write_text(json.dumps(summary, indent=1) + "\n")

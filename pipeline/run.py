@@ -114,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     logger.info("pipeline finished in %.1f min; run directory %s", (time.time() - started) / 60,
                 ctx.run_dir)
-    report = ctx.run_dir / "eval" / "report.md"
+    report = ctx.layout.eval_report("md")
     if "eval" in ordered and report.exists():
         print(report.read_text())
     return 0

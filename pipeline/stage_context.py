@@ -10,9 +10,10 @@ from pathlib import Path
 
 from . import ray_logs, storage
 from .config import PipelineConfig, dump_config
+from .run_layout import SPLITS, RunLayout
 
+__all__ = ["SPLITS", "StageContext", "ensure_ray"]
 logger = logging.getLogger(__name__)
-SPLITS = ("train", "heldout")
 
 
 @dataclass
@@ -24,6 +25,11 @@ class StageContext:
     target: str
     layer_ids: list[int]
     cache_dir: str
+
+    @property
+    def layout(self) -> RunLayout:
+        """Where every stage's outputs live (:class:`~pipeline.run_layout.RunLayout`)."""
+        return RunLayout(self.run_dir)
 
     @classmethod
     def create(cls, cfg: PipelineConfig) -> "StageContext":
@@ -37,7 +43,7 @@ class StageContext:
 
         run_dir = Path(storage.resolve(cfg.run_dir))
         run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "config.yaml").write_text(dump_config(cfg))
+        RunLayout(run_dir).config_file.write_text(dump_config(cfg))
         target = cfg.target.name_or_path
         if cfg.target.convert_from_gguf is not None:
             src = cfg.target.convert_from_gguf
@@ -51,7 +57,7 @@ class StageContext:
             raise ValueError(f"target.layer_ids {layer_ids} exceed the target's "
                              f"{tcfg.num_hidden_layers} layers")
         cache_dir = (storage.resolve(cfg.cache.output) if cfg.cache.output
-                     else str(run_dir / "cache"))
+                     else str(RunLayout(run_dir).default_cache_dir))
         return cls(cfg, run_dir, target, layer_ids, cache_dir)
 
     def drafter_location(self, stage: str) -> str:
@@ -63,25 +69,26 @@ class StageContext:
         if self.cfg.train.storage_path:
             return storage.join(storage.resolve(self.cfg.train.storage_path), self.run_dir.name,
                                 "published", stage)
-        return str(self.run_dir / stage / "drafter")
+        return str(self.layout.drafter(stage))
 
     def publish_drafter(self, stage: str) -> str:
         """Copy ``<run_dir>/<stage>/drafter`` to :meth:`drafter_location` when that is shared
         storage; returns the location."""
         where = self.drafter_location(stage)
         if self.cfg.train.storage_path:
-            storage.upload_dir(self.run_dir / stage / "drafter", where, self.cfg.storage_options)
+            storage.upload_dir(self.layout.drafter(stage), where, self.cfg.storage_options)
             logger.info("%s drafter published to %s", stage, where)
         return where
 
     def stage_dir(self, name: str) -> Path:
-        path = self.run_dir / name
+        """Stage ``name``'s directory, created."""
+        path = self.layout.stage_dir(name)
         path.mkdir(parents=True, exist_ok=True)
         return path
 
     def marker(self, name: str) -> Path:
         """Stage ``name``'s completion marker."""
-        return self.run_dir / name / "_SUCCESS.json"
+        return self.layout.marker(name)
 
     def require(self, name: str) -> None:
         """Raise FileNotFoundError unless stage ``name`` has completed in this run directory."""

@@ -21,7 +21,9 @@ from . import storage
 from .config import DEFAULT_FORWARD_BATCH_TOKENS, DEFAULT_ROW_GROUP_BYTES, PipelineConfig, \
     VllmGenerateConfig
 from .data_stages import stage_cache, stage_generate, stage_prompts
-from .model_stages import eval_datasets, stage_calibrate, stage_eval, stage_train
+from .model_stages import stage_calibrate, stage_eval, stage_train
+from .run_layout import CACHE, CALIBRATE, EVAL, GENERATE, PROMPTS, STAGE_ORDER, TRAIN
+from .stage_checks import check_cache, check_eval, check_generate, check_prompts, check_train
 from .stage_context import SPLITS, StageContext, ensure_ray
 
 __all__ = ["STAGES", "STAGE_NAMES", "SPLITS", "Stage", "StageContext", "ensure_ray", "stage",
@@ -38,24 +40,29 @@ class Stage:
     reads: str | None  # the stage whose output it reads (it must have completed), or None
     writes: str  # what it writes, under the run directory unless said otherwise
     run: Callable[[StageContext], dict]  # does the work; returns the summary for its marker
+    # what it will read, checked before any stage of the run starts (pipeline/stage_checks.py):
+    # (context, will it run, is it forced) -> None, or raises naming the input
+    check: Callable[[StageContext, bool, bool], None] | None = None
 
 
+# the stage names are pipeline/run_layout.py's (where each stage's outputs live, RunLayout)
 STAGES: tuple[Stage, ...] = (
-    Stage("prompts", ("prompts", "storage_options"), None,
-          "prompts/{train,heldout,errors}.jsonl", stage_prompts),
-    Stage("generate", ("target", "generate", "seed"), "prompts",
-          "generate/{train,heldout,errors}.jsonl", stage_generate),
-    Stage("cache", ("cache",), "generate",
+    Stage(PROMPTS, ("prompts", "storage_options"), None,
+          "prompts/{train,heldout,errors}.jsonl", stage_prompts, check_prompts),
+    Stage(GENERATE, ("target", "generate", "seed"), PROMPTS,
+          "generate/{train,heldout,errors}.jsonl", stage_generate, check_generate),
+    Stage(CACHE, ("cache",), GENERATE,
           "the target cache at cache.output (default cache/): shards + manifest.json; "
-          "cache/errors.jsonl", stage_cache),
-    Stage("train", ("drafter", "train"), "cache",
-          "train/drafter, train/ray_train checkpoints, train/wandb", stage_train),
-    Stage("calibrate", ("calibrate",), "train",
+          "cache/errors.jsonl", stage_cache, check_cache),
+    Stage(TRAIN, ("drafter", "train"), CACHE,
+          "train/drafter, train/ray_train checkpoints, train/wandb", stage_train, check_train),
+    Stage(CALIBRATE, ("calibrate",), TRAIN,
           "calibrate/drafter (with STS temperatures), calibrate/report.json", stage_calibrate),
-    Stage("eval", ("eval", "engine"), "calibrate",
-          "eval/report.{json,md}, plots, eval/engine_files", stage_eval),
+    Stage(EVAL, ("eval", "engine"), CALIBRATE,
+          "eval/report.{json,md}, plots, eval/engine_files", stage_eval, check_eval),
 )
 STAGE_NAMES: tuple[str, ...] = tuple(s.name for s in STAGES)
+assert STAGE_NAMES == STAGE_ORDER, "STAGES must list run_layout.STAGE_ORDER in order"
 
 
 def stage(name: str) -> Stage:
@@ -71,7 +78,10 @@ def stage(name: str) -> Stage:
 
 
 # config fields added after run directories existed: at their defaults they leave a stage's
-# fingerprint as it was, so runs made before them still count as complete
+# fingerprint as it was, so runs made before them still count as complete. Why a list kept by hand
+# and not "every field at its default is left out": a default can change meaning later (a new
+# default for an old field), and a run made under the old one must then stop as changed, not
+# pass as complete; the list names exactly the fields whose default is the old behaviour
 ADDED_LATER = [("drafter", "qk_norm", None), ("engine", "kv_cache_memory_gib", 2.0),
                ("generate", "backend", "hf"), ("generate", "max_num_requests", 128),
                ("generate", "kv_cache_memory_gib", 4.0),
@@ -131,10 +141,10 @@ def clear_stage(ctx: StageContext, name: str) -> None:
 
     for later in STAGE_NAMES[STAGE_NAMES.index(name):]:
         ctx.marker(later).unlink(missing_ok=True)
-    stage_dir = ctx.run_dir / name
+    stage_dir = ctx.layout.stage_dir(name)
     if stage_dir.exists():
         shutil.rmtree(stage_dir)
-    if name == "cache":
+    if name == CACHE:
         fs = storage.get_fsspec(ctx.cache_dir, ctx.cfg.storage_options)
         if fs.exists(ctx.cache_dir):
             fs.rm(ctx.cache_dir, recursive=True)
@@ -169,7 +179,7 @@ def repair_cache(ctx: StageContext) -> list[str]:
         for name in (path, path[:-len(".parquet")] + ".json"):
             if fs.exists(name):
                 fs.rm(name)
-    for later in STAGE_NAMES[STAGE_NAMES.index("cache"):]:
+    for later in STAGE_NAMES[STAGE_NAMES.index(CACHE):]:
         ctx.marker(later).unlink(missing_ok=True)
     return damaged
 
@@ -211,54 +221,15 @@ def run_stage(ctx: StageContext, name: str, force: bool = False) -> dict:
 
 def preflight(ctx: StageContext, ordered: list[str], forced: list[str]) -> None:
     """Check what the stages in ``ordered`` will read, before any of them runs (or is cleared by
-    ``--force``): vLLM for ``generate.backend: vllm`` (generate), the files of
-    ``prompts.heldout_ids_from`` and ``generate.reuse_from``, the benchmark files (eval),
-    ``train.init_from`` (train), that ``drafter.init: target_layers`` maps the target's layers
-    onto the drafter's (train), and that an existing cache at the cache location belongs to this
-    target (train, and cache unless forced).
+    ``--force``): each stage's own check (``Stage.check``, ``pipeline/stage_checks.py``), told
+    whether the stage will run (not complete, or forced) and whether it is forced.
 
     Raises:
         VllmNotInstalledError, EvalDataError, FileNotFoundError, ValueError (a directory where
         a file is wanted), DrafterCheckpointError, CacheMismatchError, LayerInitError.
     """
-    from .cache_format import read_manifest
-
-    def will_run(name: str) -> bool:
-        return name in ordered and (not ctx.marker(name).exists() or name in forced)
-
-    if will_run("generate") and ctx.cfg.generate.backend == "vllm":
-        from .generate_vllm import require_vllm
-
-        require_vllm()
-
-    inputs = []  # files named in the config that the stages about to run read
-    if will_run("prompts") and ctx.cfg.prompts.heldout_ids_from:
-        inputs.append(("prompts.heldout_ids_from", ctx.cfg.prompts.heldout_ids_from))
-    if will_run("generate"):
-        inputs += [(f"generate.reuse_from[{i}]", p)
-                   for i, p in enumerate(ctx.cfg.generate.reuse_from)]
-    for field, path in inputs:
-        resolved = storage.resolve(path)
-        if not storage.exists(resolved, ctx.cfg.storage_options):
-            raise FileNotFoundError(f"{field}: no such file: {path}")
-        if storage.get_fsspec(resolved, ctx.cfg.storage_options).isdir(resolved):
-            raise ValueError(f"{field}: {path} is a directory; name its files")
-    if "eval" in ordered:
-        eval_datasets(ctx.cfg)
-    # drafter.init target_layers maps onto the drafter's layers, or names why not (a run that
-    # starts from train.init_from copies no target layer)
-    if will_run("train") and not ctx.cfg.train.init_from:
-        from drafters.layer_init import check_drafter_init
-        from drafters.target_weights import load_target_config
-
-        check_drafter_init(ctx.cfg.drafter, load_target_config(ctx.target), ctx.target,
-                           ctx.layer_ids)
-    init_from = ctx.cfg.train.init_from
-    if "train" in ordered and init_from and not storage.is_url(init_from):
-        from drafters.loading import check_checkpoint
-
-        check_checkpoint(storage.resolve(init_from))
-    so = ctx.cfg.storage_options
-    reads_cache = "train" in ordered or ("cache" in ordered and "cache" not in forced)
-    if reads_cache and storage.exists(storage.join(ctx.cache_dir, "manifest.json"), so):
-        ctx.check_cache_target(read_manifest(ctx.cache_dir, so))
+    for name in ordered:
+        this = stage(name)
+        if this.check is not None:
+            is_forced = name in forced
+            this.check(ctx, is_forced or not ctx.marker(name).exists(), is_forced)

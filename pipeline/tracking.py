@@ -41,7 +41,9 @@ def open_run(wandb_cfg: dict, run_dir: Path, name: str, job_type: str, config: d
         return None
     import wandb
 
-    wandb_dir = Path(run_dir) / "train" / "wandb"
+    from .run_layout import RunLayout
+
+    wandb_dir = RunLayout(Path(run_dir)).wandb_dir
     wandb_dir.mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("WANDB_SILENT", "true")
     return wandb.init(project=wandb_cfg.get("project"), entity=wandb_cfg.get("entity"),

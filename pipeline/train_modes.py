@@ -16,6 +16,7 @@ import json
 import logging
 
 from . import storage
+from .run_layout import TRAIN
 from .stage_context import SPLITS, StageContext, ensure_ray
 
 logger = logging.getLogger(__name__)
@@ -25,7 +26,7 @@ def generated_files(ctx: StageContext) -> dict[str, str]:
     """{split: generate output path} of the non-empty splits."""
     out = {}
     for split in SPLITS:
-        path = ctx.run_dir / "generate" / f"{split}.jsonl"
+        path = ctx.layout.generated(split)
         if path.exists() and path.stat().st_size:
             out[split] = str(path)
     return out
@@ -51,11 +52,12 @@ def _scan(ctx: StageContext, files: dict[str, str]) -> dict:
     scans = {split: scan_split(path, cache_target(ctx), ctx.cfg.cache)
              for split, path in files.items()}
     errors = [e for scan in scans.values() for e in scan.errors]
-    with open(ctx.stage_dir("train") / "stream_errors.jsonl", "w", encoding="utf-8") as fh:
+    ctx.stage_dir(TRAIN)
+    with open(ctx.layout.stream_errors, "w", encoding="utf-8") as fh:
         fh.writelines(json.dumps(e, ensure_ascii=False) + "\n" for e in errors)
     if "train" not in scans or scans["train"].rows == 0:
         raise ValueError(f"no training samples in {files.get('train')} (see "
-                         f"{ctx.stage_dir('train') / 'stream_errors.jsonl'})")
+                         f"{ctx.layout.stream_errors})")
     return scans
 
 
@@ -76,7 +78,7 @@ def _run(ctx: StageContext, manifest: dict, train=None, **kwargs) -> dict:
     from .train import run_train
 
     return run_train(
-        cache_dir=ctx.cache_dir, manifest=manifest, out_dir=ctx.stage_dir("train"),
+        cache_dir=ctx.cache_dir, manifest=manifest, out_dir=ctx.stage_dir(TRAIN),
         target=ctx.target, layer_ids=ctx.layer_ids, drafter=ctx.cfg.drafter,
         train=train or ctx.cfg.train, wandb_cfg=ctx.cfg.wandb.model_dump(),
         storage_options=ctx.cfg.storage_options, run_name=ctx.run_dir.name, **kwargs)

@@ -312,8 +312,10 @@ def test_cli_export_and_check(exported, tmp_path, capsys):
 
 def test_the_eval_stage_exports_beside_its_report(exported, tmp_path):
     from pipeline.model_stages import export_engine_files
+    from pipeline.run_layout import RunLayout
 
     ctx = SimpleNamespace(run_dir=exported.root, cfg=SimpleNamespace(storage_options={}),
+                          layout=RunLayout(exported.root),
                           drafter_location=lambda stage: str(exported.drafter))
     profile = json.loads((exported.drafter / "sps_profile.json").read_text())
     out = export_engine_files(ctx, profile, tmp_path / "eval" / "engine_files")

@@ -146,7 +146,9 @@ def test_an_unreadable_training_log_leaves_the_evaluation_standing(tmp_path, cap
     from types import SimpleNamespace
 
     from pipeline.model_stages import _train_vs_serve
+    from pipeline.run_layout import RunLayout
 
+    ctx = SimpleNamespace(run_dir=tmp_path, layout=RunLayout(tmp_path))
     (tmp_path / "train" / "drafter").mkdir(parents=True)
     (tmp_path / "calibrate").mkdir()
     (tmp_path / "calibrate" / "report.json").write_text(
@@ -154,8 +156,8 @@ def test_an_unreadable_training_log_leaves_the_evaluation_standing(tmp_path, cap
         '"served_temperature": 1.0}')
     log = tmp_path / "train" / "drafter" / "training_log.jsonl"
     log.write_text('{"step": 10, "heldout_tau": 1.55}\n')
-    assert _train_vs_serve(SimpleNamespace(run_dir=tmp_path))["flagged"] is False
+    assert _train_vs_serve(ctx)["flagged"] is False
     log.write_text('{"step": 10, "heldout_tau": 1.5\n')  # cut off mid-line
     with caplog.at_level(logging.WARNING):
-        assert _train_vs_serve(SimpleNamespace(run_dir=tmp_path)) is None
+        assert _train_vs_serve(ctx) is None
     assert "training_log.jsonl" in caplog.text
