@@ -11,7 +11,7 @@ Arms, alternating (ours, raw, ours, raw, ...) for ``--repeats`` rounds; the rati
 - read, ours: ``CacheRowIndex`` + ``CacheRowReader.prefetch`` over one epoch's plan (one worker,
   micro-batches of 4, prefetch depth as in training), every row decoded to torch tensors;
 - read, raw: ``pq.read_table`` of each shard through the same filesystem, nothing decoded;
-- write, ours: ``pipeline.cache_writer.ShardWriter`` per shard, as the cache actors use it (rows as an
+- write, ours: ``pipeline.cache.writer.ShardWriter`` per shard, as the cache actors use it (rows as an
   Arrow table): streamed row groups, sha256, atomic commit (fsync + rename locally, multipart
   completion on S3), then the sidecar;
 - write, raw: ``pq.write_table`` of the same Arrow tables with the same Parquet options to the
@@ -74,8 +74,8 @@ def synthetic_records(n: int, seed: int = 0) -> list[dict]:
 
 def parquet_options(codec: str) -> dict:
     """The writer's Parquet options with the hidden-state columns compressed by ``codec``."""
-    from pipeline.cache_format import SCHEMA
-    from pipeline.cache_writer import PARQUET_OPTIONS
+    from pipeline.cache.format import SCHEMA
+    from pipeline.cache.writer import PARQUET_OPTIONS
 
     compression = {c: ("zstd" if c not in ("context_hidden", "last_hidden") else codec)
                    for c in SCHEMA.names}
@@ -90,8 +90,8 @@ def write_ours(split_dir: str, tables: list, so: dict, options: dict) -> int:
     """The project's writer (``ShardWriter``, as the cache actors use it): each shard's rows
     streamed as row groups, sha256, atomic commit, then the sidecar; returns tokens written."""
     from pipeline import storage
-    from pipeline.cache_format import shard_name
-    from pipeline.cache_writer import ShardWriter, write_sidecar
+    from pipeline.cache.format import shard_name
+    from pipeline.cache.writer import ShardWriter, write_sidecar
 
     tokens = 0
     for k, table in enumerate(tables):
@@ -110,7 +110,7 @@ def write_raw(split_dir: str, tables: list, so: dict, options: dict, sync: bool 
     import pyarrow.parquet as pq
 
     from pipeline import storage
-    from pipeline.cache_format import shard_name
+    from pipeline.cache.format import shard_name
 
     fs, base = storage.get_arrow_fs(split_dir, so)
     local = not storage.is_url(split_dir)
@@ -138,8 +138,8 @@ def remove(path: str, so: dict) -> None:
 def write_cache(cache_dir: str, records: list[dict], so: dict, options: dict) -> dict:
     """A cache written by the project's writer; returns the manifest (also written)."""
     from pipeline import storage
-    from pipeline.cache_format import build_manifest, shard_name
-    from pipeline.cache_writer import write_shard
+    from pipeline.cache.format import build_manifest, shard_name
+    from pipeline.cache.writer import write_shard
 
     shards = [write_shard(storage.join(cache_dir, "train", shard_name(k)), rows,
                           rows_per_row_group=ROWS_PER_GROUP, storage_options=so,
@@ -155,8 +155,8 @@ def write_cache(cache_dir: str, records: list[dict], so: dict, options: dict) ->
 
 def read_ours(cache_dir: str, manifest: dict, so: dict) -> int:
     """One epoch through the training reader; returns tokens read."""
-    from pipeline.train_sources import PREFETCH_MICRO_BATCHES
-    from pipeline.train_data import CacheRowIndex, CacheRowReader, steps_per_epoch, worker_plan
+    from pipeline.train.sources import PREFETCH_MICRO_BATCHES
+    from pipeline.train.data import CacheRowIndex, CacheRowReader, steps_per_epoch, worker_plan
 
     index = CacheRowIndex(cache_dir, manifest, "train", so)
     steps = steps_per_epoch(index.num_rows, MICRO_BATCH)
@@ -272,7 +272,7 @@ def run_store(store: str, root: str, so: dict, records: list[dict], args) -> lis
     import pyarrow as pa
 
     from pipeline import storage
-    from pipeline.cache_format import SCHEMA
+    from pipeline.cache.format import SCHEMA
 
     tokens = sum(r["num_tokens"] for r in records)
     tables = [pa.Table.from_pylist(rows, schema=SCHEMA) for rows in shards_of(records)]

@@ -58,10 +58,10 @@ def domain_metrics(ctx, drafter_dir: Path, rows_per_batch: int = 8) -> dict:
     import torch
 
     from drafters.loading import load_drafter
-    from pipeline.cache_format import read_manifest
+    from pipeline.cache.format import read_manifest
     from pipeline.prompts import read_jsonl
-    from pipeline.train_worker import batch_losses, reduce_metrics
-    from pipeline.train_data import CacheRowIndex, CacheRowReader, row_generator
+    from pipeline.train.worker import batch_losses, reduce_metrics
+    from pipeline.train.data import CacheRowIndex, CacheRowReader, row_generator
     from serve.engine.target_loading import load_target
 
     cfg = ctx.cfg
@@ -145,8 +145,8 @@ def train_point(base_cfg_path: str, sets: list[str], rows: int | None, args,
     """Train (or reuse) one point; returns its row, token and metric summary. The ``all`` point
     is the base run's own train stage unless ``--no-all-from-run``; ``label`` names an
     ``--also-runs`` point (another config's own train stage, ``rows`` None)."""
-    from pipeline.cache_format import read_manifest
-    from pipeline.train_data import subset_manifest
+    from pipeline.cache.format import read_manifest
+    from pipeline.train.data import subset_manifest
 
     own_run = label is not None or (rows is None and args.all_from_run)  # a run's own stage
     label = label or ("all" if rows is None else str(rows))

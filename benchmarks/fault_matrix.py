@@ -561,7 +561,7 @@ def fault_nan_row(root, ref_run, ref):
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from pipeline.cache_format import SCHEMA
+    from pipeline.cache.format import SCHEMA
 
     run = Run(root, "nan_row")
     run.copy_stages_from(ref_run, (*DATA_STAGES, "cache"))

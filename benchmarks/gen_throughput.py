@@ -2,8 +2,8 @@
 engine backend (this project's continuous-batching engine, target only), on the same prompts and
 sampling, arms alternating.
 
-Each arm is the actor class the generate stage runs (``pipeline.generate.GenerateUDF``,
-``pipeline.generate_engine.EngineGenerateUDF``), constructed once (model loading is not timed)
+Each arm is the actor class the generate stage runs (``pipeline.generate.hf.GenerateUDF``,
+``pipeline.generate.engine.EngineGenerateUDF``), constructed once (model loading is not timed)
 and called in-process, as a Ray Data actor calls it: the hf arm on batches of ``batch_size``
 prompts sorted by length (as ``run_generate`` orders them), the engine arm on all prompts at once
 with ``max_num_requests`` in flight. Generated tokens are the sampled answer tokens (end token
@@ -59,8 +59,8 @@ def as_batch(rows: list[dict]) -> dict:
 
 
 def build_arm(name: str, size: int, cfg, target: str, max_new_tokens: int):
-    from pipeline.generate import GenerateUDF
-    from pipeline.generate_engine import EngineGenerateUDF
+    from pipeline.generate.hf import GenerateUDF
+    from pipeline.generate.engine import EngineGenerateUDF
 
     g = cfg.generate
     sampling = dict(g.sampling.model_dump(), max_new_tokens=max_new_tokens)

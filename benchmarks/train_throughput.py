@@ -16,7 +16,7 @@ chunk now keeps it) and ``unsliced_recompute_dv<N>`` (also each chunk's target l
 whole in fp32 instead of in cache-sized slices: close to the loss path before session 15, which
 also used ``log_softmax`` and advanced indexing; ``drafters.losses``) and ``per_call_head_dv<N>``
 (the target LM head cast to bf16 and a fresh target-logits tensor at every call, as before the
-trainer's ``pipeline.train_worker.TargetHead``; the chunked arms hold one head as the trainer
+trainer's ``pipeline.train.worker.TargetHead``; the chunked arms hold one head as the trainer
 does, its copy and buffer counted in their peak memory). The steps run in a thread of their own, as Ray Train runs the training loop (glibc gives a
 second thread its own malloc arena, which returns freed memory to the kernel differently).
 
@@ -49,7 +49,7 @@ def landed_batch_losses(model, samples, tc, objective, weights, device, generato
 
     cfg = model.config
     pb = pack_blocks(samples, tc.num_anchors, cfg.block_size, generators).to(device)
-    from pipeline.train_worker import uses_bf16
+    from pipeline.train.worker import uses_bf16
 
     with torch.autocast(device.type, dtype=torch.bfloat16, enabled=uses_bf16(tc)):
         hidden = model(pb)
@@ -70,12 +70,12 @@ def worker(args) -> dict:
 
     from drafters.loading import build_drafter
     from drafters.target_weights import final_logit_softcap, load_frozen_head
-    from pipeline.cache_format import read_manifest
+    from pipeline.cache.format import read_manifest
     from pipeline.config import load_config
     from pipeline.stages import StageContext
-    from pipeline.train import select_draft_vocab
-    from pipeline.train_worker import batch_losses, target_head
-    from pipeline.train_data import CacheRowIndex, CacheRowReader, row_generator
+    from pipeline.train.driver import select_draft_vocab
+    from pipeline.train.worker import batch_losses, target_head
+    from pipeline.train.data import CacheRowIndex, CacheRowReader, row_generator
 
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)

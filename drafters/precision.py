@@ -14,7 +14,7 @@ expected slowdown.
 Where it is resolved: in the process that computes (a Ray worker on a GPU node sees its GPU), by
 :func:`resolve_dtype` inside the loaders (``drafters.target_weights.load_target``, the serving
 builder) and by :func:`train_precision` in the training worker. What is stored is a format, not a
-speed: the target cache is bf16 on disk whatever the compute dtype (``pipeline/cache_format.py``).
+speed: the target cache is bf16 on disk whatever the compute dtype (``pipeline/cache/format.py``).
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 generation, the cache stage, calibration and evaluation, through ``serve.engine.target_loading``),
 or only the tensors a drafter is bound to (:func:`load_frozen_head`: the embedding and LM head
 and, for ``init: target_layers``, the last decoder layers and the final norm, fp32 on CPU,
-without loading the whole target: training, ``pipeline/train_worker.py``, and export,
+without loading the whole target: training, ``pipeline/train/worker.py``, and export,
 ``drafters/export``).
 """
 

@@ -127,7 +127,7 @@ def check_training_step(target: str, device: str, ids_list) -> dict:
     from drafters.loading import load_drafter
     from drafters.precision import train_precision
     from pipeline.config import TrainConfig
-    from pipeline.train_worker import batch_losses
+    from pipeline.train.worker import batch_losses
     from serve.engine.target_loading import load_target
 
     model = load_target(target, "float32", device).to(device)

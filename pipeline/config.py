@@ -97,7 +97,7 @@ VLLM_DERIVED_ENGINE_KWARGS = {
 
 class VllmGenerateConfig(Strict):
     """``generate.backend: vllm``: the engines of the ``ray.data.llm`` processor
-    (``pipeline/generate_vllm.py``). Sampling, chat template and prompt limit are the shared
+    (``pipeline/generate/vllm_backend.py``). Sampling, chat template and prompt limit are the shared
     ``generate`` / ``target`` fields, mapped to the same meaning as the hf backend's."""
 
     num_replicas: int = Field(1, ge=1, description="vLLM engines (a fixed Ray Data actor pool), "
@@ -166,7 +166,7 @@ class GenerateConfig(Strict):
         "of being regenerated (all backends).")
 
 
-# Limits of the cache's row groups (why: pipeline/cache_writer.py, above row_group_sizes): one Arrow
+# Limits of the cache's row groups (why: pipeline/cache/writer.py, above row_group_sizes): one Arrow
 # binary column, or one value, holds at most MAX_COLUMN_BYTES; row groups default to far less
 MAX_COLUMN_BYTES = 2**31 - 2**26
 DEFAULT_ROW_GROUP_BYTES = 2**29  # 512 MiB

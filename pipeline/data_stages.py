@@ -39,8 +39,8 @@ def stage_prompts(ctx: StageContext) -> dict:
 def stage_generate(ctx: StageContext) -> dict:
     from tqdm import tqdm
 
-    from .generate import run_generate
-    from .generate_reuse import (check_generation_record, generation_record, refile_answers,
+    from .generate.hf import run_generate
+    from .generate.reuse import (check_generation_record, generation_record, refile_answers,
                                  reuse_answers, write_generation_record)
     from .prompts import read_jsonl
 
@@ -65,7 +65,7 @@ def stage_generate(ctx: StageContext) -> dict:
                   template_kwargs=ctx.cfg.target.chat_template_kwargs, seed=ctx.cfg.seed)
     splits = {split: (prompts[split], layout.generated(split)) for split in SPLITS}
     if g.backend == "vllm":  # vLLM's own engines, not a Ray Data actor pool
-        from .generate_vllm import run_generate_vllm as regenerate
+        from .generate.vllm_backend import run_generate_vllm as regenerate
     else:
         regenerate = run_generate
     with tqdm(total=sum(len(rows) for rows, _ in splits.values()), desc=f"generate ({g.backend})",
@@ -103,7 +103,7 @@ def cache_manifest(ctx: StageContext, splits: dict[str, list[dict]]) -> dict:
     """The manifest of a cache (or of a feature stream) with these splits' shard summaries."""
     from serve.engine.target_loading import load_target_config
 
-    from .cache_format import build_manifest
+    from .cache.format import build_manifest
 
     tcfg = load_target_config(ctx.target)
     return build_manifest(
@@ -121,8 +121,8 @@ def write_cache(ctx: StageContext) -> dict:
     Raises:
         ValueError: the cache has no training rows.
     """
-    from .cache import run_cache
-    from .cache_format import read_manifest
+    from .cache.stage import run_cache
+    from .cache.format import read_manifest
 
     so = ctx.cfg.storage_options
     storage.check_writable(ctx.cache_dir, so)

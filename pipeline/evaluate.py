@@ -20,7 +20,7 @@ from drafters.precision import dtype_name, resolve_dtype_name
 
 from .tau_intervals import METHOD as INTERVAL_METHOD
 from .tau_intervals import domain_intervals, format_interval, prompt_counts, tau_interval
-from .train_vs_serve import train_vs_serve_lines
+from .train.vs_serve import train_vs_serve_lines
 
 # benchmark file stem -> domain (SPEC 5; paper Table 1 groups math, code and chat)
 DOMAINS = {"gsm8k": "math", "math500": "math", "aime24": "math", "aime25": "math",

@@ -8,10 +8,10 @@ the Parquet cache.
   nothing is stored.
 - *hybrid*: the first epoch is the cache stage itself, shard by shard (:class:`HybridShardUDF`
   writes each shard and streams its row groups on to the trainers; a shard already written is
-  read back, not recomputed); later epochs read the finished cache (``pipeline/train_modes.py``).
+  read back, not recomputed); later epochs read the finished cache (``pipeline/train/modes.py``).
 
-A streamed row is a cache row (:data:`pipeline.cache_format.SCHEMA`) plus ``epoch`` and
-``conversation`` (its index in cache order, :func:`pipeline.cache_format.shard_key`), cut into
+A streamed row is a cache row (:data:`pipeline.cache.format.SCHEMA`) plus ``epoch`` and
+``conversation`` (its index in cache order, :func:`pipeline.cache.format.shard_key`), cut into
 tables as the cache writer cuts row groups (``cache.rows_per_row_group``,
 ``cache.row_group_bytes``), so the workers decode it exactly as they decode the cache. The streams
 are dataset factories (:class:`TrainStream`, :class:`HybridStream`) that Ray Train calls at every
@@ -34,12 +34,12 @@ import numpy as np
 import pyarrow as pa
 
 from . import storage
-from .cache_format import parse_conversation_line, shard_key
-from .cache_writer import add_supervised_counts, read_sidecar, row_group_sizes, token_counts_dict
+from .cache.format import parse_conversation_line, shard_key
+from .cache.writer import add_supervised_counts, read_sidecar, row_group_sizes, token_counts_dict
 from .config import CacheConfig
 from .stream_state import StreamState, read_state
 from .target_features import CacheTarget, ConversationTokenizer, TargetFeatures
-from .train_data import HELDOUT_EPOCH
+from .train.data import HELDOUT_EPOCH
 
 logger = logging.getLogger(__name__)
 
@@ -119,7 +119,7 @@ def scan_split(path: str, target: CacheTarget, cache: CacheConfig) -> SplitScan:
     """
     import ray
 
-    from .cache_shards import conversations_dataset
+    from .cache.shards import conversations_dataset
 
     rows = conversations_dataset(path).map_batches(
         TokenScanUDF, fn_constructor_kwargs={"target": target, "cache": cache},
@@ -224,7 +224,7 @@ class Checkpoints:
     storage_path: str  # Ray Train's storage path
     run_name: str
     storage_options: dict
-    resume: str | None  # the driver's choice (pipeline.train.run_train), None: step 0
+    resume: str | None  # the driver's choice (pipeline.train.driver.run_train), None: step 0
     fit_id: str | None = None  # the run_train call's id, in its checkpoints
 
     def current(self) -> str | None:
@@ -333,7 +333,7 @@ class HybridShardUDF:
     """Ray Data callable class (hybrid mode, epoch 0): one packed cache shard per input row (the
     cache stage's ``shard``, ``path``, ``fingerprint``, ``rows``) -> the shard's rows, a row group
     at a time, with ``epoch`` 0, less the samples already trained on (``consumed``). A shard
-    without a sidecar of the same fingerprint is written first (:class:`pipeline.cache.
+    without a sidecar of the same fingerprint is written first (:class:`pipeline.cache.stage.
     CacheWriterUDF`, retries included); the rows streamed on are read back from the written file,
     so training sees exactly the cached bytes and an interrupted run never computes a written
     shard again.
@@ -341,7 +341,7 @@ class HybridShardUDF:
 
     def __init__(self, target: CacheTarget, cache: CacheConfig, storage_options: dict,
                  consumed: set[str] | None = None):
-        from .cache import CacheWriterUDF
+        from .cache.stage import CacheWriterUDF
 
         self.writer = CacheWriterUDF(target, cache, storage_options)
         self.storage_options = storage_options
@@ -374,7 +374,7 @@ class HybridShardUDF:
 @dataclass
 class HybridStream:
     """Hybrid's first epoch as a dataset factory: the packed shards
-    (``pipeline.cache_shards.pack_shards``) in a seeded order through :class:`HybridShardUDF`,
+    (``pipeline.cache.shards.pack_shards``) in a seeded order through :class:`HybridShardUDF`,
     less what the checkpoint the workers continue from records as trained on."""
 
     packed: object  # a materialized Ray Data dataset, one row per shard

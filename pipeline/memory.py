@@ -1,7 +1,7 @@
 """Peak device memory of one training micro-batch: the analytic model.
 
 :func:`estimate_step_memory` adds up, tensor by tensor, what one training micro-step of the
-DSpark/DFlash backbone (:func:`pipeline.train_worker.batch_losses`, then backward) keeps on the
+DSpark/DFlash backbone (:func:`pipeline.train.worker.batch_losses`, then backward) keeps on the
 device, as a function of the shapes only, so it is evaluated at full shapes without allocating
 anything (``python -m pipeline.plan`` prints it for a config). ``pipeline/memory_measure.py``
 measures the same step with PyTorch's ``MemTracker``, at reduced shapes on real tensors and at
@@ -16,7 +16,7 @@ Where the memory goes (bf16 = autocast around the forward, fp32 weights, gradien
   reduction buffers;
 - **frozen target tensors**: the embedding and LM head [V, H] (one tensor when tied), in the dtype
   they were loaded in (``drafters.target_weights.load_frozen_head``: fp32), and the worker's
-  :class:`pipeline.train_worker.TargetHead`: the LM head cast once to bf16 (under bf16) and its
+  :class:`pipeline.train.worker.TargetHead`: the LM head cast once to bf16 (under bf16) and its
   reused target-logits buffer [min(rows, chunk_rows), V];
 - **activations** kept for backward: per block token (N blocks x S slots) and layer the norm
   inputs, the bf16 inputs of every projection, q/k/v and the MLP's [I]-wide tensors; per context
@@ -368,7 +368,7 @@ def estimate_for_config(cfg, target_config) -> MemoryEstimate:
     Raises:
         NotImplementedError: an Eagle3 drafter or an RNN head.
     """
-    from .train_worker import uses_bf16
+    from .train.worker import uses_bf16
 
     dcfg = bound_drafter_config(cfg, target_config)
     tc = cfg.train

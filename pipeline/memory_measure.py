@@ -1,7 +1,7 @@
 """Peak device memory of one training micro-batch, measured: PyTorch's
 ``torch.distributed._tools.mem_tracker.MemTracker`` (a ``TorchDispatchMode`` that counts every
 tensor storage once while it lives) around the real training step
-(:func:`pipeline.train_worker.batch_losses`, then backward), at reduced shapes on real tensors
+(:func:`pipeline.train.worker.batch_losses`, then backward), at reduced shapes on real tensors
 (``tests/unit/test_train_memory.py``) or at full shapes on fake ones (:func:`fake_floats`,
 :func:`measure_config_peak_fake`; ``tests/integration/test_train_memory_qwen3_4b.py``). The
 analytic model these check is ``pipeline/memory.py``.
@@ -51,7 +51,7 @@ class MeasuredPeak:
 
 def measure_step_peak(model, samples: list[dict], tc, objective: str, weights, generators,
                       optimizer=None) -> MeasuredPeak:
-    """Run one training micro-batch (:func:`pipeline.train_worker.batch_losses`, then backward) under
+    """Run one training micro-batch (:func:`pipeline.train.worker.batch_losses`, then backward) under
     PyTorch's ``MemTracker`` and return the peak bytes of live tensors.
 
     Every tensor storage is counted once from its allocation to its release (views share it).
@@ -62,7 +62,7 @@ def measure_step_peak(model, samples: list[dict], tc, objective: str, weights, g
 
     Args:
         model: the bare drafter (``drafters.loading.build_drafter``), in train mode.
-        samples: cache rows as :func:`pipeline.train_worker.batch_losses` takes them.
+        samples: cache rows as :func:`pipeline.train.worker.batch_losses` takes them.
         tc: the ``TrainConfig`` (micro-batch, anchors, precision, loss_chunk_rows).
         objective, weights: the spec's ``training_objective`` (with ``tc.objective``).
         generators: one anchor-sampling ``torch.Generator`` per sample (copied, not consumed).
@@ -72,7 +72,7 @@ def measure_step_peak(model, samples: list[dict], tc, objective: str, weights, g
     """
     from torch.distributed._tools.mem_tracker import MemTracker
 
-    from .train_worker import batch_losses, target_head
+    from .train.worker import batch_losses, target_head
 
     device = next(model.parameters()).device
     copies = lambda: [torch.Generator().set_state(g.get_state()) for g in generators]
@@ -215,7 +215,7 @@ def measure_config_peak_fake(cfg, target_config, *, micro_batch_size: int | None
     from .memory import bound_drafter_config
 
     dcfg = bound_drafter_config(cfg, target_config)
-    from .train_worker import uses_bf16
+    from .train.worker import uses_bf16
 
     check_modelled(dcfg)
     if dcfg.draft_vocab_size:

@@ -16,10 +16,10 @@ logger = logging.getLogger(__name__)
 
 
 def stage_train(ctx: StageContext) -> dict:
-    from .cache_format import read_manifest
-    from .train import run_train
-    from .train_data import subset_manifest
-    from .train_modes import train_hybrid, train_online
+    from .cache.format import read_manifest
+    from .train.driver import run_train
+    from .train.data import subset_manifest
+    from .train.modes import train_hybrid, train_online
 
     mode, so = ctx.cfg.train.data_mode, ctx.cfg.storage_options
     has_cache = storage.exists(storage.join(ctx.cache_dir, "manifest.json"), so)
@@ -132,7 +132,7 @@ def export_engine_files(ctx: StageContext, sps_profile: dict | None, dst: Path) 
 def _train_vs_serve(ctx: StageContext) -> dict | None:
     """:func:`pipeline.evaluate.train_vs_serve` of this run's training log and calibrate report
     (None when either is missing, e.g. a drafter trained elsewhere); a flagged gap is logged."""
-    from .train_vs_serve import train_vs_serve
+    from .train.vs_serve import train_vs_serve
 
     log, calibration = ctx.layout.training_log, ctx.layout.calibration_report
     if not log.is_file() or not calibration.is_file():

@@ -114,7 +114,7 @@ def plan(cfg, hidden_size: int, num_layers: int, tokens_per_sample: float | None
     """
     from . import storage
     from .prompts import expand_sources
-    from .train_data import steps_per_epoch
+    from .train.data import steps_per_epoch
 
     m = len(cfg.target.layer_ids) if cfg.target.layer_ids else cfg.target.num_context_layers
     per_token = bytes_per_token(hidden_size, m)
@@ -181,9 +181,9 @@ def plan(cfg, hidden_size: int, num_layers: int, tokens_per_sample: float | None
 def _row_groups(cache, per_token: int, tokens_per_sample: float, hidden_size: int,
                 context_layers: int) -> dict:
     """The :class:`Plan` fields of the row-group size: as the cache writer cuts row groups
-    (``pipeline.cache_writer.row_group_sizes``) of samples all of the mean size, and all at
+    (``pipeline.cache.writer.row_group_sizes``) of samples all of the mean size, and all at
     ``cache.max_length``; bytes uncompressed."""
-    from .cache_writer import check_row_size, row_group_sizes
+    from .cache.writer import check_row_size, row_group_sizes
 
     def group(tokens: float) -> tuple[int, float]:
         row = round(tokens * per_token)

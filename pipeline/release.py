@@ -105,7 +105,7 @@ def _cast_weights(src: Path, dst: Path, dtype_name: str) -> tuple[int, str]:
 
 
 def cache_summary(manifest: dict) -> dict:
-    """The cache manifest (``pipeline.cache_writer``) without per-token tables: format, target,
+    """The cache manifest (``pipeline.cache.writer``) without per-token tables: format, target,
     layer ids, dtypes, chat template hash, lengths, and rows / tokens / supervised tokens per
     split, plus the draft vocabulary coverage by size."""
     out = {k: v for k, v in manifest.items() if k != "splits"}
@@ -197,7 +197,7 @@ def release(run_dir: str | Path, out_dir: str | Path, dtype: str = "bfloat16",
     """
     from drafters.loading import check_checkpoint
 
-    from .cache_format import read_manifest
+    from .cache.format import read_manifest
 
     run_dir, out_dir = Path(run_dir).resolve(), Path(out_dir).resolve()
     if dtype not in ("bfloat16", "float16", "float32"):

@@ -33,8 +33,8 @@ import time  # noqa: E402
 
 from pipeline import stages, storage  # noqa: E402
 from pipeline.config import ConfigError, load_config  # noqa: E402
-from pipeline.generate_vllm import VllmNotInstalledError  # noqa: E402
-from pipeline.train import TrainingFailedError  # noqa: E402
+from pipeline.generate.vllm_backend import VllmNotInstalledError  # noqa: E402
+from pipeline.train.driver import TrainingFailedError  # noqa: E402
 
 logger = logging.getLogger("dspark")
 

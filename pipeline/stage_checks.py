@@ -26,7 +26,7 @@ def _config_files_exist(ctx: StageContext, inputs: list[tuple[str, str]]) -> Non
 
 def _existing_cache_is_this_targets(ctx: StageContext) -> None:
     """Raises CacheMismatchError: a cache at the cache location belongs to another target."""
-    from .cache_format import read_manifest
+    from .cache.format import read_manifest
 
     so = ctx.cfg.storage_options
     if storage.exists(storage.join(ctx.cache_dir, "manifest.json"), so):
@@ -45,7 +45,7 @@ def check_generate(ctx: StageContext, will_run: bool, forced: bool) -> None:
     if not will_run:
         return
     if ctx.cfg.generate.backend == "vllm":
-        from .generate_vllm import require_vllm
+        from .generate.vllm_backend import require_vllm
 
         require_vllm()
     _config_files_exist(ctx, [(f"generate.reuse_from[{i}]", p)

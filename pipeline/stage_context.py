@@ -101,7 +101,7 @@ class StageContext:
         another target."""
         from serve.engine.target_loading import load_target_config
 
-        from .cache_format import check_cache_matches
+        from .cache.format import check_cache_matches
 
         tcfg = load_target_config(self.target)
         check_cache_matches(manifest, self.cache_dir, target=self.cfg.target.name_or_path,

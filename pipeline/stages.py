@@ -160,7 +160,7 @@ def repair_cache(ctx: StageContext) -> list[str]:
     Raises:
         FileNotFoundError: the cache has no manifest (run the cache stage instead).
     """
-    from .cache_format import CorruptShardError, read_manifest, verify_shard
+    from .cache.format import CorruptShardError, read_manifest, verify_shard
 
     so = ctx.cfg.storage_options
     manifest = read_manifest(ctx.cache_dir, so)

@@ -1,5 +1,5 @@
 """The target's training features of a conversation, computed once per sample: the cache stage
-writes them to Parquet (:mod:`pipeline.cache`), online and hybrid training stream them straight
+writes them to Parquet (:mod:`pipeline.cache.stage`), online and hybrid training stream them straight
 into the trainers (:mod:`pipeline.feature_stream`). One tokenization (chat template, loss mask,
 ``max_length`` cut, the checks a sample must pass) and one batched forward, so a streamed row and
 a cached row of the same sample are the same bytes (SPEC 1.4).
@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import pyarrow as pa
 
-from .cache_writer import check_row_size, rows_table
+from .cache.writer import check_row_size, rows_table
 from .config import CacheConfig
 from .plan import bytes_per_token
 
@@ -93,7 +93,7 @@ class TargetFeatures(ConversationTokenizer):
             ``forward_batch_tokens``, ``num_threads``).
     Raises:
         ValueError: a ``max_length`` row would not fit one Arrow binary value
-            (:func:`pipeline.cache_writer.check_row_size`), before any forward is spent.
+            (:func:`pipeline.cache.writer.check_row_size`), before any forward is spent.
     """
 
     def __init__(self, target: CacheTarget, cache: CacheConfig):
@@ -117,7 +117,7 @@ class TargetFeatures(ConversationTokenizer):
         self.pad_id = pad if pad is not None else (self.tokenizer.eos_token_id or 0)
 
     def forward(self, samples: list[dict]) -> pa.Table:
-        """Cache rows of ``samples`` (same order, :func:`pipeline.cache_writer.rows_table`) from
+        """Cache rows of ``samples`` (same order, :func:`pipeline.cache.writer.rows_table`) from
         right-padded batched target forwards (:func:`length_batches`): ``context_hidden`` bf16
         [T, m*H] and ``last_hidden`` bf16 [T, H] of each sample's own T positions (attention is
         causal, so the padding after a sample cannot change them)."""

@@ -3,7 +3,7 @@
 The run id is created once and stored as ``<run_dir>/wandb_run_id``, so training (in the Ray Train
 rank-0 worker), its resumes, calibration and evaluation all log into the same run (``resume=
 "allow"``). Offline by default: files go under ``<run_dir>/train/wandb`` and ``wandb sync`` uploads
-them later. What is logged: the training curves (pipeline/train_worker.py), the run's target,
+them later. What is logged: the training curves (pipeline/train/worker.py), the run's target,
 layer ids and cache manifest in the run config, the drafter checkpoint as a ``model`` artifact, the
 calibration report (table per position, reliability diagram) and the evaluation (table per dataset
 and temperature, conditional-acceptance plots).

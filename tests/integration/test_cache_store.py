@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from pipeline import storage
-from pipeline.cache import CacheTarget, run_cache_split
-from pipeline.cache_format import (CorruptShardError, build_manifest, decode_row, read_manifest,
+from pipeline.cache.stage import CacheTarget, run_cache_split
+from pipeline.cache.format import (CorruptShardError, build_manifest, decode_row, read_manifest,
                                    verify_shard)
 from pipeline.config import CacheConfig
 from serve.engine.chat import tokenize_conversation
@@ -187,7 +187,7 @@ def _s3(so):
 def test_s3_shard_streams_as_a_multipart_upload_visible_only_when_complete(s3_endpoint):
     """Row groups go out as multipart parts while the shard is written; the object exists only
     after close, and equals a plain Parquet read of the rows."""
-    from pipeline.cache_writer import ShardWriter
+    from pipeline.cache.writer import ShardWriter
 
     client, rows = _s3(s3_endpoint), _big_rows(24)
     base = "s3://dspark-test/stream/train/shard-00000"
@@ -210,7 +210,7 @@ def test_s3_shard_failing_mid_upload_is_aborted_then_rewritten_after_backoff(s3_
     """Every part upload fails until the S3 client's own retries are spent: the shard's
     multipart upload is aborted (nothing visible, no upload left open); after a backoff the whole
     shard is written again, completely."""
-    from pipeline.cache_writer import write_shard
+    from pipeline.cache.writer import write_shard
     from tests.faulty_s3 import FaultyS3Proxy
 
     upstream = int(s3_endpoint["endpoint_url"].rsplit(":", 1)[1])

@@ -16,13 +16,13 @@ import torch
 from drafters.config import DrafterConfig
 from drafters.loading import build_drafter
 from drafters.target_weights import load_frozen_head
-from pipeline.cache import CacheTarget, CacheWriterUDF
+from pipeline.cache.stage import CacheTarget, CacheWriterUDF
 from pipeline.config import CacheConfig, TrainConfig
-from pipeline.cache_format import shard_key
+from pipeline.cache.format import shard_key
 from pipeline.feature_stream import Checkpoints, FeatureStreamUDF, TrainStream, scan_split
 from pipeline.stream_state import StreamState
-from pipeline.train_data import ArrowRowGroup, row_generator
-from pipeline.train_worker import batch_losses
+from pipeline.train.data import ArrowRowGroup, row_generator
+from pipeline.train.worker import batch_losses
 
 from .conftest import conversations
 

@@ -1,4 +1,4 @@
-"""The generate stage's Ray Data pass (``pipeline.generate.run_generate``): both splits in one
+"""The generate stage's Ray Data pass (``pipeline.generate.hf.run_generate``): both splits in one
 pass, each to its own file; the engine backend writes the hf backend's rows (greedy, fp32);
 a re-run resumes by id; rows leave an actor as soon as it yields them; a prompt id in two splits
 is refused before anything runs."""
@@ -10,7 +10,7 @@ import json
 import pytest
 
 from pipeline.config import GenerateConfig, SamplingConfig
-from pipeline.generate import run_generate
+from pipeline.generate.hf import run_generate
 
 pytestmark = [pytest.mark.slow, pytest.mark.ray]
 SAMPLING = {"temperature": 1.0, "top_p": 0.95, "top_k": 20, "max_new_tokens": 3}

@@ -11,9 +11,9 @@ import warnings
 import numpy as np
 import pytest
 
-from pipeline import cache
+from pipeline.cache import stage as cache
 from pipeline.config import CacheConfig, GenerateConfig
-from pipeline.generate import run_generate
+from pipeline.generate.hf import run_generate
 
 from .conftest import conversations
 

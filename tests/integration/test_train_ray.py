@@ -10,12 +10,12 @@ import pytest
 
 from drafters.config import DrafterConfig
 from drafters.loading import load_drafter
-from pipeline.cache import CacheTarget, run_cache
-from pipeline.cache_format import build_manifest
+from pipeline.cache.stage import CacheTarget, run_cache
+from pipeline.cache.format import build_manifest
 from pipeline.checkpoints import MARKER, inspect_checkpoint
 from pipeline.config import CacheConfig, TrainConfig
 from serve.engine.target_loading import load_target
-from pipeline.train import run_train
+from pipeline.train.driver import run_train
 
 from .conftest import conversations
 
@@ -104,7 +104,7 @@ def test_a_damaged_shard_is_named_before_training_starts(tmp_path, tiny_cache, t
     training start, naming the file; nothing is trained or written."""
     import shutil
 
-    from pipeline.cache_format import CorruptShardError
+    from pipeline.cache.format import CorruptShardError
 
     cache_dir, manifest = tiny_cache
     damaged = tmp_path / "cache"
@@ -133,8 +133,8 @@ def _poison_row(cache_dir, manifest, row: int, dest):
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from pipeline.cache_format import SCHEMA
-    from pipeline.train_data import CacheRowIndex
+    from pipeline.cache.format import SCHEMA
+    from pipeline.train.data import CacheRowIndex
 
     shutil.copytree(cache_dir, dest)
     index = CacheRowIndex(str(dest), manifest, "train", {})
@@ -156,7 +156,7 @@ def _poison_row(cache_dir, manifest, row: int, dest):
 
 def _row_in_step(tiny_cache, step_in_epoch: int) -> int:
     """A train row that rank 0 reads first in global step ``step_in_epoch`` of epoch 0."""
-    from pipeline.train_data import CacheRowIndex
+    from pipeline.train.data import CacheRowIndex
 
     cache_dir, manifest = tiny_cache
     order = CacheRowIndex(cache_dir, manifest, "train", {}).epoch_order(0, 0)

@@ -11,7 +11,7 @@ import shutil
 
 import pytest
 
-from pipeline.cache_format import verify_shard
+from pipeline.cache.format import verify_shard
 
 from .pipeline_config import tiny_pipeline_config
 from .test_pipeline_e2e import run_pipeline

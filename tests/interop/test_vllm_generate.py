@@ -23,9 +23,9 @@ import torch
 vllm = pytest.importorskip("vllm", reason="runs in .venv-interop (bash infra/install.sh --interop)")
 pytest.importorskip("ray.data.llm")
 
-from pipeline import generate_vllm as gv  # noqa: E402
+from pipeline.generate import vllm_backend as gv  # noqa: E402
 from pipeline.config import load_config  # noqa: E402
-from pipeline.generate import finish_answer, next_user_turn  # noqa: E402
+from pipeline.generate.hf import finish_answer, next_user_turn  # noqa: E402
 from pipeline.stages import StageContext, run_stage  # noqa: E402
 from serve.engine.chat import render_prompt_ids, tokenize_conversation_samples  # noqa: E402
 from tests.unit.helpers import greedy_reference  # noqa: E402

@@ -18,7 +18,7 @@ from safetensors.torch import load_file, save_file
 
 from drafters.config import DrafterCheckpointError
 from drafters.loading import load_drafter
-from pipeline.cache_format import CACHE_FORMAT, CacheMismatchError
+from pipeline.cache.format import CACHE_FORMAT, CacheMismatchError
 from pipeline.config import ConfigError, load_config
 from pipeline.data_stages import stage_cache
 from pipeline.evaluate import EvalDataError, load_eval_prompts

@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from pipeline.cache_check import CacheHeadMismatchError
+from pipeline.cache.check import CacheHeadMismatchError
 from pipeline.config import CacheConfig
 from pipeline.target_features import CacheTarget
 
@@ -20,7 +20,7 @@ CONVERSATIONS = [{"id": f"c{i}", "domain": "math", "messages": [
 
 @pytest.fixture
 def writer(tiny_target_dir):
-    from pipeline.cache import CacheWriterUDF
+    from pipeline.cache.stage import CacheWriterUDF
 
     udf = CacheWriterUDF(CacheTarget(str(tiny_target_dir), "float32", [1, 3, 4], {}),
                          CacheConfig(max_length=128, num_threads=1), {})

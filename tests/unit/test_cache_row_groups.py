@@ -1,4 +1,4 @@
-"""Cache row groups cut by bytes (pipeline/cache_writer.py): at cluster shapes (Qwen3-8B: H 4096, 5
+"""Cache row groups cut by bytes (pipeline/cache/writer.py): at cluster shapes (Qwen3-8B: H 4096, 5
 context layers, cache.max_length 4096) the default 16 rows per row group would put 2.5 GiB in
 one Arrow binary column, past its 2 GiB of int32 offsets; the writer cuts row groups by
 ``cache.row_group_bytes`` too, so a shard writes and reads back exactly.
@@ -17,13 +17,13 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from pipeline import cache_writer
-from pipeline.cache_format import BYTE_COLUMNS, SCHEMA
-from pipeline.cache_writer import (ShardWriter, binary_column, check_row_size, row_group_sizes,
+from pipeline.cache import writer as cache_writer
+from pipeline.cache.format import BYTE_COLUMNS, SCHEMA
+from pipeline.cache.writer import (ShardWriter, binary_column, check_row_size, row_group_sizes,
                                    rows_table, table_row_bytes, write_shard)
 from pipeline.config import DEFAULT_ROW_GROUP_BYTES, MAX_COLUMN_BYTES, CacheConfig
 from pipeline.plan import bytes_per_token
-from pipeline.train_data import CacheRowIndex, CacheRowReader
+from pipeline.train.data import CacheRowIndex, CacheRowReader
 
 ROWS = CacheConfig().rows_per_row_group  # the default the issue tried: 16
 

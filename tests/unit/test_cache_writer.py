@@ -1,4 +1,4 @@
-"""The cache writer (pipeline/cache.py, cache_writer.py, pipeline/storage.py): shards stream row
+"""The cache writer (pipeline/cache/stage.py, cache_writer.py, pipeline/storage.py): shards stream row
 group by row group to a temporary that becomes visible only when complete, a failure leaves nothing
 behind, the hidden states are stored without dictionary encoding, transient store errors are retried
 with backoff, and batched target forwards give the rows a per-sample forward gives."""
@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from pipeline import storage
-from pipeline.cache import CacheTarget, CacheWriterUDF, length_batches
-from pipeline.cache_format import SCHEMA
-from pipeline.cache_writer import (ShardWriter, row_group_sizes, supervised_token_counts,
+from pipeline.cache.stage import CacheTarget, CacheWriterUDF, length_batches
+from pipeline.cache.format import SCHEMA
+from pipeline.cache.writer import (ShardWriter, row_group_sizes, supervised_token_counts,
                                    write_shard)
 from pipeline.config import CacheConfig
 
@@ -196,9 +196,9 @@ def test_shards_are_cut_in_cache_order_and_mix_the_sources():
     that start with their source's name land in shards of mixed sources."""
     import json
 
-    from pipeline.cache_shards import (_assign_shard, _key_lines, _pack_shard, shard_bounds,
+    from pipeline.cache.shards import (_assign_shard, _key_lines, _pack_shard, shard_bounds,
                                        shard_fingerprint)
-    from pipeline.cache_format import shard_key
+    from pipeline.cache.format import shard_key
 
     convs = [{"id": f"{src}-{i:02d}", "domain": "math", "messages": [
         {"role": "user", "content": f"q{i} é"}, {"role": "assistant", "content": f"a{i}"}]}
@@ -239,8 +239,8 @@ def test_shards_are_cut_in_cache_order_and_mix_the_sources():
 def test_rows_table_matches_the_dict_rows_and_sliced_tables_count_right(tmp_path):
     import pyarrow as pa
 
-    from pipeline.cache_format import bf16_array
-    from pipeline.cache_writer import rows_table
+    from pipeline.cache.format import bf16_array
+    from pipeline.cache.writer import rows_table
 
     torch.manual_seed(0)
     samples = [{"sample_id": f"s{i}", "domain": "d", "input_ids": list(range(5 + i)),

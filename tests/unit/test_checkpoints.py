@@ -2,7 +2,7 @@
 checkpoint that some rank did not finish writing, says which one it skipped and why, and a
 checkpoint named explicitly fails naming its directory.
 
-The fake checkpoints have the layout the writer produces (pipeline/train_state.py
+The fake checkpoints have the layout the writer produces (pipeline/train/state.py
 ``save_training_state``): each rank's files in its own directory, merged into the checkpoint
 directory the way Ray Train's upload merges them, ``train_state.json`` from
 ``train_state_bytes``, and the marker from ``write_marker`` over each rank's ``local_files``.
@@ -270,14 +270,14 @@ class _FakeEngine:
 
 def test_the_worker_side_writes_the_marker_last_and_resumes_the_newest_complete(
         store, monkeypatch):
-    """save_training_state and resume_checkpoint (pipeline/train_state.py) with Ray Train's calls
+    """save_training_state and resume_checkpoint (pipeline/train/state.py) with Ray Train's calls
     stood in for (one worker, a gloo group of one): the checkpoint is uploaded by report, then
     marked complete at the path Ray persisted it to; a restarted group continues from the newest
     complete checkpoint of its run_train call (its fit id), passing over an unmarked one."""
     import ray.train
     import torch.distributed as dist
 
-    from pipeline.train_state import resume_checkpoint, save_training_state
+    from pipeline.train.state import resume_checkpoint, save_training_state
 
     persisted, uploads = [], []
 
@@ -295,7 +295,7 @@ def test_the_worker_side_writes_the_marker_last_and_resumes_the_newest_complete(
     monkeypatch.setattr(ray.train, "get_context", lambda: Context)
     monkeypatch.setattr(ray.train, "report", report)
     monkeypatch.setattr(ray.train, "get_checkpoint", lambda: persisted[-1] if persisted else None)
-    from pipeline.train_job import CheckpointPlace
+    from pipeline.train.job import CheckpointPlace
 
     loop_cfg = CheckpointPlace(str(store), {}, RUN, fit_id="fit-1")
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)

@@ -48,8 +48,8 @@ def test_frequency_ranking_and_coverage():
 
 
 def test_cache_counts_supervised_tokens_into_the_manifest():
-    from pipeline.cache_format import build_manifest
-    from pipeline.cache_writer import supervised_token_counts
+    from pipeline.cache.format import build_manifest
+    from pipeline.cache.writer import supervised_token_counts
 
     rec = lambda ids, mask: {"input_ids": np.asarray(ids, "<i4").tobytes(),
                              "loss_mask": np.asarray(mask, np.uint8).tobytes()}
@@ -230,7 +230,7 @@ def test_chunked_losses_and_gradients_equal_dense(objective, subset):
 
 
 def test_select_draft_vocab_from_the_manifest():
-    from pipeline.train import select_draft_vocab
+    from pipeline.train.driver import select_draft_vocab
 
     manifest = {"target": {"vocab_size": 10},
                 "splits": {"train": {"token_frequency": [[7, 5], [2, 3]]},

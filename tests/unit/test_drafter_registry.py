@@ -115,7 +115,7 @@ def _samples(target, n=4, prompt_len=6, new_tokens=34, seed=0):
 
 def test_a_drafter_defined_here_trains_saves_loads_and_verifies_losslessly(registered, tmp_path):
     from pipeline.config import PipelineConfig, TrainConfig
-    from pipeline.train_worker import batch_losses
+    from pipeline.train.worker import batch_losses
     from serve.engine.decoding import SpeculativeDecoder
     from serve.engine.target_runner import TargetRunner
 

@@ -114,7 +114,7 @@ def test_train_vs_serve_flags_a_trainer_tau_outside_the_served_interval():
     """The eval report puts the trainer's held-out tau beside the served tau at fixed gamma on
     the held-out prompts (calibrate stage) and flags a gap the served interval does not cover."""
     from pipeline.calibrate import served_tau
-    from pipeline.train_vs_serve import train_vs_serve
+    from pipeline.train.vs_serve import train_vs_serve
 
     collected = {"per_prompt": [[20, 10], [30, 10], [25, 10], [22, 10]], "temperature": 1.0}
     served = served_tau(collected)

@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from pipeline import generate_vllm as gv
+from pipeline.generate import vllm_backend as gv
 from pipeline.config import ConfigError, SamplingConfig, VllmGenerateConfig, load_config
-from pipeline.generate import finish_answer, next_user_turn
+from pipeline.generate.hf import finish_answer, next_user_turn
 from pipeline.stages import ADDED_LATER, StageContext, preflight, stage_fingerprint
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -1,4 +1,4 @@
-"""generate.backend: engine (pipeline/generate_engine.py): the continuous-batching engine draws
+"""generate.backend: engine (pipeline/generate/engine.py): the continuous-batching engine draws
 answers from the distribution plain transformers ``generate`` samples (two-sample chi-square on
 next-token histograms at three positions, the real SmolLM2 target), a row's answer does not depend
 on its batch, and one bad row fails alone (the stage itself, on Ray:
@@ -13,8 +13,8 @@ import pytest
 import torch
 from scipy.stats import chi2_contingency
 
-from pipeline.generate import GenerateUDF
-from pipeline.generate_engine import EngineGenerateUDF, answer_seed
+from pipeline.generate.hf import GenerateUDF
+from pipeline.generate.engine import EngineGenerateUDF, answer_seed
 from serve.engine.chat import render_prompt_ids
 from serve.engine.target_loading import load_target
 
@@ -126,7 +126,7 @@ def test_the_engine_walks_each_conversation_as_the_hf_backend_does_and_yields_ro
     for the prompt limit: the engine's
     per-conversation walk (next turn queued when the previous answer ends) writes the hf
     backend's turn-by-turn rows (greedy, fp32), every row once, in more than one chunk."""
-    import pipeline.generate_engine as generate_engine
+    import pipeline.generate.engine as generate_engine
 
     monkeypatch.setattr(generate_engine, "FLUSH_S", 0.0)
     greedy = dict(SAMPLING, temperature=0.0, max_new_tokens=5)

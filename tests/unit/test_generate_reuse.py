@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from pipeline.generate import done_ids
-from pipeline.generate_reuse import refile_answers, reuse_answers
+from pipeline.generate.hf import done_ids
+from pipeline.generate.reuse import refile_answers, reuse_answers
 
 
 def _prompt(rid, *turns):
@@ -102,7 +102,7 @@ def test_answers_are_refiled_under_the_current_split(tmp_path):
 
 def test_a_source_made_with_another_target_or_sampling_is_refused(tmp_path, caplog):
     from pipeline.config import load_config
-    from pipeline.generate_reuse import (check_generation_record, generation_record,
+    from pipeline.generate.reuse import (check_generation_record, generation_record,
                                          write_generation_record)
 
     cfg = load_config("infra/configs/smollm2_reference.yaml")
@@ -137,7 +137,7 @@ def test_a_source_made_with_another_target_or_sampling_is_refused(tmp_path, capl
 def test_the_shipped_answers_record_matches_the_configs_that_reuse_them(config):
     from pipeline import storage
     from pipeline.config import load_config
-    from pipeline.generate_reuse import check_generation_record, generation_record
+    from pipeline.generate.reuse import check_generation_record, generation_record
 
     cfg = load_config(config)
     assert cfg.generate.reuse_from

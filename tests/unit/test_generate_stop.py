@@ -10,8 +10,8 @@ import shutil
 import pytest
 import torch
 
-from pipeline.generate import GenerateUDF
-from pipeline.generate_engine import EngineGenerateUDF
+from pipeline.generate.hf import GenerateUDF
+from pipeline.generate.engine import EngineGenerateUDF
 from serve.engine.target_loading import eos_token_ids, load_target, load_tokenizer
 from tests.unit.helpers import greedy_reference
 

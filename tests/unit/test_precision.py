@@ -126,7 +126,7 @@ def test_shipped_configs_leave_precision_to_the_machine():
 def test_deepspeed_autocasts_bf16_only_where_training_resolves_to_it(monkeypatch):
     from drafters import precision
     from pipeline.config import TrainConfig
-    from pipeline.train_worker import deepspeed_config, uses_bf16
+    from pipeline.train.worker import deepspeed_config, uses_bf16
 
     tc = TrainConfig(use_gpu=True, global_batch_size=8, micro_batch_size=4, num_workers=1)
     for cap, autocast in ((CUDA_BF16, True), (CUDA_OLD, False)):
@@ -144,8 +144,8 @@ def test_a_cache_row_is_the_same_bf16_format_from_either_compute_dtype():
     """The cache is bf16 on disk whatever the target computed in: rows written from an fp32 and
     a bf16 forward (an AVX2 and an AVX-512-BF16 machine's auto) have the same schema and
     byte layout and decode to bf16 tensors, equal where the values are."""
-    from pipeline.cache_format import decode_row
-    from pipeline.cache_writer import rows_table
+    from pipeline.cache.format import decode_row
+    from pipeline.cache.writer import rows_table
 
     g = torch.Generator().manual_seed(0)
     ctx32, last32 = torch.randn(5, 2 * 8, generator=g), torch.randn(5, 8, generator=g)
@@ -171,7 +171,7 @@ def test_a_driver_planning_for_gpu_workers_never_probes_the_device(monkeypatch):
     """The memory planner resolves precision for GPU workers without a CUDA context in the
     driver (it would hold GPU memory vLLM or the trainers need): bf16 assumed."""
     from pipeline.config import TrainConfig
-    from pipeline.train_worker import uses_bf16
+    from pipeline.train.worker import uses_bf16
 
     def refuse(*args, **kwargs):
         raise AssertionError("the driver probed the GPU")

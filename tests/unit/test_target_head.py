@@ -1,4 +1,4 @@
-"""The training worker's frozen target head (``pipeline.train_worker.TargetHead``): the same
+"""The training worker's frozen target head (``pipeline.train.worker.TargetHead``): the same
 logits as the LM head under autocast, written into one reused buffer, and the same losses and
 gradients through ``batch_losses`` as a head made for each call."""
 
@@ -9,7 +9,7 @@ import torch
 
 from drafters.target_weights import final_logit_softcap
 from pipeline.config import TrainConfig
-from pipeline.train_worker import TargetHead, batch_losses, target_head
+from pipeline.train.worker import TargetHead, batch_losses, target_head
 from tests.families import FAMILIES, family_target
 from tests.tiny import tiny_drafter, tiny_target
 

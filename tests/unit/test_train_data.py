@@ -1,4 +1,4 @@
-"""The training reader (pipeline/train_data.py): prefetching never changes which rows a step sees
+"""The training reader (pipeline/train/data.py): prefetching never changes which rows a step sees
 or their order, a resumed plan is the tail of the uninterrupted one, rows decode exactly as the
 plain pylist path, and a bad row surfaces at its own micro-batch."""
 
@@ -13,8 +13,8 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from pipeline.cache_format import CorruptShardError, SCHEMA, decode_row
-from pipeline.train_data import (ArrowRowGroup, CacheRowIndex, CacheRowReader, worker_micro_batches,
+from pipeline.cache.format import CorruptShardError, SCHEMA, decode_row
+from pipeline.train.data import (ArrowRowGroup, CacheRowIndex, CacheRowReader, worker_micro_batches,
                                  worker_plan)
 
 H, M = 8, 2
@@ -202,7 +202,7 @@ def test_arrow_row_group_handles_chunked_and_sliced_columns():
 def test_subset_manifest_takes_whole_shards_nested_and_keeps_heldout():
     """train.max_train_rows: whole shards in a seeded order until enough rows; a smaller subset
     is inside every larger one; counts recomputed; held-out split untouched."""
-    from pipeline.train_data import subset_manifest
+    from pipeline.train.data import subset_manifest
 
     shards = [{"file": f"s{i}.parquet", "rows": 10, "tokens": 100 + i, "supervised_tokens": 50}
               for i in range(12)]
@@ -227,7 +227,7 @@ def test_subset_manifest_takes_whole_shards_nested_and_keeps_heldout():
 
 
 def test_plateau_reached_after_patience_evaluations_without_progress():
-    from pipeline.train_data import plateau_reached
+    from pipeline.train.data import plateau_reached
 
     def log(*taus):
         out = []

@@ -1,4 +1,4 @@
-"""The frozen job the train driver hands every worker (pipeline/train_job.py): built once, checked
+"""The frozen job the train driver hands every worker (pipeline/train/job.py): built once, checked
 at construction, and the one place the draft vocabulary travels."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import pytest
 
 from drafters.config import DrafterConfig
 from pipeline.config import TrainConfig
-from pipeline.train_job import CheckpointPlace, TrainJob
+from pipeline.train.job import CheckpointPlace, TrainJob
 
 
 def _job(**kw):

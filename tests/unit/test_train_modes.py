@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 
 from pipeline.config import CacheConfig, TrainConfig
-from pipeline.train_modes import check_resources
+from pipeline.train.modes import check_resources
 
 
 def _ctx(**cache):

@@ -2,7 +2,7 @@
 logits (issue 42).
 
 Training computes the target side of every loss from the cache's ``last_hidden`` through the
-frozen LM head (``pipeline.train_worker.TargetHead``: the head weight read by
+frozen LM head (``pipeline.train.worker.TargetHead``: the head weight read by
 ``drafters.target_weights.load_frozen_head``, Gemma 2's soft cap applied). If that state is not
 exactly what the target's LM head reads (a pre-norm state, an untrained norm, a template that
 tokenizes differently, a dtype slip), the drafter trains toward another distribution than the one
@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import pyarrow.parquet as pq
 
-from . import storage
-from .cache_format import decode_row
+from .. import storage
+from .format import decode_row
 
 # Measured on SmolLM2-135M (session 33): a correct cache leaves 0.3 % (fp32 forward) to 1.4-2.1 %
 # (bf16 forward: the cache's batched pass and the check's single pass round differently, and the
@@ -34,7 +34,7 @@ class CacheHeadMismatchError(ValueError):
 
 def read_first_row(shard_file: str, hidden_size: int, num_context_layers: int,
                    storage_options: dict | None = None) -> dict:
-    """The first row of a written shard, decoded (:func:`pipeline.cache_format.decode_row`), read
+    """The first row of a written shard, decoded (:func:`pipeline.cache.format.decode_row`), read
     from its first row group only (a cluster shard is hundreds of MB)."""
     fs, inner = storage.get_arrow_fs(shard_file, storage_options)
     with fs.open_input_file(inner) as fh:
@@ -58,7 +58,7 @@ def head_agreement(model, row: dict, head_weight, softcap: float | None = None) 
     """
     import torch
 
-    from .train_worker import TargetHead
+    from ..train.worker import TargetHead
 
     mask = torch.as_tensor(row["loss_mask"]).bool()  # [T]
     positions = torch.nonzero(mask).flatten()[-CHECKED_POSITIONS:]

@@ -1,12 +1,12 @@
 """Train stage, the pieces of a Ray Train worker's step: the LR schedule, DeepSpeed's config
 (ZeRO-1/2), the frozen target head, one micro-batch's losses, the metrics reduction over the
 workers and the non-finite-loss handling (SPEC section 3). The loop that runs them is
-``pipeline/train_loop.py``.
+``pipeline/train/loop.py``.
 
 Workers receive only O(H) hidden states from the cache; target probabilities are recomputed on the
 worker from ``last_hidden`` through the frozen LM head and only at supervised rows (never V-sized
-tensors in the cache or on the wire). The driver is ``pipeline/train.py``; checkpoints
-``pipeline/train_state.py``.
+tensors in the cache or on the wire). The driver is ``pipeline/train/driver.py``; checkpoints
+``pipeline/train/state.py``.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 
 
 if TYPE_CHECKING:
-    from .config import TrainConfig
+    from ..config import TrainConfig
 
 logger = logging.getLogger(__name__)
 
@@ -60,7 +60,7 @@ def deepspeed_config(tc: TrainConfig, world_size: int) -> dict:
                                                   "torch_adam": True}},
         "steps_per_print": 10**9,
     }
-    # bf16 runs as autocast around the forward (pipeline/train_loop.py): the weights, gradients and
+    # bf16 runs as autocast around the forward (pipeline/train/loop.py): the weights, gradients and
     # optimizer state stay fp32 (SPEC 3: bf16 with fp32 master weights) on CPU and GPU alike. On
     # CUDA, DeepSpeed's engine.forward re-enters autocast(enabled=False) unless its own
     # torch_autocast section asks for bf16, which would silently run the backbone in fp32.

@@ -27,8 +27,8 @@ from typing import Iterable, Iterator
 
 import numpy as np
 
-from . import storage
-from .cache_format import BYTE_COLUMNS, CorruptShardError, check_schema, decode_columns
+from .. import storage
+from ..cache.format import BYTE_COLUMNS, CorruptShardError, check_schema, decode_columns
 
 
 @dataclass(frozen=True)
@@ -50,7 +50,7 @@ class CacheRowIndex:
         storage_options: s3fs options.
     Raises:
         CorruptShardError: a shard's Parquet footer disagrees with the manifest's row count, or
-            its columns with the cache schema (:func:`pipeline.cache_format.check_schema`).
+            its columns with the cache schema (:func:`pipeline.cache.format.check_schema`).
         FileNotFoundError: a listed shard is missing.
     """
 
@@ -132,7 +132,7 @@ class ArrowRowGroup:
         return data[off[j]:off[j + 1]]
 
     def decode(self, i: int, hidden_size: int, num_context_layers: int) -> dict:
-        """Row ``i`` decoded by :func:`pipeline.cache_format.decode_columns` (fresh tensors).
+        """Row ``i`` decoded by :func:`pipeline.cache.format.decode_columns` (fresh tensors).
 
         Raises:
             CorruptShardError: byte sizes disagree with ``num_tokens`` (sample named).
@@ -155,7 +155,7 @@ class CacheRowReader:
     Args:
         index: a :class:`CacheRowIndex`.
         hidden_size, num_context_layers: to decode rows
-        (:func:`pipeline.cache_format.decode_columns`). cached_groups: how many row groups (Arrow
+        (:func:`pipeline.cache.format.decode_columns`). cached_groups: how many row groups (Arrow
         tables) to keep (LRU); at least the epoch
             order's shuffle window (4) so that every row group is read once per epoch.
         io_threads: row groups read concurrently (I/O and decompression release the GIL).
@@ -242,7 +242,7 @@ class CacheRowReader:
         return out
 
     def read(self, rows: list[int]) -> list[dict]:
-        """Decoded samples (see :func:`pipeline.cache_format.decode_columns`) of the given global
+        """Decoded samples (see :func:`pipeline.cache.format.decode_columns`) of the given global
         row ids, in the given order, each with ``row_id``.
 
         Raises:

@@ -1,11 +1,11 @@
 """Train stage, the Ray Train worker's loop: one :class:`WorkerLoop` per worker builds the
-drafter from the driver's :class:`~pipeline.train_job.TrainJob`, wraps it in DeepSpeed and trains
+drafter from the driver's :class:`~pipeline.train.job.TrainJob`, wraps it in DeepSpeed and trains
 on its slice of every global batch of the target cache (SPEC section 3).
 
 Workers receive only O(H) hidden states from the cache; target probabilities are recomputed on the
 worker from ``last_hidden`` through the frozen LM head and only at supervised rows (never V-sized
-tensors in the cache or on the wire). The driver is ``pipeline/train.py``; a step's pieces
-``pipeline/train_worker.py``; checkpoints ``pipeline/train_state.py``.
+tensors in the cache or on the wire). The driver is ``pipeline/train/driver.py``; a step's pieces
+``pipeline/train/worker.py``; checkpoints ``pipeline/train/state.py``.
 """
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ import logging
 import os
 import time
 
-from .train_data import plateau_reached
-from .train_job import TrainJob
-from .train_worker import (NonFiniteLossError, batch_losses, deepspeed_config, finite_on_all_workers,
+from .data import plateau_reached
+from .job import TrainJob
+from .worker import (NonFiniteLossError, batch_losses, deepspeed_config, finite_on_all_workers,
                            init_weights, lr_lambda, reduce_metrics, skip_update, target_head,
                            zero_loss)
 
@@ -30,7 +30,7 @@ def train_loop_per_worker(loop_config: dict) -> None:
 
     Args:
         loop_config: ``{"job": TrainJob}`` (Ray Train hands the loop a dict), the driver's
-            :class:`~pipeline.train_job.TrainJob`.
+            :class:`~pipeline.train.job.TrainJob`.
     """
     job: TrainJob = loop_config["job"]
     loop = WorkerLoop(job)
@@ -119,7 +119,7 @@ class WorkerLoop:
     def _open_data(self):
         """This worker's rows: streamed from the feature actors (online, hybrid's first epoch)
         or read from the cache shards."""
-        from .train_sources import CachedRows, StreamedRows
+        from .sources import CachedRows, StreamedRows
 
         job, tc = self.job, self.job.train
         eval_rows = tc.eval_rows if tc.eval_every else None
@@ -133,7 +133,7 @@ class WorkerLoop:
     def _restore(self) -> None:
         """Continue from the run's checkpoint, if any: weights, optimizer, schedule, the log and
         the data position."""
-        from .train_state import load_training_log, load_training_state, resume_checkpoint
+        from .state import load_training_log, load_training_state, resume_checkpoint
 
         restored = resume_checkpoint(self.job.checkpoints)
         self.resumes = 0
@@ -176,7 +176,7 @@ class WorkerLoop:
     def run(self) -> None:
         """Train from the restored step to the end step (or the held-out plateau)."""
         # every micro-batch this worker will read, in order (the offline reader works ahead of
-        # the loop without changing what a step sees, pipeline/train_data.py)
+        # the loop without changing what a step sees, pipeline/train/data.py)
         self.stream = self.data.micro_batches(self.step, self.end_step, self.job.steps_per_epoch,
                                               self.job.train)
         while self.step < self.end_step:
@@ -192,7 +192,7 @@ class WorkerLoop:
             (the finite micro-batches' loss dicts, whether some worker's loss was non-finite
             (the update is then skipped on all), seconds spent waiting for data).
         """
-        from .train_data import row_generator
+        from .data import row_generator
 
         tc = self.job.train
         outs, bad, waited = [], False, 0.0
@@ -262,7 +262,7 @@ class WorkerLoop:
         """The held-out split's metrics (``heldout_`` keys), reduced over the workers."""
         import torch
 
-        from .train_data import row_generator
+        from .data import row_generator
 
         tc = self.job.train
         self.engine.eval()
@@ -277,7 +277,7 @@ class WorkerLoop:
 
     def checkpoint(self, metrics: dict) -> None:
         """A checkpoint of the current step (all workers together)."""
-        from .train_state import save_training_state
+        from .state import save_training_state
 
         save_training_state(self.engine, self.step, self.world, self.history, metrics,
                             self.job.checkpoints, extra_files=self.data.checkpoint_files())

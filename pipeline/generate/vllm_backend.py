@@ -11,7 +11,7 @@ The same conversation walk, prompts, sampling and rows as the hf backend:
 * ``generate.sampling`` maps one to one onto ``vllm.SamplingParams`` (:func:`sampling_params`),
   stopping on the end tokens serving and the hf backend stop on
   (:func:`serve.engine.target_loading.eos_token_ids`);
-* answers are cut and decoded by :func:`pipeline.generate.finish_answer` in a CPU actor pool
+* answers are cut and decoded by :func:`pipeline.generate.hf.finish_answer` in a CPU actor pool
   after the engines (Ray's detokenize stage off, vLLM's ``detokenize`` off);
 * rows go to the same ``<split>.jsonl`` / ``errors.jsonl`` with the same fields, fsynced per
   batch; a re-run skips ids already in either file.
@@ -33,8 +33,8 @@ import os
 from pathlib import Path
 from typing import Any
 
-from .config import GenerateConfig, VllmGenerateConfig
-from .generate import _append, finish_answer, next_user_turn, pending_rows
+from ..config import GenerateConfig, VllmGenerateConfig
+from .hf import _append, finish_answer, next_user_turn, pending_rows
 
 logger = logging.getLogger(__name__)
 

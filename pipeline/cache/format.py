@@ -14,7 +14,7 @@ reader): ``sample_id`` string, ``domain`` string, ``num_tokens`` int32, ``input_
 concatenated in ascending order), ``last_hidden`` binary (bf16 [T, H], the LM head's input).
 
 This module is the format: the schema, decoding a row, the manifest and checking a cache
-(:mod:`pipeline.cache_writer` writes shards, :mod:`pipeline.cache` runs the stage).
+(:mod:`pipeline.cache.writer` writes shards, :mod:`pipeline.cache.stage` runs the stage).
 """
 
 from __future__ import annotations
@@ -27,8 +27,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from . import storage
-from .plan import bytes_per_token
+from .. import storage
+from ..plan import bytes_per_token
 
 
 CACHE_FORMAT = "dspark-target-cache/v1"

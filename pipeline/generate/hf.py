@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 if TYPE_CHECKING:
-    from .config import GenerateConfig
+    from ..config import GenerateConfig
 
 logger = logging.getLogger(__name__)
 
@@ -277,20 +277,20 @@ def _append(fh, row: dict) -> None:
 
 def backend_udf(cfg: GenerateConfig) -> tuple[type, dict]:
     """The actor class of ``cfg.backend`` (hf: :class:`GenerateUDF`; engine:
-    ``pipeline.generate_engine.EngineGenerateUDF``) and its arguments beyond the shared ones.
+    ``pipeline.generate.engine.EngineGenerateUDF``) and its arguments beyond the shared ones.
 
     Raises:
-        ValueError: backend vllm (``pipeline.generate_vllm.run_generate_vllm`` runs it).
+        ValueError: backend vllm (``pipeline.generate.vllm_backend.run_generate_vllm`` runs it).
     """
     if cfg.backend == "hf":
         return GenerateUDF, {}
     if cfg.backend == "engine":
-        from .generate_engine import EngineGenerateUDF
+        from .engine import EngineGenerateUDF
 
         return EngineGenerateUDF, {"max_num_requests": cfg.max_num_requests,
                                    "kv_cache_memory_gib": cfg.kv_cache_memory_gib}
     raise ValueError(f"generate.backend {cfg.backend!r} has no actor pool here: "
-                     "pipeline.generate_vllm.run_generate_vllm runs it")
+                     "pipeline.generate.vllm_backend.run_generate_vllm runs it")
 
 
 def pending_rows(splits: dict[str, tuple[list[dict], Path]],

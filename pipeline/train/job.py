@@ -1,7 +1,7 @@
 """Train stage, what the driver hands every Ray Train worker: one frozen :class:`TrainJob`.
 
-The driver (``pipeline/train.py``) validates the inputs, sizes the run and builds the job once;
-Ray pickles it to the workers (``pipeline/train_worker.py``), which unpack it on their first
+The driver (``pipeline/train/driver.py``) validates the inputs, sizes the run and builds the job once;
+Ray pickles it to the workers (``pipeline/train/worker.py``), which unpack it on their first
 line and never re-parse or re-derive any of it. The typed config sections travel as the driver
 validated them.
 """
@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from drafters.config import DrafterConfig
 
-    from .config import TrainConfig
+    from ..config import TrainConfig
 
 
 @dataclass(frozen=True)

@@ -2,9 +2,9 @@
 through Ray Data (SPEC section 3).
 
 The driver checks the inputs (cache shards, ``init_from``, storage), selects the draft
-vocabulary, sizes the run and launches the workers (``pipeline/train_loop.py``) with one frozen
-:class:`~pipeline.train_job.TrainJob`. Checkpoints are a Hugging Face drafter directory plus the
-DeepSpeed training state, reported to Ray Train (``pipeline/train_state.py``).
+vocabulary, sizes the run and launches the workers (``pipeline/train/loop.py``) with one frozen
+:class:`~pipeline.train.job.TrainJob`. Checkpoints are a Hugging Face drafter directory plus the
+DeepSpeed training state, reported to Ray Train (``pipeline/train/state.py``).
 """
 
 from __future__ import annotations
@@ -17,13 +17,13 @@ import uuid
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from .train_data import steps_per_epoch
-from .train_job import CheckpointPlace, TrainJob
+from .data import steps_per_epoch
+from .job import CheckpointPlace, TrainJob
 
 if TYPE_CHECKING:
     from drafters.config import DrafterConfig
 
-    from .config import TrainConfig
+    from ..config import TrainConfig
 
 logger = logging.getLogger(__name__)
 
@@ -40,7 +40,7 @@ def run_train(*, cache_dir: str, manifest: dict, out_dir: Path, target: str, lay
 
     Args:
         manifest: the cache's manifest; for streamed training (``streams``) one with the
-            statistics of the stream and no shards (:func:`pipeline.train_modes.stream_manifest`).
+            statistics of the stream and no shards (:func:`pipeline.train.modes.stream_manifest`).
         streams: None (read the cache at ``cache_dir``) or a function (the run's
             :class:`pipeline.feature_stream.Checkpoints`, total steps) -> the datasets ``train``
             and optionally ``heldout`` that stream the target features to the workers
@@ -57,10 +57,10 @@ def run_train(*, cache_dir: str, manifest: dict, out_dir: Path, target: str, lay
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
-    from . import storage
-    from .checkpoints import latest_checkpoint, require_complete
-    from .tracking import log_drafter_artifact, open_run, run_id
-    from .train_loop import train_loop_per_worker
+    from .. import storage
+    from ..checkpoints import latest_checkpoint, require_complete
+    from ..tracking import log_drafter_artifact, open_run, run_id
+    from .loop import train_loop_per_worker
 
     rows = manifest["splits"]["train"]["rows"]
     if train.init_from and not storage.is_url(train.init_from):  # named now, not by each worker
@@ -68,7 +68,7 @@ def run_train(*, cache_dir: str, manifest: dict, out_dir: Path, target: str, lay
 
         check_checkpoint(storage.resolve(train.init_from))
     if train.verify_cache:  # a damaged shard is named now, before any worker starts
-        from .cache_format import verify_shard
+        from ..cache.format import verify_shard
 
         for split, info in manifest["splits"].items():
             for shard in info.get("shards", []):
@@ -104,7 +104,7 @@ def run_train(*, cache_dir: str, manifest: dict, out_dir: Path, target: str, lay
         from ray.data import ExecutionOptions, ExecutionResources
         from ray.train import DataConfig
 
-        from .feature_stream import Checkpoints
+        from ..feature_stream import Checkpoints
 
         datasets = streams(Checkpoints(storage_path, run_name, storage_options, resume, fit_id),
                            total)
@@ -173,7 +173,7 @@ def run_train(*, cache_dir: str, manifest: dict, out_dir: Path, target: str, lay
 def train_storage_path(train: TrainConfig, out_dir: Path) -> str:
     """Where Ray Train keeps the run's checkpoints: ``train.storage_path`` or
     ``<out_dir>/ray_train``."""
-    from . import storage
+    from .. import storage
 
     return (storage.resolve(train.storage_path) if train.storage_path
             else str((out_dir / "ray_train").resolve()))

@@ -1,10 +1,10 @@
 """How the conversations of a generate output become cache shards (the cache stage's plan,
-SPEC 1.4): keyed in cache order (:func:`pipeline.cache_format.shard_key`), cut every
+SPEC 1.4): keyed in cache order (:func:`pipeline.cache.format.shard_key`), cut every
 ``rows_per_shard`` rows, packed one row per shard and fingerprinted, all as Ray Data passes.
 
-Kept apart from :mod:`pipeline.cache` (the writer, which needs torch and the target): these
+Kept apart from :mod:`pipeline.cache.stage` (the writer, which needs torch and the target): these
 functions run in Ray Data tasks, and a task's worker imports the module of its function; this one
-imports in a tenth of a second, ``pipeline.cache`` in about two (torch, transformers).
+imports in a tenth of a second, ``pipeline.cache.stage`` in about two (torch, transformers).
 """
 
 from __future__ import annotations
@@ -16,12 +16,12 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from . import storage
-from .cache_format import parse_conversation_line, shard_key, shard_name
+from .. import storage
+from .format import parse_conversation_line, shard_key, shard_name
 
 if TYPE_CHECKING:
-    from .config import CacheConfig
-    from .target_features import CacheTarget
+    from ..config import CacheConfig
+    from ..target_features import CacheTarget
 
 
 def shard_fingerprint(rows: list[dict], settings: dict) -> str:
@@ -35,7 +35,7 @@ def shard_fingerprint(rows: list[dict], settings: dict) -> str:
 
 def shard_bounds(ids: list[str], rows_per_shard: int) -> list[str]:
     """Deterministic shards of the conversations in cache order
-    (:func:`pipeline.cache_format.shard_key`) cut every ``rows_per_shard`` rows: the first key of
+    (:func:`pipeline.cache.format.shard_key`) cut every ``rows_per_shard`` rows: the first key of
     every shard after the first (shard of an id = ``bisect_right(bounds, shard_key(id))``).
 
     Raises:
@@ -51,7 +51,7 @@ def shard_bounds(ids: list[str], rows_per_shard: int) -> list[str]:
 def _key_lines(batch: dict, split: str) -> dict:
     """Ray Data batch: JSON lines (``text``) -> ``split``, ``id``, its ``key`` in cache order and
     the line itself; blank and unreadable (torn) lines are dropped
-    (:func:`pipeline.cache_format.parse_conversation_line`)."""
+    (:func:`pipeline.cache.format.parse_conversation_line`)."""
     ids, keys, texts = [], [], []
     for line in batch["text"]:
         parsed = parse_conversation_line(str(line))
@@ -133,7 +133,7 @@ def pack_shards(splits: dict[str, list[dict] | str], cache_dir: str, target: Cac
                 "layer_ids": list(target.layer_ids), "template_kwargs": target.template_kwargs,
                 "max_length": cache.max_length, "min_supervised": cache.min_supervised_tokens,
                 "summary": 2,  # 2: sidecars carry supervised_token_counts
-                "order": "shard_key"}  # shards cut in hashed-id order (cache_format.shard_key)
+                "order": "shard_key"}  # shards cut in hashed-id order (pipeline.cache.format.shard_key)
     # one pass for all splits: a Ray Data pass costs seconds of start-up whatever its size
     keyed = None
     for split, conversations in splits.items():

@@ -15,9 +15,9 @@ from __future__ import annotations
 import json
 import logging
 
-from . import storage
-from .run_layout import TRAIN
-from .stage_context import SPLITS, StageContext, ensure_ray
+from .. import storage
+from ..run_layout import TRAIN
+from ..stage_context import SPLITS, StageContext, ensure_ray
 
 logger = logging.getLogger(__name__)
 
@@ -35,7 +35,7 @@ def generated_files(ctx: StageContext) -> dict[str, str]:
 def stream_manifest(ctx: StageContext, scans: dict) -> dict:
     """A manifest for streamed training: the statistics a cache of these conversations would
     have (rows, tokens, supervised-token frequencies for the draft vocabulary) and no shards."""
-    from .data_stages import cache_manifest
+    from ..data_stages import cache_manifest
 
     manifest = cache_manifest(ctx, {split: [scan.summary] for split, scan in scans.items()})
     for info in manifest["splits"].values():
@@ -46,8 +46,8 @@ def stream_manifest(ctx: StageContext, scans: dict) -> dict:
 
 def _scan(ctx: StageContext, files: dict[str, str]) -> dict:
     """:func:`pipeline.feature_stream.scan_split` of every split; errors to train/stream_errors."""
-    from .data_stages import cache_target
-    from .feature_stream import scan_split
+    from ..data_stages import cache_target
+    from ..feature_stream import scan_split
 
     scans = {split: scan_split(path, cache_target(ctx), ctx.cfg.cache)
              for split, path in files.items()}
@@ -63,8 +63,8 @@ def _scan(ctx: StageContext, files: dict[str, str]) -> dict:
 
 def _heldout(ctx: StageContext, files: dict[str, str], scans: dict):
     """The held-out rows (a materialized dataset), or None when not evaluating."""
-    from .data_stages import cache_target
-    from .feature_stream import HeldoutStream, put_conversations
+    from ..data_stages import cache_target
+    from ..feature_stream import HeldoutStream, put_conversations
 
     if not ctx.cfg.train.eval_every or "heldout" not in scans or not scans["heldout"].rows:
         return None
@@ -75,7 +75,7 @@ def _heldout(ctx: StageContext, files: dict[str, str], scans: dict):
 
 
 def _run(ctx: StageContext, manifest: dict, train=None, **kwargs) -> dict:
-    from .train import run_train
+    from .driver import run_train
 
     return run_train(
         cache_dir=ctx.cache_dir, manifest=manifest, out_dir=ctx.stage_dir(TRAIN),
@@ -108,10 +108,10 @@ def check_resources(ctx: StageContext) -> None:
 
 
 def train_online(ctx: StageContext) -> dict:
-    """``train.data_mode: online``: returns the :func:`pipeline.train.run_train` result."""
-    from .data_stages import cache_target
-    from .feature_stream import TrainStream, put_conversations
-    from .train_data import steps_per_epoch
+    """``train.data_mode: online``: returns the :func:`pipeline.train.driver.run_train` result."""
+    from ..data_stages import cache_target
+    from ..feature_stream import TrainStream, put_conversations
+    from .data import steps_per_epoch
 
     ensure_ray(ctx.cfg)
     check_resources(ctx)
@@ -135,13 +135,13 @@ def train_online(ctx: StageContext) -> dict:
 
 def train_hybrid(ctx: StageContext) -> dict:
     """``train.data_mode: hybrid`` without a finished cache: the first epoch streams (and writes)
-    the cache, the rest reads it. Returns the last phase's :func:`pipeline.train.run_train`
+    the cache, the rest reads it. Returns the last phase's :func:`pipeline.train.driver.run_train`
     result with ``phases`` (steps of each)."""
-    from .cache_shards import pack_shards
-    from .cache_format import read_manifest
-    from .data_stages import cache_target, write_cache
-    from .feature_stream import HybridStream
-    from .train_data import steps_per_epoch
+    from ..cache.shards import pack_shards
+    from ..cache.format import read_manifest
+    from ..data_stages import cache_target, write_cache
+    from ..feature_stream import HybridStream
+    from .data import steps_per_epoch
 
     ensure_ray(ctx.cfg)
     check_resources(ctx)

@@ -1,9 +1,9 @@
 """Cache stage: one target forward per sample (samples of similar length batched together), written
-as the target cache of SPEC 1.4 (:mod:`pipeline.cache_format`) by Ray Data actors
-(:class:`CacheWriterUDF`, through :mod:`pipeline.cache_writer`).
+as the target cache of SPEC 1.4 (:mod:`pipeline.cache.format`) by Ray Data actors
+(:class:`CacheWriterUDF`, through :mod:`pipeline.cache.writer`).
 
 Shards are deterministic slices of the conversations in cache order (hashed ids,
-:func:`pipeline.cache_format.shard_key`; planned by :mod:`pipeline.cache_shards`), so a re-run
+:func:`pipeline.cache.format.shard_key`; planned by :mod:`pipeline.cache.shards`), so a re-run
 writes only missing shards. Each worker writes its own shards, streaming them row group by row
 group; nothing V-sized or cache-sized passes the driver.
 """
@@ -15,13 +15,13 @@ import logging
 
 import numpy as np
 
-from . import storage
-from .cache_check import check_head_agreement, head_agreement, read_first_row
-from .cache_format import shard_name
-from .cache_shards import pack_shards
-from .cache_writer import ShardWriter, read_sidecar, row_group_sizes, write_sidecar
-from .config import CacheConfig
-from .target_features import CacheTarget, TargetFeatures, length_batches  # noqa: F401 (API)
+from .. import storage
+from .check import check_head_agreement, head_agreement, read_first_row
+from .format import shard_name
+from .shards import pack_shards
+from .writer import ShardWriter, read_sidecar, row_group_sizes, write_sidecar
+from ..config import CacheConfig
+from ..target_features import CacheTarget, TargetFeatures, length_batches  # noqa: F401 (API)
 
 logger = logging.getLogger(__name__)
 
@@ -40,7 +40,7 @@ class CacheWriterUDF(TargetFeatures):
     the store client's retries is rewritten from scratch with backoff
     (:func:`pipeline.storage.retry_transient`). The first shard of each split is checked before
     its sidecar marks it done: the target's LM head on its first row's cached final state must
-    give the target's own logits (:mod:`pipeline.cache_check`); a failing shard keeps no sidecar,
+    give the target's own logits (:mod:`pipeline.cache.check`); a failing shard keeps no sidecar,
     so a re-run writes it again.
     """
 
@@ -80,7 +80,7 @@ class CacheWriterUDF(TargetFeatures):
         return summary
 
     def check_head(self, shard_file: str) -> dict:
-        """:func:`pipeline.cache_check.head_agreement` on the first row of ``shard_file``, read
+        """:func:`pipeline.cache.check.head_agreement` on the first row of ``shard_file``, read
         back from the store.
 
         Raises:
@@ -120,7 +120,7 @@ def run_cache(splits: dict[str, list[dict] | str], cache_dir: str, target: Cache
 
     The conversations are read as a Ray Data dataset (a generate output file is never loaded into
     the driver, which holds only the ids): a split's shards are its conversations in cache order
-    (``cache_format.shard_key``) cut every ``rows_per_shard``, packed one row per shard by a
+    (``pipeline.cache.format.shard_key``) cut every ``rows_per_shard``, packed one row per shard by a
     ``groupby``, fingerprinted there, and only shards without a sidecar of the same fingerprint go
     to the writer actors (:class:`CacheWriterUDF`; ``cache.forward_batch_tokens`` is its
     batched-forward budget, ``cache.rows_per_row_group`` and ``cache.row_group_bytes`` cap its row

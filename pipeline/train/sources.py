@@ -1,13 +1,13 @@
 """Where a training worker's samples come from, one interface for every ``train.data_mode``:
 
 - :class:`CachedRows` (offline, and hybrid after its first epoch): the Parquet cache, in the
-  deterministic, resumable order of :mod:`pipeline.train_data`.
+  deterministic, resumable order of :mod:`pipeline.train.data`.
 - :class:`StreamedRows` (online, and hybrid's first epoch): this worker's share of the Ray Data
   feature stream (:mod:`pipeline.feature_stream`), via ``ray.train.get_dataset_shard``.
 
 Both hand out micro-batches as ``(keys, samples)``: ``samples`` decoded cache rows
-(:func:`pipeline.cache_format.decode_columns`), ``keys`` one ``(epoch, row key)`` per sample that
-seeds its anchor sampling (:func:`pipeline.train_data.row_generator`); and the held-out
+(:func:`pipeline.cache.format.decode_columns`), ``keys`` one ``(epoch, row key)`` per sample that
+seeds its anchor sampling (:func:`pipeline.train.data.row_generator`); and the held-out
 micro-batches, the first ``train.eval_rows`` held-out samples in cache order, this worker's every
 ``world``-th of them.
 """
@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Iterator
 
-from .train_data import (HELDOUT_EPOCH, ArrowRowGroup, CacheRowIndex, CacheRowReader,
+from .data import (HELDOUT_EPOCH, ArrowRowGroup, CacheRowIndex, CacheRowReader,
                          worker_plan)
 
 PREFETCH_MICRO_BATCHES = 4  # micro-batches each worker reads ahead of its training loop
@@ -88,7 +88,7 @@ class StreamedRows:
                  world: int, rows_per_epoch: int):
         import ray.train
 
-        from .stream_state import StreamState
+        from ..stream_state import StreamState
 
         self.train = ray.train.get_dataset_shard("train")
         self.heldout = ray.train.get_dataset_shard("heldout") if eval_rows else None
@@ -100,7 +100,7 @@ class StreamedRows:
 
     def restore(self, checkpoint_dir: str) -> None:
         """Continue the record of a restored checkpoint (local directory)."""
-        from .stream_state import read_state
+        from ..stream_state import read_state
 
         self.state = read_state(checkpoint_dir, self.state.rows_per_epoch)
 
@@ -138,7 +138,7 @@ class StreamedRows:
         together); rank 0 returns ``{"stream_state.json": merged record}``, the others {}."""
         import torch.distributed as dist
 
-        from .stream_state import STATE_FILE, merged_state, worker_records
+        from ..stream_state import STATE_FILE, merged_state, worker_records
 
         mine = worker_records(self.records)
         self.records = []

@@ -11,9 +11,9 @@ turn is queued the moment its previous answer ends (no turn waits for the batch'
 conversations), and finished conversations leave the actor in small chunks while the rest of the
 batch decodes (:meth:`EngineGenerateUDF.__call__` is a generator), so the stage writes them, and a
 stopped run keeps them, within ``FLUSH_S`` seconds of finishing. Rows, conversation walk,
-prompts, EOS set, answer cutting (:func:`pipeline.generate.finish_answer`), resume by id and the
-error file are the hf backend's (the same :class:`pipeline.generate.GenerateUDF` walk and
-:func:`pipeline.generate.run_generate` writer).
+prompts, EOS set, answer cutting (:func:`pipeline.generate.hf.finish_answer`), resume by id and the
+error file are the hf backend's (the same :class:`pipeline.generate.hf.GenerateUDF` walk and
+:func:`pipeline.generate.hf.run_generate` writer).
 
 Sampling: the engine's (``drafters.sampling.warped_probs``: temperature, top-k, top-p, the hf
 backend's warps), each answer from its own generator seeded by (``seed``, row id, turn), so a
@@ -31,7 +31,7 @@ from collections.abc import Iterator
 
 import numpy as np
 
-from .generate import GenerateUDF, answer_length, finish_answer, next_user_turn
+from .hf import GenerateUDF, answer_length, finish_answer, next_user_turn
 
 
 FLUSH_S = 60.0  # finished conversations wait at most this long (seconds) before leaving the actor
@@ -46,7 +46,7 @@ def answer_seed(seed: int, key: str) -> int:
 class EngineGenerateUDF(GenerateUDF):
     """Ray Data callable class (backend engine): holds one target-only :class:`SpecEngine`.
 
-    Args (beyond :class:`pipeline.generate.GenerateUDF`'s):
+    Args (beyond :class:`pipeline.generate.hf.GenerateUDF`'s):
         max_num_requests: sequences decoded together (the engine's batch).
         kv_cache_memory_gib: the engine's KV pool (GiB): ``max_num_requests`` slots of
             ``max_prompt_tokens + sampling.max_new_tokens`` positions must fit.
@@ -141,7 +141,7 @@ class EngineGenerateUDF(GenerateUDF):
 
     def __call__(self, batch: dict[str, np.ndarray]) -> Iterator[dict[str, list]]:
         """Regenerate every conversation of ``batch`` (input and output columns: the class
-        docstring of :class:`pipeline.generate.GenerateUDF`), each conversation's turns in order,
+        docstring of :class:`pipeline.generate.hf.GenerateUDF`), each conversation's turns in order,
         all conversations decoding together.
 
         Yields:

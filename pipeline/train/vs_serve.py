@@ -3,7 +3,7 @@ flagged when the served interval does not cover it."""
 
 from __future__ import annotations
 
-from .tau_intervals import format_interval
+from ..tau_intervals import format_interval
 
 
 def train_vs_serve(history: list[dict], calibration: dict) -> dict | None:

@@ -1,4 +1,4 @@
-"""Writing target-cache shards (:mod:`pipeline.cache_format`): cache rows to Arrow, row groups cut
+"""Writing target-cache shards (:mod:`pipeline.cache.format`): cache rows to Arrow, row groups cut
 by rows and bytes, a shard streamed to local disk or S3 row group by row group, its sidecar, and
 the supervised-token counts a sidecar carries.
 """
@@ -12,9 +12,9 @@ import pyarrow as pa
 import pyarrow.compute  # noqa: F401  (pa.compute)
 import pyarrow.parquet as pq
 
-from . import storage
-from .cache_format import BYTE_COLUMNS, SCHEMA, bf16_array
-from .config import DEFAULT_ROW_GROUP_BYTES, MAX_COLUMN_BYTES
+from .. import storage
+from .format import BYTE_COLUMNS, SCHEMA, bf16_array
+from ..config import DEFAULT_ROW_GROUP_BYTES, MAX_COLUMN_BYTES
 
 
 # Row groups are cut by bytes as well as rows. A row group's byte column is built as one Arrow
@@ -24,7 +24,7 @@ from .config import DEFAULT_ROW_GROUP_BYTES, MAX_COLUMN_BYTES
 # fit a Parquet page, whose size is an int32; the margin below 2 GiB covers zstd's worst-case
 # growth of incompressible bytes (1/256) and the page header. Keeping ``binary`` (rather than
 # ``large_binary``) leaves the schema, and so every cache already written, unchanged; a training
-# worker holds a few row groups in memory (pipeline/train_data.py), which the byte cap bounds too.
+# worker holds a few row groups in memory (pipeline/train/data.py), which the byte cap bounds too.
 # The limits (MAX_COLUMN_BYTES, DEFAULT_ROW_GROUP_BYTES) are defined with the config's fields.
 
 

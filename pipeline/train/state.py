@@ -14,7 +14,7 @@ import tempfile
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from .train_job import CheckpointPlace
+    from .job import CheckpointPlace
 
 logger = logging.getLogger(__name__)
 
@@ -35,7 +35,7 @@ def save_training_state(engine, step: int, world: int, history: list[dict], metr
     import torch.distributed as dist
     from ray.train import Checkpoint
 
-    from .checkpoints import STATE, checkpoint_url, local_files, train_state_bytes, write_marker
+    from ..checkpoints import STATE, checkpoint_url, local_files, train_state_bytes, write_marker
 
     rank = ray.train.get_context().get_world_rank()
     with tempfile.TemporaryDirectory() as tmp:
@@ -67,8 +67,8 @@ def resume_checkpoint(place: CheckpointPlace):
     import ray.train
     import torch.distributed as dist
 
-    from . import storage
-    from .checkpoints import checkpoint_url, restore_choice
+    from .. import storage
+    from ..checkpoints import checkpoint_url, restore_choice
 
     so, storage_path = place.storage_options, place.storage_path
     choice = [None]
@@ -98,7 +98,7 @@ def load_training_log(checkpoint_dir: str, step: int) -> list[dict]:
 def load_training_state(engine, checkpoint_dir: str) -> int:
     """Restore model, optimizer and LR schedule from a checkpoint written by
     :func:`save_training_state`; returns the optimizer step to continue from (the data position
-    follows from it, see ``pipeline/train_data.py``).
+    follows from it, see ``pipeline/train/data.py``).
 
     With the worker count of the run that saved it, the DeepSpeed checkpoint loads as it is. With
     another worker count a ZeRO checkpoint's optimizer partitions do not fit, so it is first
@@ -113,7 +113,7 @@ def load_training_state(engine, checkpoint_dir: str) -> int:
     """
     import ray.train
 
-    from .checkpoints import parse_train_state
+    from ..checkpoints import parse_train_state
 
     state_file = os.path.join(checkpoint_dir, "train_state.json")
     if not os.path.isfile(state_file):
