@@ -172,6 +172,8 @@ class DSparkDrafter(DrafterBase):
         if self.anchor_proj is None:
             return None
         p = packed.anchor_positions
+        if ctx.shape[0] == 0:  # every anchor at position 0: no context row, nothing before them
+            return ctx.new_zeros(p.shape[0], ctx.shape[-1])
         rows = packed.context_offsets[packed.block_sequence_ids()] + p - 1
         return ctx[rows.clamp(min=0)] * (p > 0)[:, None].to(ctx.dtype)
 

@@ -1,7 +1,7 @@
 """Train stage, what the driver hands every Ray Train worker: one frozen :class:`TrainJob`.
 
 The driver (``pipeline/train/driver.py``) validates the inputs, sizes the run and builds the job once;
-Ray pickles it to the workers (``pipeline/train/worker.py``), which unpack it on their first
+Ray pickles it to the workers (``pipeline/train/loop.py``), which unpack it on their first
 line and never re-parse or re-derive any of it. The typed config sections travel as the driver
 validated them.
 """
@@ -47,7 +47,8 @@ class TrainJob:
         layer_ids: the target layers whose states the cache holds (m = len).
         target_hidden_size: H_t, the width of each cached layer state.
         total_steps: optimizer steps of the LR schedule; steps_per_epoch: of the train split.
-        stop_step: end there, checkpointed (hybrid's streamed first epoch), or None = total.
+        stop_step: end there, checkpointed (hybrid's streamed first epoch), or None = total; one
+            past the total (a run shorter than that epoch, ``train.max_steps``) ends at the total.
         manifest: the cache manifest (for streamed training, the stream's statistics).
         cache_dir: the cache root read by offline training.
         streamed, streamed_heldout: whether the train (and held-out) rows arrive as Ray Data
@@ -61,7 +62,7 @@ class TrainJob:
         torch_extensions_dir: where DeepSpeed builds its ops.
     Raises:
         ValueError: (at construction) a draft vocabulary of another size than the drafter's, a
-            stop step past the total, or an empty epoch.
+            stop step below 1, or an empty epoch.
     """
 
     train: TrainConfig
@@ -92,8 +93,13 @@ class TrainJob:
         if self.steps_per_epoch < 1 or self.total_steps < 0:
             raise ValueError(f"steps_per_epoch {self.steps_per_epoch} and total_steps "
                              f"{self.total_steps} must be >= 1 and >= 0")
-        if self.stop_step is not None and not 0 < self.stop_step <= self.total_steps:
-            raise ValueError(f"stop_step {self.stop_step} is outside (0, {self.total_steps}]")
+        if self.stop_step is not None and self.stop_step < 1:
+            raise ValueError(f"stop_step {self.stop_step} must be >= 1 (or None)")
+
+    @property
+    def end_step(self) -> int:
+        """Where this launch stops training: ``stop_step``, at most the total."""
+        return min(self.total_steps, self.stop_step or self.total_steps)
 
     @property
     def num_context_layers(self) -> int:

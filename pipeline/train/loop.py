@@ -36,8 +36,10 @@ def train_loop_per_worker(loop_config: dict) -> None:
     loop = WorkerLoop(job)
     try:
         loop.run()
-    finally:
-        loop.close()
+    except BaseException:
+        loop.close(failed=True)  # the run's own error is what propagates
+        raise
+    loop.close()
 
 
 class WorkerLoop:
@@ -282,14 +284,22 @@ class WorkerLoop:
         save_training_state(self.engine, self.step, self.world, self.history, metrics,
                             self.job.checkpoints, extra_files=self.data.checkpoint_files())
 
-    def close(self) -> None:
-        """Stop the data readers and close the progress bar and the W&B run."""
-        stream = getattr(self, "stream", None)
-        if stream is not None:
-            stream.close()
-        if getattr(self, "data", None) is not None:
-            self.data.close()
-        if getattr(self, "bar", None) is not None:
-            self.bar.close()
+    def close(self, failed: bool = False) -> None:
+        """Stop the data readers and close the progress bar and the W&B run (marked failed,
+        exit code 1, after an error). After an error, a failure while closing is logged, not
+        raised, so the run's own error is the one reported."""
+        steps = [getattr(getattr(self, "stream", None), "close", None),
+                 getattr(getattr(self, "data", None), "close", None),
+                 getattr(getattr(self, "bar", None), "close", None)]
         if getattr(self, "run_log", None) is not None:
-            self.run_log.finish()
+            steps.append(lambda: self.run_log.finish(exit_code=1 if failed else 0))
+        for step in steps:
+            if step is None:
+                continue
+            if not failed:
+                step()
+                continue
+            try:
+                step()
+            except Exception:  # noqa: BLE001 - the run's own error is the one to report
+                logger.exception("closing a failed training worker")

