@@ -161,6 +161,14 @@ def render_md(table: dict, results: dict, meta: dict) -> str:
         f"{meta['max_new_tokens']} new tokens, {meta['train_steps']} optimizer steps of "
         f"{meta['global_batch_size']} sequences for each drafter. Machine: {meta['machine']}. "
         f"Total wall time {meta['wall_minutes']:.1f} min. Command: `{meta['command']}`.", "",
+    ]
+    if meta.get("reused"):
+        lines += ["Taken from an earlier run of this benchmark (`--results-from`, same settings; "
+                  "its drafters trained on that run's regeneration of the same data): " +
+                  ", ".join(f"{n} (`{f}`)" for n, f in meta["reused"].items()) + ".", ""]
+    if meta.get("unfinished"):
+        lines += [f"**Partial**: still to run: {', '.join(meta['unfinished'])}.", ""]
+    lines += [
         "## Accepted length tau (bonus token included), paper Table 1 layout", "",
         "| drafter | " + " | ".join(datasets) + " | " + " | ".join(domains) + " | macro |",
         "|---|" + "---|" * (len(datasets) + len(domains) + 1),
@@ -242,6 +250,81 @@ def render_md(table: dict, results: dict, meta: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def eval_settings(cfg) -> dict:
+    """What must be equal for two contenders' taus to be compared on the same prompts and budget
+    (kept in the results JSON, checked by ``--results-from``)."""
+    return {"target": cfg.target.name_or_path, "temperature": str(cfg.eval.temperatures[-1]),
+            "max_new_tokens": cfg.eval.max_new_tokens, "datasets": dict(cfg.eval.datasets),
+            "scheduler": cfg.engine.scheduler, "train_max_steps": cfg.train.max_steps,
+            "global_batch_size": cfg.train.global_batch_size}
+
+
+def reusable_contenders(path: Path, names: list[str], cfg) -> dict:
+    """The contenders of ``names`` that an earlier results JSON of this benchmark already holds,
+    as :func:`run_contender` returns them (``run_dir`` None, ``from`` the file).
+
+    Raises:
+        ValueError: the file is unreadable, keeps no per-contender reports, or was measured with
+            other eval or training settings (each differing field named).
+    """
+    try:
+        earlier = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as err:
+        raise ValueError(f"not a readable results JSON ({err})") from err
+    if "contenders" not in earlier or "settings" not in earlier.get("meta", {}):
+        raise ValueError("written before contenders' reports were kept; run them again")
+    ours, theirs = eval_settings(cfg), earlier["meta"]["settings"]
+    differ = [f"{k}: {theirs.get(k)!r} there, {v!r} here" for k, v in ours.items()
+              if theirs.get(k) != v]
+    if differ:
+        raise ValueError("measured with other settings (" + "; ".join(differ) + ")")
+    return {n: {**earlier["contenders"][n], "run_dir": None, "from": str(path)}
+            for n in names if n in earlier["contenders"]}
+
+
+def write_outputs(results: dict, names: list[str], cfg, args, timings: dict, started: float,
+                  reused: dict) -> str:
+    """Writes the tables, plots and JSON of the contenders finished so far; returns the markdown."""
+    temperature = str(cfg.eval.temperatures[-1])
+    table = build_table(results, temperature)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    from pipeline.plots import conditional_acceptance_plot, tau_bar_plot
+
+    files = {"conditional_acceptance": f"conditional_acceptance{args.suffix}.png",
+             "tau": f"drafter_quality_tau{args.suffix}.png",
+             "reliability": f"dspark_reliability{args.suffix}.png"}
+    conditional_acceptance_plot({n: t["conditional_acceptance"] for n, t in table.items()},
+                                out / files["conditional_acceptance"],
+                                title="P(token k accepted | tokens < k accepted), mean over benchmarks")
+    tau_bar_plot({n: t["tau"] for n, t in table.items()}, out / files["tau"],
+                 title=f"Accepted length tau at T = {temperature}")
+    first = next(iter(results))
+    if results[first]["run_dir"] is not None:  # a reused contender's plot stays as it was
+        reliability = RunLayout(Path(results[first]["run_dir"])).reliability_plot
+        if reliability.exists():
+            (out / files["reliability"]).write_bytes(reliability.read_bytes())
+    meta = {"comparisons": comparisons(results, temperature),
+            "target": cfg.target.name_or_path, "dtype": resolve_dtype_name(cfg.eval.dtype),
+            "gamma": cfg.drafter.block_size, "temperature": temperature,
+            "prompts_per_dataset": max(cfg.eval.datasets.values()),
+            "max_new_tokens": cfg.eval.max_new_tokens,
+            "train_steps": table[first]["train_steps"],
+            "global_batch_size": cfg.train.global_batch_size, "settings": eval_settings(cfg),
+            "unfinished": [n for n in names if n not in results],
+            "reused": {n: results[n]["from"] for n in reused},
+            "machine": describe_machine(), "hardware": machine_fields(),
+            "wall_minutes": (time.time() - started) / 60, "timings_s": timings, "files": files,
+            "command": "python benchmarks/drafter_quality.py " + " ".join(sys.argv[1:])}
+    kept = {n: {k: r[k] for k in ("report", "calibration", "train")} for n, r in results.items()}
+    (out / f"drafter_quality{args.suffix}.json").write_text(json.dumps(
+        {"meta": meta, "table": table, "calibration": results[first]["calibration"],
+         "contenders": kept}, indent=1))
+    md = render_md(table, results, meta)
+    (out / f"drafter_quality{args.suffix}.md").write_text(md)
+    return md
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--config", default=str(ROOT / "infra/configs/drafter_quality.yaml"))
@@ -264,6 +347,11 @@ def main() -> int:
                              "eval stage runs, e.g. at another temperature; pair it with --set "
                              "run_dir=... so that run's eval results stay as they are (its "
                              "prompts/generate/cache are linked too: --data-from is not needed)")
+    parser.add_argument("--results-from", default=None, metavar="RESULTS_JSON",
+                        help="take the contenders this earlier results JSON of the benchmark "
+                             "holds from it instead of running them again (it must have been "
+                             "measured with the same eval and training settings); the outputs "
+                             "pair them with the ones run now, e.g. to add a contender later")
     args = parser.parse_args()
     names = [n.strip() for n in args.contenders.split(",") if n.strip()]
     unknown = [n for n in names if n not in CONTENDERS]
@@ -302,49 +390,33 @@ def main() -> int:
             print(f"--trained-from {args.trained_from}: that is this run's own directory; set "
                   "another one (--set run_dir=...)", file=sys.stderr)
             return 2
+    cfg = load_config(args.config, args.set)
+    reused = {}
+    if args.results_from:
+        try:
+            reused = reusable_contenders(Path(args.results_from), names, cfg)
+        except ValueError as err:
+            print(f"--results-from {args.results_from}: {err}", file=sys.stderr)
+            return 2
+    md = ""
     for name in names:
-        cfg = contender_config(args.config, name, args.set)
-        ctx_dir = Path(stages.StageContext.create(cfg).run_dir)
+        if name in reused:
+            results[name] = reused[name]
+            continue
+        ccfg = contender_config(args.config, name, args.set)
+        ctx_dir = Path(stages.StageContext.create(ccfg).run_dir)
         if trained_from is not None:  # the data and the drafter it was trained on
             link_stages(trained_from / name, ctx_dir, SHARED_STAGES + MODEL_STAGES)
         elif first_dir is None:
             first_dir = ctx_dir
         else:
             link_stages(first_dir, ctx_dir)
-        results[name] = run_contender(cfg, timings, name)
-    cfg = load_config(args.config, args.set)
-    temperature = str(cfg.eval.temperatures[-1])
-    table = build_table(results, temperature)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    from pipeline.plots import conditional_acceptance_plot, tau_bar_plot
-
-    files = {"conditional_acceptance": f"conditional_acceptance{args.suffix}.png",
-             "tau": f"drafter_quality_tau{args.suffix}.png",
-             "reliability": f"dspark_reliability{args.suffix}.png"}
-    conditional_acceptance_plot({n: t["conditional_acceptance"] for n, t in table.items()},
-                                out / files["conditional_acceptance"],
-                                title="P(token k accepted | tokens < k accepted), mean over benchmarks")
-    tau_bar_plot({n: t["tau"] for n, t in table.items()}, out / files["tau"],
-                 title=f"Accepted length tau at T = {temperature}")
-    reliability = RunLayout(Path(results[names[0]]["run_dir"])).reliability_plot
-    if reliability.exists():
-        (out / files["reliability"]).write_bytes(reliability.read_bytes())
-    meta = {"comparisons": comparisons(results, temperature),
-            "target": cfg.target.name_or_path, "dtype": resolve_dtype_name(cfg.eval.dtype),
-            "gamma": cfg.drafter.block_size, "temperature": temperature,
-            "prompts_per_dataset": max(cfg.eval.datasets.values()),
-            "max_new_tokens": cfg.eval.max_new_tokens,
-            "train_steps": table[names[0]]["train_steps"],
-            "global_batch_size": cfg.train.global_batch_size,
-            "machine": describe_machine(), "hardware": machine_fields(),
-            "wall_minutes": (time.time() - started) / 60, "timings_s": timings, "files": files,
-            "command": "python benchmarks/drafter_quality.py " + " ".join(sys.argv[1:])}
-    (out / f"drafter_quality{args.suffix}.json").write_text(json.dumps(
-        {"meta": meta, "table": table,
-         "calibration": results[names[0]]["calibration"]}, indent=1))
-    md = render_md(table, results, meta)
-    (out / f"drafter_quality{args.suffix}.md").write_text(md)
+        results[name] = run_contender(ccfg, timings, name)
+        # after every contender, so a run stopped later still leaves the finished ones (and a
+        # later run takes them back with --results-from)
+        md = write_outputs(results, names, cfg, args, timings, started, reused)
+    if not md:  # every contender came from --results-from: the tables, put together again
+        md = write_outputs(results, names, cfg, args, timings, started, reused)
     print(md)
     return 0
 

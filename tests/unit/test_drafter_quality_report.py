@@ -122,3 +122,76 @@ def test_every_contender_is_a_valid_config_of_its_own_type(config):
     assert contender_config(config, "dspark-anchor_features", []).drafter.anchor_features
     assert contender_config(config, "dflash-layers_5", []).drafter.num_hidden_layers == 5
     assert contender_config(config, "eagle3-block_15", []).drafter.block_size == 15
+
+
+def run_main(monkeypatch, *args) -> int:
+    import sys
+    from pathlib import Path
+
+    from benchmarks import drafter_quality
+
+    config = Path(__file__).resolve().parents[2] / "infra" / "configs" / "drafter_quality.yaml"
+    monkeypatch.setattr(sys, "argv", ["drafter_quality.py", "--config", str(config), *args])
+    return drafter_quality.main()
+
+
+def earlier_results(tmp_path, settings: dict):
+    import json
+
+    spread = [[20 + 7 * i, 10] for i in range(8)]
+    path = tmp_path / "earlier.json"
+    path.write_text(json.dumps({"meta": {"settings": settings}, "contenders": {
+        "dspark": contender(2.0, [0.5], per_prompt=spread),
+        "eagle3": contender(1.6, [0.4], per_prompt=[[c - 2, r] for c, r in spread])}}))
+    return path
+
+
+def test_results_from_pairs_contenders_of_an_earlier_run_without_running_them(tmp_path,
+                                                                              monkeypatch):
+    """--results-from: contenders an earlier results JSON holds are taken from it (nothing is
+    trained or evaluated: no run directory appears), and the new files pair them and keep their
+    reports, so a later run can take them back again."""
+    import json
+    from pathlib import Path
+
+    from benchmarks.drafter_quality import eval_settings
+    from pipeline.config import load_config
+
+    config = Path(__file__).resolve().parents[2] / "infra" / "configs" / "drafter_quality.yaml"
+    run_dir = tmp_path / "dq"
+    cfg = load_config(str(config), [f"run_dir={run_dir}"])
+    earlier = earlier_results(tmp_path, eval_settings(cfg))
+    out = tmp_path / "out"
+    assert run_main(monkeypatch, "--contenders", "dspark,eagle3", "--set", f"run_dir={run_dir}",
+                    "--results-from", str(earlier), "--out", str(out), "--suffix", "_x") == 0
+    assert not run_dir.exists()
+    md = (out / "drafter_quality_x.md").read_text()
+    assert "Taken from an earlier run" in md and "Partial" not in md
+    assert "| dspark / eagle3 | 0.200 [0.200, 0.200] |" in md
+    written = json.loads((out / "drafter_quality_x.json").read_text())
+    assert written["meta"]["reused"] == {"dspark": str(earlier), "eagle3": str(earlier)}
+    assert written["contenders"]["eagle3"]["report"]["domains"]["1.0"]["macro"] == 1.6
+    assert written["meta"]["settings"] == eval_settings(cfg)
+
+
+def test_results_from_refuses_a_run_with_other_settings(tmp_path, monkeypatch, capsys):
+    """Taus of another eval size or training budget do not pair: refused before any work, with
+    the differing field named."""
+    from pathlib import Path
+
+    from benchmarks.drafter_quality import eval_settings
+    from pipeline.config import load_config
+
+    config = Path(__file__).resolve().parents[2] / "infra" / "configs" / "drafter_quality.yaml"
+    run_dir = tmp_path / "dq"
+    settings = eval_settings(load_config(str(config), [f"run_dir={run_dir}"]))
+    earlier = earlier_results(tmp_path, {**settings, "max_new_tokens": 7})
+    assert run_main(monkeypatch, "--contenders", "dspark,eagle3", "--set", f"run_dir={run_dir}",
+                    "--results-from", str(earlier), "--out", str(tmp_path / "out")) == 2
+    err = capsys.readouterr().err
+    assert "max_new_tokens: 7 there" in err
+    assert not run_dir.exists() and not (tmp_path / "out").exists()
+    (tmp_path / "old.json").write_text('{"meta": {}, "table": {}}')  # before reports were kept
+    assert run_main(monkeypatch, "--contenders", "dspark", "--set", f"run_dir={run_dir}",
+                    "--results-from", str(tmp_path / "old.json")) == 2
+    assert "run them again" in capsys.readouterr().err
