@@ -130,7 +130,7 @@ def export_engine_files(ctx: StageContext, sps_profile: dict | None, dst: Path) 
 
 
 def _train_vs_serve(ctx: StageContext) -> dict | None:
-    """:func:`pipeline.evaluate.train_vs_serve` of this run's training log and calibrate report
+    """:func:`pipeline.train.vs_serve.train_vs_serve` of this run's training log and calibrate report
     (None when either is missing, e.g. a drafter trained elsewhere); a flagged gap is logged."""
     from .train.vs_serve import train_vs_serve
 
@@ -144,11 +144,12 @@ def _train_vs_serve(ctx: StageContext) -> dict | None:
         logger.warning("eval: no train vs serve check: %s or %s unreadable (%s)", log,
                        calibration, err)
         return None
-    result = train_vs_serve(history, calibrated)
+    result = train_vs_serve(history, calibrated, ctx.cfg.sampling.model_dump())
     if result and result["flagged"]:
-        logger.warning("eval: the trainer's held-out tau %.2f lies outside the served tau's "
-                       "interval %s: a train/serve mismatch? (eval/report.md)",
-                       result["trainer_heldout_tau"], result["served_tau_interval"])
+        logger.warning("eval: the trainer's held-out tau %.2f against the served tau %.2f %s "
+                       "(%s rule): a train/serve mismatch? (eval/report.md)",
+                       result["trainer_heldout_tau"], result["served_tau"],
+                       result["served_tau_interval"], result["flag_rule"])
     return result
 
 

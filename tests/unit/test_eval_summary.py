@@ -139,6 +139,39 @@ def test_train_vs_serve_flags_a_trainer_tau_outside_the_served_interval():
     assert train_vs_serve(history, {}) is None
 
 
+def test_train_vs_serve_does_not_blame_the_cache_for_colder_training_answers():
+    """Answers sampled at T = 0.7 with top-p / top-k are more predictable than the target's own
+    T = 1 samples: the trainer's tau on them is expected above the served one, so the gap is
+    shown but not flagged, and the report says why (not "check the cache")."""
+    from pipeline.calibrate import served_tau
+    from pipeline.train.vs_serve import data_sampling_differs, train_vs_serve
+
+    served = served_tau({"per_prompt": [[20, 10], [30, 10], [25, 10], [22, 10]],
+                         "temperature": 1.0})
+    cold = {"temperature": 0.7, "top_p": 0.8, "top_k": 20, "max_new_tokens": 512}
+    result = train_vs_serve([{"step": 20, "heldout_tau": 3.4}], served, cold)
+    assert result["flagged"] is False and not result["comparable"]
+    assert result["gap"] == pytest.approx(3.4 - 97 / 40)
+    md = render_report_md({"gamma": 3, "target": "t", "dtype": "float32", "max_new_tokens": 8,
+                           "results": {}, "domains": {}, "train_vs_serve": result})
+    assert "**GAP**" not in md and "is expected: the cached answers were sampled at T = 0.7" in md
+    # a drafter fed the wrong features accepts (almost) nothing served: still caught
+    broken = served_tau({"per_prompt": [[11, 10], [12, 10], [10, 10]], "temperature": 1.0})
+    collapsed = train_vs_serve([{"step": 20, "heldout_tau": 1.7}], broken, cold)
+    assert collapsed["flagged"] and collapsed["flag_rule"] == "collapse"
+    assert "**COLLAPSE**" in render_report_md({"gamma": 3, "target": "t", "dtype": "float32",
+                                               "max_new_tokens": 8, "results": {}, "domains": {},
+                                               "train_vs_serve": collapsed})
+    # the reference data's reading (1.70 trainer, 1.51 [1.47, 1.55] served): no flag
+    reference = {"served_tau": 1.51, "served_tau_interval": [1.47, 1.55], "served_prompts": 71,
+                 "served_temperature": 1.0}
+    assert train_vs_serve([{"step": 600, "heldout_tau": 1.70}], reference, cold)["flagged"] is False
+    plain = {"temperature": 1.0, "top_p": 1.0, "top_k": 0}
+    assert data_sampling_differs(plain) is None
+    assert train_vs_serve([{"step": 20, "heldout_tau": 3.4}], served, plain)["flagged"]
+    assert data_sampling_differs({**plain, "top_k": 50})  # truncation alone changes the text
+
+
 def test_an_unreadable_training_log_leaves_the_evaluation_standing(tmp_path, caplog):
     """The eval stage reads the training log after hours of decoding: a damaged log drops only
     the train-vs-serve paragraph (a warning names the files), never the measured report."""
@@ -148,7 +181,9 @@ def test_an_unreadable_training_log_leaves_the_evaluation_standing(tmp_path, cap
     from pipeline.model_stages import _train_vs_serve
     from pipeline.run_layout import RunLayout
 
-    ctx = SimpleNamespace(run_dir=tmp_path, layout=RunLayout(tmp_path))
+    plain_t1 = SimpleNamespace(model_dump=lambda: {"temperature": 1.0, "top_p": 1.0, "top_k": 0})
+    ctx = SimpleNamespace(run_dir=tmp_path, layout=RunLayout(tmp_path),
+                          cfg=SimpleNamespace(sampling=plain_t1))
     (tmp_path / "train" / "drafter").mkdir(parents=True)
     (tmp_path / "calibrate").mkdir()
     (tmp_path / "calibrate" / "report.json").write_text(
