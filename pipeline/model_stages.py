@@ -144,7 +144,7 @@ def _train_vs_serve(ctx: StageContext) -> dict | None:
         logger.warning("eval: no train vs serve check: %s or %s unreadable (%s)", log,
                        calibration, err)
         return None
-    result = train_vs_serve(history, calibrated, ctx.cfg.sampling.model_dump())
+    result = train_vs_serve(history, calibrated, ctx.cfg.generate.sampling.model_dump())
     if result and result["flagged"]:
         logger.warning("eval: the trainer's held-out tau %.2f against the served tau %.2f %s "
                        "(%s rule): a train/serve mismatch? (eval/report.md)",

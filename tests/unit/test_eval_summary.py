@@ -181,9 +181,15 @@ def test_an_unreadable_training_log_leaves_the_evaluation_standing(tmp_path, cap
     from pipeline.model_stages import _train_vs_serve
     from pipeline.run_layout import RunLayout
 
-    plain_t1 = SimpleNamespace(model_dump=lambda: {"temperature": 1.0, "top_p": 1.0, "top_k": 0})
-    ctx = SimpleNamespace(run_dir=tmp_path, layout=RunLayout(tmp_path),
-                          cfg=SimpleNamespace(sampling=plain_t1))
+    from pipeline.config import load_config
+
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    cfg = load_config(str(root / "infra" / "configs" / "quickstart.yaml"),  # a real config
+                      ["generate.sampling.temperature=1.0", "generate.sampling.top_p=1.0",
+                       "generate.sampling.top_k=0"])
+    ctx = SimpleNamespace(run_dir=tmp_path, layout=RunLayout(tmp_path), cfg=cfg)
     (tmp_path / "train" / "drafter").mkdir(parents=True)
     (tmp_path / "calibrate").mkdir()
     (tmp_path / "calibrate" / "report.json").write_text(
