@@ -33,7 +33,7 @@ def data_sampling_differs(sampling: dict | None) -> str | None:
     if plain:
         return None
     return (f"the cached answers were sampled at T = {sampling.get('temperature')}, top-p "
-            f"{sampling.get('top_p')}, top-k {sampling.get('top_k')} (sampling section), more "
+            f"{sampling.get('top_p')}, top-k {sampling.get('top_k')} (generate.sampling), more "
             "predictable text than the target's own T = 1 samples the served tau decodes")
 
 
