@@ -75,6 +75,7 @@ class DrafterConfig(BaseModel):
     @field_validator("drafter_type")
     @classmethod
     def _registered(cls, v: str) -> str:
+        # lazy: import cycle: registry -> base -> config
         from .registry import get_spec
 
         get_spec(v)  # raises naming the registered types
@@ -115,6 +116,7 @@ class DrafterConfig(BaseModel):
     @property
     def spec(self) -> DrafterSpec:
         """The registered :class:`~drafters.spec.DrafterSpec` of ``drafter_type``."""
+        # lazy: import cycle: registry -> base -> config
         from .registry import get_spec
 
         return get_spec(self.drafter_type)
@@ -334,6 +336,7 @@ class BoundDrafterConfig(DrafterConfig):
             ValueError: another model type, a drafter hidden size unlike its target's, or an
                 invalid field (pydantic's message names it).
         """
+        # lazy: import cycle: registry -> base -> config
         from .registry import drafter_types, get_spec
 
         data = {k: v for k, v in data.items() if k not in _HF_KEYS}

@@ -353,6 +353,7 @@ class DSparkDrafter(DrafterBase):
             a :class:`BlockProposal` with ``max_num_draft_tokens`` target-id tokens (``probs`` over the target
             vocabulary, None when every row is greedy).
         """
+        # lazy: import cycle: the package's __init__ imports dspark
         from .sampling import sample_rows
 
         b = hidden.shape[0]

@@ -39,6 +39,7 @@ from .export.eagle3 import EXPORTERS
 from .layers import KVInjectionAttention, RMSNorm, RotaryEmbedding, SwiGLU
 from .losses import eagle3_step_weights
 from .packing import PackedBlocks
+from .sampling import sample_rows
 from .spec import DrafterSpec
 
 if TYPE_CHECKING:
@@ -392,7 +393,6 @@ class Eagle3Drafter(DrafterBase):
         if not 1 <= num_draft_tokens <= self.config.block_size:
             raise ValueError(f"num_draft_tokens must be in 1..{self.config.block_size}, got "
                              f"{num_draft_tokens}")
-        from .sampling import sample_rows
 
         tokens, probs = [], []
         all_greedy = bool((torch.as_tensor(temperature) <= 0).all())

@@ -149,6 +149,7 @@ def check_drafter_init(drafter_config, target_config, target_name: str, layer_id
     """
     if drafter_config.init != "target_layers":
         return
+    # lazy: import cycle: dspark (via the package) -> layer_init
     from .layers import DrafterLayer
 
     bound = drafter_config.for_target(target_config, target_name, layer_ids)

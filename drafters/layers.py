@@ -88,6 +88,7 @@ class KVInjectionAttention(nn.Module):
         Returns:
             [N, S, H].
         """
+        # lazy: import cycle: dspark (via the package) -> layers
         from .packing import packed_attention
 
         n, s, _ = block.shape

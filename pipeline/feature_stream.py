@@ -35,7 +35,10 @@ import pyarrow as pa
 
 from . import storage
 from .cache.format import parse_conversation_line, shard_key
+from .cache.shards import conversations_dataset
+from .cache.stage import CacheWriterUDF
 from .cache.writer import add_supervised_counts, read_sidecar, row_group_sizes, token_counts_dict
+from .checkpoints import latest_checkpoint
 from .config import CacheConfig
 from .stream_state import StreamState, read_state
 from .target_features import CacheTarget, ConversationTokenizer, TargetFeatures
@@ -118,8 +121,6 @@ def scan_split(path: str, target: CacheTarget, cache: CacheConfig) -> SplitScan:
         ValueError: a conversation id occurs twice.
     """
     import ray
-
-    from .cache.shards import conversations_dataset
 
     rows = conversations_dataset(path).map_batches(
         TokenScanUDF, fn_constructor_kwargs={"target": target, "cache": cache},
@@ -231,8 +232,6 @@ class Checkpoints:
         """The checkpoint a starting worker group continues from, as the workers choose it
         (``pipeline.checkpoints.restore_choice``): this ``run_train`` call's newest complete
         one after a restart, the driver's choice at the start."""
-        from .checkpoints import latest_checkpoint
-
         if self.fit_id is not None:
             own = latest_checkpoint(self.storage_path, self.run_name, self.storage_options,
                                     fit_id=self.fit_id)
@@ -341,8 +340,6 @@ class HybridShardUDF:
 
     def __init__(self, target: CacheTarget, cache: CacheConfig, storage_options: dict,
                  consumed: set[str] | None = None):
-        from .cache.stage import CacheWriterUDF
-
         self.writer = CacheWriterUDF(target, cache, storage_options)
         self.storage_options = storage_options
         self.consumed = pa.array(sorted(consumed or ()), pa.string())  # built once

@@ -50,6 +50,11 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING
 
+from drafters.dspark import DSparkDrafter
+from serve.engine.target_loading import default_layer_ids
+
+from .train.worker import uses_bf16
+
 if TYPE_CHECKING:
     from drafters.config import BoundDrafterConfig
     from drafters.packing import PackedBlocks
@@ -168,8 +173,6 @@ class MemoryEstimate:
 def check_modelled(cfg: BoundDrafterConfig) -> None:
     """Raises NotImplementedError: a drafter type whose model is not DSpark's backbone
     (``DSparkDrafter``, which DFlash's is), or an RNN head."""
-    from drafters.dspark import DSparkDrafter
-
     if not issubclass(cfg.spec.model_class, DSparkDrafter):
         raise NotImplementedError(f"the memory model covers the DSpark/DFlash backbone, not "
                                   f"{cfg.spec.title}")
@@ -368,8 +371,6 @@ def estimate_for_config(cfg, target_config) -> MemoryEstimate:
     Raises:
         NotImplementedError: an Eagle3 drafter or an RNN head.
     """
-    from .train.worker import uses_bf16
-
     dcfg = bound_drafter_config(cfg, target_config)
     tc = cfg.train
     shape = StepShape.worst_case(tc.micro_batch_size, cfg.cache.max_length, tc.num_anchors,
@@ -384,8 +385,6 @@ def estimate_for_config(cfg, target_config) -> MemoryEstimate:
 def bound_drafter_config(cfg, target_config) -> BoundDrafterConfig:
     """The drafter a pipeline config trains, bound to its target (layer ids as the cache stage
     picks them)."""
-    from serve.engine.target_loading import default_layer_ids
-
     layer_ids = cfg.target.layer_ids or default_layer_ids(target_config.num_hidden_layers,
                                                           cfg.target.num_context_layers)
     return cfg.drafter.for_target(target_config, cfg.target.name_or_path, layer_ids)

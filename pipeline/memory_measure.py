@@ -18,7 +18,16 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map_only
 
-from .memory import MemoryEstimate, StepShape, check_modelled, estimate_step_memory
+from drafters.loading import build_drafter
+
+from .memory import (
+    MemoryEstimate,
+    StepShape,
+    bound_drafter_config,
+    check_modelled,
+    estimate_step_memory,
+)
+from .train.worker import batch_losses, target_head, uses_bf16
 
 
 @dataclass
@@ -71,8 +80,6 @@ def measure_step_peak(model, samples: list[dict], tc, objective: str, weights, g
         a :class:`MeasuredPeak`.
     """
     from torch.distributed._tools.mem_tracker import MemTracker
-
-    from .train.worker import batch_losses, target_head
 
     device = next(model.parameters()).device
     copies = lambda: [torch.Generator().set_state(g.get_state()) for g in generators]
@@ -210,12 +217,7 @@ def measure_config_peak_fake(cfg, target_config, *, micro_batch_size: int | None
     Raises:
         NotImplementedError: an Eagle3 drafter, an RNN head or a draft vocabulary.
     """
-    from drafters.loading import build_drafter
-
-    from .memory import bound_drafter_config
-
     dcfg = bound_drafter_config(cfg, target_config)
-    from .train.worker import uses_bf16
 
     check_modelled(dcfg)
     if dcfg.draft_vocab_size:

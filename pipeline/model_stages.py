@@ -7,20 +7,27 @@ import json
 import logging
 from pathlib import Path
 
+from serve.engine.engine_files import EngineFileError, write_engine_files
+
 from . import storage
+from .cache.format import read_manifest
+from .calibrate import collect_rounds, fit_and_report
 from .config import PipelineConfig
+from .evaluate import evaluate, load_eval_prompts, render_report_md
+from .plots import conditional_acceptance_plot, threshold_sweep_plot
+from .prompts import read_jsonl
 from .run_layout import CACHE, CALIBRATE, EVAL, TRAIN
 from .stage_context import StageContext, ensure_ray
+from .tracking import log_calibration, log_drafter_artifact, log_evaluation, open_run
+from .train.data import subset_manifest
+from .train.driver import run_train
+from .train.modes import train_hybrid, train_online
+from .train.vs_serve import train_vs_serve
 
 logger = logging.getLogger(__name__)
 
 
 def stage_train(ctx: StageContext) -> dict:
-    from .cache.format import read_manifest
-    from .train.driver import run_train
-    from .train.data import subset_manifest
-    from .train.modes import train_hybrid, train_online
-
     mode, so = ctx.cfg.train.data_mode, ctx.cfg.storage_options
     has_cache = storage.exists(storage.join(ctx.cache_dir, "manifest.json"), so)
     extra = {"data_mode": mode}
@@ -52,8 +59,6 @@ def stage_train(ctx: StageContext) -> dict:
 def _heldout_prompts(ctx: StageContext, limit: int) -> list[str]:
     """First user turns of the held-out conversations (falls back to training prompts with a
     warning when the split is empty, e.g. heldout_fraction 0)."""
-    from .prompts import read_jsonl
-
     rows = read_jsonl(str(ctx.layout.prompts("heldout")))
     if not rows:
         logger.warning("no held-out prompts: calibrating on training prompts instead")
@@ -63,10 +68,6 @@ def _heldout_prompts(ctx: StageContext, limit: int) -> list[str]:
 
 def stage_calibrate(ctx: StageContext) -> dict:
     import ray
-
-    from .tracking import log_calibration, log_drafter_artifact, open_run
-
-    from .calibrate import collect_rounds, fit_and_report
 
     c = ctx.cfg.calibrate
     ensure_ray(ctx.cfg)
@@ -100,8 +101,6 @@ def eval_datasets(cfg: PipelineConfig) -> dict[str, list[str]]:
     Raises:
         EvalDataError: a missing file or a malformed row (file and line named).
     """
-    from .evaluate import load_eval_prompts
-
     e = cfg.eval
     data_dir = Path(storage.resolve(e.data_dir))
     return {name: load_eval_prompts(data_dir / f"{name}.jsonl", n, e.shuffle_seed)
@@ -116,8 +115,6 @@ def export_engine_files(ctx: StageContext, sps_profile: dict | None, dst: Path) 
     Returns:
         ``{"dst", "written", "skipped"}``.
     """
-    from serve.engine.engine_files import EngineFileError, write_engine_files
-
     drafter = storage.local_copy(ctx.drafter_location(CALIBRATE), ctx.cfg.storage_options)
     try:
         summary = write_engine_files(drafter, dst, sps_profile=sps_profile,
@@ -132,8 +129,6 @@ def export_engine_files(ctx: StageContext, sps_profile: dict | None, dst: Path) 
 def _train_vs_serve(ctx: StageContext) -> dict | None:
     """:func:`pipeline.train.vs_serve.train_vs_serve` of this run's training log and calibrate report
     (None when either is missing, e.g. a drafter trained elsewhere); a flagged gap is logged."""
-    from .train.vs_serve import train_vs_serve
-
     log, calibration = ctx.layout.training_log, ctx.layout.calibration_report
     if not log.is_file() or not calibration.is_file():
         return None
@@ -155,11 +150,6 @@ def _train_vs_serve(ctx: StageContext) -> dict | None:
 
 def stage_eval(ctx: StageContext) -> dict:
     import ray
-
-    from .tracking import log_evaluation, open_run
-
-    from .evaluate import evaluate, render_report_md
-    from .plots import conditional_acceptance_plot, threshold_sweep_plot
 
     e = ctx.cfg.eval
     datasets = eval_datasets(ctx.cfg)

@@ -28,6 +28,10 @@ import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from . import storage
+from .config import ConfigError, load_config
+from .memory import estimate_for_config, stream_budget
+from .prompts import expand_sources, read_ids
 from .run_layout import RunLayout
 
 BYTES_PER_FEATURE = 2  # bf16 hidden states
@@ -81,8 +85,6 @@ def bytes_per_token(hidden_size: int, context_layers: int) -> int:
 
 def count_rows(path: str, storage_options: dict | None = None) -> int:
     """Rows of one prompt file (JSON Lines, gzip JSON Lines or Parquet), without validating them."""
-    from . import storage
-
     if path.endswith(".parquet"):
         import pyarrow.parquet as pq
 
@@ -112,8 +114,7 @@ def plan(cfg, hidden_size: int, num_layers: int, tokens_per_sample: float | None
     Raises:
         ValueError: no tokens_per_sample and no cache manifest to take it from.
     """
-    from . import storage
-    from .prompts import expand_sources
+    # lazy: import cycle: train.data -> cache.format -> plan
     from .train.data import steps_per_epoch
 
     m = len(cfg.target.layer_ids) if cfg.target.layer_ids else cfg.target.num_context_layers
@@ -126,7 +127,6 @@ def plan(cfg, hidden_size: int, num_layers: int, tokens_per_sample: float | None
     if cfg.prompts.heldout_ids_from:  # an upper bound: held-out rows that a source's rows
         # (all of them, or its max_rows subsample) include are counted twice (the prompts stage
         # takes them out of the training split)
-        from .prompts import read_ids
 
         heldout = len(read_ids(storage.resolve(cfg.prompts.heldout_ids_from),
                                cfg.storage_options))
@@ -158,13 +158,10 @@ def plan(cfg, hidden_size: int, num_layers: int, tokens_per_sample: float | None
         steps = min(steps, cfg.train.max_steps)
     memory, note = None, "needs the target's config (--target-config)"
     if target_config is not None:
-        from .memory import estimate_for_config
-
         try:
             memory, note = estimate_for_config(cfg, target_config).as_dict(), ""
         except NotImplementedError as err:
             note = f"not modelled: {err}"
-    from .memory import stream_budget
 
     stream = asdict(stream_budget(cfg, train_rows, tokens_per_sample, per_token, train_step_s,
                                   feature_tokens_per_s))
@@ -183,6 +180,7 @@ def _row_groups(cache, per_token: int, tokens_per_sample: float, hidden_size: in
     """The :class:`Plan` fields of the row-group size: as the cache writer cuts row groups
     (``pipeline.cache.writer.row_group_sizes``) of samples all of the mean size, and all at
     ``cache.max_length``; bytes uncompressed."""
+    # lazy: import cycle: cache.writer -> cache.format -> plan
     from .cache.writer import check_row_size, row_group_sizes
 
     def group(tokens: float) -> tuple[int, float]:
@@ -284,8 +282,6 @@ def _target_config(cfg, config_json: str | None = None):
     of ``target.name_or_path``; None when it cannot be loaded here."""
     from transformers import AutoConfig
 
-    from . import storage
-
     if config_json:  # a file path: AutoConfig picks the class from its model_type
         return AutoConfig.from_pretrained(config_json)
     name = cfg.target.name_or_path
@@ -324,7 +320,6 @@ def main(argv: list[str] | None = None) -> int:
                              "epoch of streamed features takes")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     args = parser.parse_args(argv)
-    from .config import ConfigError, load_config
 
     try:
         cfg = load_config(args.config, args.set)

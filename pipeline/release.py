@@ -36,7 +36,13 @@ import tempfile
 from datetime import datetime, timezone
 from pathlib import Path
 
+from drafters.loading import check_checkpoint
+
+from . import storage
+from .cache.format import read_manifest
+from .config import ConfigError, load_config
 from .run_layout import CALIBRATE, EVAL, STAGE_ORDER, RunLayout
+from .stages import stage_fingerprint
 
 # the cache manifest's per-split keys worth keeping (the token frequency table is ~1 MB of ids)
 SPLIT_SUMMARY_KEYS = ("rows", "tokens", "supervised_tokens")
@@ -74,9 +80,6 @@ def _run_config(run_dir: Path, eval_marker: dict):
     """The run's ``config.yaml``, checked against the eval stage's fingerprint (which covers
     every section the stages up to eval read): a later ``run.py`` call with other settings
     rewrites the file, and then it no longer describes the drafter."""
-    from .config import ConfigError, load_config
-    from .stages import stage_fingerprint
-
     path = RunLayout(run_dir).config_file
     try:
         cfg = load_config(path)
@@ -195,10 +198,6 @@ def release(run_dir: str | Path, out_dir: str | Path, dtype: str = "bfloat16",
         drafters.config.DrafterCheckpointError (a ValueError): the calibrated drafter is damaged.
         FileNotFoundError: the calibrated drafter or the cache manifest is missing.
     """
-    from drafters.loading import check_checkpoint
-
-    from .cache.format import read_manifest
-
     run_dir, out_dir = Path(run_dir).resolve(), Path(out_dir).resolve()
     if dtype not in ("bfloat16", "float16", "float32"):
         raise ReleaseError(f"--dtype {dtype!r}: use bfloat16, float16 or float32")
@@ -215,7 +214,6 @@ def release(run_dir: str | Path, out_dir: str | Path, dtype: str = "bfloat16",
     cfg = _run_config(run_dir, eval_marker)
     source = layout.drafter(CALIBRATE)
     check_checkpoint(source)
-    from . import storage
 
     cache_dir = (storage.resolve(cfg.cache.output) if cfg.cache.output
                  else str(layout.default_cache_dir))

@@ -20,6 +20,8 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+from pipeline.release import release
+
 if __name__ == "__main__" and __package__ in (None, ""):
     # run as a script: import the project packages, not sibling modules of this file
     _root = Path(__file__).resolve().parent.parent
@@ -103,8 +105,6 @@ def main(argv: list[str] | None = None) -> int:
         for name in ordered:
             stages.run_stage(ctx, name, force=name in args.force)
         if release_to:
-            from pipeline.release import release
-
             info = release(ctx.run_dir, release_to)
             logger.info("released the calibrated drafter to %s (%s parameters in %s)",
                         release_to, f"{info['trainable_parameters']:,}", info["dtype"])

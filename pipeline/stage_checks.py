@@ -9,7 +9,14 @@ whether it is forced.
 
 from __future__ import annotations
 
+from drafters.layer_init import check_drafter_init
+from drafters.loading import check_checkpoint
+from drafters.target_weights import load_target_config
+
 from . import storage
+from .cache.format import read_manifest
+from .generate.vllm_backend import require_vllm
+from .model_stages import eval_datasets
 from .stage_context import StageContext
 
 
@@ -26,8 +33,6 @@ def _config_files_exist(ctx: StageContext, inputs: list[tuple[str, str]]) -> Non
 
 def _existing_cache_is_this_targets(ctx: StageContext) -> None:
     """Raises CacheMismatchError: a cache at the cache location belongs to another target."""
-    from .cache.format import read_manifest
-
     so = ctx.cfg.storage_options
     if storage.exists(storage.join(ctx.cache_dir, "manifest.json"), so):
         ctx.check_cache_target(read_manifest(ctx.cache_dir, so))
@@ -45,8 +50,6 @@ def check_generate(ctx: StageContext, will_run: bool, forced: bool) -> None:
     if not will_run:
         return
     if ctx.cfg.generate.backend == "vllm":
-        from .generate.vllm_backend import require_vllm
-
         require_vllm()
     _config_files_exist(ctx, [(f"generate.reuse_from[{i}]", p)
                               for i, p in enumerate(ctx.cfg.generate.reuse_from)])
@@ -65,20 +68,13 @@ def check_train(ctx: StageContext, will_run: bool, forced: bool) -> None:
     is a drafter checkpoint (DrafterCheckpointError), and the cache it reads is this target's."""
     init_from = ctx.cfg.train.init_from
     if will_run and not init_from:
-        from drafters.layer_init import check_drafter_init
-        from drafters.target_weights import load_target_config
-
         check_drafter_init(ctx.cfg.drafter, load_target_config(ctx.target), ctx.target,
                            ctx.layer_ids)
     if init_from and not storage.is_url(init_from):
-        from drafters.loading import check_checkpoint
-
         check_checkpoint(storage.resolve(init_from))
     _existing_cache_is_this_targets(ctx)
 
 
 def check_eval(ctx: StageContext, will_run: bool, forced: bool) -> None:
     """The benchmark files (EvalDataError)."""
-    from .model_stages import eval_datasets
-
     eval_datasets(ctx.cfg)

@@ -8,7 +8,14 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from serve.engine.target_loading import (
+    default_layer_ids,
+    load_target_config,
+    materialize_gguf_target,
+)
+
 from . import ray_logs, storage
+from .cache.format import check_cache_matches
 from .config import PipelineConfig, dump_config
 from .run_layout import SPLITS, RunLayout
 
@@ -38,9 +45,6 @@ class StageContext:
         Raises:
             FileNotFoundError: the target cannot be found or loaded (path named).
         """
-        from serve.engine.target_loading import (default_layer_ids, load_target_config,
-                                                 materialize_gguf_target)
-
         run_dir = Path(storage.resolve(cfg.run_dir))
         run_dir.mkdir(parents=True, exist_ok=True)
         RunLayout(run_dir).config_file.write_text(dump_config(cfg))
@@ -99,10 +103,6 @@ class StageContext:
     def check_cache_target(self, manifest: dict) -> None:
         """Raise CacheMismatchError when the cache at ``cache_dir`` (its ``manifest``) belongs to
         another target."""
-        from serve.engine.target_loading import load_target_config
-
-        from .cache.format import check_cache_matches
-
         tcfg = load_target_config(self.target)
         check_cache_matches(manifest, self.cache_dir, target=self.cfg.target.name_or_path,
                             hidden_size=tcfg.hidden_size, vocab_size=tcfg.vocab_size,

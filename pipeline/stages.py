@@ -13,13 +13,19 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import shutil
 import time
 from dataclasses import dataclass
 from typing import Callable
 
 from . import storage
-from .config import DEFAULT_FORWARD_BATCH_TOKENS, DEFAULT_ROW_GROUP_BYTES, PipelineConfig, \
-    VllmGenerateConfig
+from .cache.format import CorruptShardError, read_manifest, verify_shard
+from .config import (
+    DEFAULT_FORWARD_BATCH_TOKENS,
+    DEFAULT_ROW_GROUP_BYTES,
+    PipelineConfig,
+    VllmGenerateConfig,
+)
 from .data_stages import stage_cache, stage_generate, stage_prompts
 from .model_stages import stage_calibrate, stage_eval, stage_train
 from .run_layout import CACHE, CALIBRATE, EVAL, GENERATE, PROMPTS, STAGE_ORDER, TRAIN
@@ -137,8 +143,6 @@ def stage_fingerprint(cfg: PipelineConfig, name: str) -> str:
 
 def clear_stage(ctx: StageContext, name: str) -> None:
     """Remove a stage's outputs and the completion markers of it and every later stage."""
-    import shutil
-
     for later in STAGE_NAMES[STAGE_NAMES.index(name):]:
         ctx.marker(later).unlink(missing_ok=True)
     stage_dir = ctx.layout.stage_dir(name)
@@ -160,8 +164,6 @@ def repair_cache(ctx: StageContext) -> list[str]:
     Raises:
         FileNotFoundError: the cache has no manifest (run the cache stage instead).
     """
-    from .cache.format import CorruptShardError, read_manifest, verify_shard
-
     so = ctx.cfg.storage_options
     manifest = read_manifest(ctx.cache_dir, so)
     damaged = []

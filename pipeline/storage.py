@@ -13,6 +13,7 @@ import os
 import time
 from pathlib import Path
 
+import fsspec
 import pyarrow.fs as pafs
 
 from serve.engine.paths import is_url, local_copy, project_root, resolve  # noqa: F401  (the pipeline's path API)
@@ -26,8 +27,6 @@ def join(base: str, *parts: str) -> str:
 
 def get_fsspec(path: str, storage_options: dict | None = None):
     """An fsspec filesystem for ``path`` (s3fs for s3://, local otherwise)."""
-    import fsspec
-
     if path.startswith("s3://"):
         import s3fs
 

@@ -23,6 +23,8 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 
+from . import storage
+
 STATE_FILE = "stream_state.json"
 
 
@@ -116,8 +118,6 @@ def read_state(checkpoint: str | None, rows_per_epoch: int,
             path or before records existed: the stream would start over while the workers go
             on), or its epoch size is not ``rows_per_epoch`` (the data changed since).
     """
-    from . import storage
-
     if checkpoint is None:
         return StreamState(rows_per_epoch)
     path = storage.join(checkpoint, STATE_FILE)

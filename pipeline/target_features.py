@@ -11,6 +11,9 @@ from dataclasses import dataclass
 
 import pyarrow as pa
 
+from serve.engine.chat import tokenize_conversation_samples
+from serve.engine.target_loading import load_target, load_tokenizer
+
 from .cache.writer import check_row_size, rows_table
 from .config import CacheConfig
 from .plan import bytes_per_token
@@ -49,8 +52,6 @@ class ConversationTokenizer:
     """
 
     def __init__(self, target: CacheTarget, cache: CacheConfig):
-        from serve.engine.target_loading import load_tokenizer
-
         self.tokenizer = load_tokenizer(target.name_or_path)
         self.template_kwargs = target.template_kwargs
         self.max_length = cache.max_length
@@ -65,8 +66,6 @@ class ConversationTokenizer:
         Raises:
             ValueError: too few supervised tokens, no anchor position, or a template error.
         """
-        from serve.engine.chat import tokenize_conversation_samples
-
         samples = tokenize_conversation_samples(self.tokenizer, conv["messages"],
                                                 self.template_kwargs, self.max_length)
         out = []
@@ -98,8 +97,6 @@ class TargetFeatures(ConversationTokenizer):
 
     def __init__(self, target: CacheTarget, cache: CacheConfig):
         import torch
-
-        from serve.engine.target_loading import load_target
 
         if cache.num_threads:
             torch.set_num_threads(cache.num_threads)

@@ -15,6 +15,8 @@ import os
 import secrets
 from pathlib import Path
 
+from .run_layout import RunLayout
+
 RUN_ID_FILE = "wandb_run_id"
 
 
@@ -40,8 +42,6 @@ def open_run(wandb_cfg: dict, run_dir: Path, name: str, job_type: str, config: d
     if wandb_cfg.get("mode", "offline") == "disabled":
         return None
     import wandb
-
-    from .run_layout import RunLayout
 
     wandb_dir = RunLayout(Path(run_dir)).wandb_dir
     wandb_dir.mkdir(parents=True, exist_ok=True)

@@ -47,16 +47,39 @@ from starlette.exceptions import HTTPException
 from .app_metrics import RequestTimer, ServeMetrics
 from .async_engine import AsyncSpecEngine, RequestStream, copy_stats
 from .config import ServeConfig
+from .engine.chat import render_prompt_ids
 from .engine.detokenize import token_bytes
 from .engine.errors import EngineDeadError, RequestError
 from .engine.requests import EngineRequest, SamplingParams
+from .openai_protocol import (
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    dead_error,
+    request_error,
+    validation_error,
+)
+from .openai_responses import (
+    SSE_DONE,
+    AssistantMessage,
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatCompletionResponse,
+    CompletionChoice,
+    CompletionResponse,
+    DeltaMessage,
+    ModelCard,
+    ModelList,
+    Usage,
+    chat_logprobs,
+    completion_logprobs,
+    new_id,
+    now_s,
+    sse,
+)
 from .replica import load_engine
-from .openai_protocol import (APIError, ChatCompletionRequest, CompletionRequest, dead_error,
-                              request_error, validation_error)
-from .openai_responses import (SSE_DONE, AssistantMessage, ChatChoice, ChatChunkChoice,
-                               ChatCompletionChunk, ChatCompletionResponse, CompletionChoice,
-                               CompletionResponse, DeltaMessage, ModelCard, ModelList, Usage,
-                               chat_logprobs, completion_logprobs, new_id, now_s, sse)
+from .vllm_app import build_vllm_app
 
 logger = logging.getLogger(__name__)
 
@@ -210,7 +233,6 @@ class SpecServer:
         """OpenAI ``POST /v1/chat/completions`` rendered with the chat template (one choice)."""
         arrival_s = time.perf_counter()
         self._check_model(body.model)
-        from .engine.chat import render_prompt_ids
 
         try:
             prompt_ids = render_prompt_ids(self.tokenizer, body.template_messages(),
@@ -403,7 +425,6 @@ def build_app(args: dict) -> Application:
     """
     cfg = ServeConfig.model_validate(args)
     if cfg.backend == "vllm":  # the same config, served by vLLM through ray.serve.llm
-        from .vllm_app import build_vllm_app
 
         return build_vllm_app(cfg)
     max_ongoing = cfg.max_ongoing_requests or (cfg.engine.max_num_requests

@@ -8,6 +8,7 @@ object, the chunk object, streaming).
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from typing import Literal
@@ -203,7 +204,6 @@ def sse(payload: BaseModel | dict) -> str:
     """One server-sent event: ``data: <json>\\n\\n`` (None fields kept, as OpenAI sends them)."""
     if isinstance(payload, BaseModel):
         return f"data: {payload.model_dump_json()}\n\n"
-    import json
 
     return f"data: {json.dumps(payload)}\n\n"
 

@@ -8,6 +8,8 @@ import os
 import time
 
 from .config import ServeConfig, _is_path
+from .engine.builder import build_engine, load_models
+from .engine.paths import resolve
 
 logger = logging.getLogger(__name__)
 
@@ -28,9 +30,6 @@ def load_engine(cfg: ServeConfig):
         RuntimeError: the config asks for a GPU and this process sees none.
     """
     import torch
-
-    from .engine.builder import build_engine, load_models
-    from .engine.paths import resolve
 
     if cfg.num_threads:
         torch.set_num_threads(cfg.num_threads)

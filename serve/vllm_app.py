@@ -15,6 +15,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from drafters.registry import spec_of_export
+
 from .config import ServeConfig, _is_path
 from .engine.paths import resolve
 
@@ -31,8 +33,6 @@ def speculative_config(cfg: ServeConfig) -> dict | None:
         ValueError: an export vLLM has no method for, a cap above what the drafter drafts per
             block, or adaptive verification asked of an export without a confidence head.
     """
-    from drafters.registry import spec_of_export
-
     v = cfg.vllm
     if not v.drafter_export:
         return None

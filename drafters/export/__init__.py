@@ -28,6 +28,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -38,6 +40,7 @@ __all__ = ["ExportError", "choose_mask_token", "export", "formats", "main"]
 
 def formats() -> tuple[str, ...]:
     """Every export format some registered drafter type has."""
+    # lazy: import cycle: dspark (via the package) -> export
     from ..registry import SPECS
 
     return tuple(dict.fromkeys(f for spec in SPECS.values() for f in spec.exporters))
@@ -71,6 +74,7 @@ def _target_facts(target: str):
     tensors through the trainer's reader (``drafters/target_weights.py``)."""
     from transformers import AutoTokenizer, GenerationConfig
 
+    # lazy: import cycle: dspark (via the package) -> export
     from ..target_weights import load_frozen_head
 
     cfg, embed, lm_head = load_frozen_head(target)
@@ -93,6 +97,7 @@ def _exporter(config, fmt: str):
     Raises:
         ExportError: an unknown format, or one this drafter type has no exporter for.
     """
+    # lazy: import cycle: dspark (via the package) -> export
     from ..registry import SPECS
 
     owners = [s.title for s in SPECS.values() if fmt in s.exporters]
@@ -127,14 +132,12 @@ def export(src: str | Path, dst: str | Path, fmt: str, target: str | None = None
         ExportError: the format cannot represent this drafter (reason named), or an unknown
             format; FileNotFoundError / DrafterCheckpointError: a bad source directory.
     """
-    import os
-    import shutil
-
     import torch
     from safetensors import safe_open
     from safetensors.torch import save_file
     from transformers import AutoConfig
 
+    # lazy: import cycle: dspark (via the package) -> export
     from ..base import WEIGHTS_NAME
     from ..loading import check_checkpoint
 
@@ -195,6 +198,7 @@ def export(src: str | Path, dst: str | Path, fmt: str, target: str | None = None
 
 def _is_drafter_dir(path: Path) -> bool:
     """Whether ``path`` holds a dspark-ray drafter checkpoint (never overwritten by an export)."""
+    # lazy: import cycle: dspark (via the package) -> export
     from ..config import MODEL_TYPE
 
     try:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import pyarrow.parquet as pq
 
 from .. import storage
+from ..train.worker import TargetHead
 from .format import decode_row
 
 # Measured on SmolLM2-135M (session 33): a correct cache leaves 0.3 % (fp32 forward) to 1.4-2.1 %
@@ -57,8 +58,6 @@ def head_agreement(model, row: dict, head_weight, softcap: float | None = None) 
         positions whose argmax agrees.
     """
     import torch
-
-    from ..train.worker import TargetHead
 
     mask = torch.as_tensor(row["loss_mask"]).bool()  # [T]
     positions = torch.nonzero(mask).flatten()[-CHECKED_POSITIONS:]

@@ -22,14 +22,16 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import logging
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from drafters.draft_vocab import coverage, frequency_ranking
+
 from .. import storage
 from ..plan import bytes_per_token
-
 
 CACHE_FORMAT = "dspark-target-cache/v1"
 SCHEMA = pa.schema([
@@ -80,8 +82,6 @@ def shard_key(conversation_id: str) -> str:
     with their source's name: sorted by id alone, a shard and every batch read from it would be
     one source), and the first held-out rows that training evaluates on are a random sample of
     the held-out split. Deterministic, so a re-run cuts the same shards."""
-    import hashlib
-
     digest = hashlib.blake2b(conversation_id.encode(), digest_size=8).hexdigest()
     return f"{digest}:{conversation_id}"
 
@@ -89,9 +89,6 @@ def shard_key(conversation_id: str) -> str:
 def parse_conversation_line(line: str) -> tuple[str, dict] | None:
     """(id, conversation) of one JSON line of a generate output; None for a blank line or an
     unreadable one (a torn last line left by a crash while appending)."""
-    import json
-    import logging
-
     if not line.strip():
         return None
     try:
@@ -183,8 +180,6 @@ def build_manifest(*, target: str, revision: str | None, layer_ids: list[int], h
     with each split's supervised-token frequencies (``token_frequency``: [[id, count], ...], most
     frequent first) and the coverage of the train ranking's top-N at a few draft vocabulary sizes
     (``draft_vocab_coverage``: {N: {split: share of supervised tokens inside the top N}})."""
-    from drafters.draft_vocab import coverage, frequency_ranking
-
     counts = {name: merge_token_counts(shards) for name, shards in splits.items()}
     ranking = frequency_ranking(counts.get("train", {}), vocab_size)
     report = {str(n): {name: round(coverage(c, ranking[:n]), 5) for name, c in counts.items()}

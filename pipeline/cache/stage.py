@@ -15,13 +15,15 @@ import logging
 
 import numpy as np
 
+from drafters.target_weights import final_logit_softcap, load_frozen_head
+
 from .. import storage
+from ..config import CacheConfig
+from ..target_features import CacheTarget, TargetFeatures, length_batches  # noqa: F401 (API)
 from .check import check_head_agreement, head_agreement, read_first_row
 from .format import shard_name
 from .shards import pack_shards
 from .writer import ShardWriter, read_sidecar, row_group_sizes, write_sidecar
-from ..config import CacheConfig
-from ..target_features import CacheTarget, TargetFeatures, length_batches  # noqa: F401 (API)
 
 logger = logging.getLogger(__name__)
 
@@ -86,8 +88,6 @@ class CacheWriterUDF(TargetFeatures):
         Raises:
             CacheHeadMismatchError: the cached final state is not the LM head's input.
         """
-        from drafters.target_weights import final_logit_softcap, load_frozen_head
-
         if self._head is None:
             config, _, head = load_frozen_head(self.target_name)
             self._head = (head, final_logit_softcap(config))

@@ -31,8 +31,12 @@ from collections.abc import Iterator
 
 import numpy as np
 
-from .hf import GenerateUDF, answer_length, finish_answer, next_user_turn
+from serve.engine.builder import build_engine, load_models
+from serve.engine.config import EngineConfig
+from serve.engine.errors import RequestError
+from serve.engine.requests import EngineRequest, SamplingParams
 
+from .hf import GenerateUDF, answer_length, finish_answer, next_user_turn
 
 FLUSH_S = 60.0  # finished conversations wait at most this long (seconds) before leaving the actor
 
@@ -59,9 +63,6 @@ class EngineGenerateUDF(GenerateUDF):
                  num_threads: int | None, max_prompt_tokens: int, seed: int,
                  max_num_requests: int, kv_cache_memory_gib: float, attention: str = "kernel"):
         import torch
-
-        from serve.engine.builder import build_engine, load_models
-        from serve.engine.config import EngineConfig
 
         if num_threads:
             torch.set_num_threads(num_threads)
@@ -94,9 +95,6 @@ class EngineGenerateUDF(GenerateUDF):
             errors, "" = none: a row the engine refused or failed has its error here and the
             others are unaffected).
         """
-        from serve.engine.errors import RequestError
-        from serve.engine.requests import EngineRequest, SamplingParams
-
         s = self.sampling
         tokens: list[list[int]] = [[] for _ in prompts]
         errors = [""] * len(prompts)
@@ -149,9 +147,6 @@ class EngineGenerateUDF(GenerateUDF):
             seconds have passed since the last yield, and the rest at the end; every input row
             exactly once.
         """
-        from serve.engine.errors import RequestError
-        from serve.engine.requests import EngineRequest, SamplingParams
-
         s = self.sampling
         ids = [str(x) for x in batch["id"]]
         turns = [json.loads(m) for m in batch["messages"]]

@@ -18,6 +18,10 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from drafters.sampling import sample_rows
+from serve.engine.chat import render_prompt_ids
+from serve.engine.target_loading import eos_token_ids, load_target, load_tokenizer
+
 if TYPE_CHECKING:
     from ..config import GenerateConfig
 
@@ -68,8 +72,6 @@ class GenerateUDF:
                  num_threads: int | None, max_prompt_tokens: int, seed: int):
         import torch
 
-        from serve.engine.target_loading import eos_token_ids, load_target, load_tokenizer
-
         if num_threads:
             torch.set_num_threads(num_threads)
         self.torch = torch
@@ -99,8 +101,6 @@ class GenerateUDF:
             (answer texts, finish reasons "stop" / "length", per-row errors: "" = none).
         """
         from transformers import DynamicCache
-
-        from drafters.sampling import sample_rows
 
         torch = self.torch
         s = self.sampling
@@ -152,8 +152,6 @@ class GenerateUDF:
             (prompt token ids, ""), or (None, why the row fails: the chat template cannot render
             it, or it is longer than ``max_prompt_tokens``).
         """
-        from serve.engine.chat import render_prompt_ids
-
         try:
             prompt = render_prompt_ids(self.tokenizer, history, self.template_kwargs)
         except Exception as err:  # a template that cannot render this conversation
@@ -285,6 +283,7 @@ def backend_udf(cfg: GenerateConfig) -> tuple[type, dict]:
     if cfg.backend == "hf":
         return GenerateUDF, {}
     if cfg.backend == "engine":
+        # lazy: import cycle: engine -> hf
         from .engine import EngineGenerateUDF
 
         return EngineGenerateUDF, {"max_num_requests": cfg.max_num_requests,

@@ -22,7 +22,9 @@ import logging
 import os
 from pathlib import Path
 
+from .. import storage
 from ..prompts import PromptError, iter_raw_rows, validate_row
+from .hf import done_ids, truncate_torn_line
 
 logger = logging.getLogger(__name__)
 
@@ -66,8 +68,6 @@ def check_generation_record(source: str, record: dict, storage_options: dict | N
         ValueError: the record differs (naming the file and each differing field), or is not
             a JSON object.
     """
-    from .. import storage
-
     directory = source.rsplit("/", 1)[0] if storage.is_url(source) else str(Path(source).parent)
     path = storage.join(directory, RECORD)
     if not storage.exists(path, storage_options):
@@ -120,8 +120,6 @@ def reusable_rows(path: str, wanted: dict[str, dict], storage_options: dict | No
     Raises:
         FileNotFoundError: no such file (naming it).
     """
-    from .. import storage
-
     if not storage.exists(path, storage_options):
         raise FileNotFoundError(f"generate.reuse_from: file not found: {path}")
     found, mismatched = {}, set()
@@ -166,8 +164,6 @@ def reuse_answers(rows: list[dict], out_path: Path, errors_path: Path, sources: 
     Raises:
         FileNotFoundError: a source does not exist.
     """
-    from .hf import done_ids, truncate_torn_line
-
     truncate_torn_line(out_path)  # an append after a torn line would corrupt both rows
     done = done_ids(out_path, errors_path)
     wanted = {r["id"]: r for r in rows if r["id"] not in done}
@@ -210,8 +206,6 @@ def refile_answers(out_dir: Path, splits: dict[str, set[str]]) -> dict:
         ``{"moved": answers refiled under another split, "unused": answers set aside}`` (an id
         filed twice keeps its first row).
     """
-    from .hf import truncate_torn_line
-
     split_of = {rid: split for split, ids in splits.items() for rid in ids}
     files = {split: out_dir / f"{split}.jsonl" for split in splits}
     kept: dict[str, list[str]] = {split: [] for split in splits}
@@ -239,7 +233,6 @@ def refile_answers(out_dir: Path, splits: dict[str, set[str]]) -> dict:
             changed |= home != split
     if not changed:
         return {"moved": 0, "unused": 0}
-    from .. import storage
 
     if unused:
         with open(out_dir / "unused.jsonl", "a", encoding="utf-8") as fh:

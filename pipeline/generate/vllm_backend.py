@@ -31,7 +31,11 @@ import json
 import logging
 import os
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
+
+from serve.engine.chat import render_prompt_ids
+from serve.engine.target_loading import eos_token_ids, load_tokenizer
 
 from ..config import GenerateConfig, VllmGenerateConfig
 from .hf import _append, finish_answer, next_user_turn, pending_rows
@@ -119,11 +123,7 @@ def engine_max_model_len(max_prompt_tokens: int, max_new_tokens: int,
 def target_end_tokens(target: str) -> list[int]:
     """The target's end tokens as the hf backend computes them, from its files alone (no
     weights): tokenizer EOS, config EOS, generation-config EOS."""
-    from types import SimpleNamespace
-
     from transformers import AutoConfig, GenerationConfig
-
-    from serve.engine.target_loading import eos_token_ids, load_tokenizer
 
     try:
         gen = GenerationConfig.from_pretrained(target)
@@ -144,15 +144,11 @@ class RenderPromptUDF:
     """
 
     def __init__(self, target: str, template_kwargs: dict, max_prompt_tokens: int):
-        from serve.engine.target_loading import load_tokenizer
-
         self.tokenizer = load_tokenizer(target)
         self.template_kwargs = template_kwargs
         self.max_prompt_tokens = max_prompt_tokens
 
     def __call__(self, batch: dict) -> dict:
-        from serve.engine.chat import render_prompt_ids
-
         prompts, errors = [], []
         for raw in batch["messages"]:
             error, prompt = "", []
@@ -174,8 +170,6 @@ class DecodeAnswerUDF:
     the row succeeded), with the hf backend's messages."""
 
     def __init__(self, target: str, end_ids: list[int]):
-        from serve.engine.target_loading import load_tokenizer
-
         self.tokenizer = load_tokenizer(target)
         self.end_ids = set(end_ids)
 
@@ -209,7 +203,8 @@ def build_processor(target: str, vllm: VllmGenerateConfig, engine: dict, samplin
         VllmNotInstalledError: vLLM is not installed.
     """
     require_vllm()
-    from ray.data.llm import build_processor as build, vLLMEngineProcessorConfig
+    from ray.data.llm import build_processor as build
+    from ray.data.llm import vLLMEngineProcessorConfig
 
     config = vLLMEngineProcessorConfig(**processor_config_kwargs(target, vllm, engine))
     return build(config,

@@ -19,6 +19,7 @@ rows a step sees or in what order.
 
 from __future__ import annotations
 
+import hashlib
 import threading
 from collections import OrderedDict, deque
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -385,8 +386,6 @@ HELDOUT_EPOCH = -1  # the epoch that seeds held-out rows' anchors (the same at e
 
 def row_generator(seed: int, epoch: int, row_id: int | str):
     """The anchor-sampling RNG of one row in one epoch (independent of which worker reads it)."""
-    import hashlib
-
     import torch
 
     digest = hashlib.blake2b(f"{seed}/{epoch}/{row_id}".encode(), digest_size=8).digest()

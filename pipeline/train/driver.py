@@ -17,8 +17,17 @@ import uuid
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from drafters.draft_vocab import coverage, frequency_ranking
+from drafters.loading import check_checkpoint
+
+from .. import storage
+from ..cache.format import verify_shard
+from ..checkpoints import latest_checkpoint, require_complete
+from ..feature_stream import Checkpoints
+from ..tracking import log_drafter_artifact, open_run, run_id
 from .data import steps_per_epoch
 from .job import CheckpointPlace, TrainJob
+from .loop import train_loop_per_worker
 
 if TYPE_CHECKING:
     from drafters.config import DrafterConfig
@@ -57,18 +66,11 @@ def run_train(*, cache_dir: str, manifest: dict, out_dir: Path, target: str, lay
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
-    from .. import storage
-    from ..checkpoints import latest_checkpoint, require_complete
-    from ..tracking import log_drafter_artifact, open_run, run_id
-    from .loop import train_loop_per_worker
-
     rows = manifest["splits"]["train"]["rows"]
     if train.init_from and not storage.is_url(train.init_from):  # named now, not by each worker
-        from drafters.loading import check_checkpoint
 
         check_checkpoint(storage.resolve(train.init_from))
     if train.verify_cache:  # a damaged shard is named now, before any worker starts
-        from ..cache.format import verify_shard
 
         for split, info in manifest["splits"].items():
             for shard in info.get("shards", []):
@@ -103,8 +105,6 @@ def run_train(*, cache_dir: str, manifest: dict, out_dir: Path, target: str, lay
     if streams is not None:
         from ray.data import ExecutionOptions, ExecutionResources
         from ray.train import DataConfig
-
-        from ..feature_stream import Checkpoints
 
         datasets = streams(Checkpoints(storage_path, run_name, storage_options, resume, fit_id),
                            total)
@@ -173,8 +173,6 @@ def run_train(*, cache_dir: str, manifest: dict, out_dir: Path, target: str, lay
 def train_storage_path(train: TrainConfig, out_dir: Path) -> str:
     """Where Ray Train keeps the run's checkpoints: ``train.storage_path`` or
     ``<out_dir>/ray_train``."""
-    from .. import storage
-
     return (storage.resolve(train.storage_path) if train.storage_path
             else str((out_dir / "ray_train").resolve()))
 
@@ -188,8 +186,6 @@ def select_draft_vocab(manifest: dict, size: int) -> tuple[list[int] | None, dic
     Raises:
         ValueError: ``size`` exceeds the vocabulary, or the cache predates token counting.
     """
-    from drafters.draft_vocab import coverage, frequency_ranking
-
     if not size:
         return None, {}
     vocab = manifest["target"]["vocab_size"]

@@ -14,11 +14,27 @@ import logging
 import os
 import time
 
-from .data import plateau_reached
+from tqdm import tqdm
+
+from drafters.loading import build_drafter
+from drafters.target_weights import final_logit_softcap, load_frozen_head
+
+from .data import plateau_reached, row_generator
 from .job import TrainJob
-from .worker import (NonFiniteLossError, batch_losses, deepspeed_config, finite_on_all_workers,
-                           init_weights, lr_lambda, reduce_metrics, skip_update, target_head,
-                           zero_loss)
+from .sources import CachedRows, StreamedRows
+from .state import load_training_log, load_training_state, resume_checkpoint, save_training_state
+from .worker import (
+    NonFiniteLossError,
+    batch_losses,
+    deepspeed_config,
+    finite_on_all_workers,
+    init_weights,
+    lr_lambda,
+    reduce_metrics,
+    skip_update,
+    target_head,
+    zero_loss,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -57,8 +73,6 @@ class WorkerLoop:
         import ray.train
         import torch
 
-        from drafters.target_weights import final_logit_softcap
-
         self.job, tc = job, job.train
         ctx = ray.train.get_context()
         self.rank, self.world = ctx.get_world_rank(), ctx.get_world_size()
@@ -93,9 +107,6 @@ class WorkerLoop:
         import deepspeed
         import torch
 
-        from drafters.loading import build_drafter
-        from drafters.target_weights import load_frozen_head
-
         job, tc, dsec = self.job, self.job.train, self.job.drafter
         from_target = dsec.init == "target_layers"
         target_cfg, emb, head, *top = load_frozen_head(
@@ -121,8 +132,6 @@ class WorkerLoop:
     def _open_data(self):
         """This worker's rows: streamed from the feature actors (online, hybrid's first epoch)
         or read from the cache shards."""
-        from .sources import CachedRows, StreamedRows
-
         job, tc = self.job, self.job.train
         eval_rows = tc.eval_rows if tc.eval_every else None
         h, m = job.target_hidden_size, job.num_context_layers
@@ -135,8 +144,6 @@ class WorkerLoop:
     def _restore(self) -> None:
         """Continue from the run's checkpoint, if any: weights, optimizer, schedule, the log and
         the data position."""
-        from .state import load_training_log, load_training_state, resume_checkpoint
-
         restored = resume_checkpoint(self.job.checkpoints)
         self.resumes = 0
         if restored is None:
@@ -153,7 +160,6 @@ class WorkerLoop:
         ``pipeline/tracking.py``) and progress bar; (None, None) elsewhere."""
         if self.rank != 0:
             return None, None
-        from tqdm import tqdm
 
         job, run = self.job, None
         if job.wandb["mode"] != "disabled":
@@ -194,8 +200,6 @@ class WorkerLoop:
             (the finite micro-batches' loss dicts, whether some worker's loss was non-finite
             (the update is then skipped on all), seconds spent waiting for data).
         """
-        from .data import row_generator
-
         tc = self.job.train
         outs, bad, waited = [], False, 0.0
         for _ in range(tc.global_batch_size // self.world // tc.micro_batch_size):
@@ -264,8 +268,6 @@ class WorkerLoop:
         """The held-out split's metrics (``heldout_`` keys), reduced over the workers."""
         import torch
 
-        from .data import row_generator
-
         tc = self.job.train
         self.engine.eval()
         outs = []
@@ -279,8 +281,6 @@ class WorkerLoop:
 
     def checkpoint(self, metrics: dict) -> None:
         """A checkpoint of the current step (all workers together)."""
-        from .state import save_training_state
-
         save_training_state(self.engine, self.step, self.world, self.history, metrics,
                             self.job.checkpoints, extra_files=self.data.checkpoint_files())
 

@@ -16,8 +16,20 @@ import json
 import logging
 
 from .. import storage
+from ..cache.format import read_manifest
+from ..cache.shards import pack_shards
+from ..data_stages import cache_manifest, cache_target, write_cache
+from ..feature_stream import (
+    HeldoutStream,
+    HybridStream,
+    TrainStream,
+    put_conversations,
+    scan_split,
+)
 from ..run_layout import TRAIN
 from ..stage_context import SPLITS, StageContext, ensure_ray
+from .data import steps_per_epoch
+from .driver import run_train
 
 logger = logging.getLogger(__name__)
 
@@ -35,8 +47,6 @@ def generated_files(ctx: StageContext) -> dict[str, str]:
 def stream_manifest(ctx: StageContext, scans: dict) -> dict:
     """A manifest for streamed training: the statistics a cache of these conversations would
     have (rows, tokens, supervised-token frequencies for the draft vocabulary) and no shards."""
-    from ..data_stages import cache_manifest
-
     manifest = cache_manifest(ctx, {split: [scan.summary] for split, scan in scans.items()})
     for info in manifest["splits"].values():
         info["shards"] = []
@@ -46,9 +56,6 @@ def stream_manifest(ctx: StageContext, scans: dict) -> dict:
 
 def _scan(ctx: StageContext, files: dict[str, str]) -> dict:
     """:func:`pipeline.feature_stream.scan_split` of every split; errors to train/stream_errors."""
-    from ..data_stages import cache_target
-    from ..feature_stream import scan_split
-
     scans = {split: scan_split(path, cache_target(ctx), ctx.cfg.cache)
              for split, path in files.items()}
     errors = [e for scan in scans.values() for e in scan.errors]
@@ -63,9 +70,6 @@ def _scan(ctx: StageContext, files: dict[str, str]) -> dict:
 
 def _heldout(ctx: StageContext, files: dict[str, str], scans: dict):
     """The held-out rows (a materialized dataset), or None when not evaluating."""
-    from ..data_stages import cache_target
-    from ..feature_stream import HeldoutStream, put_conversations
-
     if not ctx.cfg.train.eval_every or "heldout" not in scans or not scans["heldout"].rows:
         return None
     # computed once, now: a few rows, and no target actors beside the trainers later
@@ -75,8 +79,6 @@ def _heldout(ctx: StageContext, files: dict[str, str], scans: dict):
 
 
 def _run(ctx: StageContext, manifest: dict, train=None, **kwargs) -> dict:
-    from .driver import run_train
-
     return run_train(
         cache_dir=ctx.cache_dir, manifest=manifest, out_dir=ctx.stage_dir(TRAIN),
         target=ctx.target, layer_ids=ctx.layer_ids, drafter=ctx.cfg.drafter,
@@ -109,10 +111,6 @@ def check_resources(ctx: StageContext) -> None:
 
 def train_online(ctx: StageContext) -> dict:
     """``train.data_mode: online``: returns the :func:`pipeline.train.driver.run_train` result."""
-    from ..data_stages import cache_target
-    from ..feature_stream import TrainStream, put_conversations
-    from .data import steps_per_epoch
-
     ensure_ray(ctx.cfg)
     check_resources(ctx)
     files = generated_files(ctx)
@@ -137,12 +135,6 @@ def train_hybrid(ctx: StageContext) -> dict:
     """``train.data_mode: hybrid`` without a finished cache: the first epoch streams (and writes)
     the cache, the rest reads it. Returns the last phase's :func:`pipeline.train.driver.run_train`
     result with ``phases`` (steps of each)."""
-    from ..cache.shards import pack_shards
-    from ..cache.format import read_manifest
-    from ..data_stages import cache_target, write_cache
-    from ..feature_stream import HybridStream
-    from .data import steps_per_epoch
-
     ensure_ray(ctx.cfg)
     check_resources(ctx)
     files = generated_files(ctx)

@@ -16,8 +16,8 @@ from __future__ import annotations
 
 from typing import Iterator
 
-from .data import (HELDOUT_EPOCH, ArrowRowGroup, CacheRowIndex, CacheRowReader,
-                         worker_plan)
+from ..stream_state import STATE_FILE, StreamState, merged_state, read_state, worker_records
+from .data import HELDOUT_EPOCH, ArrowRowGroup, CacheRowIndex, CacheRowReader, worker_plan
 
 PREFETCH_MICRO_BATCHES = 4  # micro-batches each worker reads ahead of its training loop
 
@@ -88,8 +88,6 @@ class StreamedRows:
                  world: int, rows_per_epoch: int):
         import ray.train
 
-        from ..stream_state import StreamState
-
         self.train = ray.train.get_dataset_shard("train")
         self.heldout = ray.train.get_dataset_shard("heldout") if eval_rows else None
         self.hidden, self.m = hidden, num_context_layers
@@ -100,8 +98,6 @@ class StreamedRows:
 
     def restore(self, checkpoint_dir: str) -> None:
         """Continue the record of a restored checkpoint (local directory)."""
-        from ..stream_state import read_state
-
         self.state = read_state(checkpoint_dir, self.state.rows_per_epoch)
 
     def _decode(self, table) -> tuple[list[tuple[int, str]], list[dict]]:
@@ -137,8 +133,6 @@ class StreamedRows:
         """Gather every worker's records since the last checkpoint (all workers call it
         together); rank 0 returns ``{"stream_state.json": merged record}``, the others {}."""
         import torch.distributed as dist
-
-        from ..stream_state import STATE_FILE, merged_state, worker_records
 
         mine = worker_records(self.records)
         self.records = []

@@ -11,7 +11,19 @@ import logging
 import os
 import shutil
 import tempfile
+from argparse import Namespace
 from typing import TYPE_CHECKING
+
+from .. import storage
+from ..checkpoints import (
+    STATE,
+    checkpoint_url,
+    local_files,
+    parse_train_state,
+    restore_choice,
+    train_state_bytes,
+    write_marker,
+)
 
 if TYPE_CHECKING:
     from .job import CheckpointPlace
@@ -34,8 +46,6 @@ def save_training_state(engine, step: int, world: int, history: list[dict], metr
     import ray.train
     import torch.distributed as dist
     from ray.train import Checkpoint
-
-    from ..checkpoints import STATE, checkpoint_url, local_files, train_state_bytes, write_marker
 
     rank = ray.train.get_context().get_world_rank()
     with tempfile.TemporaryDirectory() as tmp:
@@ -66,9 +76,6 @@ def resume_checkpoint(place: CheckpointPlace):
     Call it on all workers together, after the process group is up."""
     import ray.train
     import torch.distributed as dist
-
-    from .. import storage
-    from ..checkpoints import checkpoint_url, restore_choice
 
     so, storage_path = place.storage_options, place.storage_path
     choice = [None]
@@ -112,8 +119,6 @@ def load_training_state(engine, checkpoint_dir: str) -> int:
         RuntimeError: resuming with another worker count and the universal conversion failed.
     """
     import ray.train
-
-    from ..checkpoints import parse_train_state
 
     state_file = os.path.join(checkpoint_dir, "train_state.json")
     if not os.path.isfile(state_file):
@@ -166,8 +171,6 @@ def _universal_checkpoint_dir(checkpoint_dir: str, tag: str) -> tuple[str, str |
         RuntimeError: the conversion failed on some node (raised on every worker, so none is left
             waiting for the others).
     """
-    from argparse import Namespace
-
     import ray.train
     import torch.distributed as dist
 

@@ -14,9 +14,13 @@ from __future__ import annotations
 import logging
 import math
 import os
-
 from typing import TYPE_CHECKING
 
+from drafters.base import WEIGHTS_NAME
+from drafters.config import DrafterCheckpointError
+from drafters.loading import check_checkpoint
+from drafters.losses import chunked_drafter_losses
+from drafters.precision import train_precision
 
 if TYPE_CHECKING:
     from ..config import TrainConfig
@@ -42,8 +46,6 @@ def uses_bf16(tc: TrainConfig, probe: bool = True) -> bool:
     (``auto``: bf16 where it is native, :func:`drafters.precision.train_precision`). ``probe``
     False: a driver planning for GPU workers, which must not open a CUDA context (bf16 assumed
     on GPUs)."""
-    from drafters.precision import train_precision
-
     return train_precision(tc.precision, "cuda" if tc.use_gpu else "cpu", probe=probe) == "bf16"
 
 
@@ -147,8 +149,6 @@ def batch_losses(model, samples: list[dict], tc: TrainConfig, objective: str, we
     """
     import torch
 
-    from drafters.losses import chunked_drafter_losses
-
     module = getattr(model, "module", model)  # DeepSpeed engine or the bare drafter
     pb = module.pack_blocks(samples, tc.num_anchors, generators).to(device)
     valid = pb.label_valid
@@ -238,10 +238,6 @@ def init_weights(model, path: str) -> None:
         ValueError: the checkpoint's architecture differs from the configured drafter.
     """
     from safetensors.torch import load_file
-
-    from drafters.base import WEIGHTS_NAME
-    from drafters.config import DrafterCheckpointError
-    from drafters.loading import check_checkpoint
 
     src = check_checkpoint(path)
     keys = ("drafter_type", "hidden_size", "num_hidden_layers", "block_size", "head_type",

@@ -8,14 +8,17 @@ benchmarks all go through here, so an engine built anywhere is built the same wa
 from __future__ import annotations
 
 import functools
-
 from dataclasses import dataclass
 from pathlib import Path
+
+from drafters.loading import load_drafter
 
 from .config import EngineConfig
 from .core import SpecEngine
 from .paths import local_copy
+from .profiling import engine_profiles, mark_profile_stale
 from .scheduler_registry import scheduler_entry
+from .target_loading import eos_token_ids, load_target, load_tokenizer
 from .target_runner import TargetRunner
 
 
@@ -54,10 +57,6 @@ def load_models(target: str, dtype: str, drafter_dir: str | None = None, *,
     """
     import torch
 
-    from drafters.loading import load_drafter
-
-    from .target_loading import eos_token_ids, load_target, load_tokenizer
-
     tokenizer = load_tokenizer(target)
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     model = load_target(target, dtype, device).to(device)
@@ -88,8 +87,6 @@ def build_engine(models: LoadedModels, config: EngineConfig, *, drafter=None,
     Raises:
         ValueError: as :class:`SpecEngine` (layer mismatch, scheduler without a confidence head).
     """
-    from .profiling import engine_profiles, mark_profile_stale
-
     drafter = drafter if drafter is not None else models.drafter
     if not scheduler_entry(config.scheduler).speculates:
         drafter = None

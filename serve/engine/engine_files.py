@@ -52,7 +52,10 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from .profiling import PROFILE_NAME
+from drafters.base import WEIGHTS_NAME
+from drafters.config import read_drafter_config
+
+from .profiling import PROFILE_NAME, device_name
 from .scheduler import SPSTable
 
 ENGINES = ("sglang", "trtllm")
@@ -84,9 +87,6 @@ def _model_id(name: str) -> str:
 
 def drafter_facts(drafter_dir: str | Path) -> dict:
     """Target, block_size, confidence head, temperatures and weights hash of a drafter directory."""
-    from drafters.base import WEIGHTS_NAME
-    from drafters.config import read_drafter_config
-
     cfg = read_drafter_config(drafter_dir)
     digest = hashlib.sha256()
     with open(Path(drafter_dir) / WEIGHTS_NAME, "rb") as fh:
@@ -414,8 +414,6 @@ def main(argv: list[str] | None = None) -> int:
             hardware = None
             if args.device:
                 import torch
-
-                from .profiling import device_name
 
                 hardware = {"device": device_name(torch.device(args.device)),
                             "device_type": args.device}

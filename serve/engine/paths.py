@@ -8,12 +8,17 @@ through unchanged.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import shutil
+import tempfile
 from functools import lru_cache
 from importlib import metadata
 from pathlib import Path
 from urllib.parse import urlparse
+
+import fsspec
 
 
 def is_url(path: str) -> bool:
@@ -64,11 +69,6 @@ def local_copy(path: str, storage_options: dict | None = None) -> str:
     """
     if not is_url(path):
         return resolve(path)
-    import hashlib
-    import shutil
-    import tempfile
-
-    import fsspec
 
     fs, _, (root,) = fsspec.get_fs_token_paths(path, storage_options=storage_options or {})
     files = [f for f in fs.find(root) if not f.endswith("/")]

@@ -24,10 +24,14 @@ from pathlib import Path
 
 import torch
 
+from drafters.precision import capability
+
 from .config import EngineConfig
+from .decode_attention import engine_isa
 from .draft_planner import DraftCostTable
 from .scheduler_registry import NEEDS_SPS
 from .sps import SPSTable
+from .target_loading import load_target
 from .target_runner import TargetKV, TargetRunner
 
 logger = logging.getLogger(__name__)
@@ -57,10 +61,6 @@ def hardware_fingerprint(runner: TargetRunner) -> dict:
     model, dtype and how decode rows attend (the decode attention kernel and which instruction-set
     build of it, or PyTorch: ``EngineConfig.attention``). A stored profile whose fingerprint differs in any of these is
     measured again."""
-    from drafters.precision import capability
-
-    from .decode_attention import engine_isa
-
     device = device_name(runner.device)
     cap = capability(runner.device)
     cfg = runner.model.config
@@ -384,7 +384,6 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.threads:
         torch.set_num_threads(args.threads)
-    from .target_loading import load_target
 
     runner = TargetRunner(load_target(os.path.expanduser(args.target), args.dtype), [])
     table = load_or_profile(runner, args.out, args.max_batch_tokens, args.block_tokens, args.repeats)

@@ -14,6 +14,8 @@ d head dim.
 
 from __future__ import annotations
 
+import sys
+
 import torch
 
 from .kv_pool import SingleTokenRows, SlotViews
@@ -110,8 +112,6 @@ def _outside_engine(module, query, key, value, attention_mask, scaling, dropout,
     the model's own modeling file where the runner registered eager masks (:func:`register`:
     the target's own attention was eager, e.g. for sinks or a soft cap, which SDPA cannot
     express), else SDPA; transformers built either mask with the window."""
-    import sys
-
     extra = {k: v for k, v in (("s_aux", s_aux), ("softcap", softcap)) if v is not None}
     eager = getattr(sys.modules[type(module).__module__], "eager_attention_forward", None)
     if attention_mask is not None and attention_mask.dtype != torch.bool and eager is not None:

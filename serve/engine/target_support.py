@@ -78,6 +78,7 @@ def probe(runner) -> None:
             differ from the model's own by more than rounding (relative L2 error > 1e-3); the
             message names the model type.
     """
+    # lazy: import cycle: target_runner -> target_support
     from .target_runner import TargetKV
 
     kind = getattr(runner.model.config, "model_type", type(runner.model).__name__)

@@ -135,6 +135,7 @@ def test_memory_model_catches_an_unchunked_loss(monkeypatch):
     """The comparison has teeth: a loss that keeps whole [rows, V] tensors for backward (no
     chunking, no recomputation) measures far above the chunked loss's prediction."""
     import drafters.losses as losses
+    import pipeline.train.worker as worker  # the training step looks the loss up there
 
     def unchunked(draft_logits_fn, target_logits_fn, labels, valid, weights, *args, **kwargs):
         rows = torch.arange(int(valid.sum()))
@@ -144,7 +145,7 @@ def test_memory_model_catches_an_unchunked_loss(monkeypatch):
                        chunk_rows=rows.numel(), **kwargs)
 
     chunked = losses.chunked_drafter_losses
-    monkeypatch.setattr(losses, "chunked_drafter_losses", unchunked)
+    monkeypatch.setattr(worker, "chunked_drafter_losses", unchunked)
     measured, predicted = _measure_and_predict(SHAPES["dspark_bf16"])
     assert measured.activations > (1 + TOLERANCE) * predicted.activations
 
