@@ -22,30 +22,43 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 SMOLLM2_DIR = Path("~/.cache/dspark_ray/models/SmolLM2-135M-Instruct").expanduser()
 
 
-#: what makes a test module's tests run on the Ray worker (tests/unit/test_test_groups.py checks
-#: that every module starting a cluster says one of them)
+#: what makes a test module a Ray module (tests/unit/test_test_groups.py checks that every module
+#: starting a cluster says one of them)
 RAY_MODULE_SIGNS = ("pytest.mark.ray", "ray_local")
+#: the two Ray work units: the modules on the session's shared in-process cluster (the
+#: ``ray_local`` fixture) and those that start clusters of their own (``pipeline/run.py`` in a
+#: subprocess, ``ray.cluster_utils.Cluster``)
+SHARED_CLUSTER, OWN_CLUSTERS = "ray-shared", "ray-own"
 
 
 @functools.cache
-def ray_modules(root: str) -> frozenset[str]:
-    """Test modules (paths relative to ``root``, as in node ids) that start or use a Ray
-    cluster: marked ``pytest.mark.ray`` or using the ``ray_local`` fixture."""
-    return frozenset(str(path.relative_to(root)) for path in Path(root, "tests").rglob("test_*.py")
-                     if any(sign in path.read_text() for sign in RAY_MODULE_SIGNS))
+def ray_modules(root: str) -> dict[str, str]:
+    """Test modules (paths relative to ``root``, as in node ids) that start or use a Ray cluster
+    (marked ``pytest.mark.ray`` or using the ``ray_local`` fixture), each with its work unit:
+    ``SHARED_CLUSTER`` when it uses ``ray_local``, else ``OWN_CLUSTERS``."""
+    modules = {}
+    for path in Path(root, "tests").rglob("test_*.py"):
+        text = path.read_text()
+        if any(sign in text for sign in RAY_MODULE_SIGNS):
+            modules[str(path.relative_to(root))] = (SHARED_CLUSTER if "ray_local" in text
+                                                    else OWN_CLUSTERS)
+    return modules
 
 
 def xdist_scope(nodeid: str, root: str) -> str:
-    """The work unit of a test under pytest-xdist: "ray" for every test of a Ray module (they
-    run one after another on one worker), else the test alone."""
-    return "ray" if nodeid.split("::")[0] in ray_modules(root) else nodeid
+    """The work unit of a test under pytest-xdist: its module's Ray work unit (all its tests run
+    one after another on one worker), else the test alone."""
+    return ray_modules(root).get(nodeid.split("::")[0], nodeid)
 
 
 @pytest.hookimpl(optionalhook=True)  # pytest without xdist (.venv-interop) has no such hook
 def pytest_xdist_make_scheduler(config, log):
-    """Under ``pytest -n N`` (the README's test command runs ``-n 2``) the tests of modules that
-    start or use a Ray cluster run in turn on one worker while the others share the rest: two
-    local Ray clusters starting at once on a small machine time out each other's start-up.
+    """Under ``pytest -n N`` (the README's test command runs ``-n 2``) the Ray modules run as two
+    work units, each in turn on one worker: those on the shared ``ray_local`` cluster and those
+    starting clusters of their own. Every Ray module in one unit left the other worker idle for
+    two thirds of the run (the units take ~9 and ~19 minutes on 2 cores, the other tests ~8);
+    each Ray test within a unit runs alone, since several local clusters starting at once on a
+    small, loaded machine time out each other's start-up (Ray's agents get 15 s to start).
     (xdist's own ``--dist loadgroup`` cannot group them under pytest 9.2: it renames node ids
     through an attribute pytest no longer reads.)"""
     from xdist.scheduler import LoadScopeScheduling

@@ -1,13 +1,15 @@
 """The README's test command runs on 2 pytest-xdist workers (``-n 2``); every test module that
-starts a Ray cluster must run on the one worker that runs them all in turn (tests/conftest.py),
-since two local clusters starting at once time out each other's start-up."""
+starts a Ray cluster must belong to one of the two Ray work units whose tests run in turn
+(tests/conftest.py), since several local clusters starting at once time out each other's
+start-up."""
 
 from __future__ import annotations
 
 import re
 from pathlib import Path
 
-from tests.conftest import RAY_MODULE_SIGNS, ray_modules, xdist_scope
+from tests.conftest import (OWN_CLUSTERS, RAY_MODULE_SIGNS, SHARED_CLUSTER, ray_modules,
+                            xdist_scope)
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -42,16 +44,20 @@ def test_the_guard_sees_a_pipeline_run_and_not_a_stand_in():
     assert not STARTS_RAY.search("ctx = ray.data.DataContext()")
 
 
-def test_ray_modules_share_one_work_unit_and_the_others_are_spread():
+def test_ray_modules_form_two_work_units_and_the_others_are_spread():
+    """The shared-cluster modules in one unit, the modules starting their own clusters in the
+    other (so no two clusters of either kind start at once), every other test alone."""
     modules = ray_modules(str(ROOT))
-    for module in ("tests/integration/test_pipeline_e2e.py", "tests/integration/test_train_ray.py",
-                   "tests/integration/test_feature_stream.py"):  # marked, marked, ray_local
-        assert module in modules
+    assert modules["tests/integration/test_train_ray.py"] == SHARED_CLUSTER  # ray_local
+    assert modules["tests/integration/test_feature_stream.py"] == SHARED_CLUSTER
+    assert modules["tests/integration/test_pipeline_e2e.py"] == OWN_CLUSTERS  # run.py subprocesses
+    assert modules["tests/integration/test_multinode.py"] == OWN_CLUSTERS  # cluster_utils
     assert "tests/unit/test_scheduler.py" not in modules
     assert "tests/unit/test_generate_engine.py" not in modules  # its Ray tests moved out
-    ray_ids = ["tests/integration/test_pipeline_e2e.py::test_end_to_end_smoke_and_rerun",
-               "tests/integration/test_feature_stream.py::test_one_epoch_of_the_online_stream_"
-               "holds_every_sample_once"]
-    assert {xdist_scope(i, str(ROOT)) for i in ray_ids} == {"ray"}
+    own = "tests/integration/test_pipeline_e2e.py::test_end_to_end_smoke_and_rerun"
+    shared = ("tests/integration/test_feature_stream.py::test_one_epoch_of_the_online_stream_"
+              "holds_every_sample_once")
+    assert xdist_scope(own, str(ROOT)) == OWN_CLUSTERS
+    assert xdist_scope(shared, str(ROOT)) == SHARED_CLUSTER
     other = "tests/unit/test_scheduler.py::test_random_instances_exactly_lossless"
     assert xdist_scope(other, str(ROOT)) == other
