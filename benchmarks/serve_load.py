@@ -11,7 +11,9 @@ per request per step (verified draft tokens / rounds, from the engine's counters
 Figure 7), a budget-vs-concurrency plot (Figure 8), and the throughput each policy sustains at a
 per-user SLA (every request at or above it; ``--slas``; table and ``serve_load_sla.png``, like the
 paper's production table). A policy with a speed floor is a variant: ``--policies
-none,fixed,dspark,dspark-min_tokens_per_s=12``.
+none,fixed,dspark,dspark-min_tokens_per_s=12``; deploy one per SLA and the frontier table and
+``serve_load_sla.png`` read each at its own floor as the SLA-aware policy, beside none and fixed,
+with every repeat read alone (the spread).
 
     .venv/bin/python benchmarks/serve_load.py --drafter runs/drafter_quality/dspark/calibrate/drafter
 """
@@ -324,6 +326,93 @@ def floor_of(policy: str) -> float | None:
     return float(value) if field == "min_tokens_per_s" else None
 
 
+#: the frontier row composed of the floor variants, each read at its own floor: what a user who
+#: sets ``engine.min_tokens_per_s`` to their SLA gets (issue 43)
+SLA_AWARE = "dspark (floor = SLA)"
+
+
+def frontier_rows(points: list[dict], runs: list[dict], slas: list[float]) -> list[dict]:
+    """The frontier (issue 43, the DSpark paper's production table): per SLA, the throughput at
+    it (:func:`throughput_at_sla`) of every policy without a speed floor and of :data:`SLA_AWARE`,
+    the floor variant whose floor equals that SLA (none measured: no row). Each row carries the
+    reading of every repeat alone (``each``: the repeat's own points, its slowest request
+    deciding) beside the reading of the repeats' means (slowest request over the repeats).
+
+    Args:
+        points: :func:`summarize`'s points (means over the repeats).
+        runs: every measured run, with ``repeat``.
+        slas: per-user speeds (tokens/s).
+
+    Returns:
+        [{"sla_tok_s", "policy", "measured", "concurrency", "interpolated", "each": [measured
+        per repeat, None where that repeat held the SLA nowhere]}], SLA by SLA.
+    """
+    repeats = sorted({r["repeat"] for r in runs})
+    plain = [n for n in dict.fromkeys(p["policy"] for p in points) if floor_of(n) is None]
+    rows = []
+    for sla in slas:
+        names = [(n, n) for n in plain]
+        names += [(SLA_AWARE, n) for n in dict.fromkeys(p["policy"] for p in points)
+                  if floor_of(n) is not None and abs(floor_of(n) - sla) < 1e-9]
+        for label, name in names:
+            each = [throughput_at_sla([r for r in runs if r["repeat"] == k], name, sla)["measured"]
+                    for k in repeats]
+            rows.append({"sla_tok_s": sla, "policy": label, "variant": name,
+                         **throughput_at_sla(points, name, sla), "each": each})
+    return rows
+
+
+def frontier_ratio(rows: list[dict], sla: float) -> dict | None:
+    """:data:`SLA_AWARE`'s measured throughput at ``sla`` over the best of the policies without
+    speculation or with a fixed gamma (``none``, ``fixed``, ``fixed-...``), from the repeats'
+    means and per repeat (None: a side held the SLA nowhere, or no SLA-aware row)."""
+    at = [r for r in rows if r["sla_tok_s"] == sla]
+    aware = next((r for r in at if r["policy"] == SLA_AWARE), None)
+    base = [r for r in at if r["policy"] == "none" or r["policy"].startswith("fixed")]
+    if aware is None or not base:
+        return None
+
+    def ratio(mine, theirs):
+        theirs = [t for t in theirs if t is not None]
+        if not theirs:
+            return None
+        return (mine or 0.0) / max(theirs)
+
+    return {"means": ratio(aware["measured"], [b["measured"] for b in base]),
+            "each": [ratio(aware["each"][k], [b["each"][k] for b in base])
+                     for k in range(len(aware["each"]))]}
+
+
+def render_frontier_md(rows: list[dict]) -> list[str]:
+    if not any(r["policy"] == SLA_AWARE for r in rows):
+        return []
+    fmt = lambda v: "-" if v is None else f"{v:.1f}"  # noqa: E731
+    policies = list(dict.fromkeys(r["policy"] for r in rows))
+    lines = ["", "## The frontier: throughput at each per-user SLA", "",
+             f"Per SLA, the most aggregate tokens/s each policy sustained with its slowest request "
+             f"at or above the SLA, best measured point (concurrency), then each repeat read "
+             f"alone in brackets ('-': no point held it). `{SLA_AWARE}` is the "
+             "`dspark-min_tokens_per_s=SLA` deployment read at its own floor. The last column: "
+             f"`{SLA_AWARE}` over the best of none and fixed (means; each repeat).", "",
+             "| SLA tok/s | " + " | ".join(policies) + " | SLA-aware / best of none, fixed |",
+             "|---|" + "---|" * (len(policies) + 1)]
+    for sla in dict.fromkeys(r["sla_tok_s"] for r in rows):
+        at = {r["policy"]: r for r in rows if r["sla_tok_s"] == sla}
+        cells = []
+        for name in policies:
+            r = at.get(name)
+            if r is None:
+                cells.append("n/a")
+                continue
+            conc = f" ({r['concurrency']})" if r["concurrency"] is not None else ""
+            cells.append(f"{fmt(r['measured'])}{conc} [{', '.join(fmt(v) for v in r['each'])}]")
+        ratio = frontier_ratio(rows, sla)
+        rtxt = "n/a" if ratio is None or ratio["means"] is None else (
+            f"{ratio['means']:.2f} [{', '.join('-' if v is None else f'{v:.2f}' for v in ratio['each'])}]")
+        lines.append(f"| {sla:g} | " + " | ".join(cells) + f" | {rtxt} |")
+    return lines
+
+
 def fmt_speed(value: float | None) -> str:
     return "n/a" if value is None else f"{value:.2f}"
 
@@ -351,7 +440,7 @@ def render_floor_md(points: list[dict]) -> list[str]:
     return lines
 
 
-def render_md(points: list[dict], ratios: dict, meta: dict) -> str:
+def render_md(points: list[dict], ratios: dict, meta: dict, runs: list[dict] = ()) -> str:
     lines = ["# Serving under load: verification policies side by side", "",
              f"Target `{meta['target']}` ({meta['dtype']}), drafter `{meta['drafter']}`; "
              f"{meta['max_tokens']} new tokens per request at temperature {meta['temperature']:g} "
@@ -372,6 +461,7 @@ def render_md(points: list[dict], ratios: dict, meta: dict) -> str:
                      f"{p['ttft_s_mean']:.2f} | {p['mean_verification_budget']:.2f} | "
                      f"{p['tau']:.2f} |")
     lines += render_sla_md(sla_rows(points, meta.get("slas") or []))
+    lines += render_frontier_md(frontier_rows(points, runs, meta.get("slas") or []))
     lines += render_floor_md(points)
     by = {(p["policy"], p["concurrency"]): p for p in points}
     if not all((n, c) in by for n in ("none", "dspark") for c in meta["concurrency"]):
@@ -391,7 +481,8 @@ def render_md(points: list[dict], ratios: dict, meta: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def plots(points: list[dict], out: Path, slas: list[float] | None = None) -> None:
+def plots(points: list[dict], out: Path, slas: list[float] | None = None,
+          runs: list[dict] = ()) -> None:
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
@@ -430,17 +521,20 @@ def plots(points: list[dict], out: Path, slas: list[float] | None = None) -> Non
         fig = Figure(figsize=(6.4, 4.0))
         FigureCanvasAgg(fig)
         ax = fig.add_subplot()
-        rows = sla_rows(points, slas)
-        for name in policies:
-            got = [(r["sla_tok_s"], r["interpolated"] if r["interpolated"] is not None
-                    else r["measured"]) for r in rows if r["policy"] == name]
-            got = [(x, y) for x, y in got if y is not None]  # nothing drawn where none held it
-            if got:
-                ax.plot(*zip(*got), "o-", label=name)
-        ax.set_xlabel("per-user SLA (tokens/s, every request)")
+        rows = frontier_rows(points, runs, sorted(slas))
+        for name in dict.fromkeys(r["policy"] for r in rows):
+            got = [(r["sla_tok_s"], r["measured"], [v for v in r["each"] if v is not None])
+                   for r in rows if r["policy"] == name and r["measured"] is not None]
+            if got:  # nothing drawn where no point held the SLA
+                xs, ys, each = zip(*got)
+                ax.plot(xs, ys, "o-", label=name)
+                low = [min(e, default=y) for e, y in zip(each, ys)]
+                high = [max(e, default=y) for e, y in zip(each, ys)]
+                ax.fill_between(xs, low, high, alpha=0.15)  # the repeats' spread
+        ax.set_xlabel("per-user SLA (tokens/s, slowest request)")
         ax.set_ylabel("aggregate tokens/s at the SLA")
-        ax.set_title("Throughput at a per-user speed floor")
-        ax.legend()
+        ax.set_title("Throughput at a per-user SLA (band: repeats)")
+        ax.legend(fontsize=7)
         fig.tight_layout()
         fig.savefig(out / "serve_load_sla.png", dpi=120)
 
@@ -512,9 +606,10 @@ def main() -> int:
     meta["slas"] = args.slas if args.slas is not None else default_slas(points)
     (out / "serve_load.json").write_text(json.dumps(
         {"meta": meta, "points": points, "ratios": {str(c): r for c, r in ratios.items()},
-         "sla": sla_rows(points, meta["slas"]), "runs": runs}, indent=1))
-    plots(points, out, meta["slas"])
-    md = render_md(points, ratios, meta)
+         "sla": sla_rows(points, meta["slas"]),
+         "frontier": frontier_rows(points, runs, meta["slas"]), "runs": runs}, indent=1))
+    plots(points, out, meta["slas"], runs)
+    md = render_md(points, ratios, meta, runs)
     (out / "serve_load.md").write_text(md)
     print(md)
     return 0

@@ -67,3 +67,52 @@ def test_the_floor_check_reads_each_floor_variants_slowest_request():
     assert "| dspark-min_tokens_per_s=9 | 4 | 9 | 9.50 | n/a | yes |" in md
     assert "| dspark-min_tokens_per_s=9 | 8 | 9 | 8.90 | 9.70 | no |" in md
     assert "| none |" not in md and render_floor_md(POINTS) == []
+
+
+def _runs(policy, repeat, pairs):
+    return [dict(p, repeat=repeat) for p in _points(policy, pairs)]
+
+
+def test_the_frontier_reads_each_floor_variant_at_its_own_floor_per_repeat():
+    """Issue 43: the SLA-aware row at SLA S is the ``dspark-min_tokens_per_s=S`` deployment (not
+    a variant set for another floor); each repeat is read alone beside the means; the ratio is
+    over the best of none and fixed."""
+    from benchmarks.serve_load import (SLA_AWARE, frontier_ratio, frontier_rows,
+                                       render_frontier_md)
+
+    floor8 = "dspark-min_tokens_per_s=8"
+    floor12 = "dspark-min_tokens_per_s=12"
+    runs = (_runs("none", 0, [(10, 10.0), (18, 9.0), (30, 7.5), (40, 5.0)])
+            + _runs("none", 1, [(10, 10.0), (16, 8.5), (28, 7.0), (38, 4.0)])
+            + _runs("fixed", 0, [(12, 13.0), (20, 10.0), (26, 6.0), (30, 3.0)])
+            + _runs("fixed", 1, [(12, 13.0), (22, 10.5), (26, 6.0), (30, 3.0)])
+            + _runs(floor8, 0, [(14, 14.0), (25, 12.0), (36, 8.5), (44, 6.0)])
+            + _runs(floor8, 1, [(14, 14.0), (25, 12.0), (34, 8.1), (44, 6.0)])
+            + _runs(floor12, 0, [(14, 14.0), (25, 12.5), (30, 12.1), (31, 12.0)])
+            + _runs(floor12, 1, [(14, 14.0), (24, 12.2), (29, 12.0), (30, 11.0)]))
+    # the means' points: mean throughput, slowest request over the repeats
+    points = []
+    for name in ("none", "fixed", floor8, floor12):
+        for c in (1, 2, 4, 8):
+            rs = [r for r in runs if r["policy"] == name and r["concurrency"] == c]
+            points.append({"policy": name, "concurrency": c,
+                           "throughput_tok_s": sum(r["throughput_tok_s"] for r in rs) / 2,
+                           "per_user_tok_s_min": min(r["per_user_tok_s_min"] for r in rs)})
+    rows = frontier_rows(points, runs, [8.0, 12.0])
+    got = {(r["sla_tok_s"], r["policy"]): r for r in rows}
+    assert set(got) == {(8.0, "none"), (8.0, "fixed"), (8.0, SLA_AWARE),
+                        (12.0, "none"), (12.0, "fixed"), (12.0, SLA_AWARE)}
+    assert got[(8.0, SLA_AWARE)]["variant"] == floor8  # not floor12, which also holds 8 tok/s
+    assert got[(8.0, SLA_AWARE)]["measured"] == 35.0 and got[(8.0, SLA_AWARE)]["each"] == [36, 34]
+    assert got[(12.0, SLA_AWARE)]["variant"] == floor12
+    assert got[(12.0, SLA_AWARE)]["each"] == [31, 29]  # repeat 1 misses at C=8 (11.0)
+    assert got[(8.0, "none")]["measured"] == 17.0 and got[(8.0, "none")]["each"] == [18, 16]
+    assert got[(12.0, "none")]["measured"] is None and got[(12.0, "fixed")]["measured"] == 12.0
+    ratio = frontier_ratio(rows, 8.0)
+    assert ratio["means"] == pytest.approx(35.0 / 21.0)  # fixed: mean of 20 and 22 at C=2
+    assert ratio["each"] == [pytest.approx(36 / 20), pytest.approx(34 / 22)]
+    assert frontier_ratio(rows, 12.0)["means"] == pytest.approx(29.5 / 12.0)  # C=4 holds
+    md = "\n".join(render_frontier_md(rows))
+    assert f"| 8 | 17.0 (2) [18.0, 16.0] | 21.0 (2) [20.0, 22.0] | 35.0 (4) [36.0, 34.0] |" in md
+    assert frontier_ratio(frontier_rows(points, runs, [9.0]), 9.0) is None  # no floor-9 deployment
+    assert render_frontier_md(frontier_rows(points, runs, [9.0])) == []
