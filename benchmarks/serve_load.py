@@ -184,7 +184,7 @@ def deploy(name: str, args):
 
     engine = {"max_num_requests": max(args.concurrency), "max_waiting": max(args.concurrency),
               "max_batch_tokens": args.max_batch_tokens, "max_model_len": 1024,
-              "kv_cache_memory_gib": 1.5, **policy_engine(name)}
+              "kv_cache_memory_gib": args.kv_cache_gib, **policy_engine(name)}
     app_args = {"target": args.target, "drafter": args.drafter, "dtype": args.dtype,
                 "served_model_name": "bench", "num_threads": args.threads,
                 # Ray's bookkeeping only: the apps take turns, one runs at a time
@@ -553,6 +553,9 @@ def main() -> int:
                         help="sampling temperature of every request (0 = greedy)")
     parser.add_argument("--max-batch-tokens", type=int, default=256)
     parser.add_argument("--duration-s", type=float, default=25.0)
+    parser.add_argument("--kv-cache-gib", type=float, default=1.5,
+                        help="each deployment's KV pool (allocated at start: a 12-policy frontier "
+                             "at the default would hold 18 GiB)")
     parser.add_argument("--min-requests", type=int, default=4,
                         help="a point also ends once max(this, 2 x concurrency) requests have "
                         "started (a large value lets --duration-s alone decide)")
