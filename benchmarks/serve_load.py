@@ -604,7 +604,7 @@ def main() -> int:
             "min_requests": args.min_requests, "concurrency": args.concurrency,
             "repeats": args.repeats,
             "machine": describe_machine(), "hardware": machine_fields(),
-            "wall_minutes": (time.time() - started) / 60,
+            "date": time.strftime("%Y-%m-%d"), "wall_minutes": (time.time() - started) / 60,
             "command": "python benchmarks/serve_load.py " + " ".join(sys.argv[1:])}
     meta["slas"] = args.slas if args.slas is not None else default_slas(points)
     (out / "serve_load.json").write_text(json.dumps(
