@@ -10,10 +10,13 @@ per request per step (verified draft tokens / rounds, from the engine's counters
 ``benchmarks/results/serve_load.{md,json}``, a Pareto plot (throughput vs per-user speed, paper
 Figure 7), a budget-vs-concurrency plot (Figure 8), and the throughput each policy sustains at a
 per-user SLA (every request at or above it; ``--slas``; table and ``serve_load_sla.png``, like the
-paper's production table). A policy with a speed floor is a variant: ``--policies
-none,fixed,dspark,dspark-min_tokens_per_s=12``; deploy one per SLA and the frontier table and
-``serve_load_sla.png`` read each at its own floor as the SLA-aware policy, beside none and fixed,
-with every repeat read alone (the spread).
+paper's production table). A policy with a speed floor is a variant: the deployment's floor
+(admission, prompt chunks and verification: ``dspark-min_tokens_per_s=12``, one deployment each)
+or each request's own (``dspark+min_tokens_per_s=12``: the ``dspark`` deployment, every request
+carrying ``min_tokens_per_s``, which orders drafting and verification and leaves admission to the
+client's concurrency). Give one per SLA: the frontier table and ``serve_load_sla.png`` read each
+at its own floor as an SLA-aware policy, beside none and fixed, with every repeat read alone (the
+spread).
 
     .venv/bin/python benchmarks/serve_load.py --drafter runs/drafter_quality/dspark/calibrate/drafter
 """
@@ -46,19 +49,42 @@ POLICIES = {
 PROMPT_SETS = ("mt-bench", "gsm8k", "humaneval", "alpaca")
 
 
+def request_floor_of(policy: str) -> tuple[str, float | None]:
+    """A request-floor variant's deployment and floor (``dspark+min_tokens_per_s=12`` ->
+    ("dspark", 12.0)); any other policy: (itself, None).
+
+    Raises:
+        SystemExit: a ``+`` part other than ``min_tokens_per_s=<tokens/s above 0>``.
+    """
+    base, plus, override = policy.partition("+")
+    if not plus:
+        return policy, None
+    field, _, value = override.partition("=")
+    try:
+        floor = float(value)
+    except ValueError:
+        floor = 0.0
+    if field != "min_tokens_per_s" or not floor > 0:
+        raise SystemExit(f"--policies: {policy!r}: a request floor is POLICY+min_tokens_per_s=N "
+                         "with N > 0")
+    return base, floor
+
+
 def policy_engine(name: str) -> dict:
     """Engine settings of a policy: a name in POLICIES, or ``base-field=value`` for an engine
     variant measured beside it (e.g. ``dspark-probe_budget=0.01``), validated as the engine
-    config would be.
+    config would be; a request-floor variant (``dspark+min_tokens_per_s=12``) has its
+    deployment's settings.
 
     Raises:
-        SystemExit: an unknown policy, a variant that is not ``base-field=value``, or a field or
-            value the engine config refuses.
+        SystemExit: an unknown policy, a variant that is not ``base-field=value`` or
+            ``base+min_tokens_per_s=N``, or a field or value the engine config refuses.
     """
     from pydantic import ValidationError
 
     from serve.engine.config import EngineConfig
 
+    name, _ = request_floor_of(name)
     base, _, override = name.partition("-")
     field, eq, value = override.partition("=")
     if base not in POLICIES or (override and (not eq or "=" in value)):
@@ -102,18 +128,22 @@ async def sse_data(resp):
 
 
 async def one_request(client, url: str, model: str, prompt: str, max_tokens: int,
-                      seed: int | None = None, temperature: float = 1.0):
+                      seed: int | None = None, temperature: float = 1.0,
+                      min_tokens_per_s: float | None = None):
     """Stream one chat completion; returns (ttft_s, total_s, completion_tokens, decode_s,
     engine_decode_tokens_per_s): the last is the engine's own view of the request's decode speed
     (its ``spec_details``; None for a one-token answer), set beside the client's to tell the
     engine's pace from the serving path's. Unseeded by default, as most production traffic is: a
     seeded request samples load-invariantly
-    (``serve.engine.config.EngineConfig.seeded_sampling``), which accepts less."""
+    (``serve.engine.config.EngineConfig.seeded_sampling``), which accepts less.
+    ``min_tokens_per_s``: the request's own speed floor (None: none sent)."""
     body = {"model": model, "messages": [{"role": "user", "content": prompt}],
             "max_tokens": max_tokens, "temperature": temperature, "stream": True,
             "stream_options": {"include_usage": True}, "return_spec_details": True}
     if seed is not None:
         body["seed"] = seed
+    if min_tokens_per_s is not None:
+        body["min_tokens_per_s"] = min_tokens_per_s
     start = time.perf_counter()
     first = None
     tokens, engine_speed = 0, None
@@ -136,8 +166,10 @@ async def one_request(client, url: str, model: str, prompt: str, max_tokens: int
 
 
 async def run_point(url: str, model: str, prompts: list[str], concurrency: int, max_tokens: int,
-                    duration_s: float, max_requests: int, temperature: float = 1.0) -> dict:
-    """Keep ``concurrency`` requests in flight until ``duration_s`` or ``max_requests``."""
+                    duration_s: float, max_requests: int, temperature: float = 1.0,
+                    min_tokens_per_s: float | None = None) -> dict:
+    """Keep ``concurrency`` requests in flight until ``duration_s`` or ``max_requests``, each
+    carrying ``min_tokens_per_s`` when given."""
     import httpx
 
     results, counter = [], {"next": 0}
@@ -148,7 +180,8 @@ async def run_point(url: str, model: str, prompts: list[str], concurrency: int, 
             i = counter["next"]
             counter["next"] += 1
             results.append(await one_request(client, url, model, prompts[i % len(prompts)],
-                                             max_tokens, temperature=temperature))
+                                             max_tokens, temperature=temperature,
+                                             min_tokens_per_s=min_tokens_per_s))
 
     limits = httpx.Limits(max_connections=concurrency + 4)
     async with httpx.AsyncClient(limits=limits) as client:
@@ -199,12 +232,14 @@ def route(name: str) -> str:
 
 def measure(name: str, handle, args, prompts: list[str], port: int, concurrency: int,
             repeat: int) -> dict:
-    """One point: ``concurrency`` streams against policy ``name`` for ``duration_s``."""
-    url = f"http://127.0.0.1:{port}/{route(name)}/v1/chat/completions"
+    """One point: ``concurrency`` streams against policy ``name`` for ``duration_s`` (a
+    request-floor variant: its deployment, every request carrying the floor)."""
+    deployment, floor = request_floor_of(name)
+    url = f"http://127.0.0.1:{port}/{route(deployment)}/v1/chat/completions"
     before = handle.engine_state.remote().result()["stats"]
     point = asyncio.run(run_point(url, "bench", prompts, concurrency, args.max_tokens,
                                   args.duration_s, max(args.min_requests, 2 * concurrency),
-                                  args.temperature))
+                                  args.temperature, floor))
     after = handle.engine_state.remote().result()["stats"]
     rounds = after["rounds"] - before["rounds"]
     point["mean_verification_budget"] = ((after["verified_tokens"] - before["verified_tokens"])
@@ -319,22 +354,36 @@ def render_sla_md(rows: list[dict]) -> list[str]:
 
 
 def floor_of(policy: str) -> float | None:
-    """The per-user speed floor a policy variant sets (``dspark-min_tokens_per_s=12`` -> 12.0),
+    """The per-user speed floor a policy variant sets, the deployment's
+    (``dspark-min_tokens_per_s=12`` -> 12.0) or its requests' (``dspark+min_tokens_per_s=12``),
     else None."""
-    _, _, override = policy.partition("-")  # one override per variant (policy_engine's rule)
+    deployment, floor = request_floor_of(policy)
+    if floor is not None:
+        return floor
+    _, _, override = deployment.partition("-")  # one override per variant (policy_engine's rule)
     field, _, value = override.partition("=")
     return float(value) if field == "min_tokens_per_s" else None
 
 
-#: the frontier row composed of the floor variants, each read at its own floor: what a user who
-#: sets ``engine.min_tokens_per_s`` to their SLA gets (issue 43)
+#: the frontier rows composed of the floor variants, each read at its own floor: what a user who
+#: sets ``engine.min_tokens_per_s`` to their SLA gets (issue 43), and what a user gets whose
+#: requests carry their SLA as ``min_tokens_per_s``
 SLA_AWARE = "dspark (floor = SLA)"
+SLA_AWARE_REQUEST = "dspark (request floor = SLA)"
+
+
+def sla_aware_label(policy: str) -> str | None:
+    """The frontier row a floor variant belongs to (None: a policy without a floor)."""
+    if floor_of(policy) is None:
+        return None
+    return SLA_AWARE_REQUEST if request_floor_of(policy)[1] is not None else SLA_AWARE
 
 
 def frontier_rows(points: list[dict], runs: list[dict], slas: list[float]) -> list[dict]:
     """The frontier (issue 43, the DSpark paper's production table): per SLA, the throughput at
-    it (:func:`throughput_at_sla`) of every policy without a speed floor and of :data:`SLA_AWARE`,
-    the floor variant whose floor equals that SLA (none measured: no row). Each row carries the
+    it (:func:`throughput_at_sla`) of every policy without a speed floor and of :data:`SLA_AWARE`
+    and :data:`SLA_AWARE_REQUEST`, the floor variants whose floor equals that SLA (none measured:
+    no row). Each row carries the
     reading of every repeat alone (``each``: the repeat's own points, its slowest request
     deciding) beside the reading of the repeats' means (slowest request over the repeats).
 
@@ -352,7 +401,7 @@ def frontier_rows(points: list[dict], runs: list[dict], slas: list[float]) -> li
     rows = []
     for sla in slas:
         names = [(n, n) for n in plain]
-        names += [(SLA_AWARE, n) for n in dict.fromkeys(p["policy"] for p in points)
+        names += [(sla_aware_label(n), n) for n in dict.fromkeys(p["policy"] for p in points)
                   if floor_of(n) is not None and abs(floor_of(n) - sla) < 1e-9]
         for label, name in names:
             each = [throughput_at_sla([r for r in runs if r["repeat"] == k], name, sla)["measured"]
@@ -362,12 +411,12 @@ def frontier_rows(points: list[dict], runs: list[dict], slas: list[float]) -> li
     return rows
 
 
-def frontier_ratio(rows: list[dict], sla: float) -> dict | None:
-    """:data:`SLA_AWARE`'s measured throughput at ``sla`` over the best of the policies without
-    speculation or with a fixed gamma (``none``, ``fixed``, ``fixed-...``), from the repeats'
-    means and per repeat (None: a side held the SLA nowhere, or no SLA-aware row)."""
+def frontier_ratio(rows: list[dict], sla: float, aware_label: str = SLA_AWARE) -> dict | None:
+    """An SLA-aware row's (``aware_label``) measured throughput at ``sla`` over the best of the
+    policies without speculation or with a fixed gamma (``none``, ``fixed``, ``fixed-...``), from
+    the repeats' means and per repeat (None: a side held the SLA nowhere, or no such row)."""
     at = [r for r in rows if r["sla_tok_s"] == sla]
-    aware = next((r for r in at if r["policy"] == SLA_AWARE), None)
+    aware = next((r for r in at if r["policy"] == aware_label), None)
     base = [r for r in at if r["policy"] == "none" or r["policy"].startswith("fixed")]
     if aware is None or not base:
         return None
@@ -384,7 +433,8 @@ def frontier_ratio(rows: list[dict], sla: float) -> dict | None:
 
 
 def render_frontier_md(rows: list[dict]) -> list[str]:
-    if not any(r["policy"] == SLA_AWARE for r in rows):
+    aware = [a for a in (SLA_AWARE_REQUEST, SLA_AWARE) if any(r["policy"] == a for r in rows)]
+    if not aware:
         return []
     fmt = lambda v: "-" if v is None else f"{v:.1f}"  # noqa: E731
     policies = list(dict.fromkeys(r["policy"] for r in rows))
@@ -392,10 +442,15 @@ def render_frontier_md(rows: list[dict]) -> list[str]:
              f"Per SLA, the most aggregate tokens/s each policy sustained with its slowest request "
              f"at or above the SLA, best measured point (concurrency), then each repeat read "
              f"alone in brackets ('-': no point held it). `{SLA_AWARE}` is the "
-             "`dspark-min_tokens_per_s=SLA` deployment read at its own floor. The last column: "
-             f"`{SLA_AWARE}` over the best of none and fixed (means; each repeat).", "",
-             "| SLA tok/s | " + " | ".join(policies) + " | SLA-aware / best of none, fixed |",
-             "|---|" + "---|" * (len(policies) + 1)]
+             "`dspark-min_tokens_per_s=SLA` deployment read at its own floor (admission, prompt "
+             f"chunks and verification under the floor); `{SLA_AWARE_REQUEST}` the `dspark` "
+             "deployment whose requests carry `min_tokens_per_s` = SLA (drafting and "
+             "verification under the floor, admission left to the clients' concurrency). The "
+             "last columns: each SLA-aware row over the best of none and fixed (means; each "
+             "repeat).", "",
+             "| SLA tok/s | " + " | ".join(policies) + "".join(
+                 f" | {a} / best of none, fixed" for a in aware) + " |",
+             "|---|" + "---|" * (len(policies) + len(aware))]
     for sla in dict.fromkeys(r["sla_tok_s"] for r in rows):
         at = {r["policy"]: r for r in rows if r["sla_tok_s"] == sla}
         cells = []
@@ -406,10 +461,13 @@ def render_frontier_md(rows: list[dict]) -> list[str]:
                 continue
             conc = f" ({r['concurrency']})" if r["concurrency"] is not None else ""
             cells.append(f"{fmt(r['measured'])}{conc} [{', '.join(fmt(v) for v in r['each'])}]")
-        ratio = frontier_ratio(rows, sla)
-        rtxt = "n/a" if ratio is None or ratio["means"] is None else (
-            f"{ratio['means']:.2f} [{', '.join('-' if v is None else f'{v:.2f}' for v in ratio['each'])}]")
-        lines.append(f"| {sla:g} | " + " | ".join(cells) + f" | {rtxt} |")
+        ratios = []
+        for label in aware:
+            ratio = frontier_ratio(rows, sla, label)
+            ratios.append("n/a" if ratio is None or ratio["means"] is None else (
+                f"{ratio['means']:.2f} "
+                f"[{', '.join('-' if v is None else f'{v:.2f}' for v in ratio['each'])}]"))
+        lines.append(f"| {sla:g} | " + " | ".join(cells + ratios) + " |")
     return lines
 
 
@@ -582,8 +640,11 @@ def main() -> int:
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     runs = []
     try:
-        handles = {name: deploy(name, args) for name in policies}
-        for name in policies:  # warm-up
+        # a request-floor variant is measured on its deployment: one app per deployment
+        deployments = list(dict.fromkeys(request_floor_of(name)[0] for name in policies))
+        apps = {name: deploy(name, args) for name in deployments}
+        handles = {name: apps[request_floor_of(name)[0]] for name in policies}
+        for name in deployments:  # warm-up
             asyncio.run(run_point(f"http://127.0.0.1:{port}/{route(name)}/v1/chat/completions",
                                   "bench", prompts, 2, args.max_tokens, 60, 2, args.temperature))
         for i, c in enumerate(args.concurrency):

@@ -135,7 +135,7 @@ class Pace:
     def predict_step_s(self, requests: float, chunk_tokens: float, sps: SPSTable | None) -> float:
         """Seconds of a step decoding ``requests`` requests (each verifying the measured tokens
         per request) beside ``chunk_tokens`` prompt tokens: the measured step time, rescaled by
-        a model of a step: the target pass by SPS(B) (:func:`step_time`) plus the rest of the
+        a model of a step: the target pass by SPS(B) (:meth:`SPSTable.pass_seconds`) plus the rest of the
         step (drafting, sampling, verification, commit: Python and small ops per request) in
         proportion to the requests. The rest is what the measured step took beyond the profiled
         pass; without it, the SPS profile alone predicted 32 requests would decode about as fast
@@ -152,12 +152,12 @@ class Pace:
             raise ValueError("no decoding step measured yet")
         per_request = self.decode_tokens / max(self.requests, 1e-9)
         batch = per_request * requests + chunk_tokens
-        measured_pass = step_time(sps, self.batch_tokens) if sps is not None else None
+        measured_pass = sps.pass_seconds(self.batch_tokens) if sps is not None else None
         if measured_pass is None or measured_pass > self.step_s:
             return self.step_s * batch / max(self.batch_tokens, 1.0)
         rest = (self.step_s - measured_pass) / max(self.requests, 1e-9)
         model_now = measured_pass + rest * self.requests
-        model_then = step_time(sps, batch) + rest * requests
+        model_then = sps.pass_seconds(batch) + rest * requests
         return self.step_s * model_then / model_now
 
     def allows_one_more(self, floors: list[float], num_admitted: int,
@@ -206,11 +206,3 @@ class Pace:
             else:
                 hi = mid - 1
         return max(lo, min(MIN_PREFILL_TOKENS, most))
-
-
-def step_time(sps: SPSTable, batch: float) -> float:
-    """Seconds of a step verifying ``batch`` tokens by the SPS(B) profile: 1 / SPS(B) within it,
-    growing in proportion to the batch beyond its largest B (compute-bound there)."""
-    b = max(1, round(batch))
-    top = sps.max_tokens
-    return max(1.0, b / top) / sps.sps(min(b, top))

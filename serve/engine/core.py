@@ -231,7 +231,9 @@ class SpecEngine:
         the prefill ``chunks`` packed into the same target pass; returns (their outputs, the
         chunks' pass outputs)."""
         riding = sum(c.take for c in chunks)
-        plan = self.planner.plan(reqs, time.perf_counter(), riding=riding)
+        floors = [self._floor(r) for r in reqs]
+        plan = self.planner.plan(reqs, time.perf_counter(), riding=riding,
+                                 floors=floors if any(f is not None for f in floors) else None)
         draft_start = time.perf_counter()
         outputs = self._propose(plan)
         draft_s = self._elapsed(draft_start) if plan.predicted_draft_s else 0.0
@@ -243,7 +245,8 @@ class SpecEngine:
         outs, prefill_outs = self._target_pass(plan, chunks)
         # the profiles checked against this step (a prompt chunk in the pass: not comparable)
         verify_tokens = 0 if chunks else sum(row.length + 1 for row in plan.rows)
-        self._check_costs(plan, draft_s, verify_tokens, self._elapsed(plan.verify_start_s))
+        verify_s = self._elapsed(plan.verify_start_s)
+        self._check_costs(plan, draft_s, verify_tokens, verify_s)
         for i in reversed(range(len(outs))):  # a request whose own target pass raised fails alone
             if isinstance(outs[i], Exception):
                 outputs.append(self._fail(plan.rows[i].request, outs[i], "the target pass"))
@@ -260,6 +263,8 @@ class SpecEngine:
                 outputs.append(self._verify_and_commit(row, o, plan, dist))
             except Exception as err:  # noqa: BLE001 - this request fails, the engine goes on
                 outputs.append(self._fail(row.request, err, "verification"))
+        if not chunks:  # what a step costs beyond the drafter and the pass (the floors read it)
+            self.planner.observe_rest(time.perf_counter() - plan.start_s, draft_s, verify_s)
         self.planner.remember(plan)
         return outputs, prefill_outs
 

@@ -213,6 +213,9 @@ class DraftPlan:
     predicted_tps: float = 0.0
     predicted_tps_without_drafter: float = 0.0
     probe_cost_s: float = 0.0
+    # per request the verification length the plan predicts (Algorithm 1 on the predicted
+    # confidences; 0: not drafted for, or drafted only as a probe)
+    predicted_lengths: list[int] = field(default_factory=list)
 
 
 def plan_drafts(options: list[RequestOptions], sps: SPSTable, draft_cost: DraftCostTable | None,
@@ -396,6 +399,8 @@ def plan_drafts(options: list[RequestOptions], sps: SPSTable, draft_cost: DraftC
             probes = []  # they stay due and go together once the budget covers them
         else:
             plan.probe_cost_s = extra
+    plan.predicted_lengths = [lengths[i] if plan.sources[i] == "lookup" or i in kept_set else 0
+                              for i in range(n)]
     for i in range(n):
         if plan.sources[i] == "lookup":
             plan.num_draft_tokens[i] = min(options[i].lookup_len, options[i].cap)

@@ -13,15 +13,16 @@ from .scheduler import Confidences, SPSTable, _as_rows, _batch_limit, _survival
 
 
 def hold_speed_floors(confidences: Confidences, lengths: Sequence[int], sps: SPSTable,
-                      floors: Sequence[float | None], max_batch_tokens: int | None = None
-                      ) -> list[int]:
+                      floors: Sequence[float | None], max_batch_tokens: int | None = None,
+                      fixed_s: float = 0.0, riding: int = 0) -> list[int]:
     """Extend a plan so that requests below their per-user speed floor get verification first.
 
-    A request's predicted speed is E_r * SPS(B) tokens/s, E_r = 1 + sum_{j<=l_r} a_{r,j} its
-    expected committed tokens per step. Starting from ``lengths`` (a throughput plan, e.g.
+    A request's predicted speed is E_r / (1 / SPS(B) + ``fixed_s``) tokens/s, E_r = 1 +
+    sum_{j<=l_r} a_{r,j} its expected committed tokens per step, B = ``riding`` + R + sum_r l_r
+    (the pass: :meth:`SPSTable.pass_seconds`; the limit caps R + sum_r l_r). Starting from ``lengths`` (a throughput plan, e.g.
     :func:`dspark_schedule`'s), repeatedly take the request furthest below its floor (lowest
     speed / floor; ties: smaller r) and verify its next draft token, while that raises its own
-    predicted speed ((E_r + a) * SPS(B + 1) > E_r * SPS(B)) and leaves every request that holds
+    predicted speed and leaves every request that holds
     its floor now at or above it; a request that cannot be helped so (no draft left, no gain, or
     a cost to another's floor) is left as it is and the next one is tried, up to the batch
     limit. Requests the plan cannot lift stay below: the engine's admission keeps new
@@ -38,6 +39,9 @@ def hold_speed_floors(confidences: Confidences, lengths: Sequence[int], sps: SPS
         sps: profiled SPS table (steps/s).
         floors: per request its floor in tokens/s, or None (no floor).
         max_batch_tokens: optional cap on B in tokens.
+        fixed_s: seconds of the step beyond the target pass (the drafter call, the rest the
+            engine measured); 0 = the pass alone.
+        riding: prompt tokens packed into the same pass.
     Returns:
         l: list[int] of length R with l_r >= lengths[r].
     Raises:
@@ -52,14 +56,16 @@ def hold_speed_floors(confidences: Confidences, lengths: Sequence[int], sps: SPS
                          f"{len(floors)} floors")
     lengths = [int(l) for l in lengths]
     limit = _batch_limit(sps, max_batch_tokens)
-    batch = num_requests + sum(lengths)
+    batch = num_requests + sum(lengths)  # the draft rows' tokens, what the limit caps
     if num_requests == 0 or batch > limit or all(f is None for f in floors):
         return lengths
     a_rows = _survival(rows)
     expected = [1.0 + sum(a_rows[r][:lengths[r]]) for r in range(num_requests)]
     stuck: set[int] = set()  # requests that cannot be lifted further this step
     while batch < limit:
-        now, nxt = sps.sps(batch), sps.sps(batch + 1)
+        # steps/s of the whole step at B and B + 1 tokens
+        now = 1.0 / (sps.pass_seconds(riding + batch) + fixed_s)
+        nxt = 1.0 / (sps.pass_seconds(riding + batch + 1) + fixed_s)
         below = [r for r in range(num_requests) if r not in stuck
                  and floors[r] is not None and expected[r] * now < floors[r]]
         if not below:

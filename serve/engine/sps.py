@@ -67,6 +67,14 @@ class SPSTable:
                              f"[1, {len(self.sps_by_batch)}] tokens")
         return self.sps_by_batch[b - 1]
 
+    def pass_seconds(self, batch: float) -> float:
+        """Seconds of a target pass of ``batch`` tokens: 1 / SPS(B) within the table, growing in
+        proportion to the batch beyond its largest B (compute-bound there); B rounded, at least 1.
+        """
+        b = max(1, round(batch))
+        top = self.max_tokens
+        return max(1.0, b / top) / self.sps(min(b, top))
+
     @classmethod
     def from_measurements(cls, measurements: Mapping[int, float],
                           max_tokens: int | None = None) -> SPSTable:

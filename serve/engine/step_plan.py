@@ -20,6 +20,7 @@ import torch
 from .config import EngineConfig
 from .cost_check import CostCheck
 from .draft_planner import AcceptanceEstimate, DraftCostTable, RequestOptions, Source, plan_drafts
+from .floor_plan import apply_floors
 from .request_state import RequestState
 from .plan_extensions import fill_pass, hold_speed_floors
 from .scheduler_registry import scheduler_entry, scheduler_for
@@ -106,6 +107,11 @@ class StepPlanner:
         # (a test's, a benchmark's) are taken as given
         self.checks_costs = False
         self.steps_without_drafter = 0  # consecutive planned steps without a drafter call
+        # seconds of a decoding step beyond the drafter call and the target pass (sampling,
+        # verification, commit: Python and small ops), slowly forgetting; what the per-user
+        # speed floors' predictions add to the profiles (on a CPU with a small target it is a
+        # large share of a step: without it a floor read as kept was missed)
+        self.step_rest_s = 0.0
 
     def _scheduler(self, sps: SPSTable | None):
         return scheduler_for(self.scheduler_name, sps=sps,
@@ -154,12 +160,21 @@ class StepPlanner:
             out.append(0 if r.pos + l >= self.drafter_context else l)
         return out
 
-    def plan(self, reqs: list[RequestState], start_s: float, riding: int = 0) -> StepPlan:
+    def observe_rest(self, step_s: float, draft_s: float, verify_s: float) -> None:
+        """A decoding step's measured seconds (plan to commit), its drafter call's and its target
+        pass's: updates :attr:`step_rest_s` (a step with prompt chunks riding is not passed)."""
+        rest = max(0.0, step_s - draft_s - verify_s)
+        self.step_rest_s = rest if self.step_rest_s == 0.0 else 0.9 * self.step_rest_s + 0.1 * rest
+
+    def plan(self, reqs: list[RequestState], start_s: float, riding: int = 0,
+             floors: list[float | None] | None = None) -> StepPlan:
         """The step's rows: source, num_draft_tokens and probing from the goodput planner (a lookup
         row gets its draft and predicted confidences now), or num_speculative_tokens (each row's
         cap) from the drafter for every request without it. ``riding``: prompt tokens packed
         into the step's target pass; such a pass is not filled (:meth:`schedule`), so the
-        planner drafts no fill for it either."""
+        planner drafts no fill for it either. ``floors``: per request its per-user speed floor
+        (tokens/s) or None; a request predicted below it is drafted for where that raises it
+        (:func:`serve.engine.floor_plan.apply_floors`)."""
         caps = self.caps(reqs)
         if not self.plans:
             return StepPlan([PlanRow(r, c, "model" if c > 0 else None, c)
@@ -177,6 +192,12 @@ class StepPlanner:
                            min_gain=self.config.min_draft_gain,
                            probe_alpha=self.config.probe_alpha,
                            fills=self.fills and not riding)
+        if floors is not None:
+            limit = self.sps.max_tokens
+            if self.config.max_batch_tokens:
+                limit = min(limit, self.config.max_batch_tokens)
+            apply_floors(plan, options, floors, self.sps, self.draft_cost, sampled, limit,
+                         self.step_rest_s, riding)
         # the budget grows by its share of a target-only step of this batch (a prediction, so
         # the plan stays a function of the past only), up to one full-block call for everyone
         ceiling = (self.draft_cost.seconds(len(reqs), self.draft_cost.block_size, sampled)
@@ -269,7 +290,9 @@ class StepPlanner:
                 and self.policy.reads_confidence):
             # requests predicted below their speed floor get verification first (lossless)
             lengths = hold_speed_floors([row[:n] for row, n in zip(rows, drafted)], lengths,
-                                        table, floors, self.config.max_batch_tokens)
+                                        table, floors, self.config.max_batch_tokens,
+                                        fixed_s=plan.predicted_draft_s + self.step_rest_s,
+                                        riding=riding)
         if fills:  # a longer pass that runs faster verifies more draft tokens (lossless)
             lengths = fill_pass([row[:n] for row, n in zip(rows, drafted)], lengths, self.sps,
                                 self.config.max_batch_tokens)

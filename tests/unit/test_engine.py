@@ -868,6 +868,36 @@ def engine_rounds_verified_blocks(drafter, target, prompt) -> int:
     return engine.stats.verified_tokens
 
 
+def test_speed_floors_draft_for_requests_the_goodput_plan_leaves_target_only(varied_target,
+                                                                             corrupted_table):
+    """Issue 43.1: at this drafter's acceptance a drafter call costing a pass (10 ms) makes the
+    goodput planner (which counts the pass and the drafter call) draft for nobody; with the rest
+    of a step measured at 50 ms, requests whose floor target-only steps miss are drafted for
+    while their drafts are predicted to raise their speed (serve.engine.floor_plan), and greedy
+    output stays the target's. A floor already held changes nothing."""
+    d = randomize_heads(oracle_drafter(varied_target, corrupted_table, "markov", 4))
+    costly = DraftCostTable((1,), ((0.01, 0.01),), ((0.01, 0.01),), 4)
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(0, 96, (n,), generator=g).tolist() for n in (5, 8, 6)]
+
+    def run(floor):
+        engine = SpecEngine(TargetRunner(varied_target, d.config.target_layer_ids), d, [],
+                            EngineConfig(scheduler="dspark", probe_interval=64), sps=SPS,
+                            draft_cost=costly)
+        engine.planner.step_rest_s = 0.05
+        engine.planner.observe_rest = lambda *a: None  # the rest as if measured: deterministic
+        reqs = [EngineRequest(f"r{i}", p, SamplingParams(max_tokens=24, temperature=0.0),
+                              min_tokens_per_s=floor) for i, p in enumerate(prompts)]
+        out, _ = _run(engine, {0: reqs})
+        for i, p in enumerate(prompts):
+            assert out[f"r{i}"] == greedy_reference(varied_target, p, 24), (floor, i)
+        return engine.stats.verified_tokens
+
+    plain, held, missed = run(None), run(1.0), run(50.0)
+    assert held == plain  # 1 token / 60 ms is above 1 tokens/s: the goodput plan stays
+    assert missed > plain + 20
+
+
 def test_speed_floors_add_verification_losslessly_and_gate_admission(varied_target,
                                                                      corrupted_table):
     """With a per-user speed floor above what the throughput plan gives, requests verify more
@@ -925,12 +955,12 @@ def test_the_admission_pace_counts_prompt_chunks_and_grows_past_the_sps_profile(
     """The pace the speed floor is checked against is what running requests get: steps carrying
     a newcomer's prompt chunk count, with the chunk's tokens in the step's batch; a batch past the
     SPS(B) profile's largest B costs in proportion to its size (not the profile's last value)."""
-    from serve.engine.admission import Pace, step_time
+    from serve.engine.admission import Pace
     from serve.engine.sps import SPSTable
 
     table = SPSTable((100.0, 90.0, 80.0, 50.0))
-    assert step_time(table, 2) == pytest.approx(1 / 90)
-    assert step_time(table, 8) == pytest.approx(2 / 50)  # twice the largest profiled batch
+    assert table.pass_seconds(2) == pytest.approx(1 / 90)
+    assert table.pass_seconds(8) == pytest.approx(2 / 50)  # twice the largest profiled batch
     # 4 decoding in 10 ms steps of B = 4, 1 token each: 100 tokens/s; a fifth makes B = 5, past
     # the profile: 5/4 of B = 4's step, 80 tokens/s (read at the profile's end: still 100),
     # against each floor plus FLOOR_MARGIN
@@ -1044,7 +1074,7 @@ def test_the_step_model_counts_per_request_work_and_sizes_prompt_chunks_by_the_f
     proportion to the requests (what the measured step took beyond the pass); under a floor, a
     step carries only the prompt tokens that keep the decoding requests above it (at least
     MIN_PREFILL_TOKENS), and the engine cuts its prompt chunks to that."""
-    from serve.engine.admission import MIN_PREFILL_TOKENS, Pace, step_time
+    from serve.engine.admission import MIN_PREFILL_TOKENS, Pace
     from serve.engine.sps import SPSTable
 
     flat = SPSTable((100.0,) * 64)  # a 10 ms pass at any B
@@ -1063,7 +1093,7 @@ def test_the_step_model_counts_per_request_work_and_sizes_prompt_chunks_by_the_f
         assert pace.predict_step_s(4, budget, growing) <= longest
         assert pace.predict_step_s(4, budget + 1, growing) > longest
         assert budget > MIN_PREFILL_TOKENS
-    assert step_time(growing, 80) > step_time(growing, 64)  # past the profile: grows on
+    assert growing.pass_seconds(80) > growing.pass_seconds(64)  # past the profile: grows on
     assert pace.prefill_budget(45.0, 4, 2048, growing) == MIN_PREFILL_TOKENS  # out of reach
     assert pace.prefill_budget(20.0, 0, 2048, growing) == 2048  # nothing decoding to slow
     assert Pace().prefill_budget(20.0, 4, 2048, growing) == 2048  # nothing measured

@@ -314,6 +314,21 @@ def test_speed_floors_lift_the_slowest_request_first_and_keep_the_others():
         hold_speed_floors(conf, base, sps, [1.0])
 
 
+def test_speed_floors_count_the_step_beyond_the_pass():
+    """A floor the pass alone would keep is missed once the rest of the step is counted: request
+    0 verifying nothing runs at 1 x SPS(1) = 10 tokens/s by the pass alone, above its floor of
+    9; with 20 ms of drafting and bookkeeping a step takes 0.12 s (8.3 tokens/s), and verifying
+    x_1 (a = 0.9) makes it 1.9 / (1 / 9.5 + 0.02) = 15.2 tokens/s. Prompt tokens riding in the
+    pass are part of its B."""
+    sps = SPSTable((10.0, 9.5, 8.5, 7.5, 7.0, 6.5))
+    assert hold_speed_floors([[0.9, 0.9]], [0], sps, [9.0]) == [0]
+    assert hold_speed_floors([[0.9, 0.9]], [0], sps, [9.0], fixed_s=0.02) == [1]
+    # with 4 prompt tokens riding, B = 5 (SPS 7.0): 7.0 tokens/s < 9 even by the pass alone;
+    # x_1 lifts it to 1.9 x 6.5 = 12.35, x_2 (a = 0.81) would need B = 7, beyond the table's
+    # last entry: 7 / 6 of SPS(6)'s pass, 2.71 x 5.57 = 15.1 > 12.35, but 12.35 >= 9 already
+    assert hold_speed_floors([[0.9, 0.9]], [0], sps, [9.0], riding=4) == [1]
+
+
 def test_static_threshold_hand_table():
     conf = [[0.9, 0.9, 0.9],   # a = .9, .81, .729 -> 3 at 0.5, 1 at 0.85
             [0.5, 1.0, 1.0],   # a = .5, .5, .5    -> 3 at 0.5 (>= keeps equality), 0 at 0.85
@@ -413,12 +428,13 @@ def _random_floors(rng: random.Random, num_requests: int) -> list[float | None]:
     return [None if rng.random() < 0.3 else rng.uniform(5.0, 40.0) for _ in range(num_requests)]
 
 
-def _with_floors(base, sps: SPSTable, floors: list, max_batch_tokens=None):
+def _with_floors(base, sps: SPSTable, floors: list, max_batch_tokens=None, fixed_s=0.0,
+                 riding=0):
     """``base``'s plan extended by :func:`hold_speed_floors` (floors cycled over the requests)."""
     def sched(conf):
         rows = [list(r) for r in conf]
         own = [floors[r % len(floors)] for r in range(len(rows))]
-        return hold_speed_floors(rows, base(rows), sps, own, max_batch_tokens)
+        return hold_speed_floors(rows, base(rows), sps, own, max_batch_tokens, fixed_s, riding)
     return sched
 
 
@@ -459,6 +475,9 @@ def _lossless_schedulers(rng: random.Random, sps: SPSTable, gamma: int):
         "dspark_jagged_padded_filled": _filled(make_scheduler("dspark", sps=JAGGED.padded()),
                                                JAGGED),
         "dspark_floors": _with_floors(make_scheduler("dspark", sps=sps), sps, floors),
+        # the step beyond the pass (drafter call, the measured rest) and prompt chunks riding
+        "dspark_floors_rest": _with_floors(make_scheduler("dspark", sps=sps), sps, floors,
+                                           fixed_s=0.02, riding=5),
         "async_floors": _with_floors(lambda c: async_schedule(c, stale, sps), sps, floors, 6),
         "static_floors": _with_floors(make_scheduler("static_threshold", threshold=0.7), sps,
                                       floors),

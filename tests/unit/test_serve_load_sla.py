@@ -116,3 +116,69 @@ def test_the_frontier_reads_each_floor_variant_at_its_own_floor_per_repeat():
     assert f"| 8 | 17.0 (2) [18.0, 16.0] | 21.0 (2) [20.0, 22.0] | 35.0 (4) [36.0, 34.0] |" in md
     assert frontier_ratio(frontier_rows(points, runs, [9.0]), 9.0) is None  # no floor-9 deployment
     assert render_frontier_md(frontier_rows(points, runs, [9.0])) == []
+
+
+def test_request_floor_variants_name_their_deployment_and_floor():
+    """``dspark+min_tokens_per_s=12``: the ``dspark`` deployment, each request carrying a floor
+    of 12 tokens/s; a malformed one is refused before anything starts."""
+    from benchmarks.serve_load import (SLA_AWARE, SLA_AWARE_REQUEST, floor_of, policy_engine,
+                                       request_floor_of, sla_aware_label)
+
+    assert request_floor_of("dspark+min_tokens_per_s=12") == ("dspark", 12.0)
+    assert request_floor_of("dspark-min_tokens_per_s=12") == ("dspark-min_tokens_per_s=12", None)
+    assert floor_of("dspark+min_tokens_per_s=7.5") == 7.5
+    assert sla_aware_label("dspark+min_tokens_per_s=7.5") == SLA_AWARE_REQUEST
+    assert sla_aware_label("dspark-min_tokens_per_s=7.5") == SLA_AWARE
+    assert sla_aware_label("dspark") is None
+    assert policy_engine("dspark+min_tokens_per_s=12") == policy_engine("dspark")
+    for bad in ("dspark+min_tokens_per_s=0", "dspark+threshold=0.5", "dspark+min_tokens_per_s=x"):
+        with pytest.raises(SystemExit, match="request floor"):
+            request_floor_of(bad)
+
+
+def test_a_request_floor_variant_sends_its_floor_with_every_request():
+    import asyncio
+    import json
+
+    import httpx
+
+    from benchmarks.serve_load import run_point
+
+    bodies = []
+
+    def answer(request):
+        bodies.append(json.loads(request.content))
+        chunks = [{"choices": [{"delta": {"content": "hi"}}]},
+                  {"choices": [], "usage": {"completion_tokens": 3}}]
+        text = "".join(f"data: {json.dumps(c)}\n\n" for c in chunks) + "data: [DONE]\n\n"
+        return httpx.Response(200, text=text, headers={"content-type": "text/event-stream"})
+
+    real = httpx.AsyncClient
+    httpx.AsyncClient = lambda **kw: real(transport=httpx.MockTransport(answer), **kw)
+    try:
+        point = asyncio.run(run_point("http://bench/v1/chat/completions", "bench", ["a", "b"], 2,
+                                      8, 60, 4, 1.0, 9.5))
+        asyncio.run(run_point("http://bench/v1/chat/completions", "bench", ["a"], 1, 8, 60, 1))
+    finally:
+        httpx.AsyncClient = real
+    assert point["requests"] == 4 and point["completion_tokens"] == 12
+    assert [b.get("min_tokens_per_s") for b in bodies] == [9.5] * 4 + [None]
+
+
+def test_the_frontier_puts_request_floor_variants_in_their_own_row():
+    from benchmarks.serve_load import (SLA_AWARE_REQUEST, frontier_ratio, frontier_rows,
+                                       render_frontier_md)
+
+    name = "dspark+min_tokens_per_s=8"
+    runs = (_runs("none", 0, [(10, 10.0), (18, 9.0), (30, 7.5), (40, 5.0)])
+            + _runs("fixed", 0, [(12, 13.0), (20, 10.0), (26, 6.0), (30, 3.0)])
+            + _runs(name, 0, [(14, 14.0), (25, 12.0), (36, 8.5), (44, 6.0)]))
+    points = [dict(r) for r in runs]
+    rows = frontier_rows(points, runs, [8.0])
+    got = {r["policy"]: r for r in rows}
+    assert got[SLA_AWARE_REQUEST]["variant"] == name and got[SLA_AWARE_REQUEST]["measured"] == 36
+    assert frontier_ratio(rows, 8.0, SLA_AWARE_REQUEST)["means"] == pytest.approx(36 / 20)
+    assert frontier_ratio(rows, 8.0) is None  # no deployment-floor row
+    md = "\n".join(render_frontier_md(rows))
+    assert f"| {SLA_AWARE_REQUEST} / best of none, fixed |" in md
+    assert "| 8 | 18.0 (2) [18.0] | 20.0 (2) [20.0] | 36.0 (4) [36.0] | 1.80 [1.80] |" in md

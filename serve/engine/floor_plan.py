@@ -1,0 +1,191 @@
+"""Drafting for the requests at risk of their per-user speed floor (issue 43.1).
+
+The goodput planner (``serve/engine/draft_planner.py``) maximises the step's aggregate
+tokens/s: under load on a CPU it often drafts for nobody, and then the verification scheduler's
+floor extension (``plan_extensions.hold_speed_floors``) has no draft to lengthen. Given per-request
+floors, :func:`plan_for_floors` chooses the drafting once more: among the goodput plan and plans
+that also draft for the requests below their floor (or for every request with a floor), at one
+common length, the one that maximises the worst request's predicted speed relative to its floor
+(capped at the floor: above it only throughput counts), then the predicted throughput. So a
+request with slack costs nothing, a request at risk gets a draft when drafting raises it, and
+nobody is drafted for where drafting cannot pay.
+
+A request's predicted speed is E_r / T tokens/s: E_r = 1 + its expected accepted draft tokens
+(its predicted per-token acceptance alpha_r, ``expected_accepted``), T = the target pass of the
+step's B tokens (``SPSTable.pass_seconds``) + the drafter call (``DraftCostTable``) + the rest of a
+step the engine measured (sampling, verification, commit: ``fixed_s``). It reads only the past
+(acceptance estimates, profiles): lossless as the goodput plan is.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from .draft_planner import DraftCostTable, DraftPlan, RequestOptions, expected_accepted
+from .sps import SPSTable
+
+
+@dataclass(frozen=True, slots=True)
+class FloorRow:
+    """One running request as the floor plan sees it.
+
+    floor: its per-user speed floor in tokens/s (None: none);
+    alpha: the drafter's predicted per-token acceptance for it (None: the drafter does not draft
+    for it: no cap, or a lookup draft was chosen);
+    cap: the most draft tokens it may verify;
+    length: the verification length the goodput plan predicts for it (0: not drafted for);
+    fixed_tokens: tokens it verifies whatever the drafter does (1 + a lookup draft's length);
+    fixed_gain: expected tokens it commits whatever the drafter does (1 + the lookup's expected
+    accepted);
+    backlog_s: seconds its drafter context extension adds to the drafter call.
+    """
+
+    floor: float | None
+    alpha: float | None
+    cap: int
+    length: int
+    fixed_tokens: int = 1
+    fixed_gain: float = 1.0
+    backlog_s: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class FloorScore:
+    """A candidate plan's prediction: ``worst`` = min over floored requests of min(1, speed /
+    floor) (1.0 without floors), ``goodput`` = committed tokens/s of the step, ``speeds`` = per
+    request tokens/s."""
+
+    worst: float
+    goodput: float
+    speeds: tuple[float, ...]
+
+
+def score_plan(rows: Sequence[FloorRow], lengths: Sequence[int], sps: SPSTable,
+               draft_cost: DraftCostTable | None, sampled: bool, fixed_s: float = 0.0,
+               riding: int = 0) -> FloorScore:
+    """Predicted per-request speeds of the step that drafts for the rows with ``lengths[r] > 0``
+    and verifies that many of their draft tokens (each drafting one more, at most its cap).
+
+    Args:
+        rows: the running requests.
+        lengths: per row the predicted verification length l_r (0: not drafted for).
+        sps: the SPS(B) profile (steps/s); B = ``riding`` + sum of fixed tokens + sum l_r.
+        draft_cost: the drafter's cost table (None: drafting is free).
+        sampled: whether any request samples (the cost column).
+        fixed_s: seconds of a step beyond the target pass and the drafter call (>= 0).
+        riding: prompt tokens packed into the step's pass.
+    Returns:
+        a :class:`FloorScore`.
+    """
+    drafted = [i for i, row in enumerate(rows) if lengths[i] > 0 and row.alpha is not None]
+    batch = riding + sum(row.fixed_tokens for row in rows) + sum(lengths[i] for i in drafted)
+    seconds = sps.pass_seconds(batch) + fixed_s
+    if drafted and draft_cost is not None:
+        longest = max(min(rows[i].cap, lengths[i] + 1) for i in drafted)
+        seconds += (draft_cost.seconds(len(drafted), longest, sampled)
+                    + sum(rows[i].backlog_s for i in drafted))
+    gains = [row.fixed_gain + (expected_accepted(row.alpha, lengths[i]) if i in drafted else 0.0)
+             for i, row in enumerate(rows)]
+    speeds = tuple(g / seconds for g in gains)
+    ratios = [min(1.0, s / row.floor) for s, row in zip(speeds, rows) if row.floor is not None]
+    return FloorScore(min(ratios, default=1.0), sum(gains) / seconds, speeds)
+
+
+def plan_for_floors(rows: Sequence[FloorRow], sps: SPSTable, draft_cost: DraftCostTable | None,
+                    sampled: bool, limit: int, fixed_s: float = 0.0, riding: int = 0
+                    ) -> list[int] | None:
+    """The drafting that keeps the floors, or None when the goodput plan already does.
+
+    Candidates: the goodput plan (``row.length``), and for every common length l in
+    [1, max cap] the goodput plan with l_r = max(length_r, min(l, cap_r)) for (a) the requests
+    predicted below their floor under the goodput plan, (b) every request with a floor that the
+    drafter can draft for. Chosen: the largest (worst, goodput) of :func:`score_plan` among those
+    within ``limit`` tokens (worst rounded to 1e-6, so that plans keeping every floor compare by
+    throughput alone).
+
+    Args:
+        rows: the running requests (:class:`FloorRow`).
+        sps, draft_cost, sampled, fixed_s, riding: as :func:`score_plan`.
+        limit: the most tokens a pass may verify.
+    Returns:
+        per row the verification length to plan (0: no draft), or None: no request is predicted
+        below its floor, or no candidate beats the goodput plan.
+    Source: this project's SLA extension of DSpark Algorithm 1 (issue 43; the paper's production
+    frontier, section 5).
+    """
+    base = [row.length if row.alpha is not None else 0 for row in rows]
+    score = lambda ls: score_plan(rows, ls, sps, draft_cost, sampled, fixed_s, riding)  # noqa: E731
+    first = score(base)
+    if first.worst >= 1.0:
+        return None
+    below = [i for i, row in enumerate(rows)
+             if row.floor is not None and first.speeds[i] < row.floor]
+    floored = [i for i, row in enumerate(rows) if row.floor is not None]
+    fixed = sum(row.fixed_tokens for row in rows)  # the draft rows' tokens: what limit caps
+    best_key, best = (round(first.worst, 6), first.goodput), None
+    for group in (below, floored):
+        lift = [i for i in group if rows[i].alpha is not None and rows[i].cap > 0]
+        for l in range(1, max((rows[i].cap for i in lift), default=0) + 1):
+            lengths = list(base)
+            for i in lift:
+                lengths[i] = max(lengths[i], min(l, rows[i].cap))
+            if fixed + sum(lengths) > limit:
+                break
+            s = score(lengths)
+            key = (round(s.worst, 6), s.goodput)
+            if key > best_key:
+                best_key, best = key, lengths
+    return best
+
+
+def apply_floors(plan: DraftPlan, options: Sequence[RequestOptions],
+                 floors: Sequence[float | None], sps: SPSTable,
+                 draft_cost: DraftCostTable | None, sampled: bool, limit: int,
+                 fixed_s: float = 0.0, riding: int = 0) -> bool:
+    """Re-choose a goodput plan's drafting for the per-user speed floors
+    (:func:`plan_for_floors`), in place: the drafter rows become those the floor plan drafts for,
+    each drafting one token beyond its predicted length (at most its cap; lookup rows unchanged).
+    A plan changed so drafts no probes (they stay due: the floors came first this step).
+
+    Args:
+        plan: :func:`serve.engine.draft_planner.plan_drafts`'s plan for ``options``.
+        options: the running requests' :class:`RequestOptions`, in plan order.
+        floors: per request its floor in tokens/s, or None.
+        sps, draft_cost, sampled, limit, fixed_s, riding: as :func:`plan_for_floors`.
+    Returns:
+        whether the plan changed.
+    Raises:
+        ValueError: ``floors`` or the plan not of the requests' length.
+    """
+    n = len(options)
+    if len(floors) != n or len(plan.sources) != n:
+        raise ValueError(f"{n} requests but {len(floors)} floors and {len(plan.sources)} plan rows")
+    if all(f is None for f in floors):
+        return False
+    rows = []
+    for i, o in enumerate(options):
+        model = o.model_alpha is not None and o.cap > 0 and plan.sources[i] != "lookup"
+        probe = plan.probed[i]
+        look = plan.predicted_lengths[i] if plan.sources[i] == "lookup" else 0
+        look_alpha = plan.lookup_confidences[i][0] if look else 0.0
+        rows.append(FloorRow(
+            floors[i], o.model_alpha if model else None, o.cap if model else 0,
+            0 if probe or not model else plan.predicted_lengths[i], 1 + look,
+            1.0 + (expected_accepted(look_alpha, look) if look else 0.0),
+            draft_cost.backlog_seconds(o.pending) if model and draft_cost else 0.0))
+    lifted = plan_for_floors(rows, sps, draft_cost, sampled, limit, fixed_s, riding)
+    if lifted is None:
+        return False
+    for i, row in enumerate(rows):
+        if row.alpha is None:
+            continue
+        drafts = lifted[i] > 0
+        plan.sources[i] = "model" if drafts else None
+        plan.num_draft_tokens[i] = min(row.cap, lifted[i] + 1) if drafts else 0
+        plan.predicted_lengths[i] = lifted[i]
+        plan.probed[i] = False
+    plan.probe_cost_s = 0.0
+    plan.predicted_tps = score_plan(rows, lifted, sps, draft_cost, sampled, fixed_s,
+                                    riding).goodput
+    return True

@@ -1,0 +1,77 @@
+"""The drafting for per-user speed floors (serve/engine/floor_plan.py, issue 43.1), on hand-made
+profiles: a 10 ms target pass at any B up to 32 tokens, a 6 ms drafter call whatever its size,
+10 ms of the rest of a step. Four requests whose drafter accepts 30 % per token: the goodput plan
+drafts for nobody (4 tokens in 10 ms = 400 tokens/s against 4 x 1.425 in 16 ms = 356), and each
+request runs at 1 / 20 ms = 50 tokens/s counting the rest of the step."""
+
+from __future__ import annotations
+
+import pytest
+
+from serve.engine.draft_planner import DraftCostTable, RequestOptions, plan_drafts
+from serve.engine.floor_plan import FloorRow, apply_floors, plan_for_floors, score_plan
+from serve.engine.sps import SPSTable
+
+SPS = SPSTable((100.0,) * 32)
+COST = DraftCostTable((1,), ((0.006, 0.006),), ((0.006, 0.006),), 4)
+REST = 0.01
+E4 = 1 + 0.3 + 0.09 + 0.027 + 0.0081  # expected committed tokens verifying 4 drafts at alpha 0.3
+
+
+def _rows(floors, alpha=0.3):
+    return [FloorRow(f, alpha, 4, 0) for f in floors]
+
+
+def test_score_plan_counts_the_pass_the_drafter_call_and_the_rest():
+    none = score_plan(_rows([60.0] * 4), [0] * 4, SPS, COST, False, REST)
+    assert none.speeds == pytest.approx((50.0,) * 4) and none.goodput == pytest.approx(200.0)
+    assert none.worst == pytest.approx(50 / 60)
+    drafted = score_plan(_rows([60.0] * 4), [4] * 4, SPS, COST, False, REST)
+    assert drafted.speeds == pytest.approx((E4 / 0.026,) * 4)  # 54.8 tokens/s
+    assert score_plan(_rows([None] * 4), [0] * 4, SPS, COST, False, REST).worst == 1.0
+    # prompt tokens riding in the pass count in B: 24 + 4 tokens fit the table, 40 run 40/32 x
+    assert score_plan(_rows([None] * 4), [0] * 4, SPS, COST, False, 0.0,
+                      riding=36).speeds == pytest.approx((80.0,) * 4)
+
+
+def test_floors_the_goodput_plan_keeps_change_nothing():
+    assert plan_for_floors(_rows([40.0] * 4), SPS, COST, False, 32, REST) is None
+    assert plan_for_floors(_rows([None] * 4), SPS, COST, False, 32, REST) is None
+
+
+def test_requests_below_their_floor_are_drafted_for_where_it_raises_them():
+    # all four below 60: drafting 4 for each raises them to 54.8 (the most any common length
+    # reaches: the worst request's speed decides before throughput)
+    assert plan_for_floors(_rows([60.0] * 4), SPS, COST, False, 32, REST) == [4] * 4
+    # one request at risk, the others without floors: only it is drafted for (54.8 against 50;
+    # the others fall to 38.5, which no floor forbids)
+    assert plan_for_floors(_rows([60.0, None, None, None]), SPS, COST, False, 32,
+                           REST) == [4, 0, 0, 0]
+    # a drafter that accepts nothing cannot lift anyone: the goodput plan stays
+    assert plan_for_floors(_rows([60.0] * 4, alpha=0.01), SPS, COST, False, 32, REST) is None
+    # the token limit bounds the common length: 4 + 4 l <= 12 -> l = 2
+    assert plan_for_floors(_rows([60.0] * 4), SPS, COST, False, 12, REST) == [2] * 4
+
+
+def test_a_request_holding_its_floor_is_drafted_for_when_a_lift_would_take_it_below():
+    # request 1 holds 45 at 50 tokens/s; drafting for request 0 alone makes every step 26 ms and
+    # request 1 1 / 26 ms = 38.5 < 45; drafting for both keeps request 1 at 54.8
+    rows = _rows([60.0, 45.0, None, None])
+    assert plan_for_floors(rows, SPS, COST, False, 32, REST) == [4, 4, 0, 0]
+    lifted = score_plan(rows, [4, 4, 0, 0], SPS, COST, False, REST)
+    assert lifted.speeds[1] >= 45.0 and lifted.worst == pytest.approx(E4 / 0.026 / 60)
+
+
+def test_apply_floors_rewrites_a_goodput_plan_and_leaves_lookup_rows_alone():
+    options = [RequestOptions(4, 0.3) for _ in range(3)] + [
+        RequestOptions(4, 0.3, lookup_len=3, lookup_alpha=0.8)]
+    plan = plan_drafts(options, SPS, COST, False)
+    assert plan.sources == [None, None, None, "lookup"]
+    assert plan.predicted_lengths[3] == 3
+    assert not apply_floors(plan, options, [None] * 4, SPS, COST, False, 32, REST)
+    assert apply_floors(plan, options, [60.0] * 4, SPS, COST, False, 32, REST)
+    assert plan.sources == ["model", "model", "model", "lookup"]
+    assert plan.num_draft_tokens == [4, 4, 4, 3] and plan.probed == [False] * 4
+    assert plan.predicted_lengths == [4, 4, 4, 3]
+    with pytest.raises(ValueError, match="floors"):
+        apply_floors(plan, options, [60.0], SPS, COST, False, 32, REST)
