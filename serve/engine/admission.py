@@ -8,6 +8,7 @@ issue 24).
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass
 
 from .config import EngineConfig
@@ -82,6 +83,11 @@ def check_request(request: EngineRequest, max_model_len: int, vocab_size: int,
             ``spec_decode_metrics`` level other than none / summary / detailed (400).
     """
     p = request.params
+    floor = request.min_tokens_per_s
+    if floor is not None and not (isinstance(floor, (int, float)) and math.isfinite(floor)
+                                  and floor > 0):
+        raise RequestError(f"min_tokens_per_s must be a finite number of tokens/s above 0, got "
+                           f"{floor!r}", field="min_tokens_per_s")
     if request.spec_decode_metrics not in SPEC_DECODE_METRICS_LEVELS:
         raise RequestError(f"spec_decode_metrics must be one of {SPEC_DECODE_METRICS_LEVELS}, got "
                            f"{request.spec_decode_metrics!r}", field="spec_decode_metrics")

@@ -113,6 +113,10 @@ class SpecEngine:
         # tokens committed per request per step, that step's B (decoding and prompt-chunk
         # tokens) and the requests decoding in it (slowly forgetting averages)
         self._pace = Pace()
+        # the last decoding step's (plan start, drafter seconds, its decoding rows' pass by the
+        # SPS profile), None after a step without decoding: the rest of a step is read from one
+        # plan start to the next (:meth:`StepPlanner.observe_rest`)
+        self._last_cycle: tuple[float, float, float] | None = None
 
     # ------------------------------------------------------------------ requests
     def add_request(self, request: EngineRequest) -> None:
@@ -174,6 +178,8 @@ class SpecEngine:
         chunks = (prefill_chunks(self.prefilling, self._prefill_budget(len(decoding)))
                   if self.prefilling else [])
         batch_before = self.stats.batch_tokens
+        if not decoding:
+            self._last_cycle = None  # an idle gap or a prefill-only step is no decoding cycle
         outputs, prefill_outs = (self._decode(decoding, chunks) if decoding
                                  else ([], self._prefill_forward(chunks)))
         committed = sum(len(o.new_token_ids) for o in outputs)
@@ -210,6 +216,12 @@ class SpecEngine:
         own = r.req.min_tokens_per_s
         return own if own is not None else self.config.min_tokens_per_s
 
+    def _planning_floors(self, reqs: list[RequestState]) -> list[float | None]:
+        """The speeds (tokens/s) drafting and verification aim each request at: its floor plus
+        ``FLOOR_MARGIN`` (the floor is what its slowest steps must give; requests spread around
+        the predicted pace, as admission's margin says), None without a floor."""
+        return [None if (f := self._floor(r)) is None else f * (1 + FLOOR_MARGIN) for r in reqs]
+
     def _floors_allow_one_more(self) -> bool:
         """Admission under the deployment's speed floor (``engine.min_tokens_per_s``): no running
         request's own speed so far within ``FLOOR_MARGIN`` of it, and the pace rescaled to one
@@ -231,15 +243,23 @@ class SpecEngine:
         the prefill ``chunks`` packed into the same target pass; returns (their outputs, the
         chunks' pass outputs)."""
         riding = sum(c.take for c in chunks)
-        floors = [self._floor(r) for r in reqs]
-        plan = self.planner.plan(reqs, time.perf_counter(), riding=riding,
+        floors = self._planning_floors(reqs)
+        plan_start = time.perf_counter()
+        if self._last_cycle is not None:
+            # from the last plan start to this one: what a running request waits per step,
+            # prompt chunks riding and the serving threads' turns between steps included (a
+            # client reads its speed so)
+            last_start, last_draft_s, last_pass_s = self._last_cycle
+            self.planner.observe_rest(plan_start - last_start, last_draft_s, last_pass_s)
+        self._last_cycle = None  # set again only by a step that reaches its commit
+        plan = self.planner.plan(reqs, plan_start, riding=riding,
                                  floors=floors if any(f is not None for f in floors) else None)
         draft_start = time.perf_counter()
         outputs = self._propose(plan)
         draft_s = self._elapsed(draft_start) if plan.predicted_draft_s else 0.0
         if not plan.rows:  # every request failed while drafting
             return outputs, self._prefill_forward(chunks)
-        self.planner.schedule(plan, [self._floor(row.request) for row in plan.rows],
+        self.planner.schedule(plan, self._planning_floors([row.request for row in plan.rows]),
                               riding=riding)
         plan.verify_start_s = time.perf_counter()
         outs, prefill_outs = self._target_pass(plan, chunks)
@@ -263,8 +283,9 @@ class SpecEngine:
                 outputs.append(self._verify_and_commit(row, o, plan, dist))
             except Exception as err:  # noqa: BLE001 - this request fails, the engine goes on
                 outputs.append(self._fail(row.request, err, "verification"))
-        if not chunks:  # what a step costs beyond the drafter and the pass (the floors read it)
-            self.planner.observe_rest(time.perf_counter() - plan.start_s, draft_s, verify_s)
+        decode_pass_s = (self.planner.sps.pass_seconds(sum(row.length + 1 for row in plan.rows))
+                         if self.planner.sps is not None and plan.rows else verify_s)
+        self._last_cycle = (plan.start_s, draft_s, decode_pass_s)
         self.planner.remember(plan)
         return outputs, prefill_outs
 

@@ -13,7 +13,9 @@ nobody is drafted for where drafting cannot pay.
 A request's predicted speed is E_r / T tokens/s: E_r = 1 + its expected accepted draft tokens
 (its predicted per-token acceptance alpha_r, ``expected_accepted``), T = the target pass of the
 step's B tokens (``SPSTable.pass_seconds``) + the drafter call (``DraftCostTable``) + the rest of a
-step the engine measured (sampling, verification, commit: ``fixed_s``). It reads only the past
+step the engine measured (sampling, verification, commit, prompt chunks riding, the serving
+threads' turns: ``fixed_s``). The rest is taken as the same for every candidate plan, though part
+of it grows with the tokens verified: plans that draft more are predicted slightly fast. It reads only the past
 (acceptance estimates, profiles): lossless as the goodput plan is.
 """
 
@@ -62,24 +64,24 @@ class FloorScore:
 
 
 def score_plan(rows: Sequence[FloorRow], lengths: Sequence[int], sps: SPSTable,
-               draft_cost: DraftCostTable | None, sampled: bool, fixed_s: float = 0.0,
-               riding: int = 0) -> FloorScore:
+               draft_cost: DraftCostTable | None, sampled: bool, fixed_s: float = 0.0
+               ) -> FloorScore:
     """Predicted per-request speeds of the step that drafts for the rows with ``lengths[r] > 0``
     and verifies that many of their draft tokens (each drafting one more, at most its cap).
 
     Args:
         rows: the running requests.
         lengths: per row the predicted verification length l_r (0: not drafted for).
-        sps: the SPS(B) profile (steps/s); B = ``riding`` + sum of fixed tokens + sum l_r.
+        sps: the SPS(B) profile (steps/s); B = the rows' fixed tokens + sum l_r.
         draft_cost: the drafter's cost table (None: drafting is free).
         sampled: whether any request samples (the cost column).
-        fixed_s: seconds of a step beyond the target pass and the drafter call (>= 0).
-        riding: prompt tokens packed into the step's pass.
+        fixed_s: seconds of a step beyond the target pass and the drafter call (>= 0; the
+            engine's measured rest, prompt chunks riding included on average).
     Returns:
         a :class:`FloorScore`.
     """
     drafted = [i for i, row in enumerate(rows) if lengths[i] > 0 and row.alpha is not None]
-    batch = riding + sum(row.fixed_tokens for row in rows) + sum(lengths[i] for i in drafted)
+    batch = sum(row.fixed_tokens for row in rows) + sum(lengths[i] for i in drafted)
     seconds = sps.pass_seconds(batch) + fixed_s
     if drafted and draft_cost is not None:
         longest = max(min(rows[i].cap, lengths[i] + 1) for i in drafted)
@@ -93,8 +95,7 @@ def score_plan(rows: Sequence[FloorRow], lengths: Sequence[int], sps: SPSTable,
 
 
 def plan_for_floors(rows: Sequence[FloorRow], sps: SPSTable, draft_cost: DraftCostTable | None,
-                    sampled: bool, limit: int, fixed_s: float = 0.0, riding: int = 0
-                    ) -> list[int] | None:
+                    sampled: bool, limit: int, fixed_s: float = 0.0) -> list[int] | None:
     """The drafting that keeps the floors, or None when the goodput plan already does.
 
     Candidates: the goodput plan (``row.length``), and for every common length l in
@@ -106,7 +107,7 @@ def plan_for_floors(rows: Sequence[FloorRow], sps: SPSTable, draft_cost: DraftCo
 
     Args:
         rows: the running requests (:class:`FloorRow`).
-        sps, draft_cost, sampled, fixed_s, riding: as :func:`score_plan`.
+        sps, draft_cost, sampled, fixed_s: as :func:`score_plan`.
         limit: the most tokens a pass may verify.
     Returns:
         per row the verification length to plan (0: no draft), or None: no request is predicted
@@ -115,14 +116,14 @@ def plan_for_floors(rows: Sequence[FloorRow], sps: SPSTable, draft_cost: DraftCo
     frontier, section 5).
     """
     base = [row.length if row.alpha is not None else 0 for row in rows]
-    score = lambda ls: score_plan(rows, ls, sps, draft_cost, sampled, fixed_s, riding)  # noqa: E731
+    score = lambda ls: score_plan(rows, ls, sps, draft_cost, sampled, fixed_s)  # noqa: E731
     first = score(base)
     if first.worst >= 1.0:
         return None
     below = [i for i, row in enumerate(rows)
              if row.floor is not None and first.speeds[i] < row.floor]
     floored = [i for i, row in enumerate(rows) if row.floor is not None]
-    fixed = sum(row.fixed_tokens for row in rows)  # the draft rows' tokens: what limit caps
+    fixed = sum(row.fixed_tokens for row in rows)
     best_key, best = (round(first.worst, 6), first.goodput), None
     for group in (below, floored):
         lift = [i for i in group if rows[i].alpha is not None and rows[i].cap > 0]
@@ -142,17 +143,19 @@ def plan_for_floors(rows: Sequence[FloorRow], sps: SPSTable, draft_cost: DraftCo
 def apply_floors(plan: DraftPlan, options: Sequence[RequestOptions],
                  floors: Sequence[float | None], sps: SPSTable,
                  draft_cost: DraftCostTable | None, sampled: bool, limit: int,
-                 fixed_s: float = 0.0, riding: int = 0) -> bool:
+                 fixed_s: float = 0.0) -> bool:
     """Re-choose a goodput plan's drafting for the per-user speed floors
-    (:func:`plan_for_floors`), in place: the drafter rows become those the floor plan drafts for,
-    each drafting one token beyond its predicted length (at most its cap; lookup rows unchanged).
-    A plan changed so drafts no probes (they stay due: the floors came first this step).
+    (:func:`plan_for_floors`), in place: a drafter row whose predicted length the floor plan
+    lengthens drafts one token beyond it (at most its cap) and is no probe any more; the other
+    rows stay as the goodput plan has them (lookup rows, fill drafts, due probes).
+    ``plan.predicted_tps`` becomes the floor plan's predicted goodput (on the measured SPS(B),
+    without fills).
 
     Args:
         plan: :func:`serve.engine.draft_planner.plan_drafts`'s plan for ``options``.
         options: the running requests' :class:`RequestOptions`, in plan order.
         floors: per request its floor in tokens/s, or None.
-        sps, draft_cost, sampled, limit, fixed_s, riding: as :func:`plan_for_floors`.
+        sps, draft_cost, sampled, limit, fixed_s: as :func:`plan_for_floors`.
     Returns:
         whether the plan changed.
     Raises:
@@ -174,18 +177,17 @@ def apply_floors(plan: DraftPlan, options: Sequence[RequestOptions],
             0 if probe or not model else plan.predicted_lengths[i], 1 + look,
             1.0 + (expected_accepted(look_alpha, look) if look else 0.0),
             draft_cost.backlog_seconds(o.pending) if model and draft_cost else 0.0))
-    lifted = plan_for_floors(rows, sps, draft_cost, sampled, limit, fixed_s, riding)
+    lifted = plan_for_floors(rows, sps, draft_cost, sampled, limit, fixed_s)
     if lifted is None:
         return False
+    base = [row.length for row in rows]
     for i, row in enumerate(rows):
-        if row.alpha is None:
-            continue
+        if row.alpha is None or lifted[i] == base[i]:
+            continue  # as the goodput plan has it (its fill drafts, a due probe)
         drafts = lifted[i] > 0
         plan.sources[i] = "model" if drafts else None
         plan.num_draft_tokens[i] = min(row.cap, lifted[i] + 1) if drafts else 0
         plan.predicted_lengths[i] = lifted[i]
         plan.probed[i] = False
-    plan.probe_cost_s = 0.0
-    plan.predicted_tps = score_plan(rows, lifted, sps, draft_cost, sampled, fixed_s,
-                                    riding).goodput
+    plan.predicted_tps = score_plan(rows, lifted, sps, draft_cost, sampled, fixed_s).goodput
     return True

@@ -14,12 +14,11 @@ from .scheduler import Confidences, SPSTable, _as_rows, _batch_limit, _survival
 
 def hold_speed_floors(confidences: Confidences, lengths: Sequence[int], sps: SPSTable,
                       floors: Sequence[float | None], max_batch_tokens: int | None = None,
-                      fixed_s: float = 0.0, riding: int = 0) -> list[int]:
+                      fixed_s: float = 0.0) -> list[int]:
     """Extend a plan so that requests below their per-user speed floor get verification first.
 
     A request's predicted speed is E_r / (1 / SPS(B) + ``fixed_s``) tokens/s, E_r = 1 +
-    sum_{j<=l_r} a_{r,j} its expected committed tokens per step, B = ``riding`` + R + sum_r l_r
-    (the pass: :meth:`SPSTable.pass_seconds`; the limit caps R + sum_r l_r). Starting from ``lengths`` (a throughput plan, e.g.
+    sum_{j<=l_r} a_{r,j} its expected committed tokens per step, B = R + sum_r l_r. Starting from ``lengths`` (a throughput plan, e.g.
     :func:`dspark_schedule`'s), repeatedly take the request furthest below its floor (lowest
     speed / floor; ties: smaller r) and verify its next draft token, while that raises its own
     predicted speed and leaves every request that holds
@@ -41,7 +40,6 @@ def hold_speed_floors(confidences: Confidences, lengths: Sequence[int], sps: SPS
         max_batch_tokens: optional cap on B in tokens.
         fixed_s: seconds of the step beyond the target pass (the drafter call, the rest the
             engine measured); 0 = the pass alone.
-        riding: prompt tokens packed into the same pass.
     Returns:
         l: list[int] of length R with l_r >= lengths[r].
     Raises:
@@ -56,7 +54,7 @@ def hold_speed_floors(confidences: Confidences, lengths: Sequence[int], sps: SPS
                          f"{len(floors)} floors")
     lengths = [int(l) for l in lengths]
     limit = _batch_limit(sps, max_batch_tokens)
-    batch = num_requests + sum(lengths)  # the draft rows' tokens, what the limit caps
+    batch = num_requests + sum(lengths)
     if num_requests == 0 or batch > limit or all(f is None for f in floors):
         return lengths
     a_rows = _survival(rows)
@@ -64,8 +62,8 @@ def hold_speed_floors(confidences: Confidences, lengths: Sequence[int], sps: SPS
     stuck: set[int] = set()  # requests that cannot be lifted further this step
     while batch < limit:
         # steps/s of the whole step at B and B + 1 tokens
-        now = 1.0 / (sps.pass_seconds(riding + batch) + fixed_s)
-        nxt = 1.0 / (sps.pass_seconds(riding + batch + 1) + fixed_s)
+        now = 1.0 / (1.0 / sps.sps(batch) + fixed_s)
+        nxt = 1.0 / (1.0 / sps.sps(batch + 1) + fixed_s)
         below = [r for r in range(num_requests) if r not in stuck
                  and floors[r] is not None and expected[r] * now < floors[r]]
         if not below:

@@ -107,11 +107,15 @@ class StepPlanner:
         # (a test's, a benchmark's) are taken as given
         self.checks_costs = False
         self.steps_without_drafter = 0  # consecutive planned steps without a drafter call
-        # seconds of a decoding step beyond the drafter call and the target pass (sampling,
-        # verification, commit: Python and small ops), slowly forgetting; what the per-user
-        # speed floors' predictions add to the profiles (on a CPU with a small target it is a
-        # large share of a step: without it a floor read as kept was missed)
+        # seconds of a decoding cycle (plan start to the next plan start) beyond the drafter call
+        # and the decoding rows' target pass by the profile: sampling, verification, commit,
+        # prompt chunks riding, the serving threads' turns between steps (and what the profile
+        # misses), slowly forgetting (~50 steps: a prompt chunk's step is a spike); what the
+        # per-user speed floors' predictions add to the profiles. Measured at 8 streams on a
+        # 2-core CPU: the pass and the drafter alone predicted 18.4 tokens/s a request, clients
+        # read 12.1-12.8 (prompt chunks riding in the passes)
         self.step_rest_s = 0.0
+        self.rest_samples = 0
 
     def _scheduler(self, sps: SPSTable | None):
         return scheduler_for(self.scheduler_name, sps=sps,
@@ -160,11 +164,15 @@ class StepPlanner:
             out.append(0 if r.pos + l >= self.drafter_context else l)
         return out
 
-    def observe_rest(self, step_s: float, draft_s: float, verify_s: float) -> None:
-        """A decoding step's measured seconds (plan to commit), its drafter call's and its target
-        pass's: updates :attr:`step_rest_s` (a step with prompt chunks riding is not passed)."""
-        rest = max(0.0, step_s - draft_s - verify_s)
-        self.step_rest_s = rest if self.step_rest_s == 0.0 else 0.9 * self.step_rest_s + 0.1 * rest
+    def observe_rest(self, cycle_s: float, draft_s: float, pass_s: float) -> None:
+        """A decoding cycle's measured seconds (one plan start to the next), its drafter call's
+        (measured) and its decoding rows' target pass by the SPS profile: updates
+        :attr:`step_rest_s`, the mean of the samples so far, then (after 50) slowly forgetting
+        (a warm-up spike weighs as one sample of the first 50)."""
+        rest = max(0.0, cycle_s - draft_s - pass_s)
+        self.rest_samples += 1
+        weight = max(0.02, 1.0 / self.rest_samples)
+        self.step_rest_s += weight * (rest - self.step_rest_s)
 
     def plan(self, reqs: list[RequestState], start_s: float, riding: int = 0,
              floors: list[float | None] | None = None) -> StepPlan:
@@ -174,7 +182,8 @@ class StepPlanner:
         into the step's target pass; such a pass is not filled (:meth:`schedule`), so the
         planner drafts no fill for it either. ``floors``: per request its per-user speed floor
         (tokens/s) or None; a request predicted below it is drafted for where that raises it
-        (:func:`serve.engine.floor_plan.apply_floors`)."""
+        (:func:`serve.engine.floor_plan.apply_floors`; prompt chunks count in the measured rest
+        of a step, :attr:`step_rest_s`, not in this step's prediction)."""
         caps = self.caps(reqs)
         if not self.plans:
             return StepPlan([PlanRow(r, c, "model" if c > 0 else None, c)
@@ -197,7 +206,7 @@ class StepPlanner:
             if self.config.max_batch_tokens:
                 limit = min(limit, self.config.max_batch_tokens)
             apply_floors(plan, options, floors, self.sps, self.draft_cost, sampled, limit,
-                         self.step_rest_s, riding)
+                         self.step_rest_s)
         # the budget grows by its share of a target-only step of this batch (a prediction, so
         # the plan stays a function of the past only), up to one full-block call for everyone
         ceiling = (self.draft_cost.seconds(len(reqs), self.draft_cost.block_size, sampled)
@@ -291,8 +300,7 @@ class StepPlanner:
             # requests predicted below their speed floor get verification first (lossless)
             lengths = hold_speed_floors([row[:n] for row, n in zip(rows, drafted)], lengths,
                                         table, floors, self.config.max_batch_tokens,
-                                        fixed_s=plan.predicted_draft_s + self.step_rest_s,
-                                        riding=riding)
+                                        fixed_s=plan.predicted_draft_s + self.step_rest_s)
         if fills:  # a longer pass that runs faster verifies more draft tokens (lossless)
             lengths = fill_pass([row[:n] for row, n in zip(rows, drafted)], lengths, self.sps,
                                 self.config.max_batch_tokens)

@@ -898,6 +898,35 @@ def test_speed_floors_draft_for_requests_the_goodput_plan_leaves_target_only(var
     assert missed > plain + 20
 
 
+def test_the_rest_of_a_step_is_read_between_consecutive_decoding_steps(varied_target):
+    """What the speed floors add to the profiles (StepPlanner.step_rest_s): read from one decoding
+    step's plan start to the next, never across a prefill-only step or a step that failed before
+    its commit; the mean of the first samples, then slowly forgetting. A floor of 0 is refused."""
+    d = tiny_drafter(varied_target, block_size=4)
+    engine = SpecEngine(TargetRunner(varied_target, LAYERS), d, [],
+                        EngineConfig(scheduler="dspark"), sps=SPS, draft_cost=HALF_STEP)
+    with pytest.raises(RequestError, match="min_tokens_per_s"):
+        engine.add_request(EngineRequest("z", [1, 2], SamplingParams(4, 0.0), min_tokens_per_s=0))
+    engine.add_request(EngineRequest("a", [3, 1, 4, 1, 5], SamplingParams(12, 0.0)))
+    engine.step()  # the prompt alone: no decoding cycle
+    assert engine._last_cycle is None and engine.planner.rest_samples == 0
+    engine.step()
+    assert engine._last_cycle is not None and engine.planner.rest_samples == 0
+    engine.step()
+    assert engine.planner.rest_samples == 1 and engine.planner.step_rest_s >= 0.0
+    engine.drafting.propose = lambda rows, noise: {i: RuntimeError("boom")
+                                                   for i in range(len(rows))}
+    engine.step()  # every row failed while drafting: no commit, nothing to read next
+    assert engine._last_cycle is None and engine.planner.rest_samples == 2
+    planner = engine.planner
+    planner.rest_samples, planner.step_rest_s = 0, 0.0
+    planner.observe_rest(0.1, 0.02, 0.03)
+    planner.observe_rest(0.2, 0.0, 0.1)
+    assert planner.step_rest_s == pytest.approx(0.075)  # the mean of 0.05 and 0.1
+    planner.observe_rest(0.0, 0.0, 0.1)  # a pass the profile overrates: no negative rest
+    assert planner.step_rest_s == pytest.approx(0.05)
+
+
 def test_speed_floors_add_verification_losslessly_and_gate_admission(varied_target,
                                                                      corrupted_table):
     """With a per-user speed floor above what the throughput plan gives, requests verify more

@@ -29,9 +29,10 @@ def test_score_plan_counts_the_pass_the_drafter_call_and_the_rest():
     drafted = score_plan(_rows([60.0] * 4), [4] * 4, SPS, COST, False, REST)
     assert drafted.speeds == pytest.approx((E4 / 0.026,) * 4)  # 54.8 tokens/s
     assert score_plan(_rows([None] * 4), [0] * 4, SPS, COST, False, REST).worst == 1.0
-    # prompt tokens riding in the pass count in B: 24 + 4 tokens fit the table, 40 run 40/32 x
-    assert score_plan(_rows([None] * 4), [0] * 4, SPS, COST, False, 0.0,
-                      riding=36).speeds == pytest.approx((80.0,) * 4)
+    # a pass beyond the profile's largest B grows in proportion: 4 + 4 x 9 = 40 tokens, 40/32 x
+    wide = [FloorRow(None, 0.3, 9, 0) for _ in range(4)]
+    assert score_plan(wide, [9] * 4, SPS, None, False).speeds == pytest.approx(
+        (80.0 * (1 + sum(0.3 ** j for j in range(1, 10))),) * 4)
 
 
 def test_floors_the_goodput_plan_keeps_change_nothing():
@@ -75,3 +76,42 @@ def test_apply_floors_rewrites_a_goodput_plan_and_leaves_lookup_rows_alone():
     assert plan.predicted_lengths == [4, 4, 4, 3]
     with pytest.raises(ValueError, match="floors"):
         apply_floors(plan, options, [60.0], SPS, COST, False, 32, REST)
+
+
+def test_apply_floors_keeps_the_rows_it_does_not_lengthen_as_they_were():
+    """A kept row's drafts (fill drafts included) and a due probe stay as the goodput plan made
+    them when the floor plan does not lengthen them; a lengthened row is no probe any more."""
+    from serve.engine.draft_planner import DraftPlan
+
+    options = [RequestOptions(4, 0.3), RequestOptions(4, 0.3), RequestOptions(4, 0.3)]
+    plan = DraftPlan(["model", "model", None], [4, 1, 0], [[], [], []], [False, True, False],
+                     predicted_lengths=[2, 0, 0], probe_cost_s=0.004)
+    # only request 2 has a floor: lengthening it alone lifts it
+    assert apply_floors(plan, options, [None, None, 60.0], SPS, COST, False, 32, REST)
+    assert plan.sources == ["model", "model", "model"]
+    assert plan.num_draft_tokens[:2] == [4, 1] and plan.probed[:2] == [False, True]
+    assert plan.num_draft_tokens[2] == 4 and not plan.probed[2]
+    assert plan.predicted_lengths == [2, 0, 4]
+    assert plan.predicted_tps == pytest.approx(
+        score_plan([FloorRow(None, 0.3, 4, 2), FloorRow(None, 0.3, 4, 0),
+                    FloorRow(60.0, 0.3, 4, 0)], [2, 0, 4], SPS, COST, False, REST).goodput)
+
+
+def test_floor_plans_stay_within_the_caps_and_the_token_limit():
+    import random
+
+    rng = random.Random(0)
+    for _ in range(300):
+        n = rng.randint(1, 6)
+        rows = [FloorRow(rng.choice([None, rng.uniform(5, 120)]),
+                         rng.choice([None, rng.uniform(0, 1)]), rng.randint(0, 7), 0,
+                         1 + rng.randint(0, 2), 1.0 + rng.random()) for _ in range(n)]
+        rows = [r if r.alpha is not None or r.cap == 0 else FloorRow(r.floor, None, 0, 0,
+                                                                      r.fixed_tokens, r.fixed_gain)
+                for r in rows]
+        limit = rng.randint(n * 3, 40)
+        got = plan_for_floors(rows, SPS, COST, rng.random() < 0.5, limit, rng.uniform(0, 0.05))
+        if got is None:
+            continue
+        assert all(0 <= l <= r.cap and (r.alpha is not None or l == 0) for l, r in zip(got, rows))
+        assert sum(r.fixed_tokens for r in rows) + sum(got) <= limit

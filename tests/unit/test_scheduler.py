@@ -318,15 +318,12 @@ def test_speed_floors_count_the_step_beyond_the_pass():
     """A floor the pass alone would keep is missed once the rest of the step is counted: request
     0 verifying nothing runs at 1 x SPS(1) = 10 tokens/s by the pass alone, above its floor of
     9; with 20 ms of drafting and bookkeeping a step takes 0.12 s (8.3 tokens/s), and verifying
-    x_1 (a = 0.9) makes it 1.9 / (1 / 9.5 + 0.02) = 15.2 tokens/s. Prompt tokens riding in the
-    pass are part of its B."""
+    x_1 (a = 0.9) makes it 1.9 / (1 / 9.5 + 0.02) = 15.2 tokens/s."""
     sps = SPSTable((10.0, 9.5, 8.5, 7.5, 7.0, 6.5))
     assert hold_speed_floors([[0.9, 0.9]], [0], sps, [9.0]) == [0]
     assert hold_speed_floors([[0.9, 0.9]], [0], sps, [9.0], fixed_s=0.02) == [1]
-    # with 4 prompt tokens riding, B = 5 (SPS 7.0): 7.0 tokens/s < 9 even by the pass alone;
-    # x_1 lifts it to 1.9 x 6.5 = 12.35, x_2 (a = 0.81) would need B = 7, beyond the table's
-    # last entry: 7 / 6 of SPS(6)'s pass, 2.71 x 5.57 = 15.1 > 12.35, but 12.35 >= 9 already
-    assert hold_speed_floors([[0.9, 0.9]], [0], sps, [9.0], riding=4) == [1]
+    # a floor of 16: x_2 (a = 0.81) too, 2.71 / (1 / 8.5 + 0.02) = 19.6
+    assert hold_speed_floors([[0.9, 0.9]], [0], sps, [16.0], fixed_s=0.02) == [2]
 
 
 def test_static_threshold_hand_table():
@@ -428,13 +425,12 @@ def _random_floors(rng: random.Random, num_requests: int) -> list[float | None]:
     return [None if rng.random() < 0.3 else rng.uniform(5.0, 40.0) for _ in range(num_requests)]
 
 
-def _with_floors(base, sps: SPSTable, floors: list, max_batch_tokens=None, fixed_s=0.0,
-                 riding=0):
+def _with_floors(base, sps: SPSTable, floors: list, max_batch_tokens=None, fixed_s=0.0):
     """``base``'s plan extended by :func:`hold_speed_floors` (floors cycled over the requests)."""
     def sched(conf):
         rows = [list(r) for r in conf]
         own = [floors[r % len(floors)] for r in range(len(rows))]
-        return hold_speed_floors(rows, base(rows), sps, own, max_batch_tokens, fixed_s, riding)
+        return hold_speed_floors(rows, base(rows), sps, own, max_batch_tokens, fixed_s)
     return sched
 
 
@@ -475,9 +471,9 @@ def _lossless_schedulers(rng: random.Random, sps: SPSTable, gamma: int):
         "dspark_jagged_padded_filled": _filled(make_scheduler("dspark", sps=JAGGED.padded()),
                                                JAGGED),
         "dspark_floors": _with_floors(make_scheduler("dspark", sps=sps), sps, floors),
-        # the step beyond the pass (drafter call, the measured rest) and prompt chunks riding
+        # the step beyond the pass (drafter call, the measured rest)
         "dspark_floors_rest": _with_floors(make_scheduler("dspark", sps=sps), sps, floors,
-                                           fixed_s=0.02, riding=5),
+                                           fixed_s=0.02),
         "async_floors": _with_floors(lambda c: async_schedule(c, stale, sps), sps, floors, 6),
         "static_floors": _with_floors(make_scheduler("static_threshold", threshold=0.7), sps,
                                       floors),
