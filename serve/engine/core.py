@@ -113,10 +113,6 @@ class SpecEngine:
         # tokens committed per request per step, that step's B (decoding and prompt-chunk
         # tokens) and the requests decoding in it (slowly forgetting averages)
         self._pace = Pace()
-        # the last decoding step's (plan start, drafter seconds, its decoding rows' pass by the
-        # SPS profile), None after a step without decoding: the rest of a step is read from one
-        # plan start to the next (:meth:`StepPlanner.observe_rest`)
-        self._last_cycle: tuple[float, float, float] | None = None
 
     # ------------------------------------------------------------------ requests
     def add_request(self, request: EngineRequest) -> None:
@@ -179,7 +175,7 @@ class SpecEngine:
                   if self.prefilling else [])
         batch_before = self.stats.batch_tokens
         if not decoding:
-            self._last_cycle = None  # an idle gap or a prefill-only step is no decoding cycle
+            self.planner.break_cycle()  # an idle gap or a prefill-only step: no decoding cycle
         outputs, prefill_outs = (self._decode(decoding, chunks) if decoding
                                  else ([], self._prefill_forward(chunks)))
         committed = sum(len(o.new_token_ids) for o in outputs)
@@ -245,13 +241,7 @@ class SpecEngine:
         riding = sum(c.take for c in chunks)
         floors = self._planning_floors(reqs)
         plan_start = time.perf_counter()
-        if self._last_cycle is not None:
-            # from the last plan start to this one: what a running request waits per step,
-            # prompt chunks riding and the serving threads' turns between steps included (a
-            # client reads its speed so)
-            last_start, last_draft_s, last_pass_s = self._last_cycle
-            self.planner.observe_rest(plan_start - last_start, last_draft_s, last_pass_s)
-        self._last_cycle = None  # set again only by a step that reaches its commit
+        self.planner.start_cycle(plan_start)
         plan = self.planner.plan(reqs, plan_start, riding=riding,
                                  floors=floors if any(f is not None for f in floors) else None)
         draft_start = time.perf_counter()
@@ -283,9 +273,7 @@ class SpecEngine:
                 outputs.append(self._verify_and_commit(row, o, plan, dist))
             except Exception as err:  # noqa: BLE001 - this request fails, the engine goes on
                 outputs.append(self._fail(row.request, err, "verification"))
-        decode_pass_s = (self.planner.sps.pass_seconds(sum(row.length + 1 for row in plan.rows))
-                         if self.planner.sps is not None and plan.rows else verify_s)
-        self._last_cycle = (plan.start_s, draft_s, decode_pass_s)
+        self.planner.end_cycle(plan, draft_s, verify_s)
         self.planner.remember(plan)
         return outputs, prefill_outs
 

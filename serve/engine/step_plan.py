@@ -116,6 +116,9 @@ class StepPlanner:
         # read 12.1-12.8 (prompt chunks riding in the passes)
         self.step_rest_s = 0.0
         self.rest_samples = 0
+        # the last decoding step's (plan start, drafter seconds, its decoding rows' pass by the
+        # SPS profile); None after a step without decoding or one that failed before its commit
+        self.last_cycle: tuple[float, float, float] | None = None
 
     def _scheduler(self, sps: SPSTable | None):
         return scheduler_for(self.scheduler_name, sps=sps,
@@ -163,6 +166,28 @@ class StepPlanner:
             # beyond its context: target-only steps
             out.append(0 if r.pos + l >= self.drafter_context else l)
         return out
+
+    def start_cycle(self, plan_start_s: float) -> None:
+        """A decoding step plans at ``plan_start_s`` (perf_counter seconds): the cycle from the
+        last one's plan start, if that step committed, is read (:meth:`observe_rest`): what a
+        running request waits per step, prompt chunks riding and the serving threads' turns
+        between steps included (a client reads its speed so)."""
+        if self.last_cycle is not None:
+            last_start, draft_s, pass_s = self.last_cycle
+            self.observe_rest(plan_start_s - last_start, draft_s, pass_s)
+        self.last_cycle = None  # set again only by a step that reaches its commit
+
+    def end_cycle(self, plan: StepPlan, draft_s: float, verify_s: float) -> None:
+        """The step of ``plan`` committed after ``draft_s`` seconds of drafting and a target
+        pass of ``verify_s`` (measured; what the profile predicts for its decoding rows is what
+        the next cycle is read against, so prompt chunks riding fall in the rest)."""
+        pass_s = (self.sps.pass_seconds(sum(row.length + 1 for row in plan.rows))
+                  if self.sps is not None and plan.rows else verify_s)
+        self.last_cycle = (plan.start_s, draft_s, pass_s)
+
+    def break_cycle(self) -> None:
+        """A step without decoding (an idle gap, a prefill-only step): no cycle to read."""
+        self.last_cycle = None
 
     def observe_rest(self, cycle_s: float, draft_s: float, pass_s: float) -> None:
         """A decoding cycle's measured seconds (one plan start to the next), its drafter call's

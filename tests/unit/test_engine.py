@@ -909,15 +909,15 @@ def test_the_rest_of_a_step_is_read_between_consecutive_decoding_steps(varied_ta
         engine.add_request(EngineRequest("z", [1, 2], SamplingParams(4, 0.0), min_tokens_per_s=0))
     engine.add_request(EngineRequest("a", [3, 1, 4, 1, 5], SamplingParams(12, 0.0)))
     engine.step()  # the prompt alone: no decoding cycle
-    assert engine._last_cycle is None and engine.planner.rest_samples == 0
+    assert engine.planner.last_cycle is None and engine.planner.rest_samples == 0
     engine.step()
-    assert engine._last_cycle is not None and engine.planner.rest_samples == 0
+    assert engine.planner.last_cycle is not None and engine.planner.rest_samples == 0
     engine.step()
     assert engine.planner.rest_samples == 1 and engine.planner.step_rest_s >= 0.0
     engine.drafting.propose = lambda rows, noise: {i: RuntimeError("boom")
                                                    for i in range(len(rows))}
     engine.step()  # every row failed while drafting: no commit, nothing to read next
-    assert engine._last_cycle is None and engine.planner.rest_samples == 2
+    assert engine.planner.last_cycle is None and engine.planner.rest_samples == 2
     planner = engine.planner
     planner.rest_samples, planner.step_rest_s = 0, 0.0
     planner.observe_rest(0.1, 0.02, 0.03)
