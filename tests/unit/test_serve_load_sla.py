@@ -182,3 +182,26 @@ def test_the_frontier_puts_request_floor_variants_in_their_own_row():
     md = "\n".join(render_frontier_md(rows))
     assert f"| {SLA_AWARE_REQUEST} / best of none, fixed |" in md
     assert "| 8 | 18.0 (2) [18.0] | 20.0 (2) [20.0] | 36.0 (4) [36.0] | 1.80 [1.80] |" in md
+
+
+def test_the_sla_test_can_be_a_quantile_of_the_requests_pooled_over_the_repeats():
+    """``--sla-quantile 0.05``: a point holds the SLA when its 5th-percentile request does (one
+    straggler no longer decides); 0 keeps the slowest request; the repeats' requests pool."""
+    from benchmarks.serve_load import sla_speed, sla_test_text, summarize
+
+    speeds = [float(v) for v in range(1, 22)]  # 1 .. 21 tok/s
+    assert sla_speed(speeds) == 1.0 and sla_speed(speeds, 0.05) == pytest.approx(2.0)
+    assert sla_speed([7.0, 3.0], 0.25) == pytest.approx(4.0) and sla_speed([], 0.05) == 0.0
+    with pytest.raises(ValueError, match="quantile"):
+        sla_speed(speeds, 0.5)
+    base = {"policy": "dspark", "concurrency": 4, "requests": 2, "throughput_tok_s": 40.0,
+            "per_user_tok_s": 10.0, "ttft_s_mean": 0.5, "mean_verification_budget": 1.0,
+            "tau": 1.5, "engine_tok_s_min": None}
+    runs = [dict(base, repeat=0, per_user_tok_s_min=2.0, per_user_speeds=[2.0] + [10.0] * 20),
+            dict(base, repeat=1, per_user_tok_s_min=9.0, per_user_speeds=[9.0] * 21)]
+    point = summarize(runs, ["dspark"], [4], 0.05)[0]
+    assert point["per_user_tok_s_min"] == 2.0
+    assert point["sla_speed_tok_s"] == pytest.approx(9.0)  # 42 requests: p5 between ranks 3 and 4
+    assert throughput_at_sla([point], "dspark", 8.0)["measured"] == 40.0
+    assert throughput_at_sla([dict(point, sla_speed_tok_s=2.0)], "dspark", 8.0)["measured"] is None
+    assert "slowest request" in sla_test_text(0.0) and "5th percentile" in sla_test_text(0.05)
