@@ -14,8 +14,9 @@ A request's predicted speed is E_r / T tokens/s: E_r = 1 + its expected accepted
 (its predicted per-token acceptance alpha_r, ``expected_accepted``), T = the target pass of the
 step's B tokens (``SPSTable.pass_seconds``) + the drafter call (``DraftCostTable``) + the rest of a
 step the engine measured (sampling, verification, commit, prompt chunks riding, the serving
-threads' turns: ``fixed_s``). The rest is taken as the same for every candidate plan, though part
-of it grows with the tokens verified: plans that draft more are predicted slightly fast. It reads only the past
+threads' turns), a fixed part plus a part per verified token (:class:`StepRest`): with one
+figure for every plan, plans that verify more were predicted fast (measured at 8 streams: request
+floors doubled the verification budget and the per-user speed did not move). It reads only the past
 (acceptance estimates, profiles): lossless as the goodput plan is.
 """
 
@@ -52,6 +53,51 @@ class FloorRow:
     backlog_s: float = 0.0
 
 
+@dataclass(slots=True)
+class StepRest:
+    """The rest of a decoding step beyond its target pass (by the SPS profile) and its drafter
+    call, as measured from one plan start to the next, modelled as ``fixed_s`` + ``per_token_s``
+    x B, B the tokens the step verified (its rows' verified drafts + 1 each): the least-squares
+    line over the cycles seen, each of the first ``window`` weighing equally, later ones slowly
+    forgetting. The slope is never negative (a line fitted to noise could say that verifying
+    more saves time); with one distinct B so far it is 0.
+
+    All in seconds; ``samples``: cycles observed."""
+
+    samples: int = 0
+    mean_tokens: float = 0.0
+    mean_s: float = 0.0
+    mean_tokens_sq: float = 0.0
+    mean_tokens_s: float = 0.0
+    window: int = 50
+
+    def observe(self, tokens: float, rest_s: float) -> None:
+        """One cycle: ``tokens`` verified, ``rest_s`` seconds beyond the pass and the drafter."""
+        self.samples += 1
+        w = max(1.0 / self.window, 1.0 / self.samples)
+        self.mean_tokens += w * (tokens - self.mean_tokens)
+        self.mean_s += w * (rest_s - self.mean_s)
+        self.mean_tokens_sq += w * (tokens * tokens - self.mean_tokens_sq)
+        self.mean_tokens_s += w * (tokens * rest_s - self.mean_tokens_s)
+
+    @property
+    def per_token_s(self) -> float:
+        """Seconds the rest grows by per verified token (>= 0)."""
+        var = self.mean_tokens_sq - self.mean_tokens ** 2
+        if var <= 1e-9:
+            return 0.0
+        return max(0.0, (self.mean_tokens_s - self.mean_tokens * self.mean_s) / var)
+
+    @property
+    def fixed_s(self) -> float:
+        """Seconds of the rest whatever the step verifies (>= 0)."""
+        return max(0.0, self.mean_s - self.per_token_s * self.mean_tokens)
+
+    def seconds(self, tokens: float) -> float:
+        """The predicted rest of a step verifying ``tokens`` tokens."""
+        return self.fixed_s + self.per_token_s * tokens
+
+
 @dataclass(frozen=True, slots=True)
 class FloorScore:
     """A candidate plan's prediction: ``worst`` = min over floored requests of min(1, speed /
@@ -64,8 +110,8 @@ class FloorScore:
 
 
 def score_plan(rows: Sequence[FloorRow], lengths: Sequence[int], sps: SPSTable,
-               draft_cost: DraftCostTable | None, sampled: bool, fixed_s: float = 0.0
-               ) -> FloorScore:
+               draft_cost: DraftCostTable | None, sampled: bool, fixed_s: float = 0.0,
+               per_token_s: float = 0.0) -> FloorScore:
     """Predicted per-request speeds of the step that drafts for the rows with ``lengths[r] > 0``
     and verifies that many of their draft tokens (each drafting one more, at most its cap).
 
@@ -77,12 +123,13 @@ def score_plan(rows: Sequence[FloorRow], lengths: Sequence[int], sps: SPSTable,
         sampled: whether any request samples (the cost column).
         fixed_s: seconds of a step beyond the target pass and the drafter call (>= 0; the
             engine's measured rest, prompt chunks riding included on average).
+        per_token_s: seconds that rest grows by per token of B (>= 0; :class:`StepRest`).
     Returns:
         a :class:`FloorScore`.
     """
     drafted = [i for i, row in enumerate(rows) if lengths[i] > 0 and row.alpha is not None]
     batch = sum(row.fixed_tokens for row in rows) + sum(lengths[i] for i in drafted)
-    seconds = sps.pass_seconds(batch) + fixed_s
+    seconds = sps.pass_seconds(batch) + fixed_s + per_token_s * batch
     if drafted and draft_cost is not None:
         longest = max(min(rows[i].cap, lengths[i] + 1) for i in drafted)
         seconds += (draft_cost.seconds(len(drafted), longest, sampled)
@@ -95,7 +142,8 @@ def score_plan(rows: Sequence[FloorRow], lengths: Sequence[int], sps: SPSTable,
 
 
 def plan_for_floors(rows: Sequence[FloorRow], sps: SPSTable, draft_cost: DraftCostTable | None,
-                    sampled: bool, limit: int, fixed_s: float = 0.0) -> list[int] | None:
+                    sampled: bool, limit: int, fixed_s: float = 0.0, per_token_s: float = 0.0
+                    ) -> list[int] | None:
     """The drafting that keeps the floors, or None when the goodput plan already does.
 
     Candidates: the goodput plan (``row.length``), and for every common length l in
@@ -107,7 +155,7 @@ def plan_for_floors(rows: Sequence[FloorRow], sps: SPSTable, draft_cost: DraftCo
 
     Args:
         rows: the running requests (:class:`FloorRow`).
-        sps, draft_cost, sampled, fixed_s: as :func:`score_plan`.
+        sps, draft_cost, sampled, fixed_s, per_token_s: as :func:`score_plan`.
         limit: the most tokens a pass may verify.
     Returns:
         per row the verification length to plan (0: no draft), or None: no request is predicted
@@ -116,7 +164,8 @@ def plan_for_floors(rows: Sequence[FloorRow], sps: SPSTable, draft_cost: DraftCo
     frontier, section 5).
     """
     base = [row.length if row.alpha is not None else 0 for row in rows]
-    score = lambda ls: score_plan(rows, ls, sps, draft_cost, sampled, fixed_s)  # noqa: E731
+    score = lambda ls: score_plan(rows, ls, sps, draft_cost, sampled, fixed_s,  # noqa: E731
+                                  per_token_s)
     first = score(base)
     if first.worst >= 1.0:
         return None
@@ -143,7 +192,7 @@ def plan_for_floors(rows: Sequence[FloorRow], sps: SPSTable, draft_cost: DraftCo
 def apply_floors(plan: DraftPlan, options: Sequence[RequestOptions],
                  floors: Sequence[float | None], sps: SPSTable,
                  draft_cost: DraftCostTable | None, sampled: bool, limit: int,
-                 fixed_s: float = 0.0) -> bool:
+                 fixed_s: float = 0.0, per_token_s: float = 0.0) -> bool:
     """Re-choose a goodput plan's drafting for the per-user speed floors
     (:func:`plan_for_floors`), in place: a drafter row whose predicted length the floor plan
     lengthens drafts one token beyond it (at most its cap) and is no probe any more; the other
@@ -155,7 +204,7 @@ def apply_floors(plan: DraftPlan, options: Sequence[RequestOptions],
         plan: :func:`serve.engine.draft_planner.plan_drafts`'s plan for ``options``.
         options: the running requests' :class:`RequestOptions`, in plan order.
         floors: per request its floor in tokens/s, or None.
-        sps, draft_cost, sampled, limit, fixed_s: as :func:`plan_for_floors`.
+        sps, draft_cost, sampled, limit, fixed_s, per_token_s: as :func:`plan_for_floors`.
     Returns:
         whether the plan changed.
     Raises:
@@ -177,7 +226,7 @@ def apply_floors(plan: DraftPlan, options: Sequence[RequestOptions],
             0 if probe or not model else plan.predicted_lengths[i], 1 + look,
             1.0 + (expected_accepted(look_alpha, look) if look else 0.0),
             draft_cost.backlog_seconds(o.pending) if model and draft_cost else 0.0))
-    lifted = plan_for_floors(rows, sps, draft_cost, sampled, limit, fixed_s)
+    lifted = plan_for_floors(rows, sps, draft_cost, sampled, limit, fixed_s, per_token_s)
     if lifted is None:
         return False
     base = [row.length for row in rows]
@@ -189,5 +238,6 @@ def apply_floors(plan: DraftPlan, options: Sequence[RequestOptions],
         plan.num_draft_tokens[i] = min(row.cap, lifted[i] + 1) if drafts else 0
         plan.predicted_lengths[i] = lifted[i]
         plan.probed[i] = False
-    plan.predicted_tps = score_plan(rows, lifted, sps, draft_cost, sampled, fixed_s).goodput
+    plan.predicted_tps = score_plan(rows, lifted, sps, draft_cost, sampled, fixed_s,
+                                    per_token_s).goodput
     return True

@@ -14,10 +14,11 @@ from .scheduler import Confidences, SPSTable, _as_rows, _batch_limit, _survival
 
 def hold_speed_floors(confidences: Confidences, lengths: Sequence[int], sps: SPSTable,
                       floors: Sequence[float | None], max_batch_tokens: int | None = None,
-                      fixed_s: float = 0.0) -> list[int]:
+                      fixed_s: float = 0.0, per_token_s: float = 0.0) -> list[int]:
     """Extend a plan so that requests below their per-user speed floor get verification first.
 
-    A request's predicted speed is E_r / (1 / SPS(B) + ``fixed_s``) tokens/s, E_r = 1 +
+    A request's predicted speed is E_r / (1 / SPS(B) + ``fixed_s`` + ``per_token_s`` x B)
+    tokens/s, E_r = 1 +
     sum_{j<=l_r} a_{r,j} its expected committed tokens per step, B = R + sum_r l_r. Starting from ``lengths`` (a throughput plan, e.g.
     :func:`dspark_schedule`'s), repeatedly take the request furthest below its floor (lowest
     speed / floor; ties: smaller r) and verify its next draft token, while that raises its own
@@ -40,6 +41,7 @@ def hold_speed_floors(confidences: Confidences, lengths: Sequence[int], sps: SPS
         max_batch_tokens: optional cap on B in tokens.
         fixed_s: seconds of the step beyond the target pass (the drafter call, the rest the
             engine measured); 0 = the pass alone.
+        per_token_s: seconds the step's rest grows by per token of B.
     Returns:
         l: list[int] of length R with l_r >= lengths[r].
     Raises:
@@ -62,8 +64,8 @@ def hold_speed_floors(confidences: Confidences, lengths: Sequence[int], sps: SPS
     stuck: set[int] = set()  # requests that cannot be lifted further this step
     while batch < limit:
         # steps/s of the whole step at B and B + 1 tokens
-        now = 1.0 / (1.0 / sps.sps(batch) + fixed_s)
-        nxt = 1.0 / (1.0 / sps.sps(batch + 1) + fixed_s)
+        now = 1.0 / (1.0 / sps.sps(batch) + fixed_s + per_token_s * batch)
+        nxt = 1.0 / (1.0 / sps.sps(batch + 1) + fixed_s + per_token_s * (batch + 1))
         below = [r for r in range(num_requests) if r not in stuck
                  and floors[r] is not None and expected[r] * now < floors[r]]
         if not below:

@@ -20,7 +20,7 @@ import torch
 from .config import EngineConfig
 from .cost_check import CostCheck
 from .draft_planner import AcceptanceEstimate, DraftCostTable, RequestOptions, Source, plan_drafts
-from .floor_plan import apply_floors
+from .floor_plan import StepRest, apply_floors
 from .request_state import RequestState
 from .plan_extensions import fill_pass, hold_speed_floors
 from .scheduler_registry import scheduler_entry, scheduler_for
@@ -114,11 +114,11 @@ class StepPlanner:
         # per-user speed floors' predictions add to the profiles. Measured at 8 streams on a
         # 2-core CPU: the pass and the drafter alone predicted 18.4 tokens/s a request, clients
         # read 12.1-12.8 (prompt chunks riding in the passes)
-        self.step_rest_s = 0.0
-        self.rest_samples = 0
+        self.rest = StepRest()
         # the last decoding step's (plan start, drafter seconds, its decoding rows' pass by the
-        # SPS profile); None after a step without decoding or one that failed before its commit
-        self.last_cycle: tuple[float, float, float] | None = None
+        # SPS profile, the tokens it verified); None after a step without decoding or one that
+        # failed before its commit
+        self.last_cycle: tuple[float, float, float, int] | None = None
 
     def _scheduler(self, sps: SPSTable | None):
         return scheduler_for(self.scheduler_name, sps=sps,
@@ -173,31 +173,30 @@ class StepPlanner:
         running request waits per step, prompt chunks riding and the serving threads' turns
         between steps included (a client reads its speed so)."""
         if self.last_cycle is not None:
-            last_start, draft_s, pass_s = self.last_cycle
-            self.observe_rest(plan_start_s - last_start, draft_s, pass_s)
+            last_start, draft_s, pass_s, tokens = self.last_cycle
+            self.observe_rest(plan_start_s - last_start, draft_s, pass_s, tokens)
         self.last_cycle = None  # set again only by a step that reaches its commit
 
     def end_cycle(self, plan: StepPlan, draft_s: float, verify_s: float) -> None:
         """The step of ``plan`` committed after ``draft_s`` seconds of drafting and a target
         pass of ``verify_s`` (measured; what the profile predicts for its decoding rows is what
         the next cycle is read against, so prompt chunks riding fall in the rest)."""
-        pass_s = (self.sps.pass_seconds(sum(row.length + 1 for row in plan.rows))
-                  if self.sps is not None and plan.rows else verify_s)
-        self.last_cycle = (plan.start_s, draft_s, pass_s)
+        tokens = sum(row.length + 1 for row in plan.rows)
+        pass_s = (self.sps.pass_seconds(tokens) if self.sps is not None and plan.rows
+                  else verify_s)
+        self.last_cycle = (plan.start_s, draft_s, pass_s, tokens)
 
     def break_cycle(self) -> None:
         """A step without decoding (an idle gap, a prefill-only step): no cycle to read."""
         self.last_cycle = None
 
-    def observe_rest(self, cycle_s: float, draft_s: float, pass_s: float) -> None:
+    def observe_rest(self, cycle_s: float, draft_s: float, pass_s: float, tokens: int = 1
+                     ) -> None:
         """A decoding cycle's measured seconds (one plan start to the next), its drafter call's
-        (measured) and its decoding rows' target pass by the SPS profile: updates
-        :attr:`step_rest_s`, the mean of the samples so far, then (after 50) slowly forgetting
-        (a warm-up spike weighs as one sample of the first 50)."""
-        rest = max(0.0, cycle_s - draft_s - pass_s)
-        self.rest_samples += 1
-        weight = max(0.02, 1.0 / self.rest_samples)
-        self.step_rest_s += weight * (rest - self.step_rest_s)
+        (measured), its decoding rows' target pass by the SPS profile and the ``tokens`` it
+        verified: one sample of :attr:`rest` (:class:`serve.engine.floor_plan.StepRest`; a rest
+        below 0, a pass the profile overrates, counts as 0)."""
+        self.rest.observe(tokens, max(0.0, cycle_s - draft_s - pass_s))
 
     def plan(self, reqs: list[RequestState], start_s: float, riding: int = 0,
              floors: list[float | None] | None = None) -> StepPlan:
@@ -208,7 +207,7 @@ class StepPlanner:
         planner drafts no fill for it either. ``floors``: per request its per-user speed floor
         (tokens/s) or None; a request predicted below it is drafted for where that raises it
         (:func:`serve.engine.floor_plan.apply_floors`; prompt chunks count in the measured rest
-        of a step, :attr:`step_rest_s`, not in this step's prediction)."""
+        of a step, :attr:`rest`, not in this step's prediction)."""
         caps = self.caps(reqs)
         if not self.plans:
             return StepPlan([PlanRow(r, c, "model" if c > 0 else None, c)
@@ -231,7 +230,7 @@ class StepPlanner:
             if self.config.max_batch_tokens:
                 limit = min(limit, self.config.max_batch_tokens)
             apply_floors(plan, options, floors, self.sps, self.draft_cost, sampled, limit,
-                         self.step_rest_s)
+                         self.rest.fixed_s, self.rest.per_token_s)
         # the budget grows by its share of a target-only step of this batch (a prediction, so
         # the plan stays a function of the past only), up to one full-block call for everyone
         ceiling = (self.draft_cost.seconds(len(reqs), self.draft_cost.block_size, sampled)
@@ -325,7 +324,8 @@ class StepPlanner:
             # requests predicted below their speed floor get verification first (lossless)
             lengths = hold_speed_floors([row[:n] for row, n in zip(rows, drafted)], lengths,
                                         table, floors, self.config.max_batch_tokens,
-                                        fixed_s=plan.predicted_draft_s + self.step_rest_s)
+                                        fixed_s=plan.predicted_draft_s + self.rest.fixed_s,
+                                        per_token_s=self.rest.per_token_s)
         if fills:  # a longer pass that runs faster verifies more draft tokens (lossless)
             lengths = fill_pass([row[:n] for row, n in zip(rows, drafted)], lengths, self.sps,
                                 self.config.max_batch_tokens)

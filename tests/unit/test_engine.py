@@ -13,6 +13,7 @@ import torch
 
 from serve.engine.config import EngineConfig
 from serve.engine.draft_planner import DraftCostTable
+from serve.engine.floor_plan import StepRest
 from serve.engine.core import SpecEngine
 from serve.engine.errors import RequestError
 from serve.engine.profiling import batch_grid, load_or_profile, profile_sps
@@ -884,8 +885,8 @@ def test_speed_floors_draft_for_requests_the_goodput_plan_leaves_target_only(var
         engine = SpecEngine(TargetRunner(varied_target, d.config.target_layer_ids), d, [],
                             EngineConfig(scheduler="dspark", probe_interval=64), sps=SPS,
                             draft_cost=costly)
-        engine.planner.step_rest_s = 0.05
-        engine.planner.observe_rest = lambda *a: None  # the rest as if measured: deterministic
+        engine.planner.rest = StepRest(samples=1, mean_s=0.05)  # as if measured: deterministic
+        engine.planner.observe_rest = lambda *a: None
         reqs = [EngineRequest(f"r{i}", p, SamplingParams(max_tokens=24, temperature=0.0),
                               min_tokens_per_s=floor) for i, p in enumerate(prompts)]
         out, _ = _run(engine, {0: reqs})
@@ -899,7 +900,7 @@ def test_speed_floors_draft_for_requests_the_goodput_plan_leaves_target_only(var
 
 
 def test_the_rest_of_a_step_is_read_between_consecutive_decoding_steps(varied_target):
-    """What the speed floors add to the profiles (StepPlanner.step_rest_s): read from one decoding
+    """What the speed floors add to the profiles (StepPlanner.rest): read from one decoding
     step's plan start to the next, never across a prefill-only step or a step that failed before
     its commit; the mean of the first samples, then slowly forgetting. A floor of 0 is refused."""
     d = tiny_drafter(varied_target, block_size=4)
@@ -909,22 +910,22 @@ def test_the_rest_of_a_step_is_read_between_consecutive_decoding_steps(varied_ta
         engine.add_request(EngineRequest("z", [1, 2], SamplingParams(4, 0.0), min_tokens_per_s=0))
     engine.add_request(EngineRequest("a", [3, 1, 4, 1, 5], SamplingParams(12, 0.0)))
     engine.step()  # the prompt alone: no decoding cycle
-    assert engine.planner.last_cycle is None and engine.planner.rest_samples == 0
+    assert engine.planner.last_cycle is None and engine.planner.rest.samples == 0
     engine.step()
-    assert engine.planner.last_cycle is not None and engine.planner.rest_samples == 0
+    assert engine.planner.last_cycle is not None and engine.planner.rest.samples == 0
     engine.step()
-    assert engine.planner.rest_samples == 1 and engine.planner.step_rest_s >= 0.0
+    assert engine.planner.rest.samples == 1 and engine.planner.rest.fixed_s >= 0.0
     engine.drafting.propose = lambda rows, noise: {i: RuntimeError("boom")
                                                    for i in range(len(rows))}
     engine.step()  # every row failed while drafting: no commit, nothing to read next
-    assert engine.planner.last_cycle is None and engine.planner.rest_samples == 2
+    assert engine.planner.last_cycle is None and engine.planner.rest.samples == 2
     planner = engine.planner
-    planner.rest_samples, planner.step_rest_s = 0, 0.0
+    planner.rest = StepRest()
     planner.observe_rest(0.1, 0.02, 0.03)
     planner.observe_rest(0.2, 0.0, 0.1)
-    assert planner.step_rest_s == pytest.approx(0.075)  # the mean of 0.05 and 0.1
+    assert planner.rest.seconds(1) == pytest.approx(0.075)  # the mean of 0.05 and 0.1
     planner.observe_rest(0.0, 0.0, 0.1)  # a pass the profile overrates: no negative rest
-    assert planner.step_rest_s == pytest.approx(0.05)
+    assert planner.rest.seconds(1) == pytest.approx(0.05)
 
 
 def test_speed_floors_add_verification_losslessly_and_gate_admission(varied_target,

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from serve.engine.draft_planner import DraftCostTable, RequestOptions, plan_drafts
-from serve.engine.floor_plan import FloorRow, apply_floors, plan_for_floors, score_plan
+from serve.engine.floor_plan import FloorRow, StepRest, apply_floors, plan_for_floors, score_plan
 from serve.engine.sps import SPSTable
 
 SPS = SPSTable((100.0,) * 32)
@@ -115,3 +115,36 @@ def test_floor_plans_stay_within_the_caps_and_the_token_limit():
             continue
         assert all(0 <= l <= r.cap and (r.alpha is not None or l == 0) for l, r in zip(got, rows))
         assert sum(r.fixed_tokens for r in rows) + sum(got) <= limit
+
+
+def test_the_rest_of_a_step_is_a_line_in_the_tokens_verified():
+    """StepRest: steps verifying 4 tokens took 20 ms beyond the pass and the drafter, steps
+    verifying 12 took 36 ms: 12 ms + 2 ms per token; the first samples weigh equally; a slope
+    below 0 (noise) reads as 0; with one B so far, the mean."""
+    rest = StepRest()
+    assert rest.seconds(10) == 0.0
+    rest.observe(4, 0.020)
+    assert rest.per_token_s == 0.0 and rest.seconds(12) == pytest.approx(0.020)
+    for _ in range(5):
+        rest.observe(12, 0.036)
+        rest.observe(4, 0.020)
+    assert rest.per_token_s == pytest.approx(0.002) and rest.fixed_s == pytest.approx(0.012)
+    assert rest.seconds(8) == pytest.approx(0.028)
+    falling = StepRest()
+    falling.observe(4, 0.03)
+    falling.observe(12, 0.01)
+    assert falling.per_token_s == 0.0 and falling.fixed_s == pytest.approx(0.02)
+    many = StepRest(window=4)
+    for _ in range(40):
+        many.observe(4, 0.01)
+    many.observe(4, 0.09)  # after the window, a sample weighs 1/4
+    assert many.seconds(4) == pytest.approx(0.03)
+
+
+def test_a_rest_that_grows_with_the_tokens_verified_keeps_a_lift_from_paying():
+    """With 10 ms of the rest fixed, drafting 4 for each of the four requests lifts them (see
+    above); if the same rest also grows by 2 ms per verified token, a plan verifying 20 tokens
+    costs 40 ms more and no lift raises anyone: the goodput plan stays."""
+    assert plan_for_floors(_rows([60.0] * 4), SPS, COST, False, 32, REST) == [4] * 4
+    assert plan_for_floors(_rows([60.0] * 4), SPS, COST, False, 32, REST - 0.008,
+                           per_token_s=0.002) is None

@@ -324,6 +324,11 @@ def test_speed_floors_count_the_step_beyond_the_pass():
     assert hold_speed_floors([[0.9, 0.9]], [0], sps, [9.0], fixed_s=0.02) == [1]
     # a floor of 16: x_2 (a = 0.81) too, 2.71 / (1 / 8.5 + 0.02) = 19.6
     assert hold_speed_floors([[0.9, 0.9]], [0], sps, [16.0], fixed_s=0.02) == [2]
+    # a rest growing by 0.3 s per token of B (a slow step, to keep the numbers round): x_1
+    # raises 1 / (0.1 + 0.02 + 0.3) = 2.38 tokens/s to 1.9 / (0.105 + 0.02 + 0.6) = 2.62; x_2
+    # would lower it to 2.71 / (0.118 + 0.02 + 0.9) = 2.61, so it stays unverified
+    assert hold_speed_floors([[0.9, 0.9]], [0], sps, [16.0], fixed_s=0.02,
+                             per_token_s=0.3) == [1]
 
 
 def test_static_threshold_hand_table():
@@ -425,12 +430,14 @@ def _random_floors(rng: random.Random, num_requests: int) -> list[float | None]:
     return [None if rng.random() < 0.3 else rng.uniform(5.0, 40.0) for _ in range(num_requests)]
 
 
-def _with_floors(base, sps: SPSTable, floors: list, max_batch_tokens=None, fixed_s=0.0):
+def _with_floors(base, sps: SPSTable, floors: list, max_batch_tokens=None, fixed_s=0.0,
+                 per_token_s=0.0):
     """``base``'s plan extended by :func:`hold_speed_floors` (floors cycled over the requests)."""
     def sched(conf):
         rows = [list(r) for r in conf]
         own = [floors[r % len(floors)] for r in range(len(rows))]
-        return hold_speed_floors(rows, base(rows), sps, own, max_batch_tokens, fixed_s)
+        return hold_speed_floors(rows, base(rows), sps, own, max_batch_tokens, fixed_s,
+                                 per_token_s)
     return sched
 
 
@@ -473,7 +480,7 @@ def _lossless_schedulers(rng: random.Random, sps: SPSTable, gamma: int):
         "dspark_floors": _with_floors(make_scheduler("dspark", sps=sps), sps, floors),
         # the step beyond the pass (drafter call, the measured rest)
         "dspark_floors_rest": _with_floors(make_scheduler("dspark", sps=sps), sps, floors,
-                                           fixed_s=0.02),
+                                           fixed_s=0.02, per_token_s=0.002),
         "async_floors": _with_floors(lambda c: async_schedule(c, stale, sps), sps, floors, 6),
         "static_floors": _with_floors(make_scheduler("static_threshold", threshold=0.7), sps,
                                       floors),
