@@ -195,7 +195,8 @@ def apply_floors(plan: DraftPlan, options: Sequence[RequestOptions],
                  fixed_s: float = 0.0, per_token_s: float = 0.0) -> bool:
     """Re-choose a goodput plan's drafting for the per-user speed floors
     (:func:`plan_for_floors`), in place: a drafter row whose predicted length the floor plan
-    lengthens drafts one token beyond it (at most its cap) and is no probe any more; the other
+    lengthens drafts one token beyond it (at most its cap; at least what a fill had it draft)
+    and is no probe any more; the other
     rows stay as the goodput plan has them (lookup rows, fill drafts, due probes).
     ``plan.predicted_tps`` becomes the floor plan's predicted goodput (on the measured SPS(B),
     without fills).
@@ -235,7 +236,9 @@ def apply_floors(plan: DraftPlan, options: Sequence[RequestOptions],
             continue  # as the goodput plan has it (its fill drafts, a due probe)
         drafts = lifted[i] > 0
         plan.sources[i] = "model" if drafts else None
-        plan.num_draft_tokens[i] = min(row.cap, lifted[i] + 1) if drafts else 0
+        # one beyond its new length, never fewer than a fill asked for
+        plan.num_draft_tokens[i] = (max(plan.num_draft_tokens[i], min(row.cap, lifted[i] + 1))
+                                    if drafts else 0)
         plan.predicted_lengths[i] = lifted[i]
         plan.probed[i] = False
     plan.predicted_tps = score_plan(rows, lifted, sps, draft_cost, sampled, fixed_s,

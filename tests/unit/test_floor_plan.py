@@ -148,3 +148,12 @@ def test_a_rest_that_grows_with_the_tokens_verified_keeps_a_lift_from_paying():
     assert plan_for_floors(_rows([60.0] * 4), SPS, COST, False, 32, REST) == [4] * 4
     assert plan_for_floors(_rows([60.0] * 4), SPS, COST, False, 32, REST - 0.008,
                            per_token_s=0.002) is None
+
+
+def test_a_lengthened_row_keeps_the_drafts_a_fill_gave_it():
+    from serve.engine.draft_planner import DraftPlan
+
+    options = [RequestOptions(7, 0.3)]
+    plan = DraftPlan(["model"], [6], [[]], [False], predicted_lengths=[1])  # a fill: 6 drafts
+    assert apply_floors(plan, options, [60.0], SPS, COST, False, 32, REST)
+    assert plan.predicted_lengths[0] > 1 and plan.num_draft_tokens[0] >= 6
