@@ -141,8 +141,8 @@ class Pace:
     def predict_step_s(self, requests: float, chunk_tokens: float, sps: SPSTable | None) -> float:
         """Seconds of a step decoding ``requests`` requests (each verifying the measured tokens
         per request) beside ``chunk_tokens`` prompt tokens: the measured step time, rescaled by
-        a model of a step: the target pass by SPS(B) (:meth:`SPSTable.pass_seconds`) plus the rest of the
-        step (drafting, sampling, verification, commit: Python and small ops per request) in
+        a model of a step: the target pass by SPS(B) (:meth:`SPSTable.pass_seconds`) plus the
+        rest of the step (drafting, sampling, verification, commit: Python and small ops per request) in
         proportion to the requests. The rest is what the measured step took beyond the profiled
         pass; without it, the SPS profile alone predicted 32 requests would decode about as fast
         as 2, and they ran ~2x slower (measured here). Without a profile, or with one that cannot

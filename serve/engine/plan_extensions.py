@@ -18,14 +18,13 @@ def hold_speed_floors(confidences: Confidences, lengths: Sequence[int], sps: SPS
     """Extend a plan so that requests below their per-user speed floor get verification first.
 
     A request's predicted speed is E_r / (1 / SPS(B) + ``fixed_s`` + ``per_token_s`` x B)
-    tokens/s, E_r = 1 +
-    sum_{j<=l_r} a_{r,j} its expected committed tokens per step, B = R + sum_r l_r. Starting from ``lengths`` (a throughput plan, e.g.
-    :func:`dspark_schedule`'s), repeatedly take the request furthest below its floor (lowest
-    speed / floor; ties: smaller r) and verify its next draft token, while that raises its own
-    predicted speed and leaves every request that holds
-    its floor now at or above it; a request that cannot be helped so (no draft left, no gain, or
-    a cost to another's floor) is left as it is and the next one is tried, up to the batch
-    limit. Requests the plan cannot lift stay below: the engine's admission keeps new
+    tokens/s, E_r = 1 + sum_{j<=l_r} a_{r,j} its expected committed tokens per step, B = R +
+    sum_r l_r. Starting from ``lengths`` (a throughput plan, e.g. :func:`dspark_schedule`'s),
+    repeatedly take the request furthest below its floor (lowest speed / floor; ties: smaller r)
+    and verify its next draft token, while that raises its own predicted speed and leaves every
+    request that holds its floor now at or above it; a request that cannot be helped so (no
+    draft left, no gain, or a cost to another's floor) is left as it is and the next one is
+    tried, up to the batch limit. Requests the plan cannot lift stay below: the engine's admission keeps new
     requests waiting then (``EngineConfig.min_tokens_per_s``).
 
     Lossless on top of a lossless plan: it only extends contiguous prefixes, one token at a time,
