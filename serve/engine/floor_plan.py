@@ -5,7 +5,8 @@ tokens/s: under load on a CPU it often drafts for nobody, and then the verificat
 floor extension (``plan_extensions.hold_speed_floors``) has no draft to lengthen. Given per-request
 floors, :func:`plan_for_floors` chooses the drafting once more: among the goodput plan and plans
 that also draft for the requests below their floor (or for every request with a floor), at one
-common length, the one that maximises the worst request's predicted speed relative to its floor
+common length, with the other requests' drafts kept or dropped, and drafting for nobody, the one
+that maximises the worst request's predicted speed relative to its floor
 (capped at the floor: above it only throughput counts), then the predicted throughput. So a
 request with slack costs nothing, a request at risk gets a draft when drafting raises it, and
 nobody is drafted for where drafting cannot pay.
@@ -146,12 +147,12 @@ def plan_for_floors(rows: Sequence[FloorRow], sps: SPSTable, draft_cost: DraftCo
                     ) -> list[int] | None:
     """The drafting that keeps the floors, or None when the goodput plan already does.
 
-    Candidates: the goodput plan (``row.length``), and for every common length l in
-    [1, max cap] the goodput plan with l_r = max(length_r, min(l, cap_r)) for (a) the requests
-    predicted below their floor under the goodput plan, (b) every request with a floor that the
-    drafter can draft for. Chosen: the largest (worst, goodput) of :func:`score_plan` among those
-    within ``limit`` tokens (worst rounded to 1e-6, so that plans keeping every floor compare by
-    throughput alone).
+    Candidates: the goodput plan (``row.length``); drafting for nobody; and for every common
+    length l in [1, max cap], l_r = max(length_r, min(l, cap_r)) for (a) the requests predicted
+    below their floor under the goodput plan, (b) every request with a floor that the drafter can
+    draft for, the other rows either as the goodput plan has them or not drafted for. Chosen: the
+    largest (worst, goodput) of :func:`score_plan` among those within ``limit`` tokens (worst
+    rounded to 1e-6, so that plans keeping every floor compare by throughput alone).
 
     Args:
         rows: the running requests (:class:`FloorRow`).
@@ -174,18 +175,29 @@ def plan_for_floors(rows: Sequence[FloorRow], sps: SPSTable, draft_cost: DraftCo
     floored = [i for i, row in enumerate(rows) if row.floor is not None]
     fixed = sum(row.fixed_tokens for row in rows)
     best_key, best = (round(first.worst, 6), first.goodput), None
+
+    def consider(lengths: list[int]) -> None:
+        nonlocal best_key, best
+        s = score(lengths)
+        key = (round(s.worst, 6), s.goodput)
+        if key > best_key:
+            best_key, best = key, lengths
+
+    # drafting for nobody: every step as short as it gets. Drafting for some requests makes the
+    # others' steps longer, and the slowest request is what a floor is about (measured: at 4-16
+    # streams drafting left the slowest request below plain decoding's at the same mean)
+    consider([0] * len(rows))
     for group in (below, floored):
         lift = [i for i in group if rows[i].alpha is not None and rows[i].cap > 0]
         for l in range(1, max((rows[i].cap for i in lift), default=0) + 1):
-            lengths = list(base)
-            for i in lift:
-                lengths[i] = max(lengths[i], min(l, rows[i].cap))
-            if fixed + sum(lengths) > limit:
-                break
-            s = score(lengths)
-            key = (round(s.worst, 6), s.goodput)
-            if key > best_key:
-                best_key, best = key, lengths
+            # the goodput plan's other rows kept, or dropped (their drafts lengthen the step
+            # of the request being lifted)
+            for others in (base, [0] * len(rows)):
+                lengths = list(others)
+                for i in lift:
+                    lengths[i] = max(base[i], min(l, rows[i].cap))
+                if fixed + sum(lengths) <= limit:
+                    consider(lengths)
     return best
 
 
@@ -196,8 +208,8 @@ def apply_floors(plan: DraftPlan, options: Sequence[RequestOptions],
     """Re-choose a goodput plan's drafting for the per-user speed floors
     (:func:`plan_for_floors`), in place: a drafter row whose predicted length the floor plan
     lengthens drafts one token beyond it (at most its cap; at least what a fill had it draft)
-    and is no probe any more; the other
-    rows stay as the goodput plan has them (lookup rows, fill drafts, due probes).
+    and is no probe any more; a row it drops drafts nothing; the other rows stay as the goodput
+    plan has them (lookup rows, fill drafts, due probes).
     ``plan.predicted_tps`` becomes the floor plan's predicted goodput (on the measured SPS(B),
     without fills).
 

@@ -157,3 +157,32 @@ def test_a_lengthened_row_keeps_the_drafts_a_fill_gave_it():
     plan = DraftPlan(["model"], [6], [[]], [False], predicted_lengths=[1])  # a fill: 6 drafts
     assert apply_floors(plan, options, [60.0], SPS, COST, False, 32, REST)
     assert plan.predicted_lengths[0] > 1 and plan.num_draft_tokens[0] >= 6
+
+
+def test_drafting_for_nobody_when_the_goodput_plans_drafts_slow_a_floored_request():
+    """Request 0 (no floor) is drafted for by the goodput plan: every step takes 26 ms and
+    request 1, which the drafter cannot draft for, runs at 38.5 tokens/s, under its 45. Drafting
+    for nobody brings the step back to 20 ms (50 tokens/s): the floor plan drops the draft."""
+    rows = [FloorRow(None, 0.9, 4, 4), FloorRow(45.0, None, 0, 0)]
+    assert score_plan(rows, [4, 0], SPS, COST, False, REST).speeds[1] == pytest.approx(1 / 0.026)
+    assert plan_for_floors(rows, SPS, COST, False, 32, REST) == [0, 0]
+    options = [RequestOptions(4, 0.9), RequestOptions(0, None)]
+    from serve.engine.draft_planner import DraftPlan
+
+    plan = DraftPlan(["model", None], [5, 0], [[], []], [False, False], predicted_lengths=[4, 0])
+    assert apply_floors(plan, options, [None, 45.0], SPS, COST, False, 32, REST)
+    assert plan.sources == [None, None] and plan.num_draft_tokens == [0, 0]
+    assert plan.predicted_lengths == [0, 0]
+
+
+def test_a_lift_drops_the_other_drafts_when_they_keep_the_lifted_request_below_its_floor():
+    """A pass of B tokens takes 8 + B ms. Request 1 (floor 70, acceptance 0.6) lifted to 4
+    drafts beside request 0's four: B = 10, 18 + 6 + 10 = 34 ms, 2.31 / 34 ms = 67.8 < 70.
+    Lifted alone: B = 6, 30 ms, 76.9 tokens/s; drafting for nobody: 50. So request 0's drafts
+    go and request 1 drafts 4 (l = 4 beats 3 by throughput once both keep the floor)."""
+    sps = SPSTable(tuple(1.0 / (0.008 + 0.001 * b) for b in range(1, 33)))
+    rows = [FloorRow(None, 0.9, 4, 4), FloorRow(70.0, 0.6, 4, 0)]
+    e4 = 1 + 0.6 + 0.36 + 0.216 + 0.1296
+    assert score_plan(rows, [4, 4], sps, COST, False, REST).speeds[1] == pytest.approx(e4 / 0.034)
+    assert plan_for_floors(rows, sps, COST, False, 32, REST) == [0, 4]
+    assert score_plan(rows, [0, 4], sps, COST, False, REST).speeds[1] == pytest.approx(e4 / 0.030)
