@@ -41,6 +41,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from benchmarks.machine import describe as describe_machine, machine as machine_fields  # noqa: E402,I001
+from benchmarks.machine import OUT_HELP, result_stem  # noqa: E402
 
 H, LAYERS, VOCAB = 576, [1, 8, 15, 22, 27], 49152
 BYTES_PER_TOKEN = (len(LAYERS) + 1) * H * 2 + 5
@@ -369,9 +370,10 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=4)
     ap.add_argument("--codecs", default="zstd,none", help="hidden-state column codecs to run")
     ap.add_argument("--stores", default="local,s3")
-    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "cache_io"))
+    ap.add_argument("--out", default=None, help=OUT_HELP)
     ap.add_argument("--note", default="", help="a paragraph appended to the reading")
     args = ap.parse_args()
+    args.out = args.out or str(result_stem("cache_io"))
     os.environ.setdefault("AWS_EC2_METADATA_DISABLED", "true")
 
     start = time.perf_counter()

@@ -32,6 +32,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.machine import OUT_HELP, result_stem  # noqa: E402
 from pipeline import stages  # noqa: E402
 from pipeline.config import ConfigError, load_config  # noqa: E402
 from pipeline.run_layout import CACHE, TRAIN, RunLayout, link_stages  # noqa: E402
@@ -210,9 +211,10 @@ def all_point_note(meta: dict) -> str:
 
 
 def write_results(points: list[dict], meta: dict, out: Path) -> None:
-    """data_scaling.{json,png,md} for the points so far (the md keeps its readings)."""
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "data_scaling.json").write_text(json.dumps({"meta": meta, "points": points}, indent=1))
+    """``<out>.json``, ``<out>.png`` and ``<out>.md`` for the points so far (``out``: the files'
+    path without a suffix; the md keeps the readings written below its table)."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    Path(f"{out}.json").write_text(json.dumps({"meta": meta, "points": points}, indent=1))
     import matplotlib
 
     matplotlib.use("Agg")
@@ -234,7 +236,7 @@ def write_results(points: list[dict], meta: dict, out: Path) -> None:
         ax.grid(alpha=0.3)
     fig.suptitle("Drafter data scaling (each point at its own plateau)")
     fig.tight_layout()
-    fig.savefig(out / "data_scaling.png", dpi=110)
+    fig.savefig(f"{out}.png", dpi=110)
     lines = [f"# Data scaling ({meta['date']})", "", f"`{meta['command']}`", "",
              "Held-out metrics at each point's best evaluation (the trainer's probabilistic "
              "accept_rate@1 and tau on the same held-out cache rows); per domain: every held-out "
@@ -251,7 +253,7 @@ def write_results(points: list[dict], meta: dict, out: Path) -> None:
                      f"{p['heldout_accept_rate@1']:.3f} | {p['heldout_tau']:.3f} | " +
                      " | ".join(f"{p['by_domain'].get(d, {}).get('tau', float('nan')):.3f}"
                                 for d in domains) + " |")
-    md = out / "data_scaling.md"
+    md = Path(f"{out}.md")
     # the readings written by hand below the table survive the rewrite after every point
     readings = kept_readings(md.read_text()) if md.exists() else ""
     md.write_text("\n".join(lines) + "\n" + readings)
@@ -282,8 +284,9 @@ def main() -> int:
                     help="further points: each config's own finished (or resumed here) run, "
                          "e.g. infra/configs/smollm2_reference_xl.yaml, on the same held-out "
                          "prompts as --config's run (checked); labelled by the config's name")
-    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
+    ap.add_argument("--out", default=None, help=OUT_HELP)
     args = ap.parse_args()
+    args.out = args.out or str(result_stem("data_scaling"))
     also = [c.strip() for c in args.also_runs.split(",") if c.strip()]
     try:
         cfg = load_config(args.config, args.set)

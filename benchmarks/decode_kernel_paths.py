@@ -33,6 +33,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from benchmarks.machine import describe as describe_machine, machine as machine_fields  # noqa: E402,I001
+from benchmarks.machine import OUT_HELP, result_stem  # noqa: E402
 from serve.engine.decode_attention import (ISA_FLAGS, decode_kernel, isa_supported,  # noqa: E402
                                            kernel_paths)
 
@@ -74,8 +75,9 @@ def main(argv=None) -> int:
     ap.add_argument("--max-positions", type=int, default=900)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--repeats", type=int, default=20)
-    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "decode_kernel_paths"))
+    ap.add_argument("--out", default=None, help=OUT_HELP)
     args = ap.parse_args(argv)
+    args.out = args.out or str(result_stem("decode_kernel_paths"))
 
     isas = [isa for isa in sorted(ISA_FLAGS) if isa_supported(isa)]
     kernels = {isa: decode_kernel(isa) for isa in isas}

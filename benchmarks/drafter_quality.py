@@ -21,6 +21,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from benchmarks.machine import describe as describe_machine, machine as machine_fields  # noqa: E402,I001
+from benchmarks.machine import OUT_HELP, result_stem  # noqa: E402
 from drafters.precision import resolve_dtype_name  # noqa: E402
 from pipeline.run_layout import (CACHE, CALIBRATE, GENERATE, PROMPTS, STAGE_ORDER, TRAIN,  # noqa: E402
                                  RunLayout, link_stages)
@@ -287,23 +288,22 @@ def write_outputs(results: dict, names: list[str], cfg, args, timings: dict, sta
     """Writes the tables, plots and JSON of the contenders finished so far; returns the markdown."""
     temperature = str(cfg.eval.temperatures[-1])
     table = build_table(results, temperature)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    out = Path(args.out)  # the files' path without a suffix: plots beside it
+    out.parent.mkdir(parents=True, exist_ok=True)
     from pipeline.plots import conditional_acceptance_plot, tau_bar_plot
 
-    files = {"conditional_acceptance": f"conditional_acceptance{args.suffix}.png",
-             "tau": f"drafter_quality_tau{args.suffix}.png",
-             "reliability": f"dspark_reliability{args.suffix}.png"}
+    files = {"conditional_acceptance": f"{out.name}_conditional_acceptance.png",
+             "tau": f"{out.name}_tau.png", "reliability": f"{out.name}_dspark_reliability.png"}
     conditional_acceptance_plot({n: t["conditional_acceptance"] for n, t in table.items()},
-                                out / files["conditional_acceptance"],
+                                out.parent / files["conditional_acceptance"],
                                 title="P(token k accepted | tokens < k accepted), mean over benchmarks")
-    tau_bar_plot({n: t["tau"] for n, t in table.items()}, out / files["tau"],
+    tau_bar_plot({n: t["tau"] for n, t in table.items()}, out.parent / files["tau"],
                  title=f"Accepted length tau at T = {temperature}")
     first = next(iter(results))
     if results[first]["run_dir"] is not None:  # a reused contender's plot stays as it was
         reliability = RunLayout(Path(results[first]["run_dir"])).reliability_plot
         if reliability.exists():
-            (out / files["reliability"]).write_bytes(reliability.read_bytes())
+            (out.parent / files["reliability"]).write_bytes(reliability.read_bytes())
     meta = {"comparisons": comparisons(results, temperature),
             "target": cfg.target.name_or_path, "dtype": resolve_dtype_name(cfg.eval.dtype),
             "gamma": cfg.drafter.block_size, "temperature": temperature,
@@ -314,14 +314,15 @@ def write_outputs(results: dict, names: list[str], cfg, args, timings: dict, sta
             "unfinished": [n for n in names if n not in results],
             "reused": {n: results[n]["from"] for n in reused},
             "machine": describe_machine(), "hardware": machine_fields(),
+            "date": time.strftime("%Y-%m-%d"),
             "wall_minutes": (time.time() - started) / 60, "timings_s": timings, "files": files,
             "command": "python benchmarks/drafter_quality.py " + " ".join(sys.argv[1:])}
     kept = {n: {k: r[k] for k in ("report", "calibration", "train")} for n, r in results.items()}
-    (out / f"drafter_quality{args.suffix}.json").write_text(json.dumps(
+    Path(f"{out}.json").write_text(json.dumps(
         {"meta": meta, "table": table, "calibration": results[first]["calibration"],
          "contenders": kept}, indent=1))
     md = render_md(table, results, meta)
-    (out / f"drafter_quality{args.suffix}.md").write_text(md)
+    Path(f"{out}.md").write_text(md)
     return md
 
 
@@ -329,14 +330,13 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--config", default=str(ROOT / "infra/configs/drafter_quality.yaml"))
     parser.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE")
-    parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
+    parser.add_argument("--out", default=None, help=OUT_HELP + "; --suffix is its label")
     parser.add_argument("--contenders", default=DEFAULT_CONTENDERS,
                         help=f"comma-separated, the first is the reference (one of "
                              f"{', '.join(CONTENDERS)})")
     parser.add_argument("--suffix", default="",
-                        help="appended to every output file name (e.g. _reference: "
-                             "drafter_quality_reference.md), so a run on other data keeps "
-                             "the default run's files")
+                        help="the run's label in its file names (e.g. _reference: "
+                             "drafter_quality/<date>_<class>_reference.md)")
     parser.add_argument("--data-from", default=None, metavar="RUN_DIR",
                         help="link the prompts/generate/cache stages of this finished run (e.g. "
                              "runs/smollm2_reference) instead of generating them; its data "
@@ -358,8 +358,10 @@ def main() -> int:
     if unknown or not names:
         print(f"--contenders: unknown {unknown}; known: {', '.join(CONTENDERS)}", file=sys.stderr)
         return 2
-    if "/" in args.suffix or "\\" in args.suffix:
-        print(f"--suffix {args.suffix!r}: a file name part, without path separators", file=sys.stderr)
+    try:
+        args.out = args.out or str(result_stem("drafter_quality", args.suffix, make=False))
+    except ValueError as err:
+        print(f"--suffix: {err}", file=sys.stderr)
         return 2
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")

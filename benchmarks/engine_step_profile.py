@@ -26,6 +26,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from benchmarks.machine import describe as describe_machine, machine as machine_fields  # noqa: E402,I001
+from benchmarks.machine import OUT_HELP, result_stem  # noqa: E402
 from drafters.precision import resolve_dtype_name  # noqa: E402
 # as the CPU serve config sets it (infra/configs/serve_quickstart.yaml): bounded oneDNN kernel cache
 os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "64")
@@ -131,8 +132,9 @@ def main() -> int:
                     "the same B requests throughout")
     ap.add_argument("--profile-dir", default="", help="SPS/drafter-cost profile directory "
                     "(default: the drafter's own)")
-    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "engine_step_profile"))
+    ap.add_argument("--out", default=None, help=OUT_HELP)
     args = ap.parse_args()
+    args.out = args.out or str(result_stem("engine_step_profile"))
     import torch
 
     from serve.engine.builder import load_models

@@ -29,6 +29,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from benchmarks.machine import describe as describe_machine, machine as machine_fields  # noqa: E402,I001
+from benchmarks.machine import OUT_HELP, result_stem  # noqa: E402
 from pipeline.run_layout import GENERATE, PROMPTS, TRAIN, RunLayout  # noqa: E402
 
 from tests.faulty_s3 import FaultyS3Proxy  # noqa: E402 - after the path insert
@@ -808,10 +809,11 @@ def main() -> int:
     parser.add_argument("--faults", default=",".join(FAULTS))
     parser.add_argument("--work", default="/tmp/dspark_fault_matrix",
                         help="scratch directory (deleted first)")
-    parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "fault_matrix"))
+    parser.add_argument("--out", default=None, help=OUT_HELP)
     parser.add_argument("--merge", action="store_true",
                         help="keep the rows of other faults already in <out>.json")
     args = parser.parse_args()
+    args.out = args.out or str(result_stem("fault_matrix"))
     names = [n.strip() for n in args.faults.split(",") if n.strip()]
     unknown = [n for n in names if n not in FAULTS]
     if unknown:

@@ -29,6 +29,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from benchmarks.machine import describe as describe_machine, machine as machine_fields  # noqa: E402,I001
+from benchmarks.machine import OUT_HELP, result_stem  # noqa: E402
 from drafters.precision import resolve_dtype_name  # noqa: E402
 
 from pipeline import storage  # noqa: E402
@@ -107,8 +108,9 @@ def main() -> int:
                     help="also the engine with PyTorch attention only (engine.attention: "
                     "pytorch) at these batch sizes")
     ap.add_argument("--repeats", type=int, default=2)
-    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "gen_throughput"))
+    ap.add_argument("--out", default=None, help=OUT_HELP)
     args = ap.parse_args()
+    args.out = args.out or str(result_stem("gen_throughput"))
     if not args.hf_batch_sizes or any(b < 1 for b in args.hf_batch_sizes + args.engine_batch_sizes
                                                 + args.engine_pytorch_batch_sizes):
         ap.error("--hf-batch-sizes needs at least one size (the baseline) and every size >= 1")

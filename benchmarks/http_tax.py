@@ -31,6 +31,7 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from benchmarks.machine import describe as describe_machine, machine as machine_fields  # noqa: E402,I001
+from benchmarks.machine import OUT_HELP, result_stem  # noqa: E402
 from drafters.precision import resolve_dtype_name  # noqa: E402
 
 from benchmarks.processes import stop_session  # noqa: E402 - after the path insert
@@ -206,8 +207,9 @@ def main() -> int:
                              "RAY_worker_niceness=0: Ray runs its workers, the replica too, at "
                              "niceness 15 unless told otherwise")
     parser.add_argument("--work", default="/tmp/dspark_http_tax")
-    parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "http_tax"))
+    parser.add_argument("--out", default=None, help=OUT_HELP)
     args = parser.parse_args()
+    args.out = args.out or str(result_stem("http_tax"))
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
     arms = [a for a in args.arms.split(",") if a]

@@ -22,6 +22,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.machine import OUT_HELP, result_stem  # noqa: E402
 from pipeline import stages  # noqa: E402
 from pipeline.config import ConfigError, load_config  # noqa: E402
 from pipeline.run_layout import CACHE, TRAIN, link_stages  # noqa: E402
@@ -35,7 +36,7 @@ def main() -> int:
     parser.add_argument("--eval-every", type=int, default=25)
     parser.add_argument("--eval-rows", type=int, default=16)
     parser.add_argument("--label", default="learning_curve")
-    parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
+    parser.add_argument("--out", default=None, help=OUT_HELP + "; --label is its label")
     args = parser.parse_args()
     try:
         base = load_config(args.config, args.set)
@@ -65,14 +66,15 @@ def main() -> int:
                "heldout_tau": e["heldout_tau"], "train_accept_rate@1": e["accept_rate@1"],
                "train_tau": e["tau"], "heldout_loss": e["heldout_loss"]}
               for e in log if "heldout_tau" in e]
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    out = Path(args.out or result_stem(  # the files' path without a suffix
+        "learning_curve", "" if args.label == "learning_curve" else args.label))
+    out.parent.mkdir(parents=True, exist_ok=True)
     meta = {"config": args.config, "set": args.set, "steps": args.steps,
             "train_seconds": round(seconds, 1), "seconds_per_step": round(seconds / args.steps, 3),
             "date": time.strftime("%Y-%m-%d"), "drafter": cfg.drafter.model_dump(),
             "train": {k: v for k, v in cfg.train.model_dump().items()
                       if k in ("lr", "global_batch_size", "num_anchors", "warmup_ratio")}}
-    (out / f"{args.label}.json").write_text(json.dumps({"meta": meta, "points": points}, indent=1))
+    Path(f"{out}.json").write_text(json.dumps({"meta": meta, "points": points}, indent=1))
     import matplotlib
 
     matplotlib.use("Agg")
@@ -92,7 +94,7 @@ def main() -> int:
     a2.legend()
     fig.suptitle(f"{cfg.drafter.drafter_type} drafter learning curve ({seconds / 60:.1f} min)")
     fig.tight_layout()
-    fig.savefig(out / f"{args.label}.png", dpi=110)
+    fig.savefig(f"{out}.png", dpi=110)
     lines = [f"# Learning curve ({args.label}, measured {meta['date']})", "",
              f"{args.steps} optimizer steps in {seconds:.0f} s ({meta['seconds_per_step']} s/step); "
              f"settings {json.dumps(meta['train'])}; drafter {json.dumps(meta['drafter'])}.", "",
@@ -100,7 +102,7 @@ def main() -> int:
              "|---|---|---|---|---|"]
     lines += [f"| {p['step']} | {p['heldout_accept_rate@1']:.3f} | {p['heldout_tau']:.3f} | "
               f"{p['train_accept_rate@1']:.3f} | {p['train_tau']:.3f} |" for p in points]
-    (out / f"{args.label}.md").write_text("\n".join(lines) + "\n")
+    Path(f"{out}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0
 

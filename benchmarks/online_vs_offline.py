@@ -30,6 +30,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from benchmarks.machine import describe as describe_machine, machine as machine_fields  # noqa: E402,I001
+from benchmarks.machine import OUT_HELP, result_stem  # noqa: E402
 from pipeline.run_layout import CACHE, GENERATE, PROMPTS, TRAIN, RunLayout  # noqa: E402
 
 MODES = ("offline", "online", "hybrid")
@@ -122,8 +123,9 @@ def main() -> int:
     parser.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE",
                         help="more overrides for every arm")
     parser.add_argument("--work", default="/tmp/dspark_online_vs_offline")
-    parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "online_vs_offline"))
+    parser.add_argument("--out", default=None, help=OUT_HELP)
     args = parser.parse_args()
+    args.out = args.out or str(result_stem("online_vs_offline"))
     modes = [m for m in args.modes.split(",") if m]
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)

@@ -1,5 +1,6 @@
-"""Write ``benchmarks/results/INDEX.md``: every result of ``benchmarks/results/`` with the script
-that made it, its title, date and machine, and the JSON and plots beside it.
+"""Write ``benchmarks/results/INDEX.md``: every result of ``benchmarks/results/<benchmark>/``,
+grouped by the script that made it, with its title, date and machine, and the JSON and plots
+beside it.
 
 The date and machine come from the result's JSON ``meta`` (``benchmarks/machine.py``'s fields, or
 the older ``machine`` string), else from the markdown itself (its first ISO date, its
@@ -25,12 +26,6 @@ DATE = re.compile(r"\b20\d\d-\d\d-\d\d\b")
 MACHINE = re.compile(r"Machine: ([^.`|]+)")
 
 
-def script_of(stem: str, scripts: list[str]) -> str:
-    """The benchmark script whose name the result's name starts with (the longest), or '-'."""
-    matches = [s for s in scripts if stem == s or stem.startswith(s + "_")]
-    return max(matches, key=len) if matches else "-"
-
-
 def _meta(json_path: Path) -> dict:
     try:
         data = json.loads(json_path.read_text())
@@ -53,15 +48,17 @@ def machine_text(meta: dict, markdown: str) -> str:
     return found.group(1).strip() if found else "-"
 
 
-def entry(md: Path, scripts: list[str]) -> dict:
-    """One row of the index for result ``md``."""
+def entry(md: Path) -> dict:
+    """One row of the index for result ``md`` (``<benchmark>/<stem>.md``)."""
     text = md.read_text()
     meta = _meta(md.with_suffix(".json"))
     title = next((line[2:].strip() for line in text.splitlines() if line.startswith("# ")), md.stem)
     date = meta.get("date") if isinstance(meta.get("date"), str) else None
     found = DATE.search(text)
-    plots = sorted(p.name for p in RESULTS.glob("*.png") if p.name in text)  # the ones it names
-    return {"file": md.name, "script": script_of(md.stem, scripts), "title": title,
+    plots = sorted(p.name for p in md.parent.glob(f"{md.stem}*.png")
+                   if p.stem == md.stem or p.stem.startswith(md.stem + "_"))
+    return {"file": md.relative_to(RESULTS).as_posix(), "name": md.name,
+            "script": md.parent.name, "title": title,
             "date": (date or (found.group(0) if found else "-"))[:10],
             "machine": machine_text(meta, text),
             "json": md.with_suffix(".json").name if md.with_suffix(".json").exists() else "-",
@@ -70,21 +67,34 @@ def entry(md: Path, scripts: list[str]) -> dict:
 
 def render(rows: list[dict]) -> str:
     lines = ["# Benchmark results: the index", "",
-             "Written by `python -m benchmarks.results_index` (a test keeps it current). A result's "
-             "name is its script's name plus the suffix its run chose (`--suffix`); what each "
-             "script measures and how to run it: [`docs/benchmarks.md`](../../docs/benchmarks.md).", "",
-             "| result | script | title | date (meta, else the first in its text) | machine | JSON | "
-             "plots it names |", "|---|---|---|---|---|---|---|"]
-    for r in rows:
-        lines.append(f"| [`{r['file']}`]({r['file']}) | `{r['script']}.py` | {r['title']} | "
-                     f"{r['date']} | {r['machine']} | {r['json']} | "
-                     f"{', '.join(r['plots']) or '-'} |")
+             "Written by `python -m benchmarks.results_index` (a test keeps it current). One folder "
+             "per benchmark script; a run's files are named `<date>_<machine class>[_<label>]` "
+             "(`benchmarks/machine.py`'s `result_stem`: the date it ran, torch's CPU capability "
+             "with `-bf16` where bf16 is native, or the GPU; `unrecorded`: a result written "
+             "before results named their machine), its plots `<same>_<plot>.png` beside it. "
+             "What each script measures and how to run it: "
+             "[`docs/benchmarks.md`](../../docs/benchmarks.md)."]
+    for script in dict.fromkeys(r["script"] for r in rows):
+        lines += ["", f"## {script} (`benchmarks/{script}.py`)", "",
+                  "| result | title | date | machine | JSON | plots |", "|---|---|---|---|---|---|"]
+        for r in sorted((r for r in rows if r["script"] == script), key=lambda r: r["name"],
+                        reverse=True):  # newest first
+            lines.append(f"| [`{r['name']}`]({r['file']}) | {r['title']} | {r['date']} | "
+                         f"{r['machine']} | {r['json']} | {', '.join(r['plots']) or '-'} |")
     return "\n".join(lines) + "\n"
 
 
+def loose_files() -> list[str]:
+    """Files of ``benchmarks/results/`` outside a benchmark's folder (INDEX.md aside), or in a
+    folder no script of ``benchmarks/`` is named after: results belong to a benchmark."""
+    scripts = {p.stem for p in ROOT.glob("*.py")}
+    return sorted(p.relative_to(RESULTS).as_posix() for p in RESULTS.rglob("*")
+                  if p.is_file() and p != INDEX and (p.parent == RESULTS
+                                                     or p.parent.name not in scripts))
+
+
 def build() -> str:
-    scripts = sorted(p.stem for p in ROOT.glob("*.py") if not p.stem.startswith("_"))
-    rows = [entry(md, scripts) for md in sorted(RESULTS.glob("*.md")) if md != INDEX]
+    rows = [entry(md) for md in sorted(RESULTS.glob("*/*.md"))]
     return render(rows)
 
 

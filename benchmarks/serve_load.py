@@ -7,14 +7,14 @@ request count, the policies taking turns at every C (``--repeats`` rounds, order
 slow drift of the machine hits every policy alike. Per point: aggregate tokens/s, mean per-user
 tokens/s (decode speed after the first token), time to first token, and the mean verification budget
 per request per step (verified draft tokens / rounds, from the engine's counters). Writes
-``benchmarks/results/serve_load.{md,json}``, a Pareto plot (throughput vs per-user speed, paper
+``benchmarks/results/serve_load/<date>_<machine class>.{md,json}``, a Pareto plot (throughput vs per-user speed, paper
 Figure 7), a budget-vs-concurrency plot (Figure 8), and the throughput each policy sustains at a
-per-user SLA (every request at or above it; ``--slas``; table and ``serve_load_sla.png``, like the
+per-user SLA (every request at or above it; ``--slas``; table and ``<same stem>_sla.png``, like the
 paper's production table). A policy with a speed floor is a variant: the deployment's floor
 (admission, prompt chunks and verification: ``dspark-min_tokens_per_s=12``, one deployment each)
 or each request's own (``dspark+min_tokens_per_s=12``: the ``dspark`` deployment, every request
 carrying ``min_tokens_per_s``, which orders drafting and verification and leaves admission to the
-client's concurrency). Give one per SLA: the frontier table and ``serve_load_sla.png`` read each
+client's concurrency). Give one per SLA: the frontier table and the SLA plot read each
 at its own floor as an SLA-aware policy, beside none and fixed, with every repeat read alone (the
 spread).
 
@@ -38,6 +38,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from benchmarks.machine import describe as describe_machine, machine as machine_fields  # noqa: E402,I001
+from benchmarks.machine import OUT_HELP, result_stem  # noqa: E402
 from drafters.precision import resolve_dtype_name  # noqa: E402
 
 POLICIES = {
@@ -582,6 +583,8 @@ def render_md(points: list[dict], ratios: dict, meta: dict, runs: list[dict] = (
 
 def plots(points: list[dict], out: Path, slas: list[float] | None = None,
           runs: list[dict] = ()) -> None:
+    """The Pareto, budget and (with ``slas``) SLA plots at ``<out>_pareto.png``, ``_budget.png``
+    and ``_sla.png`` (``out``: the run's files' path without a suffix)."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
@@ -601,7 +604,7 @@ def plots(points: list[dict], out: Path, slas: list[float] | None = None,
     ax.set_title("Throughput vs per-user speed (labels: concurrency)")
     ax.legend()
     fig.tight_layout()
-    fig.savefig(out / "serve_load_pareto.png", dpi=120)
+    fig.savefig(f"{out}_pareto.png", dpi=120)
     fig = Figure(figsize=(6.4, 4.0))
     FigureCanvasAgg(fig)
     ax = fig.add_subplot()
@@ -615,7 +618,7 @@ def plots(points: list[dict], out: Path, slas: list[float] | None = None,
     ax.set_title("Verification budget vs concurrency")
     ax.legend()
     fig.tight_layout()
-    fig.savefig(out / "serve_load_budget.png", dpi=120)
+    fig.savefig(f"{out}_budget.png", dpi=120)
     if slas:
         fig = Figure(figsize=(6.4, 4.0))
         FigureCanvasAgg(fig)
@@ -635,7 +638,7 @@ def plots(points: list[dict], out: Path, slas: list[float] | None = None,
         ax.set_title("Throughput at a per-user SLA (band: repeats)")
         ax.legend(fontsize=7)
         fig.tight_layout()
-        fig.savefig(out / "serve_load_sla.png", dpi=120)
+        fig.savefig(f"{out}_sla.png", dpi=120)
 
 
 def main() -> int:
@@ -668,7 +671,7 @@ def main() -> int:
                         "slowest request, 0.05 = the 5th percentile of its requests (pooled over "
                         "the repeats; a steadier test where one request decides)")
     parser.add_argument("--data-dir", default=str(ROOT / "infra" / "datasets" / "eval"))
-    parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
+    parser.add_argument("--out", default=None, help=OUT_HELP)
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
@@ -706,8 +709,8 @@ def main() -> int:
         ray.shutdown()
     points = summarize(runs, policies, args.concurrency, args.sla_quantile)
     ratios = paired_ratios(runs, args.concurrency)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    out = Path(args.out or result_stem("serve_load"))  # the files' path without a suffix
+    out.parent.mkdir(parents=True, exist_ok=True)
     meta = {"target": args.target, "drafter": args.drafter, "dtype": resolve_dtype_name(args.dtype),
             "max_tokens": args.max_tokens, "temperature": args.temperature,
             "duration_s": args.duration_s,
@@ -717,13 +720,16 @@ def main() -> int:
             "date": time.strftime("%Y-%m-%d"), "wall_minutes": (time.time() - started) / 60,
             "command": "python benchmarks/serve_load.py " + " ".join(sys.argv[1:])}
     meta["slas"] = args.slas if args.slas is not None else default_slas(points)
-    (out / "serve_load.json").write_text(json.dumps(
+    Path(f"{out}.json").write_text(json.dumps(
         {"meta": meta, "points": points, "ratios": {str(c): r for c, r in ratios.items()},
          "sla": sla_rows(points, meta["slas"]),
          "frontier": frontier_rows(points, runs, meta["slas"]), "runs": runs}, indent=1))
     plots(points, out, meta["slas"], runs)
-    md = render_md(points, ratios, meta, runs)
-    (out / "serve_load.md").write_text(md)
+    md = render_md(points, ratios, meta, runs) + (
+        f"\nPlots: `{out.name}_pareto.png` (throughput against per-user speed), "
+        f"`{out.name}_budget.png` (verification budget)"
+        + (f", `{out.name}_sla.png` (throughput at each SLA)" if meta["slas"] else "") + ".\n")
+    Path(f"{out}.md").write_text(md)
     print(md)
     return 0
 

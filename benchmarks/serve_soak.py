@@ -30,6 +30,7 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from benchmarks.machine import describe as describe_machine, machine as machine_fields  # noqa: E402,I001
+from benchmarks.machine import OUT_HELP, result_stem  # noqa: E402
 from benchmarks.processes import stop_session  # noqa: E402
 from benchmarks.serve_load import sse_data  # noqa: E402
 
@@ -225,8 +226,9 @@ def main() -> int:
     parser.add_argument("--max-num-requests", type=int, default=32)
     parser.add_argument("--max-waiting", type=int, default=64)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "serve_soak"))
+    parser.add_argument("--out", default=None, help=OUT_HELP)
     args = parser.parse_args()
+    args.out = args.out or str(result_stem("serve_soak"))
     sys.path.insert(0, str(ROOT))
     from pipeline.evaluate import load_eval_prompts
 

@@ -42,6 +42,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from benchmarks.machine import describe as describe_machine, machine as machine_fields  # noqa: E402,I001
+from benchmarks.machine import OUT_HELP, result_stem  # noqa: E402
 
 from pipeline import storage  # noqa: E402
 from pipeline.config import ConfigError, load_config  # noqa: E402
@@ -292,8 +293,9 @@ def main() -> int:
                         help="also time plain fp32 generate at temperature > 0")
     parser.add_argument("--arms", default=None, help="comma-separated subset of the arms "
                         "(default: all; hf_generate_bf16 or _fp32 is needed as the baseline)")
-    parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "spec_vs_target"))
+    parser.add_argument("--out", default=None, help=OUT_HELP)
     args = parser.parse_args()
+    args.out = args.out or str(result_stem("spec_vs_target"))
     from drafters.precision import resolve_dtype_name
 
     args.dtype = resolve_dtype_name(args.dtype)

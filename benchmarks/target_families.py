@@ -36,6 +36,7 @@ from serve.engine.target_runner import TargetRunner  # noqa: E402
 from tests.families import FAMILIES, family_target  # noqa: E402
 from tests.tiny import tiny_drafter  # noqa: E402
 from benchmarks.machine import describe as describe_machine, machine as machine_fields  # noqa: E402,I001
+from benchmarks.machine import OUT_HELP, result_stem  # noqa: E402
 
 LENGTHS = (12, 20, 30, 9, 40)
 
@@ -108,8 +109,9 @@ def memory_rows(model_len: int = 32768, pass_tokens: int = 2048) -> list[dict]:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--new-tokens", type=int, default=32)
-    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "target_families"))
+    ap.add_argument("--out", default=None, help=OUT_HELP)
     args = ap.parse_args(argv)
+    args.out = args.out or str(result_stem("target_families"))
     import transformers
 
     transformers.logging.set_verbosity_error()

@@ -153,8 +153,12 @@ def main() -> int:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--arm", default=None, help=argparse.SUPPRESS)  # worker mode
-    parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "train_throughput"))
+    parser.add_argument("--out", default=None, help="the output files' path without a suffix "
+                        "(default: benchmarks/results/train_throughput/<date>_<machine class>)")
     args = parser.parse_args()
+    from benchmarks.machine import result_stem  # imports torch: after --help
+
+    args.out = args.out or str(result_stem("train_throughput"))
     if args.arm:
         print("RESULT " + json.dumps(worker(args)), flush=True)
         return 0

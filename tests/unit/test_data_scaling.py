@@ -43,10 +43,10 @@ def test_results_keep_their_readings_when_a_point_is_added(tmp_path):
 
     meta = {"date": "d", "command": "c", "min_delta": 0.01, "patience": 4, "eval_every": 50,
             "max_steps": 4000, "block_size": 7}
-    write_results([point("240", 1000, 1.5)], meta, tmp_path)
-    md = tmp_path / "data_scaling.md"
+    write_results([point("240", 1000, 1.5)], meta, tmp_path / "run")
+    md = tmp_path / "run.md"
     md.write_text(md.read_text() + "\n## Reading (today)\n\nThe curve rises.\n")
-    write_results([point("240", 1000, 1.5), point("960", 4000, 1.8)], meta, tmp_path)
+    write_results([point("240", 1000, 1.5), point("960", 4000, 1.8)], meta, tmp_path / "run")
     text = md.read_text()
     assert "| 960 |" in text and text.count("## Reading (today)") == 1
     assert text.index("| 960 |") < text.index("## Reading (today)")

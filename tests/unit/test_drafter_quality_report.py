@@ -1,5 +1,5 @@
 """benchmarks/drafter_quality.py's report: the table it builds from each contender's eval report,
-and the markdown naming the plots it wrote (a --suffix run keeps the default run's files)."""
+and the markdown naming the plots it wrote beside it."""
 
 from __future__ import annotations
 
@@ -161,14 +161,16 @@ def test_results_from_pairs_contenders_of_an_earlier_run_without_running_them(tm
     run_dir = tmp_path / "dq"
     cfg = load_config(str(config), [f"run_dir={run_dir}"])
     earlier = earlier_results(tmp_path, eval_settings(cfg))
-    out = tmp_path / "out"
+    out = tmp_path / "out" / "run_x"  # the files' path without a suffix
     assert run_main(monkeypatch, "--contenders", "dspark,eagle3", "--set", f"run_dir={run_dir}",
                     "--results-from", str(earlier), "--out", str(out), "--suffix", "_x") == 0
     assert not run_dir.exists()
-    md = (out / "drafter_quality_x.md").read_text()
+    md = (out.parent / "run_x.md").read_text()
     assert "Taken from an earlier run" in md and "Partial" not in md
     assert "| dspark / eagle3 | 0.200 [0.200, 0.200] |" in md
-    written = json.loads((out / "drafter_quality_x.json").read_text())
+    written = json.loads((out.parent / "run_x.json").read_text())
+    assert sorted(p.name for p in out.parent.glob("*.png")) == [
+        "run_x_conditional_acceptance.png", "run_x_tau.png"]
     assert written["meta"]["reused"] == {"dspark": str(earlier), "eagle3": str(earlier)}
     assert written["contenders"]["eagle3"]["report"]["domains"]["1.0"]["macro"] == 1.6
     assert written["meta"]["settings"] == eval_settings(cfg)

@@ -60,8 +60,25 @@ def test_the_readme_is_a_short_manual_that_links_every_chapter():
 def test_the_results_index_lists_every_result_and_is_current():
     """benchmarks/results/INDEX.md is what `python -m benchmarks.results_index` writes now: a
     result added without re-running it fails here."""
-    from benchmarks.results_index import INDEX, RESULTS, build
+    from benchmarks.results_index import INDEX, RESULTS, build, loose_files
 
     assert INDEX.read_text() == build(), "run: python -m benchmarks.results_index"
-    for md in RESULTS.glob("*.md"):
-        assert md == INDEX or f"]({md.name})" in INDEX.read_text(), md.name
+    for md in RESULTS.glob("*/*.md"):
+        assert f"]({md.relative_to(RESULTS).as_posix()})" in INDEX.read_text(), md.name
+    assert loose_files() == [], "results go in benchmarks/results/<benchmark>/ (result_stem)"
+
+
+def test_every_relative_link_of_the_manual_resolves():
+    """A link of README.md, docs/ or a result page to a file of the repository points at one that
+    exists (results moved into per-benchmark folders, issue 44.6, must take their links along)."""
+    pages = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")),
+             *sorted((ROOT / "benchmarks" / "results").rglob("*.md"))]
+    broken = []
+    for page in pages:
+        for target in re.findall(r"\]\(([^)\s]+)\)", page.read_text()):
+            path = target.split("#")[0]
+            if not path or re.match(r"[a-z]+:", path):
+                continue  # an anchor on the same page, or a URL
+            if not (page.parent / path).exists():
+                broken.append(f"{page.relative_to(ROOT)} -> {target}")
+    assert not broken, broken
