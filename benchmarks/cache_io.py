@@ -20,7 +20,7 @@ Arms, alternating (ours, raw, ours, raw, ...) for ``--repeats`` rounds; the rati
 
 Bytes/s count the cache payload (tokens x bytes_per_token of SPEC 1.4), the same for every arm;
 CPU s/GB is this process's CPU time (all threads) per GB of payload. Writes
-``benchmarks/results/cache_io.{md,json}``.
+``benchmarks/results/cache_io/<date>_<machine class>.{md,json}``.
 
     .venv/bin/python benchmarks/cache_io.py [--rows 96] [--repeats 4]
 """

@@ -12,7 +12,7 @@ config's own ``eval_every`` and plateau rule; run or resumed here when it has no
 not run this while ``pipeline/run.py`` trains the same run). The held-out metrics are the trainer's probabilistic ones (accept_rate@k = mean
 prod_{i<=k}(1 - TV_i), tau = 1 + sum_k accept_rate@k per block), at the best evaluation; per
 domain they are computed afterwards with the same loss code on every held-out cache row of the
-domain. Writes ``benchmarks/results/data_scaling.{json,md,png}``.
+domain. Writes ``benchmarks/results/data_scaling/<date>_<machine class>.{json,md,png}``.
 
     .venv/bin/python benchmarks/data_scaling.py --config infra/configs/smollm2_reference.yaml \
         --points 240,960,3840,all [--also-runs infra/configs/smollm2_reference_xl.yaml]

@@ -15,7 +15,7 @@ The build reports which inner path each dtype takes (``kernel_paths``).
 
     .venv/bin/python benchmarks/decode_kernel_paths.py [--rounds 5] [--repeats 20]
 
-Writes ``benchmarks/results/decode_kernel_paths.{md,json}``. First run builds the three variants
+Writes ``benchmarks/results/decode_kernel_paths/<date>_<machine class>.{md,json}``. First run builds the three variants
 (~30 s each on 2 cores). Run it on a quiet machine.
 """
 

@@ -3,7 +3,7 @@
 All three drafters train on the same regenerated data (one prompts/generate/cache run, shared),
 for the same number of optimizer steps, and are evaluated on the same prompts at temperature 1
 (SPEC 5, paper Table 1). DSpark's confidence head is calibrated (STS) on held-out prompts first.
-Writes ``benchmarks/results/drafter_quality.{md,json}`` and plots next to them.
+Writes ``benchmarks/results/drafter_quality/<date>_<machine class>.{md,json}`` and plots next to them.
 
     .venv/bin/python benchmarks/drafter_quality.py [--config infra/configs/drafter_quality.yaml]
 """

@@ -6,7 +6,7 @@ after the prefills and a warm-up, S decode steps are timed per policy, the polic
 times. Each timed span also runs under cProfile, whose cumulative times split a step into: the
 target forward, the drafter (pending-context extension + block proposal), the goodput planner, the
 verification-length scheduler, verification/commit (``_finish_round``) and the rest. Writes
-``benchmarks/results/engine_step_profile.{md,json}``.
+``benchmarks/results/engine_step_profile/<date>_<machine class>.{md,json}``.
 
     .venv/bin/python benchmarks/engine_step_profile.py --drafter <run>/calibrate/drafter
 """

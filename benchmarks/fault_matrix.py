@@ -9,7 +9,7 @@ stage finished on its own, after a re-run, or not at all, and what was lost, dup
 
     .venv/bin/python benchmarks/fault_matrix.py [--faults NAME,...] [--out PREFIX]
 
-Writes ``<out>.md`` and ``<out>.json`` (default ``benchmarks/results/fault_matrix``). The full-disk
+Writes ``<out>.md`` and ``<out>.json`` (default ``benchmarks/results/fault_matrix/<date>_<machine class>``). The full-disk
 row mounts a small tmpfs and needs root; without it the row says so. Takes ~20 min on 2 cores.
 """
 

@@ -9,7 +9,7 @@ prompts sorted by length (as ``run_generate`` orders them), the engine arm on al
 with ``max_num_requests`` in flight. Generated tokens are the sampled answer tokens (end token
 included), counted by the arms themselves. Prompts: ``--prompts`` rows of the config's training
 prompts (its sources, seed and split), spread over the domains. Writes
-``benchmarks/results/gen_throughput.{md,json}``.
+``benchmarks/results/gen_throughput/<date>_<machine class>.{md,json}``.
 
     .venv/bin/python benchmarks/gen_throughput.py --config infra/configs/smollm2_reference.yaml \
         --prompts 256 --hf-batch-sizes 32,64 --engine-batch-sizes 64,128 --repeats 2

@@ -10,7 +10,7 @@ in-process arm, and the mean time to the first chunk.
 
     .venv/bin/python benchmarks/http_tax.py [--drafter DIR] [--scheduler none] [--rounds 3]
 
-Writes ``benchmarks/results/http_tax.{md,json}``. Needs a quiet machine (Ray's processes, the
+Writes ``benchmarks/results/http_tax/<date>_<machine class>.{md,json}``. Needs a quiet machine (Ray's processes, the
 client and the engine share its cores).
 """
 

@@ -5,7 +5,7 @@ reused; a pipeline run that stopped after ``cache`` is enough) for ``--steps`` o
 held-out metrics every ``--eval-every`` steps, through the pipeline's own train stage (Ray Train +
 DeepSpeed), then plots the curve. The metrics are the trainer's probabilistic ones on held-out
 cache rows (accept_rate@k = mean prod_{i<=k}(1 - TV_i); tau = 1 + sum_k accept_rate@k per block).
-Writes ``benchmarks/results/learning_curve.{json,png,md}``.
+Writes ``benchmarks/results/learning_curve/<date>_<machine class>.{json,png,md}``.
 
     .venv/bin/python benchmarks/learning_curve.py --config infra/configs/quickstart.yaml --steps 600
 """

@@ -11,7 +11,7 @@ micro-batches (the feature stream's or the cache reader's).
 
     .venv/bin/python benchmarks/online_vs_offline.py [--config C] [--max-steps 60] [--rounds 2]
 
-Writes ``benchmarks/results/online_vs_offline.{md,json}``. Run it on a quiet machine: the arms
+Writes ``benchmarks/results/online_vs_offline/<date>_<machine class>.{md,json}``. Run it on a quiet machine: the arms
 compete with anything else for the same cores.
 """
 

@@ -6,7 +6,7 @@ command line), keeps C streaming chat requests in flight for the given duration 
 disconnect after a few chunks; one request in ten is malformed and must get a 4xx), and records
 the HTTP status counts, engine restarts (the replica process changing or /health failing),
 the replica's resident memory after a one-minute warm-up at full concurrency and at the end, and
-whether every completed stream ended with a valid finish reason and usage. Writes ``benchmarks/results/serve_soak.{md,json}``.
+whether every completed stream ended with a valid finish reason and usage. Writes ``benchmarks/results/serve_soak/<date>_<machine class>.{md,json}``.
 
     .venv/bin/python benchmarks/serve_soak.py --drafter runs/quickstart/calibrate/drafter
 """

@@ -22,7 +22,7 @@ prompt (prompt i starts at arm i mod n) so machine drift hits every arm alike:
 Greedy and temperature 1 (T = 1 reports tokens/s; tau and acceptance are the engine's round
 records). Afterwards every non-plain arm decodes the greedy prompts again in fp32 and is compared
 token by token with plain fp32 ``generate``: ``identical_to_target`` is the share of prompts whose
-outputs match. Writes ``benchmarks/results/spec_vs_target.{md,json}`` (one JSON row per arm,
+outputs match. Writes ``benchmarks/results/spec_vs_target/<date>_<machine class>.{md,json}`` (one JSON row per arm,
 dataset and temperature).
 
     .venv/bin/python benchmarks/spec_vs_target.py --config infra/configs/quickstart.yaml \

@@ -11,7 +11,7 @@ A second table: the KV pool bytes one request takes at a 32 k model length, bf16
 default 2,048-token prompt chunks, for transformers' default config of each sliding-window family
 (its documented shapes; no weights needed: the pool is built on the ``meta`` device), with every
 layer full-length (as before issue 40) and with sliding layers holding their window. Writes
-``benchmarks/results/target_families.{md,json}``.
+``benchmarks/results/target_families/<date>_<machine class>.{md,json}``.
 
     .venv/bin/python benchmarks/target_families.py
 """

@@ -7,7 +7,7 @@ anchors, bf16 autocast, AdamW, 1 torch thread as each of the quickstart's 2 Ray 
 has), a few warm-up steps, then timed optimizer steps. Arms alternate over rounds. Reported per
 arm: seconds per micro-batch step, optimizer steps per minute (the quickstart's data-parallel
 step is one micro-batch per worker), supervised tokens per second, peak resident memory above the
-process's state before the first step. Writes ``benchmarks/results/train_throughput.{md,json}``.
+process's state before the first step. Writes ``benchmarks/results/train_throughput/<date>_<machine class>.{md,json}``.
 
 Arms: ``landed`` (dense [N, K, V] draft and target logits, as before the chunked loss),
 ``chunked_full`` (chunked loss, full vocabulary), ``chunked_dv<N>`` (chunked, draft vocabulary N),

@@ -37,7 +37,7 @@ DEFAULT_CHUNK_ROWS = 1024
 # rows of a [rows, V] target-logit matrix converted and normalised at a time: at V = 49k a slice
 # is ~12 MB in fp32 and stays in cache between its conversion, log-sum-exp and gather, where the
 # whole matrix (~170 MB at 880 rows) went through memory several times (1.16x a training step,
-# ~330 MB less peak: benchmarks/results/train_throughput_loss_path.md)
+# ~330 MB less peak: benchmarks/results/train_throughput/2026-12-02_unrecorded_loss_path.md)
 TARGET_SLICE_ROWS = 64
 
 
@@ -128,7 +128,7 @@ def chunked_drafter_losses(draft_logits_fn, target_logits_fn, labels: torch.Tens
     outside mass of the target; the draft log-probabilities, probabilities and their difference
     from the target's, 12 B per [row, N] entry): when all rows fit one chunk (the usual CPU
     micro-batch) nothing is recomputed, which is pure saving, as backward would recompute the
-    same chunk at once (1.13x a step: ``benchmarks/results/train_throughput_loss_path.md``).
+    same chunk at once (1.13x a step: ``benchmarks/results/train_throughput/2026-12-02_unrecorded_loss_path.md``).
 
     Args:
         draft_logits_fn: ``fn(idx int64 [c]) -> fp32 [c, N]``, draft logits of supervised rows

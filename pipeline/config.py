@@ -137,7 +137,7 @@ class GenerateConfig(Strict):
         "batches (embedded, CPU or GPU; batch_size, num_actors, cpus/gpus_per_actor, "
         "num_threads); engine: the same actor pool decoding with this project's continuous-"
         "batching engine in target-only mode (max_num_requests sequences in flight, "
-        "kv_cache_memory_gib; tokens/s against hf: benchmarks/results/gen_throughput.md); "
+        "kv_cache_memory_gib; tokens/s against hf: benchmarks/results/gen_throughput/2026-12-02_unrecorded.md); "
         "vllm: a ray.data.llm vLLM processor for GPU clusters (the vllm section; needs vLLM "
         "installed). All write the same rows.")
     sampling: SamplingConfig = Field(default_factory=SamplingConfig)

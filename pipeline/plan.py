@@ -311,9 +311,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="one worker's device memory in GB, for the memory line")
     parser.add_argument("--generate-tokens-per-s", type=float, default=None,
                         help="generated tokens/s of the generate stage (e.g. from "
-                             "benchmarks/results/gen_throughput.md), for the regeneration time")
+                             "benchmarks/results/gen_throughput/2026-12-02_unrecorded.md), for the regeneration time")
     parser.add_argument("--train-step-s", type=float, default=None,
-                        help="seconds per optimizer step (benchmarks/results/train_throughput.md), "
+                        help="seconds per optimizer step (benchmarks/results/train_throughput/2026-11-30_unrecorded.md), "
                              "for the feature rate online training needs")
     parser.add_argument("--feature-tokens-per-s", type=float, default=None,
                         help="the target actors' forward tokens/s together, for the time one "

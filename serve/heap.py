@@ -3,7 +3,7 @@
 A serving process allocates large short-lived tensors from several threads (the engine, torch's
 intra-op pool, Ray Serve's and asyncio's threads). glibc keeps what they free inside its
 per-thread heap arenas, so resident memory climbs to the high-water mark of every arena and
-stays there, although the memory is free (measured: `benchmarks/results/serve_soak.md`, new
+stays there, although the memory is free (measured: `benchmarks/results/serve_soak/2026-12-01_unrecorded.md`, new
 64 MB arenas filling during a soak while the KV pool never grew). ``malloc_trim(0)`` hands the
 free pages of every arena back (``madvise(MADV_DONTNEED)``); the engine thread calls it every
 few seconds between steps.

@@ -80,7 +80,7 @@ def table_row_bytes(table: pa.Table) -> np.ndarray:
 
 # Parquet layout of a shard. Every column is zstd-compressed, hidden states included: on real
 # SmolLM2 activations (and the benchmark's synthetic ones) zstd stores bf16 hidden states in 0.80
-# of their size, for ~0.8 CPU s/GB more when reading (benchmarks/results/cache_io.md, which also
+# of their size, for ~0.8 CPU s/GB more when reading (benchmarks/results/cache_io/2026-12-01_unrecorded.md, which also
 # has the uncompressed numbers): on an object store, where the cache is bandwidth-bound and the
 # paper-scale cache is ~38 TB, the 20 % fewer bytes win. Only ``domain`` is dictionary-encoded:
 # byte columns are unique per row, so a dictionary there is built, found useless and dropped (one

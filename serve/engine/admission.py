@@ -23,7 +23,7 @@ logger = logging.getLogger(__name__)
 # Admission aims this far above a speed floor: the floor is what the slowest request must get, and
 # requests spread around the engine's average pace (measured with a 12 tokens/s floor held on
 # average at 8-32 streams: slowest requests 0.73-0.88x the mean), and a client behind HTTP reads
-# a few % less than the engine (benchmarks/results/http_tax_dspark.md: 0.93-0.98x).
+# a few % less than the engine (benchmarks/results/http_tax/2026-12-01_unrecorded_dspark.md: 0.93-0.98x).
 FLOOR_MARGIN = 0.15
 # A running request's own decode speed counts once it has emitted this many tokens.
 MIN_OBSERVED_TOKENS = 8
@@ -175,7 +175,7 @@ class Pace:
         step, one request at a time: an idle engine that let a whole burst of arrivals in at
         once ran them all at the speed of the burst (one of the three causes of a slowest
         request at 3-4 tokens/s among 32 streams under a 12 tokens/s floor; see
-        ``benchmarks/results/serve_load.md``).
+        ``benchmarks/results/serve_load/2026-12-06_avx512-bf16.md``).
 
         Args:
             floors: the floors (tokens/s) of the admitted requests and the newcomer that have one.

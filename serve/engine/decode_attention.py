@@ -12,7 +12,7 @@ one layer): ~1.6 ms against ~12 ms for the per-request SDPA calls.
 Inner paths per instruction set (the C++ file's header): AVX-512-BF16 dot products for bf16, and
 otherwise loops the compiler vectorises for the CPU's instruction sets: on an AVX2-only CPU, fp32
 (its ``dtype: auto``) runs them built for AVX2 + FMA, measured up to 1.7x the baseline x86-64
-build and faster than hand-written AVX2 intrinsics (``benchmarks/results/decode_kernel_paths.md``).
+build and faster than hand-written AVX2 intrinsics (``benchmarks/results/decode_kernel_paths/2026-12-04_avx512-bf16.md``).
 
 The build (~30 s, once per machine) is compiled for the CPU it runs on (``-march=native``) and
 kept under ``$TORCH_EXTENSIONS_DIR`` (default ``~/.cache/dspark_ray/torch_extensions``, the

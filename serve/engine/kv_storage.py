@@ -29,7 +29,7 @@ garbage-collected.
 
 At a 32 k model length with the engine's 2,048-token prompt chunks, bf16, a request of
 transformers' default Gemma 3 config then takes 0.42x the keys of full-length slots, Mistral's
-0.31x, gpt-oss's 0.54x (``benchmarks/results/target_families.md``).
+0.31x, gpt-oss's 0.54x (``benchmarks/results/target_families/2026-12-04_unrecorded.md``).
 """
 
 from __future__ import annotations
