@@ -368,13 +368,24 @@ def sla_rows(points: list[dict], slas: list[float]) -> list[dict]:
             for sla in slas for name in policies]
 
 
-def render_sla_md(rows: list[dict]) -> list[str]:
+def sla_test_subject(quantile: float = 0.0) -> str:
+    """Whose speed a point's SLA was checked against, as a table's sentence names it
+    (``--sla-quantile``; :func:`sla_test_text` is the report's header sentence)."""
+    if quantile <= 0:
+        return "its slowest request"
+    return (f"its {quantile * 100:g}th-percentile request (every request's decode speed, the "
+            "repeats pooled; a repeat read alone: its own requests)")
+
+
+def render_sla_md(rows: list[dict], quantile: float = 0.0) -> list[str]:
     if not rows:
         return []
     fmt = lambda v: "-" if v is None else f"{v:.1f}"  # noqa: E731
     lines = ["", "## Throughput at a per-user SLA", "",
-             "The most aggregate tokens/s each policy sustained with every request (its decode "
-             "speed after the first token) at or above the SLA: the best measured point (its "
+             "The most aggregate tokens/s each policy sustained with "
+             + ("every request (its decode speed after the first token)" if quantile <= 0
+                else sla_test_subject(quantile))
+             + " at or above the SLA: the best measured point (its "
              "concurrency), and the straight-line interpolation between the last concurrency "
              "that held the SLA and the next one that did not ('-': none held it).", "",
              "| SLA per-user tok/s | policy | throughput, measured (concurrency) | "
@@ -465,15 +476,16 @@ def frontier_ratio(rows: list[dict], sla: float, aware_label: str = SLA_AWARE) -
                      for k in range(len(aware["each"]))]}
 
 
-def render_frontier_md(rows: list[dict]) -> list[str]:
+def render_frontier_md(rows: list[dict], quantile: float = 0.0) -> list[str]:
     aware = [a for a in (SLA_AWARE_REQUEST, SLA_AWARE) if any(r["policy"] == a for r in rows)]
     if not aware:
         return []
     fmt = lambda v: "-" if v is None else f"{v:.1f}"  # noqa: E731
     policies = list(dict.fromkeys(r["policy"] for r in rows))
     lines = ["", "## The frontier: throughput at each per-user SLA", "",
-             f"Per SLA, the most aggregate tokens/s each policy sustained with its slowest request "
-             f"at or above the SLA, best measured point (concurrency), then each repeat read "
+             f"Per SLA, the most aggregate tokens/s each policy sustained with "
+             f"{sla_test_subject(quantile)} at or above the SLA, best measured point (concurrency), "
+             f"then each repeat read "
              f"alone in brackets ('-': no point held it). `{SLA_AWARE}` is the "
              "`dspark-min_tokens_per_s=SLA` deployment read at its own floor (admission, prompt "
              f"chunks and verification under the floor); `{SLA_AWARE_REQUEST}` the `dspark` "
@@ -560,8 +572,9 @@ def render_md(points: list[dict], ratios: dict, meta: dict, runs: list[dict] = (
                      f"{p['per_user_tok_s_min']:.2f} | "
                      f"{p['ttft_s_mean']:.2f} | {p['mean_verification_budget']:.2f} | "
                      f"{p['tau']:.2f} |")
-    lines += render_sla_md(sla_rows(points, meta.get("slas") or []))
-    lines += render_frontier_md(frontier_rows(points, runs, meta.get("slas") or []))
+    quantile = meta.get("sla_quantile", 0.0)
+    lines += render_sla_md(sla_rows(points, meta.get("slas") or []), quantile)
+    lines += render_frontier_md(frontier_rows(points, runs, meta.get("slas") or []), quantile)
     lines += render_floor_md(points)
     by = {(p["policy"], p["concurrency"]): p for p in points}
     if not all((n, c) in by for n in ("none", "dspark") for c in meta["concurrency"]):
