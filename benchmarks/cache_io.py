@@ -339,7 +339,7 @@ def reading(rows: list[dict], meta: dict) -> str:
 
 def report(rows: list[dict], meta: dict, out: Path) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
-    (out.with_suffix(".json")).write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    Path(f"{out}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     mb = lambda x: f"{x / 1e6:,.0f}"
     lines = ["# Target-cache I/O throughput (measured)", "",
              f"{meta['date']}, git {meta['git']}, {meta['machine']}; {meta['rows']} rows of "
@@ -361,7 +361,7 @@ def report(rows: list[dict], meta: dict, out: Path) -> None:
               "", reading(rows, meta)]
     if meta.get("note"):
         lines += ["", meta["note"]]
-    out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    Path(f"{out}.md").write_text("\n".join(lines) + "\n")
 
 
 def main() -> None:

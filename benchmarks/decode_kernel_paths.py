@@ -115,7 +115,7 @@ def main(argv=None) -> int:
             "flags": {isa: ISA_FLAGS[isa] for isa in kernels}}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps({"meta": meta, "summary": rows_out,
+    Path(f"{out}.json").write_text(json.dumps({"meta": meta, "summary": rows_out,
                                                     "runs": runs}, indent=2) + "\n")
     lines = ["# Decode attention kernel per instruction-set build", "",
              f"Command: `{meta['command']}`. Machine: {meta['machine']}; {meta['threads']} "
@@ -125,7 +125,7 @@ def main(argv=None) -> int:
              "| dtype | build | inner path | ms per call | x portable |", "|---|---|---|---|---|"]
     lines += [f"| {r['dtype']} | {r['arm']} | {r['path']} | {r['median_ms']} | "
               f"{r['vs_portable'] if r['vs_portable'] is not None else '-'} |" for r in rows_out]
-    out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    Path(f"{out}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0
 

@@ -314,7 +314,7 @@ def write_outputs(results: dict, names: list[str], cfg, args, timings: dict, sta
             "unfinished": [n for n in names if n not in results],
             "reused": {n: results[n]["from"] for n in reused},
             "machine": describe_machine(), "hardware": machine_fields(),
-            "date": time.strftime("%Y-%m-%d"),
+            "date": time.strftime("%Y-%m-%d", time.localtime(started)),  # as the file's name
             "wall_minutes": (time.time() - started) / 60, "timings_s": timings, "files": files,
             "command": "python benchmarks/drafter_quality.py " + " ".join(sys.argv[1:])}
     kept = {n: {k: r[k] for k in ("report", "calibration", "train")} for n, r in results.items()}

@@ -171,7 +171,7 @@ def main() -> int:
             "temperature": args.temperature, "seeded": args.seeded}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps({"meta": meta, "summary": summary,
+    Path(f"{out}.json").write_text(json.dumps({"meta": meta, "summary": summary,
                                                     "rows": rows}, indent=1))
     base = summary[policies[0]]["tokens_per_s"]
     kind = "seeded" if args.seeded else "unseeded"
@@ -193,7 +193,7 @@ def main() -> int:
                      + f" | {rest:.1f} |")
     lines += ["", "(pending context append is part of verify + commit; rest = the step's "
               "profiled time minus the other parts.)", ""]
-    out.with_suffix(".md").write_text("\n".join(lines))
+    Path(f"{out}.md").write_text("\n".join(lines))
     print("\n".join(lines))
     return 0
 

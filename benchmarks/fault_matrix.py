@@ -29,7 +29,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from benchmarks.machine import describe as describe_machine, machine as machine_fields  # noqa: E402,I001
-from benchmarks.machine import OUT_HELP, result_stem  # noqa: E402
+from benchmarks.machine import OUT_HELP, latest_stem, result_stem  # noqa: E402
 from pipeline.run_layout import GENERATE, PROMPTS, TRAIN, RunLayout  # noqa: E402
 
 from tests.faulty_s3 import FaultyS3Proxy  # noqa: E402 - after the path insert
@@ -811,8 +811,11 @@ def main() -> int:
                         help="scratch directory (deleted first)")
     parser.add_argument("--out", default=None, help=OUT_HELP)
     parser.add_argument("--merge", action="store_true",
-                        help="keep the rows of other faults already in <out>.json")
+                        help="keep the rows of other faults already in <out>.json (without --out: "
+                        "this machine class's newest fault_matrix run)")
     args = parser.parse_args()
+    if args.out is None and args.merge:  # adds to this class's newest run, whatever its date
+        args.out = str(latest_stem("fault_matrix") or result_stem("fault_matrix"))
     args.out = args.out or str(result_stem("fault_matrix"))
     names = [n.strip() for n in args.faults.split(",") if n.strip()]
     unknown = [n for n in names if n not in FAULTS]

@@ -152,7 +152,7 @@ def main() -> int:
                         for d in sorted({r["domain"] for r in rows})}}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps({"meta": meta, "summary": summary,
+    Path(f"{out}.json").write_text(json.dumps({"meta": meta, "summary": summary,
                                                     "runs": results}, indent=1))
     lines = [f"# Generate-stage throughput ({meta['date']})", "",
              f"`{meta['command']}`: {len(rows)} training prompts ({meta['domains']}), "
@@ -165,7 +165,7 @@ def main() -> int:
         lines.append(f"| {s['arm']} | {s['tokens_per_s']:.1f} | {s['vs_best_hf']:.2f}x | "
                      f"{', '.join(map(str, s['per_repeat']))} | {s['tokens_per_row']:.1f} | "
                      f"{s['errors']} |")
-    out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    Path(f"{out}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0
 

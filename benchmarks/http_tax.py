@@ -234,7 +234,7 @@ def main() -> int:
             "client_niceness": os.nice(0)}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps({"meta": meta, "summary": rows, "runs": runs},
+    Path(f"{out}.json").write_text(json.dumps({"meta": meta, "summary": rows, "runs": runs},
                                                    indent=1))
     lines = [f"# What HTTP costs one user (http_tax, measured {meta['date']})", "",
              f"Command: `{meta['command']}`. Machine: {meta['machine']}. Settings: "
@@ -246,8 +246,8 @@ def main() -> int:
         lines.append(f"| {r['arm']} | {r['requests']} | {r['per_user_tok_s']:.2f} | "
                      f"{', '.join(f'{x:.2f}' for x in r['per_round'])} | "
                      f"{r['vs_in_process']:.3f} | {r['ttft_s']:.3f} |")
-    out.with_suffix(".md").write_text("\n".join(lines) + "\n")
-    print(out.with_suffix(".md").read_text())
+    Path(f"{out}.md").write_text("\n".join(lines) + "\n")
+    print(Path(f"{out}.md").read_text())
     return 0
 
 

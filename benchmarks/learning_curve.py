@@ -38,6 +38,11 @@ def main() -> int:
     parser.add_argument("--label", default="learning_curve")
     parser.add_argument("--out", default=None, help=OUT_HELP + "; --label is its label")
     args = parser.parse_args()
+    try:  # the label is part of a file name: checked before the training, not after it
+        result_stem("learning_curve", args.label, make=False)
+    except ValueError as err:
+        print(f"error: --label: {err}", file=sys.stderr)
+        return 2
     try:
         base = load_config(args.config, args.set)
         cfg = load_config(args.config, args.set + [

@@ -73,3 +73,14 @@ def result_stem(script: str, label: str = "", m: dict | None = None, make: bool 
         folder.mkdir(parents=True, exist_ok=True)
     name = f"{time.strftime('%Y-%m-%d')}_{machine_class(m)}" + (f"_{label}" if label else "")
     return folder / name
+
+
+def latest_stem(script: str, label: str = "", m: dict | None = None) -> Path | None:
+    """The newest earlier run of ``script`` on this machine class with this label (its files'
+    path without a suffix, a ``.json`` beside it), or None: what a run that adds to an earlier one
+    (``fault_matrix --merge``) continues when no ``--out`` names it."""
+    label = label.strip("_")
+    tail = f"_{machine_class(m)}" + (f"_{label}" if label else "")
+    found = sorted(p for p in (RESULTS / script).glob(f"20??-??-??{tail}.json")
+                   if re.fullmatch(r"20\d\d-\d\d-\d\d" + re.escape(tail), p.stem))
+    return found[-1].with_suffix("") if found else None

@@ -95,7 +95,7 @@ def summarize(arms: list[dict]) -> list[dict]:
 
 def write(rows: list[dict], arms: list[dict], meta: dict, out: Path) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps({"meta": meta, "summary": rows, "arms": arms},
+    Path(f"{out}.json").write_text(json.dumps({"meta": meta, "summary": rows, "arms": arms},
                                                    indent=1))
     lines = [f"# Offline vs online vs hybrid training (online_vs_offline, measured {meta['date']})",
              "", f"Command: `{meta['command']}`. Machine: {meta['machine']}. Settings: "
@@ -111,7 +111,7 @@ def write(rows: list[dict], arms: list[dict], meta: dict, out: Path) -> None:
                      f"{r['steps_per_s']:.3f} | {r['speed_vs_offline']:.2f}x | "
                      f"{r['stored_bytes'] / 1e6:.1f} MB | {r['data_wait_share']:.0%} | {tau} | "
                      f"{acc} |")
-    out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    Path(f"{out}.md").write_text("\n".join(lines) + "\n")
 
 
 def main() -> int:
@@ -146,7 +146,7 @@ def main() -> int:
             "command": "python benchmarks/online_vs_offline.py " + " ".join(sys.argv[1:]),
             "sets": sets, "rounds": args.rounds}
     write(rows, arms, meta, Path(args.out))
-    print(Path(args.out).with_suffix(".md").read_text())
+    print(Path(f"{args.out}.md").read_text())
     return 0
 
 

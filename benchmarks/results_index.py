@@ -48,6 +48,15 @@ def machine_text(meta: dict, markdown: str) -> str:
     return found.group(1).strip() if found else "-"
 
 
+def owner(png: Path) -> str | None:
+    """The stem of the result a plot belongs to: the longest result stem in its folder that the
+    plot's name is or extends with '_' (a label may extend another run's label: `x_reference`
+    and `x_reference_greedy`)."""
+    stems = [md.stem for md in png.parent.glob("*.md")
+             if png.stem == md.stem or png.stem.startswith(md.stem + "_")]
+    return max(stems, key=len, default=None)
+
+
 def entry(md: Path) -> dict:
     """One row of the index for result ``md`` (``<benchmark>/<stem>.md``)."""
     text = md.read_text()
@@ -55,8 +64,7 @@ def entry(md: Path) -> dict:
     title = next((line[2:].strip() for line in text.splitlines() if line.startswith("# ")), md.stem)
     date = meta.get("date") if isinstance(meta.get("date"), str) else None
     found = DATE.search(text)
-    plots = sorted(p.name for p in md.parent.glob(f"{md.stem}*.png")
-                   if p.stem == md.stem or p.stem.startswith(md.stem + "_"))
+    plots = sorted(p.name for p in md.parent.glob(f"{md.stem}*.png") if owner(p) == md.stem)
     return {"file": md.relative_to(RESULTS).as_posix(), "name": md.name,
             "script": md.parent.name, "title": title,
             "date": (date or (found.group(0) if found else "-"))[:10],
@@ -72,6 +80,8 @@ def render(rows: list[dict]) -> str:
              "(`benchmarks/machine.py`'s `result_stem`: the date it ran, torch's CPU capability "
              "with `-bf16` where bf16 is native, or the GPU; `unrecorded`: a result written "
              "before results named their machine), its plots `<same>_<plot>.png` beside it. "
+             "Results measured before this layout were moved here from flat names; the "
+             "commands they record name their files' new paths. "
              "What each script measures and how to run it: "
              "[`docs/benchmarks.md`](../../docs/benchmarks.md)."]
     for script in dict.fromkeys(r["script"] for r in rows):
@@ -109,7 +119,7 @@ def main() -> int:
             return 1
         return 0
     INDEX.write_text(text)
-    print(f"wrote {INDEX} ({text.count(chr(10)) - 6} results)")
+    print(f"wrote {INDEX} ({len(list(RESULTS.glob('*/*.md')))} results)")
     return 0
 
 

@@ -286,6 +286,7 @@ def main() -> int:
     growth = (None if not (start_rep and end_rep)
               else 100 * (end_rep[1] - start_rep[1]) / start_rep[1])
     result["rss_growth_pct"] = None if growth is None else round(growth, 1)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out + ".json").write_text(json.dumps(result, indent=1))
     m = result["meta"]
     md = [

@@ -386,9 +386,9 @@ def main() -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
 
     def write() -> str:
-        out.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+        Path(f"{out}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
         md = render(rows, meta)
-        out.with_suffix(".md").write_text(md)
+        Path(f"{out}.md").write_text(md)
         return md
 
     write()  # the measurements are kept whatever the profile below does

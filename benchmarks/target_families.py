@@ -148,8 +148,8 @@ def main(argv=None) -> int:
                      f"| {m['ratio']} |")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".md").write_text("\n".join(lines) + "\n")
-    out.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": rows,
+    Path(f"{out}.md").write_text("\n".join(lines) + "\n")
+    Path(f"{out}.json").write_text(json.dumps({"meta": meta, "rows": rows,
                                                     "kv_bytes_per_request": memory}, indent=1))
     print("\n".join(lines))
     return 0

@@ -196,7 +196,7 @@ def main() -> int:
             "seconds": round(time.time() - start, 1)}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    Path(f"{out}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     lines = [f"# Drafter training throughput (DSpark, {Path(args.config).name}; measured)", "",
              f"{args.rounds} rounds x {args.steps} timed steps per arm (median), arms alternating, "
              f"{args.threads} torch thread(s) per process as each Ray Train worker of the config; "
@@ -209,7 +209,7 @@ def main() -> int:
                      f"{r['speedup_vs_' + arms[0]]:.2f}x | {r['supervised_tokens_per_s']:.0f} | "
                      f"{r['peak_rss_delta_mb']:.0f} | {r['minor_faults_per_step']:.0f} | "
                      f"{r['trainable_parameters'] / 1e6:.1f} M |")
-    out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    Path(f"{out}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0
 

@@ -209,7 +209,8 @@ def apply_floors(plan: DraftPlan, options: Sequence[RequestOptions],
     (:func:`plan_for_floors`), in place: a drafter row whose predicted length the floor plan
     lengthens drafts one token beyond it (at most its cap; at least what a fill had it draft)
     and is no probe any more; a row it drops drafts nothing; the other rows stay as the goodput
-    plan has them (lookup rows, fill drafts, due probes).
+    plan has them (lookup rows, fill drafts, due probes; when the floor plan drafts for nobody,
+    the due probes wait too, so that the step calls no drafter).
     ``plan.predicted_tps`` becomes the floor plan's predicted goodput (on the measured SPS(B),
     without fills).
 
@@ -243,6 +244,13 @@ def apply_floors(plan: DraftPlan, options: Sequence[RequestOptions],
     if lifted is None:
         return False
     base = [row.length for row in rows]
+    if not any(lifted) and any(plan.probed):
+        # drafting for nobody: a due probe would still call the drafter, which the plan was
+        # scored without; the probes stay due for a step whose drafting pays
+        for i in range(n):
+            if plan.probed[i]:
+                plan.sources[i], plan.num_draft_tokens[i], plan.probed[i] = None, 0, False
+        plan.probe_cost_s = 0.0
     for i, row in enumerate(rows):
         if row.alpha is None or lifted[i] == base[i]:
             continue  # as the goodput plan has it (its fill drafts, a due probe)

@@ -27,11 +27,11 @@ def test_table_and_markdown_name_the_suffixed_plots():
     meta = {"target": "t", "dtype": "bfloat16", "gamma": 3, "temperature": "1.0",
             "prompts_per_dataset": 8, "max_new_tokens": 64, "train_steps": 600,
             "global_batch_size": 16, "machine": "m", "wall_minutes": 1.0, "command": "c",
-            "files": {"conditional_acceptance": "conditional_acceptance_reference.png",
-                      "tau": "drafter_quality_tau_reference.png",
-                      "reliability": "dspark_reliability_reference.png"}}
+            "files": {"conditional_acceptance": "2026-12-07_avx2_ref_conditional_acceptance.png",
+                      "tau": "2026-12-07_avx2_ref_tau.png",
+                      "reliability": "2026-12-07_avx2_ref_dspark_reliability.png"}}
     md = render_md(table, results, meta)
-    assert "`conditional_acceptance_reference.png`" in md
+    assert "`2026-12-07_avx2_ref_conditional_acceptance.png`" in md
     assert "| dspark / eagle3 | 1.250 | 1.250 | 1.250 |" in md
     assert "| eagle3 | 0.400 | - | - |" in md  # positions no round reached are not drawn as 0
     assert "Not calibrated: identity kept" in md

@@ -186,3 +186,16 @@ def test_a_lift_drops_the_other_drafts_when_they_keep_the_lifted_request_below_i
     assert score_plan(rows, [4, 4], sps, COST, False, REST).speeds[1] == pytest.approx(e4 / 0.034)
     assert plan_for_floors(rows, sps, COST, False, 32, REST) == [0, 4]
     assert score_plan(rows, [0, 4], sps, COST, False, REST).speeds[1] == pytest.approx(e4 / 0.030)
+
+
+def test_drafting_for_nobody_lets_a_due_probe_wait():
+    """When the floor plan drafts for nobody, a due probe would still call the drafter, a cost
+    the plan was scored without: the probe waits (stays due) and the step calls no drafter."""
+    from serve.engine.draft_planner import DraftPlan
+
+    options = [RequestOptions(4, 0.9), RequestOptions(0, None), RequestOptions(4, 0.3)]
+    plan = DraftPlan(["model", None, "model"], [5, 0, 1], [[], [], []], [False, False, True],
+                     predicted_lengths=[4, 0, 0], probe_cost_s=0.001)
+    assert apply_floors(plan, options, [None, 45.0, None], SPS, COST, False, 32, REST)
+    assert plan.sources == [None, None, None] and plan.num_draft_tokens == [0, 0, 0]
+    assert plan.probed == [False] * 3 and plan.probe_cost_s == 0.0

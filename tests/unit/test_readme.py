@@ -82,3 +82,23 @@ def test_every_relative_link_of_the_manual_resolves():
             if not (page.parent / path).exists():
                 broken.append(f"{page.relative_to(ROOT)} -> {target}")
     assert not broken, broken
+
+
+def test_every_result_a_file_of_the_repository_names_exists():
+    """Beyond links: a results path named anywhere (docs, docstrings, comments, configs) names a
+    file or a run (its stem, e.g. in ``...avx2.{md,json}``) that exists."""
+    import subprocess
+
+    files = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True,
+                           check=True).stdout.split()
+    missing = []
+    for name in files:
+        path = ROOT / name
+        if path.suffix not in (".md", ".py", ".yaml", ".sh", ".toml") or not path.is_file():
+            continue
+        for ref in re.findall(r"benchmarks/results/([\w-]+/[\w.-]+)", path.read_text()):
+            ref = ref.rstrip(".")
+            target = ROOT / "benchmarks" / "results" / ref
+            if not (target.exists() or any(target.parent.glob(target.name + ".*"))):
+                missing.append(f"{name}: {ref}")
+    assert not missing, missing

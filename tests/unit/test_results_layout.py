@@ -43,3 +43,28 @@ def test_every_result_file_names_its_date_and_machine_class():
     files = [p for p in RESULTS.rglob("*") if p.is_file() and p != INDEX]
     assert files and all(named.fullmatch(p.name) for p in files), [
         p.name for p in files if not named.fullmatch(p.name)]
+
+
+def test_a_plot_belongs_to_the_run_with_the_longest_matching_name(tmp_path):
+    """Labels extend each other (`_reference`, `_reference_greedy`): each plot is listed under
+    its own run only."""
+    from benchmarks.results_index import owner
+
+    for stem in ("2026-12-03_avx2_reference", "2026-12-03_avx2_reference_greedy"):
+        (tmp_path / f"{stem}.md").write_text("# r\n")
+    plot = tmp_path / "2026-12-03_avx2_reference_greedy_tau.png"
+    assert owner(plot) == "2026-12-03_avx2_reference_greedy"
+    assert owner(tmp_path / "2026-12-03_avx2_reference_tau.png") == "2026-12-03_avx2_reference"
+    assert owner(tmp_path / "2026-12-04_avx2_tau.png") is None
+
+
+def test_a_merge_continues_the_newest_run_of_this_class(tmp_path, monkeypatch):
+    monkeypatch.setattr(machine_mod, "RESULTS", tmp_path)
+    folder = tmp_path / "fault_matrix"
+    folder.mkdir()
+    assert machine_mod.latest_stem("fault_matrix", m=AVX2) is None
+    for name in ("2026-12-01_avx2", "2026-12-05_avx2", "2026-12-09_avx512-bf16",
+                 "2026-12-07_avx2_other"):
+        (folder / f"{name}.json").write_text("{}")
+    assert machine_mod.latest_stem("fault_matrix", m=AVX2) == folder / "2026-12-05_avx2"
+    assert machine_mod.latest_stem("fault_matrix", "other", m=AVX2) == folder / "2026-12-07_avx2_other"

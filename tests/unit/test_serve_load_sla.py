@@ -204,4 +204,4 @@ def test_the_sla_test_can_be_a_quantile_of_the_requests_pooled_over_the_repeats(
     assert point["sla_speed_tok_s"] == pytest.approx(9.0)  # 42 requests: p5 between ranks 3 and 4
     assert throughput_at_sla([point], "dspark", 8.0)["measured"] == 40.0
     assert throughput_at_sla([dict(point, sla_speed_tok_s=2.0)], "dspark", 8.0)["measured"] is None
-    assert "slowest request" in sla_test_text(0.0) and "5th percentile" in sla_test_text(0.05)
+    assert "slowest request" in sla_test_text(0.0) and "the p5 (the 5 % quantile)" in sla_test_text(0.05)
