@@ -22,6 +22,8 @@ from typing import TYPE_CHECKING, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from .registry import drafter_types, get_spec
+
 if TYPE_CHECKING:
     from .spec import DrafterSpec
 
@@ -75,9 +77,6 @@ class DrafterConfig(BaseModel):
     @field_validator("drafter_type")
     @classmethod
     def _registered(cls, v: str) -> str:
-        # lazy: import cycle: registry -> base -> config
-        from .registry import get_spec
-
         get_spec(v)  # raises naming the registered types
         return v
 
@@ -116,9 +115,6 @@ class DrafterConfig(BaseModel):
     @property
     def spec(self) -> DrafterSpec:
         """The registered :class:`~drafters.spec.DrafterSpec` of ``drafter_type``."""
-        # lazy: import cycle: registry -> base -> config
-        from .registry import get_spec
-
         return get_spec(self.drafter_type)
 
     @property
@@ -336,9 +332,6 @@ class BoundDrafterConfig(DrafterConfig):
             ValueError: another model type, a drafter hidden size unlike its target's, or an
                 invalid field (pydantic's message names it).
         """
-        # lazy: import cycle: registry -> base -> config
-        from .registry import drafter_types, get_spec
-
         data = {k: v for k, v in data.items() if k not in _HF_KEYS}
         model_type = data.pop("model_type", MODEL_TYPE)
         if model_type != MODEL_TYPE:

@@ -33,6 +33,7 @@ import shutil
 import sys
 from pathlib import Path
 
+from ..registry import all_specs
 from .common import ExportError, ExportInputs, aux_layer_ids, choose_mask_token
 
 __all__ = ["ExportError", "choose_mask_token", "export", "formats", "main"]
@@ -40,10 +41,8 @@ __all__ = ["ExportError", "choose_mask_token", "export", "formats", "main"]
 
 def formats() -> tuple[str, ...]:
     """Every export format some registered drafter type has."""
-    # lazy: import cycle: dspark (via the package) -> export
-    from ..registry import SPECS
 
-    return tuple(dict.fromkeys(f for spec in SPECS.values() for f in spec.exporters))
+    return tuple(dict.fromkeys(f for spec in all_specs().values() for f in spec.exporters))
 
 
 def _readme(fmt: str, cfg, rows: list, src: Path, target: str) -> str:
@@ -97,10 +96,8 @@ def _exporter(config, fmt: str):
     Raises:
         ExportError: an unknown format, or one this drafter type has no exporter for.
     """
-    # lazy: import cycle: dspark (via the package) -> export
-    from ..registry import SPECS
 
-    owners = [s.title for s in SPECS.values() if fmt in s.exporters]
+    owners = [s.title for s in all_specs().values() if fmt in s.exporters]
     if not owners:
         raise ExportError(f"unknown format {fmt!r}; choose one of {list(formats())}")
     spec = config.spec

@@ -92,3 +92,51 @@ def test_the_placement_check_sees_a_function_local_import(tmp_path):
                    "    # lazy: cycle\n    from .y import z\n    return json, x, z\n")
     found = [ast.unparse(n) for _, n in function_local_imports(src)]
     assert found == ["import json", "from . import x", "from .y import z"]
+
+
+def _top_level_project_imports(path: Path, package: str) -> set[str]:
+    """Modules of ``package`` that ``path`` imports at its top level (not under TYPE_CHECKING,
+    not inside a function): dotted names like ``drafters.config``."""
+    tree = ast.parse(path.read_text())
+    here = ".".join(path.relative_to(ROOT).with_suffix("").parts)
+    parent = here.rsplit(".", 1)[0] if path.name != "__init__.py" else here.removesuffix(".__init__")
+    found = set()
+    for node in tree.body:
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = parent.rsplit(".", node.level - 1)[0] if node.level > 1 else parent
+                mod = f"{base}.{node.module}" if node.module else base
+            else:
+                mod = node.module or ""
+            names = [f"{mod}.{a.name}" for a in node.names] + [mod]
+        elif isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        else:
+            continue
+        found |= {n for n in names if n.startswith(package + ".")
+                  and (ROOT / Path(*n.split("."))).with_suffix(".py").is_file()}
+    return found
+
+
+def test_the_drafters_package_has_no_import_loop():
+    """Issue 44.3: the drafter config validates against the registry, the registry names the
+    built-in types by module and imports them on first use, so no chain of top-level imports in
+    ``drafters/`` comes back to where it started."""
+    modules = {".".join(p.relative_to(ROOT).with_suffix("").parts): p
+               for p in (ROOT / "drafters").rglob("*.py") if p.name != "__init__.py"}
+    graph = {m: _top_level_project_imports(p, "drafters") & set(modules) for m, p in
+             modules.items()}
+    assert "drafters.registry" in graph["drafters.config"]  # validated at the top, not lazily
+    state: dict[str, int] = {}
+
+    def visit(m: str, path: list[str]) -> None:
+        state[m] = 1
+        for n in sorted(graph[m]):
+            assert state.get(n) != 1, " -> ".join(path + [m, n])
+            if n not in state:
+                visit(n, path + [m])
+        state[m] = 2
+
+    for m in sorted(graph):
+        if m not in state:
+            visit(m, [])
