@@ -186,13 +186,16 @@ def plan_for_floors(rows: Sequence[FloorRow], sps: SPSTable, draft_cost: DraftCo
     # drafting for nobody: every step as short as it gets. Drafting for some requests makes the
     # others' steps longer, and the slowest request is what a floor is about (measured: at 4-16
     # streams drafting left the slowest request below plain decoding's at the same mean)
-    consider([0] * len(rows))
+    nobody = [0] * len(rows)
+    consider(nobody)
+    # dropping the others' drafts differs from keeping them only when the goodput plan drafts
+    others_choices = (base, nobody) if any(base) else (base,)
     for group in (below, floored):
         lift = [i for i in group if rows[i].alpha is not None and rows[i].cap > 0]
         for l in range(1, max((rows[i].cap for i in lift), default=0) + 1):
             # the goodput plan's other rows kept, or dropped (their drafts lengthen the step
             # of the request being lifted)
-            for others in (base, [0] * len(rows)):
+            for others in others_choices:
                 lengths = list(others)
                 for i in lift:
                     lengths[i] = max(base[i], min(l, rows[i].cap))
