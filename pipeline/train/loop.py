@@ -29,6 +29,7 @@ from .worker import (
     deepspeed_config,
     finite_on_all_workers,
     init_weights,
+    load_deepspeed_cpu_comm_op,
     lr_lambda,
     reduce_metrics,
     skip_update,
@@ -118,6 +119,8 @@ class WorkerLoop:
             model.init_from_target(*top[0])
         if job.init_from:
             init_weights(model, job.init_from)
+        if not tc.use_gpu:
+            load_deepspeed_cpu_comm_op(os.environ["TORCH_EXTENSIONS_DIR"])
         self.engine, _, _, _ = deepspeed.initialize(
             model=model.to(self.device),
             model_parameters=[p for p in model.parameters() if p.requires_grad],

@@ -21,11 +21,36 @@ from drafters.config import DrafterCheckpointError
 from drafters.loading import check_checkpoint
 from drafters.losses import chunked_drafter_losses
 from drafters.precision import train_precision
+from serve.engine.build_lock import exclusive_build
 
 if TYPE_CHECKING:
     from ..config import TrainConfig
 
 logger = logging.getLogger(__name__)
+
+
+def load_deepspeed_cpu_comm_op(extensions_dir: str) -> None:
+    """Build or load DeepSpeed's CPU shared-memory communication op (``deepspeed_shm_comm``)
+    under :func:`serve.engine.build_lock.exclusive_build`, before ``deepspeed.initialize`` asks
+    for it: DeepSpeed keeps the loaded op for the process, so its own load finds it, and a torch
+    lock file a killed worker left in the op's build directory no longer makes every later
+    training run wait forever. Nothing happens where DeepSpeed's accelerator has no such op or
+    finds it incompatible (DeepSpeed then communicates without it, as before).
+
+    Args:
+        extensions_dir: ``$TORCH_EXTENSIONS_DIR``, where torch builds the op (in a directory
+            named after it).
+    Raises:
+        TimeoutError: another live process kept building the op (:func:`exclusive_build`).
+    """
+    import deepspeed.ops
+    from deepspeed.accelerator import get_accelerator
+
+    builder = get_accelerator().create_op_builder("ShareMemCommBuilder")
+    if builder is None or not deepspeed.ops.__compatible_ops__.get(builder.NAME, False):
+        return
+    with exclusive_build(os.path.join(extensions_dir, builder.NAME)):
+        builder.load()
 
 
 def lr_lambda(total_steps: int, warmup_ratio: float):

@@ -34,6 +34,8 @@ from pathlib import Path
 
 import torch
 
+from serve.engine.build_lock import exclusive_build
+
 logger = logging.getLogger(__name__)
 SOURCE = Path(__file__).parent / "csrc" / "decode_attention.cpp"
 # Rows of a request attended by the kernel at most (decode: 1, verify: a draft block + 1); a
@@ -137,13 +139,14 @@ def _module(isa: str):
         os.environ["PATH"] = bin_dir + os.pathsep + os.environ.get("PATH", "")
     suffix = "" if isa == "native" else f"_{isa}"
     try:
-        directory.mkdir(parents=True, exist_ok=True)
-        return load(name=f"dspark_decode_attention{suffix}", sources=[str(SOURCE)],
-                    build_directory=str(directory),
-                    # -ffast-math for the compile only (vectorised sums and exp); not at the
-                    # link, where it would set flush-to-zero for the whole process
-                    extra_cflags=["-O3", *ISA_FLAGS[isa], "-ffast-math", "-fopenmp"],
-                    extra_ldflags=["-fopenmp"], verbose=False)
+        # torch's own lock file outlives a process killed while loading: exclusive_build clears one
+        with exclusive_build(directory):
+            return load(name=f"dspark_decode_attention{suffix}", sources=[str(SOURCE)],
+                        build_directory=str(directory),
+                        # -ffast-math for the compile only (vectorised sums and exp); not at the
+                        # link, where it would set flush-to-zero for the whole process
+                        extra_cflags=["-O3", *ISA_FLAGS[isa], "-ffast-math", "-fopenmp"],
+                        extra_ldflags=["-fopenmp"], verbose=False)
     except Exception as exc:  # no compiler, headers or disk: PyTorch attention instead
         logger.warning("decode attention kernel not built (%s: %s); the engine attends with "
                        "PyTorch alone (same results, slower)", type(exc).__name__, exc)
