@@ -85,8 +85,8 @@ class DrafterBase(nn.Module, metaclass=ABCMeta):
     (``new_draft_state``, ``extend_context``, ``propose_block``) call; the batched inference
     calls and ``draft_logits`` have generic versions here that a type may override for speed.
     A class that leaves one out cannot be built, and ``drafters.registry.register`` refuses it
-    naming what is missing. Types whose spec sets ``target_layer_init`` also implement
-    ``init_from_target``; exporters read their own type's parameters.
+    naming what is missing. Types whose options offer ``init`` (a start from the target's layers)
+    also implement ``init_from_target``; exporters read their own type's parameters.
 
     With ``config.draft_vocab_size`` N > 0 the drafter predicts in a frequency-ranked draft
     vocabulary (``drafters/draft_vocab.py``): ``d2t`` (int64 [N], a persistent buffer saved with the

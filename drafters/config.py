@@ -7,8 +7,10 @@ to the target it is built for: a :class:`BoundDrafterConfig` is the same fields 
 shape (:class:`TargetShape`) and what training and calibration add (the draft-vocabulary
 fingerprint, the STS temperatures). A drafter model holds one and its checkpoint records it, so a
 serving engine rebuilds and validates the drafter from the checkpoint directory alone (SPEC
-section 2). Per-type rules (which heads a type has, its layer-count field, its slot convention)
-come from the type's :class:`~drafters.spec.DrafterSpec` (``drafters/registry.py``).
+section 2). What a type alone has (DSpark's heads, a sliding window, its layer count) is its
+options model, defined beside the type and named by its :class:`~drafters.spec.DrafterSpec`
+(``drafters/options.py``); per-type rules (slot convention, anchors, objective) come from the spec
+(``drafters/registry.py``).
 
 ``config.json`` keeps the flat layout every version of this project wrote (``target_vocab_size``,
 ``num_hidden_layers``, ...), so checkpoints of earlier versions load as they are.
@@ -18,67 +20,100 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    SerializeAsAny,
+    ValidationError,
+    field_validator,
+    model_serializer,
+    model_validator,
+)
 
+from .flat_layout import OPTION_VIEWS, flat_dump, option_view, relocated, split_flat
+from .options import DrafterOptions
 from .registry import drafter_types, get_spec
 
 if TYPE_CHECKING:
     from .spec import DrafterSpec
 
-HeadType = Literal["markov", "rnn", "none"]
 MAX_BLOCK_SIZE = 32  # block sizes beyond this are outside what the drafters are built and tested for
 QK_NORM_TARGETS = ("qwen3", "qwen3_moe")  # target model types whose attention normalises q and k
 MODEL_TYPE = "dspark_drafter"  # config.json's model_type of a drafter checkpoint
 
 
 class DrafterConfig(BaseModel):
-    """A drafter as the user configures it (the pipeline's ``drafter`` section)."""
+    """A drafter as the user configures it (the pipeline's ``drafter`` section): what every
+    type shares, and the settings its type alone has in ``options`` (the type's
+    :class:`~drafters.options.DrafterOptions` model, named by its spec).
+
+    Written flat, as every earlier version did: a type's options sit beside the shared fields
+    (``num_layers: 2``, ``head_type: rnn``), a nested ``options:`` mapping is accepted too, and
+    dumps are flat (``drafters/options.py`` says which keys of other types are accepted). What
+    shared code asks of any type's options reads as a property under the option's name
+    (``head_type``, ``confidence_head``, ``anchor_features``, ``sliding_window``, ``init``): the
+    option's value, or what a type without it has (no head, full attention, ...).
+
+    Raises (on validation):
+        pydantic.ValidationError: an unknown type, an invalid value (the flat key named), an
+            option of another type at a value that would need a part this type lacks, or a
+            rule across fields (below).
+    """
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
     drafter_type: str = Field("dspark", description="A registered drafter type "
                               "(drafters/registry.py): dspark, dflash or eagle3.")
-    num_layers: int = Field(5, ge=1, description="Backbone layers of DSpark/DFlash.")
-    eagle3_num_layers: int = Field(1, ge=1, description="Decoder layers of an Eagle3 drafter.")
     block_size: int = Field(7, description=f"Draft tokens per block (gamma), 1..{MAX_BLOCK_SIZE}.")
-    head_type: HeadType = Field("markov", description="DSpark's sequential head: markov (Eq. 5), "
-                                "rnn (Eq. 6) or none.")
-    markov_rank: int = Field(256, ge=1, description="r of the head's low-rank transition W1 W2.")
     qk_norm: bool | None = Field(None, description="RMSNorm on each head's queries and keys in "
                                  "the drafter's layers; None = as the target (Qwen3 yes, Llama "
                                  "no). vLLM's DSpark and DFlash drafters are Qwen3-based: set true "
                                  "to export a Llama-target drafter with drafters.export --format "
                                  "vllm.")
-    confidence_head: bool = Field(True, description="Predict the confidence c_k (Eq. 7).")
     loss_decay: float | None = Field(None, gt=0, description="w_k = exp(-(k-1)/decay); None = "
                                      "block_size (paper); the reference repository uses 4.")
-    init: Literal["random", "target_layers"] = Field(
-        "random", description="Backbone start: random, or the target's last num_layers decoder "
-        "layers and final norm (W_c = identity on the deepest feature layer; drafter types whose "
-        "spec allows it: DSpark, DFlash).")
     draft_vocab_size: int = Field(0, ge=0, description="N most frequent supervised target tokens "
                                   "(the cache manifest's ranking) the drafter predicts in; "
                                   "0 = the full target vocabulary.")
-    sliding_window: int | Literal["target"] | None = Field(
-        "target", description="The attention window of the drafter's layers, in tokens (a block "
-        "query at position q sees keys at positions > q - window): 'target' = as the target's "
-        "layers the drafter mirrors (its last num_layers decoder layers: a sliding layer gives "
-        "its window, any other full attention), an integer = every layer slides with it, null "
-        "= full attention. DSpark/DFlash only (an Eagle3 drafter attends its whole context).")
+    options: SerializeAsAny[DrafterOptions] = Field(
+        description="The type's own settings (its spec's options model); written flat.")
+    # keys of other types' options this config was given (at values it accepts): kept only so
+    # that its dumps, which fingerprint stages, stay what earlier versions wrote
+    _given_elsewhere: dict[str, Any] = PrivateAttr(default_factory=dict)
 
-    anchor_features: bool = Field(
-        False, description="The anchor slot also reads the fused target features of the last "
-        "context position p-1, as Eagle3's first draft step does: its input becomes embed(x_p) + "
-        "W_a H_ctx[p-1] (W_a starts at zero). The first-slot variant of issue 42; DSpark/DFlash "
-        "only; vLLM and speculators exports refuse it (their anchor reads its embedding only).")
-
-    @field_validator("drafter_type")
+    @model_validator(mode="wrap")
     @classmethod
-    def _registered(cls, v: str) -> str:
-        get_spec(v)  # raises naming the registered types
-        return v
+    def _options_of_the_type(cls, data: Any, handler):
+        if not isinstance(data, dict):
+            return handler(data)
+        shared, options, elsewhere, errors = split_flat(set(cls.model_fields), data)
+        if errors:  # the shared fields' problems too, so that one message lists them all
+            try:
+                placeholder = get_spec(shared.get("drafter_type", "dspark")).options()
+                handler({**shared, "options": placeholder})
+            except ValidationError as err:
+                errors += [relocated(e) for e in err.errors()]
+            except (KeyError, ValueError):  # an unknown type: named already
+                pass
+            raise ValidationError.from_exception_data(cls.__name__, errors)
+        config = handler({**shared, "options": options})
+        config._given_elsewhere = elsewhere
+        return config
+
+    @model_serializer(mode="wrap")
+    def _flat(self, handler):
+        return flat_dump(handler(self), self.options, self._given_elsewhere)
+
+    def __eq__(self, other: object) -> bool:
+        # the keys of other types' options a config was given build nothing: two configs of
+        # the same fields are the same drafter
+        return type(self) is type(other) and self.__dict__ == other.__dict__
+
+    __hash__ = None  # mutable, as every pydantic model that is not frozen
 
     @field_validator("block_size")
     @classmethod
@@ -88,27 +123,11 @@ class DrafterConfig(BaseModel):
         return v
 
     @model_validator(mode="after")
-    def _heads_and_init(self):
-        spec = self.spec
-        if not spec.has_heads and (self.head_type != "none" or self.confidence_head):
-            raise ValueError(f"a {self.drafter_type} drafter has no sequential or confidence head: "
-                             "set head_type 'none' and confidence_head false")
-        if self.confidence_head and self.head_type == "none":
-            raise ValueError("the confidence head (Eq. 7) reads the sequential head's embedding "
-                             "W1[x_{k-1}]: it needs head_type 'markov' or 'rnn'")
-        if isinstance(self.sliding_window, int) and not spec.windowed_attention:
-            raise ValueError(f"sliding_window: a {spec.title} drafter attends its whole context; "
-                             "set null or 'target' (which leaves it at full attention)")
+    def _window_holds_a_block(self):
         if isinstance(self.sliding_window, int) and self.sliding_window < self.num_block_inputs:
             raise ValueError(f"sliding_window {self.sliding_window} is shorter than one block "
                              f"pass ({self.num_block_inputs} inputs): a block query would not "
                              "see its own block")
-        if self.anchor_features and not spec.anchor_features:
-            raise ValueError(f"anchor_features: a {spec.title} drafter has no anchor slot that "
-                             "could read the last context state; set false")
-        if self.init == "target_layers" and not spec.target_layer_init:
-            raise ValueError(f"init 'target_layers' copies the target's decoder layers, which a "
-                             f"{spec.title} drafter's layers are not: use init 'random'")
         return self
 
     # ------------------------------------------------------------------ derived from the spec
@@ -119,8 +138,8 @@ class DrafterConfig(BaseModel):
 
     @property
     def num_hidden_layers(self) -> int:
-        """The drafter's layer count: the field its type's spec names (``layers_field``)."""
-        return getattr(self, self.spec.layers_field)
+        """The drafter's layer count (its options' ``num_layers``)."""
+        return self.options.num_layers
 
     @property
     def anchor_slots(self) -> int:
@@ -148,20 +167,21 @@ class DrafterConfig(BaseModel):
         qk_norm = (self.qk_norm if self.qk_norm is not None
                    else getattr(target_config, "model_type", "") in QK_NORM_TARGETS)
         loss_decay = self.loss_decay if self.loss_decay is not None else float(self.block_size)
-        fields = self.model_dump(include=set(DrafterConfig.model_fields))
-        return BoundDrafterConfig(**{**fields, "qk_norm": qk_norm, "loss_decay": loss_decay},
+        fields = {name: getattr(self, name) for name in DrafterConfig.model_fields}
+        return BoundDrafterConfig(**{**self._given_elsewhere, **fields, "qk_norm": qk_norm,
+                                     "loss_decay": loss_decay},
                                   target=target, layer_windows=windows)
 
     def layer_windows_for(self, target_config) -> list[int | None] | None:
         """Each drafter layer's attention window (None = full) under ``sliding_window``, or None
         when every layer attends fully. 'target' mirrors the target's last
-        ``num_hidden_layers`` layers (:func:`target_layer_windows`); a type without
-        ``windowed_attention`` (Eagle3) always attends fully.
+        ``num_hidden_layers`` layers (:func:`target_layer_windows`); a type without the option
+        (Eagle3) always attends fully.
 
         Raises:
             ValueError: a mirrored target window shorter than one block pass."""
         n = self.num_hidden_layers
-        if self.sliding_window is None or not self.spec.windowed_attention:
+        if self.sliding_window is None:
             return None
         if isinstance(self.sliding_window, int):
             return [self.sliding_window] * n
@@ -175,6 +195,10 @@ class DrafterConfig(BaseModel):
                              f"shorter than one block pass ({self.num_block_inputs} inputs); set "
                              "the drafter's sliding_window explicitly (or null)")
         return mirrored
+
+
+for _name in OPTION_VIEWS:
+    setattr(DrafterConfig, _name, option_view(_name))
 
 
 def target_layer_windows(target_config) -> list[int | None]:
@@ -314,7 +338,8 @@ class BoundDrafterConfig(DrafterConfig):
     # ------------------------------------------------------------------ config.json
     def to_json_dict(self) -> dict:
         """The checkpoint's ``config.json`` content (flat; keys as every version wrote them)."""
-        out = {k: getattr(self, k) for k in _DRAFTER_KEYS}
+        flat = self.model_dump(mode="json")
+        out = {k: flat[k] for k in _DRAFTER_KEYS}
         out.update({k: getattr(self.target, f) for k, f in _TARGET_KEYS.items()})
         out.update(model_type=MODEL_TYPE, num_hidden_layers=self.num_hidden_layers,
                    hidden_size=self.target.hidden_size, vocab_size=self.target.vocab_size,
@@ -347,7 +372,7 @@ class BoundDrafterConfig(DrafterConfig):
         kind = data.get("drafter_type", "dspark")
         layers = data.pop("num_hidden_layers", None)
         if layers is not None and kind in drafter_types():
-            data[get_spec(kind).layers_field] = layers
+            data[get_spec(kind).options.flat_names()["num_layers"]] = layers
         data.setdefault("qk_norm", False)  # written since qk_norm exists; before, no q/k norms
         data.setdefault("sliding_window", None)  # written since windows exist; before, full
         if data.get("loss_decay") is None and isinstance(data.get("block_size"), int):

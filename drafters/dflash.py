@@ -11,18 +11,23 @@ count block_size + 1 (``drafters/export/dflash.py``).
 from __future__ import annotations
 
 from .dspark import DSparkDrafter, block_position_weights
+from .dspark_options import BlockDrafterOptions
 from .export.dflash import EXPORTERS
 from .spec import DrafterSpec
 
 
+class DFlashOptions(BlockDrafterOptions):
+    """DFlash's settings: those of DSpark's backbone (layers, start, window, anchor features);
+    it has no sequential or confidence head."""
+
+
 class DFlashDrafter(DSparkDrafter):
     """DFlash drafter: :class:`~drafters.dspark.DSparkDrafter`'s backbone read through the
-    spec's slot convention (``config.anchor_slots`` 1), with ``head_type`` none and no
-    confidence head (the config rejects heads for this type)."""
+    spec's slot convention (``config.anchor_slots`` 1), without the sequential and confidence
+    heads (its options have none)."""
 
 
 SPEC = DrafterSpec(
     name="dflash", title="DFlash", model_class=DFlashDrafter, objective="ce",
-    step_weights=block_position_weights, anchor_slots=1, target_layer_init=True,
-    windowed_attention=True, anchor_features=True, exporters=EXPORTERS, vllm_method="dflash",
-    vllm_architectures=("DFlashDraftModel",))
+    step_weights=block_position_weights, anchor_slots=1, options=DFlashOptions,
+    exporters=EXPORTERS, vllm_method="dflash", vllm_architectures=("DFlashDraftModel",))

@@ -22,6 +22,7 @@ from torch import nn
 
 from .base import BlockProposal, DrafterBase, row_pieces
 from .context_cache import DraftContextCache, grown_kv
+from .dspark_options import DSparkOptions
 from .export.dspark import EXPORTERS
 from .heads import ConfidenceHead, MarkovHead, RNNHead
 from .layer_init import map_layer_state
@@ -66,12 +67,13 @@ class DSparkDrafter(DrafterBase):
         self.norm = RMSNorm(h, config.rms_norm_eps)
         self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta)
         if config.head_type == "markov":
-            self.head = MarkovHead(n_in, config.markov_rank, n)
+            self.head = MarkovHead(n_in, config.options.markov_rank, n)
         elif config.head_type == "rnn":
-            self.head = RNNHead(n_in, config.markov_rank, h, n)
+            self.head = RNNHead(n_in, config.options.markov_rank, h, n)
         else:
             self.head = None
-        self.confidence = ConfidenceHead(h, config.markov_rank) if config.confidence_head else None
+        self.confidence = (ConfidenceHead(h, config.options.markov_rank) if config.confidence_head
+                           else None)
 
     @torch.no_grad()
     def init_from_target(self, layer_states: list[dict], norm_state: dict) -> None:
@@ -437,6 +439,5 @@ def block_position_weights(config: BoundDrafterConfig) -> torch.Tensor:
 
 SPEC = DrafterSpec(
     name="dspark", title="DSpark", model_class=DSparkDrafter, objective="dspark",
-    step_weights=block_position_weights, has_heads=True, target_layer_init=True,
-    windowed_attention=True, anchor_features=True, exporters=EXPORTERS, vllm_method="dspark",
-    vllm_architectures=("Qwen3DSparkModel",))
+    step_weights=block_position_weights, options=DSparkOptions, exporters=EXPORTERS,
+    vllm_method="dspark", vllm_architectures=("Qwen3DSparkModel",))

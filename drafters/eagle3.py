@@ -32,12 +32,14 @@ from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
+from pydantic import Field
 from torch import nn
 
 from .base import BlockProposal, DrafterBase
 from .export.eagle3 import EXPORTERS
 from .layers import KVInjectionAttention, RMSNorm, RotaryEmbedding, SwiGLU
 from .losses import eagle3_step_weights
+from .options import DrafterOptions
 from .packing import PackedBlocks
 from .sampling import sample_rows
 from .spec import DrafterSpec
@@ -118,10 +120,10 @@ class Eagle3DraftState:
 class Eagle3Drafter(DrafterBase):
     """Eagle3 drafter trained with training-time test (EAGLE-3 paper; SPEC section 2).
 
-    Config: ``drafter_type="eagle3"``, ``head_type="none"``, ``confidence_head=False``;
-    ``num_hidden_layers`` Eagle3 layers (normally 1; the first is the fused 2H-input layer);
-    ``block_size`` = gamma = the number of chained draft steps (``num_block_inputs ==
-    block_size``, ``anchor_slots == 0``); ``eagle3_num_layers`` sets the layer count.
+    Config: ``drafter_type="eagle3"`` (options :class:`Eagle3Options`: no heads, full
+    attention); ``num_hidden_layers`` Eagle3 layers (normally 1; the first is the fused
+    2H-input layer; ``eagle3_num_layers`` in the flat layout); ``block_size`` = gamma = the
+    number of chained draft steps (``num_block_inputs == block_size``, ``anchor_slots == 0``).
 
     Args:
         config: a :class:`~drafters.config.BoundDrafterConfig`.
@@ -416,8 +418,17 @@ class Eagle3Drafter(DrafterBase):
                              confidence_logits=None)
 
 
+class Eagle3Options(DrafterOptions):
+    """Eagle3's settings: its decoder layers, written ``eagle3_num_layers`` in the flat layout
+    (where ``num_layers`` is DSpark's and DFlash's backbone)."""
+
+    FLAT_NAMES = {"num_layers": "eagle3_num_layers"}
+
+    num_layers: int = Field(1, ge=1, description="Decoder layers of an Eagle3 drafter.")
+
+
 SPEC = DrafterSpec(
     name="eagle3", title="Eagle3", model_class=Eagle3Drafter, objective="soft_ce",
     step_weights=lambda config: eagle3_step_weights(config.block_size), min_anchor=1,
-    layers_field="eagle3_num_layers", drafts_whole_block=False, exporters=EXPORTERS,
+    options=Eagle3Options, drafts_whole_block=False, exporters=EXPORTERS,
     vllm_method="eagle3", vllm_architectures=("Eagle3",))

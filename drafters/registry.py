@@ -29,8 +29,8 @@ def check_model_class(spec: DrafterSpec) -> None:
 
     Raises:
         ValueError: the class is no :class:`~drafters.base.DrafterBase`, leaves one of its
-            abstract methods out (named), or lacks ``init_from_target`` where the spec sets
-            ``target_layer_init``.
+            abstract methods out (named), or lacks ``init_from_target`` where its options offer
+            ``init`` (a start from the target's layers).
     """
     # lazy: import cycle: base -> config -> registry
     from .base import DrafterBase
@@ -40,8 +40,8 @@ def check_model_class(spec: DrafterSpec) -> None:
         raise ValueError(f"drafter_type {spec.name!r}: its model_class {cls!r} is not a "
                          "drafters.base.DrafterBase")
     missing = sorted(getattr(cls, "__abstractmethods__", ()))
-    if spec.target_layer_init and not callable(getattr(cls, "init_from_target", None)):
-        missing.append("init_from_target (its spec sets target_layer_init)")
+    if spec.has_option("init") and not callable(getattr(cls, "init_from_target", None)):
+        missing.append("init_from_target (its options offer init: target_layers)")
     if missing:
         raise ValueError(f"drafter_type {spec.name!r}: {cls.__name__} does not implement "
                          f"{', '.join(missing)} (drafters/base.py declares what every drafter "

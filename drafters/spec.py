@@ -13,6 +13,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from .options import DrafterOptions
+
 if TYPE_CHECKING:
     import torch
 
@@ -35,15 +37,9 @@ class DrafterSpec:
         anchor_slots: the slot convention, block inputs that only condition and predict nothing:
             0 when the anchor's own slot predicts the first draft token (DSpark, Eagle3), 1 when
             the anchor takes a slot of its own before the block_size mask slots (DFlash).
-        has_heads: whether the sequential and confidence heads (``head_type``,
-            ``confidence_head``) exist for this type.
-        target_layer_init: whether ``init: target_layers`` can start its layers from the
-            target's last decoder layers (``model_class.init_from_target``).
-        layers_field: the config field that sets its layer count.
-        windowed_attention: whether its layers can attend through a sliding window
-            (``sliding_window``; DSpark/DFlash's block queries over the injected context).
-        anchor_features: whether its anchor slot can also read the last context position's
-            fused target features (``drafter.anchor_features``; DSpark/DFlash's anchor input).
+        options: its options model (:class:`~drafters.options.DrafterOptions`), the settings
+            it alone has (defined beside its class): which parts it has is which fields its
+            options declare (:meth:`has_option`).
         drafts_whole_block: drafts its block in one pass, so a round drafts at most block_size
             tokens in any engine; False for a chained drafter (an engine may run more steps).
         exporters: export format -> :class:`drafters.export.common.Exporter`.
@@ -59,15 +55,17 @@ class DrafterSpec:
     step_weights: Callable[[BoundDrafterConfig], torch.Tensor]
     min_anchor: int = 0
     anchor_slots: int = 0
-    has_heads: bool = False
-    target_layer_init: bool = False
-    layers_field: str = "num_layers"
-    windowed_attention: bool = False
-    anchor_features: bool = False
+    options: type[DrafterOptions] = DrafterOptions
     drafts_whole_block: bool = True
     exporters: Mapping[str, Any] = field(default_factory=dict)
     vllm_method: str | None = None
     vllm_architectures: tuple[str, ...] = ()
+
+    def has_option(self, name: str) -> bool:
+        """Whether this type has option ``name`` (a field of its options model): "head_type"
+        and "confidence_head" (the heads), "sliding_window", "anchor_features", "init" (a start
+        from the target's layers, ``model_class.init_from_target``)."""
+        return name in self.options.model_fields
 
     def training_objective(self, config: BoundDrafterConfig, override: str | None = None
                            ) -> tuple[str, torch.Tensor]:

@@ -196,9 +196,9 @@ def drafter_parameter_count(cfg: BoundDrafterConfig) -> int:
     n = cfg.draft_vocab_len
     if cfg.head_type == "markov":
         n_in = n + 1 if cfg.draft_vocab_size else n
-        total += n_in * cfg.markov_rank + cfg.markov_rank * n
+        total += n_in * cfg.options.markov_rank + cfg.options.markov_rank * n
     if cfg.confidence_head:
-        total += h + cfg.markov_rank + 1
+        total += h + cfg.options.markov_rank + 1
     return total
 
 
@@ -242,7 +242,7 @@ def estimate_step_memory(cfg: BoundDrafterConfig, shape: StepShape, *, precision
     inter, layers = cfg.intermediate_size, cfg.num_hidden_layers
     m_h = cfg.num_context_layers * cfg.target_hidden_size
     k, s = cfg.block_size, cfg.num_block_inputs
-    r = cfg.markov_rank if cfg.head_type == "markov" else 0
+    r = cfg.options.markov_rank if cfg.head_type == "markov" else 0
     conf = cfg.confidence_head
     v, vd = cfg.target_vocab_size, cfg.draft_vocab_len
     subset = bool(cfg.draft_vocab_size)

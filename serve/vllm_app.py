@@ -26,7 +26,8 @@ def speculative_config(cfg: ServeConfig) -> dict | None:
     target alone), capped at ``engine.num_speculative_tokens``. The export's drafter type (its
     registered spec, ``drafters/registry.py``) gives vLLM's method, how its ``block_size``
     counts (the spec's ``anchor_slots``), whether vLLM may draft more than that
-    (``drafts_whole_block``) and whether adaptive verification applies (``has_heads``).
+    (``drafts_whole_block``) and whether adaptive verification applies (a confidence head among
+    its options).
 
     Raises:
         FileNotFoundError: no exported ``config.json`` there.
@@ -58,7 +59,7 @@ def speculative_config(cfg: ServeConfig) -> dict | None:
         raise ValueError(f"engine.num_speculative_tokens {tokens} exceeds the {drafts} tokens the "
                          f"drafter drafts per block")
     out = {"model": str(path), "method": spec.vllm_method, "num_speculative_tokens": int(tokens)}
-    if spec.has_heads and v.adaptive_verification:
+    if spec.has_option("confidence_head") and v.adaptive_verification:
         if not exported.get("enable_confidence_head"):
             raise ValueError(f"{path}: adaptive verification needs the confidence head, which "
                              "this export lacks; set vllm.adaptive_verification false")

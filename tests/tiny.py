@@ -33,13 +33,15 @@ def tiny_drafter(target, layer_ids=(1, 3), block_size: int = 4, head_type: str =
     subset only (``drafters/draft_vocab.py``); ``sliding_window`` and ``anchor_features`` as the
     config fields."""
     torch.manual_seed(seed)
-    heads = get_spec(drafter_type).has_heads
+    spec = get_spec(drafter_type)
+    options = {"num_layers": num_layers}
+    if spec.has_option("head_type"):
+        options.update(head_type=head_type, markov_rank=16)
+    if spec.has_option("sliding_window"):
+        options.update(sliding_window=sliding_window, anchor_features=anchor_features)
     cfg = DrafterConfig(
-        drafter_type=drafter_type, block_size=block_size,
-        **{get_spec(drafter_type).layers_field: num_layers},
-        head_type=head_type if heads else "none", markov_rank=16, confidence_head=heads,
-        qk_norm=True, draft_vocab_size=len(draft_vocab) if draft_vocab else 0,
-        sliding_window=sliding_window, anchor_features=anchor_features,
+        drafter_type=drafter_type, block_size=block_size, options=options, qk_norm=True,
+        draft_vocab_size=len(draft_vocab) if draft_vocab else 0,
     ).for_target(target.config, "tiny-qwen3", list(layer_ids))
     cfg.target.max_position_embeddings = 512
     emb = target.get_input_embeddings().weight

@@ -66,7 +66,7 @@ def dspark_vllm_config(drafter, mask_token_id: int, dtype: str) -> dict:
             # causal stated: vLLM makes a sliding layer causal unless the config says otherwise
             "dflash_config": {"mask_token_id": mask_token_id, "target_layer_ids": ids,
                               "causal": False},
-            "markov_rank": cfg.markov_rank, "markov_head_type": "vanilla",
+            "markov_rank": cfg.options.markov_rank, "markov_head_type": "vanilla",
             "enable_confidence_head": bool(cfg.confidence_head),
             "confidence_head_with_markov": True, "sample_from_anchor": True,
             "logit_scale": 1.0}
@@ -81,7 +81,7 @@ def dspark_speculators_config(drafter, mask_token_id: int, dtype: str, verifier:
             # dflash_config.causal = not sliding_window_non_causal (DSpark shares it), and the
             # speculators trainer makes a windowed block causal unless this is true
             "sliding_window_non_causal": True, "target_hidden_size": cfg.target_hidden_size,
-            "markov_rank": cfg.markov_rank, "markov_head_type": "vanilla",
+            "markov_rank": cfg.options.markov_rank, "markov_head_type": "vanilla",
             "enable_confidence_head": bool(cfg.confidence_head),
             "confidence_head_with_markov": True,
             "speculators_config": proposals("dspark", cfg.block_size, verifier)}

@@ -56,9 +56,9 @@ def bigram_table(model) -> torch.Tensor:
 def _drafter_config(target, layer_ids, block_size, head_type, rank, drafter_type="dspark",
                     num_layers=1):
     spec = get_spec(drafter_type)
+    heads = {"head_type": head_type, "markov_rank": rank} if spec.has_option("head_type") else {}
     cfg = DrafterConfig(drafter_type=drafter_type, block_size=block_size,
-                        **{spec.layers_field: num_layers}, head_type=head_type, markov_rank=rank,
-                        confidence_head=spec.has_heads, qk_norm=True).for_target(
+                        options={"num_layers": num_layers, **heads}, qk_norm=True).for_target(
         target.config, "tiny-qwen3", list(layer_ids))
     cfg.target.max_position_embeddings = 512
     return cfg

@@ -21,7 +21,7 @@ def test_reference_settings_of_qwen3_4b():
     cfg = load_config(ROOT / "infra" / "configs" / "qwen3_4b.yaml")
     assert cfg.target.name_or_path == "Qwen/Qwen3-4B"
     assert cfg.target.layer_ids == [1, 9, 17, 25, 33]
-    assert (cfg.drafter.num_layers, cfg.train.num_anchors, cfg.train.lr) == (5, 512, 6e-4)
+    assert (cfg.drafter.num_hidden_layers, cfg.train.num_anchors, cfg.train.lr) == (5, 512, 6e-4)
     assert (cfg.train.global_batch_size, cfg.train.num_epochs, cfg.train.num_workers) == (512, 10, 8)
 
 
@@ -48,7 +48,9 @@ def test_every_invalid_field_is_listed_and_unknown_keys_named():
 def test_cross_field_rules(tmp_path):
     with pytest.raises(ConfigError, match="multiple of"):
         load_config(ROOT / "infra" / "configs" / "quickstart.yaml", ["train.global_batch_size=9"])
-    with pytest.raises(ConfigError, match="dflash"):
+    # quickstart's drafter asks for DSpark's heads: a DFlash drafter has none, each key named
+    with pytest.raises(ConfigError, match=r"drafter.head_type: a DFlash drafter has no sequential"
+                       r" head.*\n  drafter.confidence_head: a DFlash drafter has no confidence"):
         load_config(ROOT / "infra" / "configs" / "quickstart.yaml", ["drafter.drafter_type=dflash"])
 
 

@@ -369,9 +369,11 @@ def test_config_defaults():
 
 
 @pytest.mark.parametrize("kw, match", [
-    (dict(drafter_type="dflash"), "dflash drafter has no"),
-    (dict(drafter_type="dflash", head_type="markov", confidence_head=False), "dflash drafter has no"),
-    (dict(drafter_type="dflash", head_type="none", confidence_head=True), "dflash drafter has no"),
+    (dict(drafter_type="dflash", head_type="markov"), "DFlash drafter has no sequential head"),
+    (dict(drafter_type="dflash", head_type="markov", confidence_head=False),
+     "DFlash drafter has no sequential head"),
+    (dict(drafter_type="dflash", head_type="none", confidence_head=True),
+     "DFlash drafter has no confidence head"),
     (dict(drafter_type="eagle"), "drafter_type"),
     (dict(head_type="lstm"), "head_type"),
     (dict(head_type="none", confidence_head=True), "confidence head"),

@@ -15,6 +15,7 @@ from torch import nn
 from drafters import registry
 from drafters.base import BlockProposal, DrafterBase
 from drafters.config import DrafterConfig
+from drafters.dspark_options import DSparkOptions
 from drafters.loading import build_drafter, load_drafter
 from drafters.losses import position_weights
 from drafters.sampling import sample_rows
@@ -125,8 +126,11 @@ def test_a_drafter_defined_here_trains_saves_loads_and_verifies_losslessly(regis
         "drafter": {"drafter_type": "last_feature", "block_size": 3, "head_type": "none",
                     "confidence_head": False}})
     assert cfg.drafter.spec is SPEC
-    with pytest.raises(ValueError, match="no sequential or confidence head"):
-        DrafterConfig(drafter_type="last_feature")  # the spec's rules apply (has_heads False)
+    # its options are the base model's (a layer count): DSpark's heads are not asked to be
+    # switched off, and asking for one is refused by name
+    assert DrafterConfig(drafter_type="last_feature").head_type == "none"
+    with pytest.raises(ValueError, match="a LastFeature drafter has no sequential head"):
+        DrafterConfig(drafter_type="last_feature", head_type="markov")
 
     target = tiny_target()
     torch.manual_seed(0)
@@ -198,9 +202,7 @@ def test_the_built_in_specs_hold_each_types_rules(name, min_anchor, anchor_slots
     spec = registry.get_spec(name)
     assert (spec.min_anchor, spec.anchor_slots, spec.objective) == (min_anchor, anchor_slots,
                                                                     objective)
-    cfg = DrafterConfig(drafter_type=name, block_size=4,
-                        **({} if spec.has_heads else {"head_type": "none",
-                                                      "confidence_head": False}))
+    cfg = DrafterConfig(drafter_type=name, block_size=4)
     assert cfg.num_block_inputs == 4 + anchor_slots
     with pytest.raises(ValueError, match="drafter_type must be one of 'dspark', 'dflash'"):
         registry.get_spec("medusa")
@@ -224,7 +226,7 @@ def test_checkpoints_of_the_previous_layout_load(tmp_path):
     old["confidence_head"] = False
     (tmp_path / "config.json").write_text(json.dumps(old))
     cfg = read_drafter_config(tmp_path)
-    assert (cfg.drafter_type, cfg.num_hidden_layers, cfg.eagle3_num_layers) == ("eagle3", 1, 1)
+    assert (cfg.drafter_type, cfg.num_hidden_layers, cfg.options.num_layers) == ("eagle3", 1, 1)
     assert cfg.qk_norm is False and cfg.loss_decay == 4.0 and cfg.target_layer_ids == [1, 3]
     assert {k: v for k, v in cfg.to_json_dict().items() if v != old.get(k)} == {
         "loss_decay": 4.0, "qk_norm": False}
@@ -255,7 +257,7 @@ def test_a_drafter_missing_part_of_the_interface_is_refused_at_registration(regi
     with pytest.raises(ValueError, match="init_from_target"):
         registry.register(DrafterSpec(name="no_init", title="X", model_class=LastFeatureDrafter,
                                       objective="ce", step_weights=lambda cfg: None,
-                                      target_layer_init=True))
+                                      options=DSparkOptions))
     with pytest.raises(ValueError, match="not a drafters.base.DrafterBase"):
         registry.register(DrafterSpec(name="module", title="X", model_class=nn.Linear,
                                       objective="ce", step_weights=lambda cfg: None))

@@ -35,10 +35,16 @@ def test_main_command_uses_the_quickstart_config():
 
 
 def _fields(model: type[BaseModel], prefix: str = ""):
+    from drafters.options import DrafterOptions
+    from drafters.registry import all_specs
+
     for name, field in model.model_fields.items():
         subs = [c for c in (field.annotation, *typing.get_args(field.annotation))
                 if isinstance(c, type) and issubclass(c, BaseModel)]
-        if subs and name not in ("convert_from_gguf", "sampling", "sources"):
+        if subs and issubclass(subs[0], DrafterOptions):  # written flat: every type's keys
+            yield from sorted({prefix + flat for spec in all_specs().values()
+                               for flat in spec.options.flat_names().values()})
+        elif subs and name not in ("convert_from_gguf", "sampling", "sources"):
             yield from _fields(subs[0], f"{prefix}{name}.")
         else:
             yield prefix + name

@@ -408,8 +408,8 @@ def test_a_refused_init_stops_the_pipeline_before_any_stage(tmp_path, smollm2_di
 
     target = family_target_dir("qwen2-sliding", smollm2_dir, tmp_path / "target")
     ctx = StageContext.create(load_config(tiny_pipeline_config(tmp_path, target)))
-    cfg = ctx.cfg.model_copy(update={"drafter": ctx.cfg.drafter.model_copy(
-        update={"init": "target_layers"})})
+    cfg = ctx.cfg.model_copy(update={"drafter": type(ctx.cfg.drafter)(
+        **{**ctx.cfg.drafter.model_dump(), "init": "target_layers"})})
     ctx = StageContext(cfg, ctx.run_dir, ctx.target, ctx.layer_ids, ctx.cache_dir)
     with pytest.raises(LayerInitError, match=r"qwen2 layer 3 .*self_attn.q_proj.bias"):
         preflight(ctx, ["prompts", "generate", "cache", "train"], forced=[])
