@@ -29,14 +29,23 @@ from pydantic import (
     PrivateAttr,
     SerializeAsAny,
     ValidationError,
+    ValidationInfo,
     field_validator,
     model_serializer,
     model_validator,
 )
 
-from .flat_layout import OPTION_VIEWS, flat_dump, option_view, relocated, split_flat
-from .options import DrafterOptions
+from .flat_layout import (
+    OPTION_VIEWS,
+    a_drafter,
+    flat_dump,
+    option_view,
+    relocated,
+    split_flat,
+)
+from .options import FLAT_KEYS, DrafterOptions
 from .registry import drafter_types, get_spec
+from .target_shape import TargetShape, target_layer_windows
 
 if TYPE_CHECKING:
     from .spec import DrafterSpec
@@ -122,6 +131,41 @@ class DrafterConfig(BaseModel):
             raise ValueError(f"block_size must be in [1, {MAX_BLOCK_SIZE}], got {v}")
         return v
 
+    def model_copy(self, *, update: dict[str, Any] | None = None, deep: bool = False):
+        """A copy; an ``update`` that touches the type or its options (``drafter_type``,
+        ``options`` or a flat option key) is validated as a new config, so the options stay
+        the type's (pydantic's plain copy would set them unchecked)."""
+        if update and set(update) & {"drafter_type", "options", *FLAT_KEYS}:
+            current = self.model_dump()
+            if "options" in update:  # replaced as a whole: not merged with the current ones
+                for flat in self.spec.options.flat_names().values():
+                    current.pop(flat, None)
+            return type(self).model_validate({**current, **update})
+        return super().model_copy(update=update, deep=deep)
+
+    # the two field validators below matter on assignment, which bypasses the routing above
+    # (and where a failing model validator would leave the assigned value in place)
+    @field_validator("drafter_type")
+    @classmethod
+    def _registered_and_matching(cls, v: str, info: ValidationInfo) -> str:
+        spec = get_spec(v)  # raises naming the registered types
+        current = info.data.get("options")
+        if current is not None and type(current) is not spec.options:
+            raise ValueError(f"{a_drafter(spec)}'s options are {spec.options.__name__}, not "
+                             f"{type(current).__name__}: build a new config to change the type")
+        return v
+
+    @field_validator("options", mode="before")
+    @classmethod
+    def _the_types_options(cls, v: Any, info: ValidationInfo) -> Any:
+        kind = info.data.get("drafter_type")
+        if kind is None or type(v) is get_spec(kind).options:  # an invalid type is named
+            return v
+        if isinstance(v, DrafterOptions):
+            raise ValueError(f"{a_drafter(get_spec(kind))}'s options are "
+                             f"{get_spec(kind).options.__name__}, not {type(v).__name__}")
+        return get_spec(kind).options.model_validate(v)
+
     @model_validator(mode="after")
     def _window_holds_a_block(self):
         if isinstance(self.sliding_window, int) and self.sliding_window < self.num_block_inputs:
@@ -199,76 +243,6 @@ class DrafterConfig(BaseModel):
 
 for _name in OPTION_VIEWS:
     setattr(DrafterConfig, _name, option_view(_name))
-
-
-def target_layer_windows(target_config) -> list[int | None]:
-    """Per decoder layer of a target, the sliding window its attention uses (None = full
-    attention, or a layer that is not attention), read from the Hugging Face config as
-    transformers states it: ``layer_types`` with ``sliding_window`` (Gemma 2/3, gpt-oss, Qwen2
-    and Qwen3 with ``use_sliding_window``), else a model-wide ``sliding_window`` that
-    ``use_sliding_window`` does not switch off (Mistral).
-
-    Args:
-        target_config: a transformers ``PretrainedConfig`` (or an object with its attributes).
-    Returns:
-        one entry per ``num_hidden_layers``.
-    """
-    n = int(target_config.num_hidden_layers)
-    window = getattr(target_config, "sliding_window", None)
-    types = getattr(target_config, "layer_types", None)
-    if types:
-        return [window if t == "sliding_attention" and window else None for t in types]
-    if window and getattr(target_config, "use_sliding_window", True) is not False:
-        return [int(window)] * n
-    return [None] * n
-
-
-class TargetShape(BaseModel):
-    """The target a drafter is built for, as its checkpoint records it: the model, its
-    vocabulary, the layers whose outputs feed the context features, and the decoder-layer
-    dimensions the drafter's own layers copy (SPEC 2)."""
-
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
-
-    name_or_path: str = Field("", description="The target's from_pretrained name or directory.")
-    vocab_size: int = Field(ge=1)
-    hidden_size: int = Field(ge=1)
-    layer_ids: list[int] = Field(description="0-based decoder layers whose outputs are "
-                                 "concatenated into the context features (ascending; SPEC 1.4).")
-    num_attention_heads: int = Field(ge=1)
-    num_key_value_heads: int = Field(ge=1)
-    head_dim: int = Field(ge=1)
-    intermediate_size: int = Field(ge=1)
-    rms_norm_eps: float = Field(gt=0)
-    rope_theta: float = Field(gt=0)
-    max_position_embeddings: int = Field(ge=1)
-
-    @field_validator("layer_ids")
-    @classmethod
-    def _ascending(cls, v: list[int]) -> list[int]:
-        if not v or sorted(set(v)) != v or v[0] < 0:
-            raise ValueError(f"target_layer_ids must be non-empty, distinct, ascending and >= 0, "
-                             f"got {v}")
-        return v
-
-    @model_validator(mode="after")
-    def _heads(self):
-        if self.num_attention_heads % self.num_key_value_heads:
-            raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
-        return self
-
-    @classmethod
-    def of(cls, tc, name: str, layer_ids: list[int]) -> TargetShape:
-        """The shape of the target whose Hugging Face config is ``tc``."""
-        params = getattr(tc, "rope_parameters", None) or {}
-        heads = tc.num_attention_heads
-        return cls(name_or_path=name, vocab_size=tc.vocab_size, hidden_size=tc.hidden_size,
-                   layer_ids=list(layer_ids), num_attention_heads=heads,
-                   num_key_value_heads=getattr(tc, "num_key_value_heads", None) or heads,
-                   head_dim=getattr(tc, "head_dim", None) or tc.hidden_size // heads,
-                   intermediate_size=tc.intermediate_size, rms_norm_eps=tc.rms_norm_eps,
-                   rope_theta=float(params.get("rope_theta") or getattr(tc, "rope_theta", 10000.0)),
-                   max_position_embeddings=tc.max_position_embeddings)
 
 
 # config.json key -> TargetShape field (the flat checkpoint layout)

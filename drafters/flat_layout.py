@@ -25,10 +25,12 @@ OPTION_VIEWS = ("head_type", "confidence_head", "anchor_features", "sliding_wind
 def split_flat(shared_fields: set[str], data: dict
                ) -> tuple[dict, DrafterOptions | None, dict, list[dict]]:
     """(shared fields, the type's options, keys of other types' options it was given, problems)
-    of a raw drafter mapping ``data``: flat, or with a nested ``options`` mapping (or model).
-    ``shared_fields``: the config's own field names. The problems (pydantic line errors, each under its flat key): an unknown type, an invalid
-    option value, an option of another type at a value that would need a part this type lacks
-    (``drafters/options.py``'s ``FLAT_KEYS``); the options are None where there are any."""
+    of a raw drafter mapping ``data``: flat, or with a nested ``options`` mapping (or model);
+    ``shared_fields`` are the config's own field names. The problems (pydantic line errors,
+    each under its flat key): an unknown type, an invalid option value, an option given both
+    flat and nested with different values, an option of another type at a value that would
+    need a part this type lacks (``drafters/options.py``'s ``FLAT_KEYS``); the options are None
+    where there are any."""
     data = dict(data)
     kind = data.get("drafter_type", "dspark")
     try:
@@ -42,15 +44,18 @@ def split_flat(shared_fields: set[str], data: dict
     elsewhere, errors = {}, []
     for key in [k for k in data if k not in shared_fields]:
         if key in field_of:
-            given[field_of[key]] = data.pop(key)
+            value = data.pop(key)
+            if field_of[key] in given and given[field_of[key]] != value:
+                errors.append(line_error((key,), value, f"{key} {value!r} differs from "
+                                         f"options.{field_of[key]} {given[field_of[key]]!r}"))
+            given[field_of[key]] = value
         elif key in FLAT_KEYS:
             value = data.pop(key)
             if FLAT_KEYS[key].accepts(value):
                 elsewhere[key] = value
             else:
-                article = "an" if spec.title[:1] in "AEIOU" else "a"
-                errors.append(line_error((key,), value, f"{article} {spec.title} drafter "
-                                          f"{FLAT_KEYS[key].refusal}"))
+                errors.append(line_error((key,), value, f"{a_drafter(spec)} "
+                                         f"{FLAT_KEYS[key].refusal}"))
     options = None
     try:
         options = spec.options.model_validate(given)
@@ -73,6 +78,11 @@ def line_error(loc: tuple, value: Any, message: str) -> dict:
     """A pydantic line error: ``message`` at ``loc`` for ``value``."""
     return {"type": PydanticCustomError("value_error", "{message}", {"message": message}),
             "loc": loc, "input": value}
+
+
+def a_drafter(spec) -> str:
+    """"a DFlash drafter", "an Eagle3 drafter": a type named in a message."""
+    return f"{'an' if spec.title[:1] in 'AEIOU' else 'a'} {spec.title} drafter"
 
 
 def flat_dump(dumped: dict, options: DrafterOptions, given_elsewhere: dict) -> dict:

@@ -9,9 +9,9 @@ shares and holds one type's options.
 
 The flat layout: the pipeline's ``drafter:`` section, config dumps (stage fingerprints) and a
 checkpoint's ``config.json`` write every setting as one flat key, as every earlier version did.
-A key of another type's options is accepted only at a value that means this type has no such part
-(:data:`FLAT_KEYS`), so a DSpark config turned into an Eagle3 one still loads while a head asked of a
-type without heads is refused by name.
+A key of another type's options is accepted only at a value that means this type has no such
+part (:data:`FLAT_KEYS`), so a DSpark config turned into an Eagle3 one still loads while a head
+asked of a type without heads is refused by name.
 """
 
 from __future__ import annotations
@@ -32,7 +32,8 @@ class DrafterOptions(BaseModel):
     #: option field -> its key in the flat layout, where they differ (Eagle3's layer count)
     FLAT_NAMES: ClassVar[dict[str, str]] = {}
 
-    num_layers: int = Field(1, ge=1, description="The drafter's layers.")
+    # 5: the flat layout's num_layers default, which every type without a field of its own had
+    num_layers: int = Field(5, ge=1, description="The drafter's layers.")
 
     @classmethod
     def flat_names(cls) -> dict[str, str]:
@@ -51,11 +52,13 @@ class FlatKey:
 
     Attributes:
         accepts: whether a value is accepted (and dropped): the value that means "no such part"
-            (no head, no anchor features, a random start, full attention), or any value where
-            the key sizes a part the type does not have (the heads' rank, another layer count).
+            (no head, no anchor features, a random start, full attention), or any size (an
+            integer >= 1) where the key sizes a part the type does not have (the heads' rank,
+            another type's layer count).
         dump: what a dump writes for it when the config was not given it (the flat layout's
             value, so dumps of configs made before per-type options keep their keys and values).
-        reads: what shared code reads for it (``DrafterConfig.<key>``): no such part.
+        reads: what shared code reads for a type without it, where the config answers the
+            key for any type (``drafters/flat_layout.py`` ``OPTION_VIEWS``): no such part.
         refusal: why a value is refused, and the fix ("a DFlash drafter <refusal>").
     """
 
@@ -65,17 +68,20 @@ class FlatKey:
     refusal: str = "has no such option: leave it out"
 
 
-def _anything(value: Any) -> bool:
-    return True
+_SIZE_REFUSAL = "has no part this sizes; it is still an integer >= 1 (or leave it out)"
+
+
+def _a_size(value: Any) -> bool:  # what the flat layout's size keys always required
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
 
 
 #: every flat key of a built-in type's options
 FLAT_KEYS: dict[str, FlatKey] = {
-    "num_layers": FlatKey(_anything, 5),
-    "eagle3_num_layers": FlatKey(_anything, 1),
+    "num_layers": FlatKey(_a_size, 5, refusal=_SIZE_REFUSAL),
+    "eagle3_num_layers": FlatKey(_a_size, 1, refusal=_SIZE_REFUSAL),
     "head_type": FlatKey(lambda v: v == "none", "none", "none",
                          "has no sequential head (Eqs. 5-6): set 'none' or leave it out"),
-    "markov_rank": FlatKey(_anything, 256),
+    "markov_rank": FlatKey(_a_size, 256, refusal=_SIZE_REFUSAL),
     "confidence_head": FlatKey(lambda v: v is False, False, False,
                                "has no confidence head (Eq. 7): set false or leave it out"),
     "init": FlatKey(lambda v: v == "random", "random", "random",

@@ -267,8 +267,12 @@ def init_weights(model, path: str) -> None:
     src = check_checkpoint(path)
     keys = ("drafter_type", "hidden_size", "num_hidden_layers", "block_size", "head_type",
             "markov_rank", "target_layer_ids", "target_vocab_size")
-    diff = [f"{k}: {getattr(src, k)} != {getattr(model.config, k)}" for k in keys
-            if getattr(src, k) != getattr(model.config, k)]
+
+    def value(cfg, key):  # markov_rank is DSpark's option: absent (None) for other types
+        return getattr(cfg.options, key, None) if key == "markov_rank" else getattr(cfg, key)
+
+    diff = [f"{k}: {value(src, k)} != {value(model.config, k)}" for k in keys
+            if value(src, k) != value(model.config, k)]
     if diff:
         raise ValueError(f"train.init_from {path} does not match the configured drafter: "
                          + "; ".join(diff))

@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -37,8 +38,10 @@ def test_a_lock_left_by_a_killed_loader_is_removed_and_the_next_build_goes_on(tm
     assert done.returncode == -signal.SIGKILL
     assert (tmp_path / TORCH_LOCK_FILE).exists()  # what torch's next load would wait on forever
 
-    with exclusive_build(tmp_path, timeout_s=5):
+    start = time.monotonic()
+    with exclusive_build(tmp_path, timeout_s=30, stale_after_s=1.0):
         assert not (tmp_path / TORCH_LOCK_FILE).exists()
+        assert time.monotonic() - start < 25  # removed once 1 s old, not waited for forever
         from torch.utils.file_baton import FileBaton
 
         baton = FileBaton(str(tmp_path / TORCH_LOCK_FILE))
@@ -66,9 +69,22 @@ def test_a_live_builder_is_waited_for_and_a_long_one_named_in_the_error(tmp_path
     finally:
         holder.kill()
         holder.wait()
-    with exclusive_build(tmp_path, timeout_s=5):  # its holder gone, the lock is ours at once
+    # its holder gone, the lock is ours at once; torch's lock file, just written, might be a
+    # loader's that does not take the build lock: waited for until it is stale_after_s old
+    with pytest.raises(TimeoutError, match="does not take the build lock"):
+        with exclusive_build(tmp_path, timeout_s=0.5, poll_s=0.05, stale_after_s=60):
+            pass
+    assert (tmp_path / TORCH_LOCK_FILE).exists()
+    _age(tmp_path / TORCH_LOCK_FILE, 3600)
+    with exclusive_build(tmp_path, timeout_s=5):
         assert not (tmp_path / TORCH_LOCK_FILE).exists()
     assert (tmp_path / BUILD_FLOCK).exists()
+
+
+def _age(path: Path, seconds: float) -> None:
+    """Date ``path`` back ``seconds`` (a lock a run killed that long ago left)."""
+    then = time.time() - seconds
+    os.utime(path, (then, then))
 
 
 def _with_a_stale_lock(src: Path, dst: Path) -> None:
@@ -78,6 +94,7 @@ def _with_a_stale_lock(src: Path, dst: Path) -> None:
         shutil.copytree(src, dst, ignore=shutil.ignore_patterns(TORCH_LOCK_FILE, BUILD_FLOCK))
     dst.mkdir(parents=True, exist_ok=True)
     (dst / TORCH_LOCK_FILE).touch()
+    _age(dst / TORCH_LOCK_FILE, 3600)
 
 
 def test_the_decode_kernel_loads_past_a_stale_lock(tmp_path):

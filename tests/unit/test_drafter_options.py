@@ -104,3 +104,51 @@ def test_binding_to_a_target_keeps_the_options_and_the_dump():
     dspark = DrafterConfig(num_layers=2, head_type="rnn", block_size=4).for_target(
         target.config, "t", [1, 3])
     assert (dspark.options.num_layers, dspark.options.head_type) == (2, "rnn")
+
+
+def test_assignment_and_copies_keep_the_options_the_types():
+    cfg = DrafterConfig(num_layers=2)
+    with pytest.raises(ValueError, match="an Eagle3 drafter.s options are Eagle3Options"):
+        cfg.drafter_type = "eagle3"  # DSpark's options under another type
+    with pytest.raises(ValueError, match="drafter_type must be one of"):
+        cfg.drafter_type = "bogus"
+    assert cfg.drafter_type == "dspark"  # a refused assignment leaves the config as it was
+    cfg.options = {"num_layers": 3, "head_type": "rnn"}  # validated as the type's options
+    assert type(cfg.options).__name__ == "DSparkOptions" and cfg.head_type == "rnn"
+    with pytest.raises(ValueError, match="options.num_layers"):
+        cfg.options = {"num_layers": 0}
+    # a copy that touches the options is a new config: validated, the dump following it
+    assert cfg.model_copy(update={"init": "target_layers"}).init == "target_layers"
+    assert cfg.model_copy(update={"num_layers": 4}).model_dump()["num_layers"] == 4
+    with pytest.raises(ValueError, match="no sequential head"):
+        cfg.model_copy(update={"drafter_type": "dflash"})  # its head_type rnn is refused there
+    assert cfg.model_copy(update={"draft_vocab_size": 5}).options == cfg.options
+
+
+@pytest.mark.parametrize("kw, loc", [
+    (dict(drafter_type="eagle3", num_layers=0), "num_layers"),  # still a size
+    (dict(drafter_type="dflash", markov_rank="x"), "markov_rank"),
+    (dict(options={"num_layers": 2}, num_layers=3), "num_layers")])  # flat and nested differ
+def test_sizes_of_parts_a_type_lacks_and_conflicting_forms_are_refused(kw, loc):
+    with pytest.raises(ValueError) as err:
+        DrafterConfig(**kw)
+    assert err.value.errors()[0]["loc"] == (loc,)
+
+
+def test_init_from_compares_the_heads_rank_through_the_options(tmp_path):
+    from drafters.loading import build_drafter
+    from pipeline.train.worker import init_weights
+    from tests.tiny import tiny_target
+
+    target = tiny_target()
+    emb, head = target.get_input_embeddings().weight, target.get_output_embeddings().weight
+
+    def drafter(**kw):
+        cfg = DrafterConfig(num_layers=1, block_size=4, **kw).for_target(target.config, "t",
+                                                                          [1, 3])
+        return build_drafter(cfg, emb, head)
+
+    drafter(markov_rank=16).save_pretrained(tmp_path / "d")
+    init_weights(drafter(markov_rank=16), str(tmp_path / "d"))  # same architecture: loads
+    with pytest.raises(ValueError, match="markov_rank: 16 != 8"):
+        init_weights(drafter(markov_rank=8), str(tmp_path / "d"))

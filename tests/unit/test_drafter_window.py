@@ -11,7 +11,8 @@ import torch
 import transformers
 
 from drafters import DraftContextCache, DrafterConfig
-from drafters.config import BoundDrafterConfig, read_drafter_config, target_layer_windows
+from drafters.config import BoundDrafterConfig, read_drafter_config
+from drafters.target_shape import target_layer_windows
 from tests.tiny import tiny_drafter, tiny_target
 from tests.unit.helpers import blocks, randomize_heads
 

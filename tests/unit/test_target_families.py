@@ -166,7 +166,7 @@ def test_sliding_layers_keep_only_their_window(name):
     sliding = [i for i, t in enumerate(types) if t == "sliding_attention"]
     assert runner.layer_windows == {i: WINDOW for i in sliding}
     # the drafter reads the windows from the config; the engine learns them from the layers
-    from drafters.config import target_layer_windows
+    from drafters.target_shape import target_layer_windows
     assert {i: w for i, w in enumerate(target_layer_windows(target.config)) if w} == (
         runner.layer_windows)
     per_layer = SlotKVPool.bytes_per_position(1, 2, 16, torch.float32)
