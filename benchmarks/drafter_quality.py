@@ -231,8 +231,9 @@ def render_md(table: dict, results: dict, meta: dict) -> str:
     lines += ["", f"## {ref} calibration (STS on held-out prompts)", ""]
     if cal.get("calibrated"):
         lines += [f"Temperatures fitted on {cal['fit_rounds']} full-block rounds of half the held-out "
-                  f"prompts, reported on the other half ({cal['report_rounds']} rounds); "
-                  f"reliability diagram: `{meta['files']['reliability']}`.", "",
+                  f"prompts, reported on the other half ({cal['report_rounds']} rounds)"
+                  + (f"; reliability diagram: `{meta['files']['reliability']}`."
+                     if meta["files"].get("reliability") else "."), "",
                   "| position | positive rate | ECE before | ECE after | AUROC | Brier before | Brier after |",
                   "|---|---|---|---|---|---|---|"]
         for p in cal["report"]["positions"]:
@@ -300,10 +301,13 @@ def write_outputs(results: dict, names: list[str], cfg, args, timings: dict, sta
     tau_bar_plot({n: t["tau"] for n, t in table.items()}, out.parent / files["tau"],
                  title=f"Accepted length tau at T = {temperature}")
     first = next(iter(results))
-    if results[first]["run_dir"] is not None:  # a reused contender's plot stays as it was
-        reliability = RunLayout(Path(results[first]["run_dir"])).reliability_plot
-        if reliability.exists():
-            (out.parent / files["reliability"]).write_bytes(reliability.read_bytes())
+    reliability = (RunLayout(Path(results[first]["run_dir"])).reliability_plot
+                   if results[first]["run_dir"] is not None else None)
+    if reliability is not None and reliability.exists():
+        (out.parent / files["reliability"]).write_bytes(reliability.read_bytes())
+    elif not (out.parent / files["reliability"]).exists():
+        # a contender reused from an earlier run (--results-from) brings no plot: name none
+        files["reliability"] = None
     meta = {"comparisons": comparisons(results, temperature),
             "target": cfg.target.name_or_path, "dtype": resolve_dtype_name(cfg.eval.dtype),
             "gamma": cfg.drafter.block_size, "temperature": temperature,

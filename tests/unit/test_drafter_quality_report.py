@@ -37,6 +37,31 @@ def test_table_and_markdown_name_the_suffixed_plots():
     assert "Not calibrated: identity kept" in md
 
 
+
+def test_the_reliability_diagram_is_named_only_when_one_was_written():
+    """A first contender reused from an earlier run (--results-from) brings no reliability plot:
+    the report then names none instead of a file that does not exist."""
+    from benchmarks.drafter_quality import build_table, render_md
+
+    dspark = contender(2.0, [0.5, 0.4, None])
+    dspark["calibration"] = {
+        "calibrated": True, "fit_rounds": 10, "report_rounds": 9, "temperatures": [1.0],
+        "mean_ece_before": 0.02, "mean_ece_after": 0.01,
+        "report": {"positions": [{"position": 1, "positive_rate": 0.3, "ece_before": 0.02,
+                                  "ece_after": 0.01, "auroc_before": 0.7, "brier_before": 0.2,
+                                  "brier_after": 0.2}]}}
+    results = {"dspark": dspark}
+    meta = {"target": "t", "dtype": "bfloat16", "gamma": 3, "temperature": "1.0",
+            "prompts_per_dataset": 8, "max_new_tokens": 64, "train_steps": 600,
+            "global_batch_size": 16, "machine": "m", "wall_minutes": 1.0, "command": "c",
+            "files": {"conditional_acceptance": "a.png", "tau": "t.png",
+                      "reliability": "r_dspark_reliability.png"}}
+    assert "reliability diagram: `r_dspark_reliability.png`" in render_md(
+        build_table(results, "1.0"), results, meta)
+    meta["files"]["reliability"] = None
+    md = render_md(build_table(results, "1.0"), results, meta)
+    assert "reliability diagram" not in md and "(9 rounds)." in md
+
 def finished_stage(run_dir, name):
     (run_dir / name).mkdir(parents=True)
     (run_dir / name / "_SUCCESS.json").write_text("{}")
