@@ -40,6 +40,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from benchmarks.machine import describe as describe_machine, machine as machine_fields  # noqa: E402,I001
 from benchmarks.machine import OUT_HELP, result_stem  # noqa: E402
+from benchmarks.frontier_intervals import METHOD as INTERVAL_METHOD  # noqa: E402
+from benchmarks.frontier_intervals import bootstrap_intervals, verdict  # noqa: E402
 from drafters.precision import resolve_dtype_name  # noqa: E402
 
 POLICIES = {
@@ -477,7 +479,39 @@ def frontier_ratio(rows: list[dict], sla: float, aware_label: str = SLA_AWARE) -
                      for k in range(len(aware["each"]))]}
 
 
-def render_frontier_md(rows: list[dict], quantile: float = 0.0) -> list[str]:
+def frontier_ratios(runs: list[dict], slas: list[float], quantile: float = 0.0
+                    ) -> dict[tuple[str, float], float | None]:
+    """Per SLA-aware row and SLA, its throughput at the SLA over the best of none and fixed,
+    read off the repeats' means (:func:`frontier_ratio`'s ``means``) of ``runs``: the statistic
+    :func:`benchmarks.frontier_intervals.bootstrap_intervals` resamples.
+
+    Returns:
+        {(label, sla): ratio, or None where neither none nor fixed held the SLA}; a label without
+        a floor variant at that SLA has no key.
+    """
+    policies = list(dict.fromkeys(r["policy"] for r in runs))
+    concurrency = sorted({r["concurrency"] for r in runs})
+    rows = frontier_rows(summarize(runs, policies, concurrency, quantile), runs, slas)
+    out = {}
+    for sla in slas:
+        for label in (SLA_AWARE, SLA_AWARE_REQUEST):
+            ratio = frontier_ratio(rows, sla, label)
+            if ratio is not None:
+                out[(label, sla)] = ratio["means"]
+    return out
+
+
+def frontier_intervals(runs: list[dict], slas: list[float], quantile: float = 0.0,
+                       draws: int = 1000) -> dict[tuple[str, float], tuple[float, float] | None]:
+    """95 % bootstrap intervals of :func:`frontier_ratios` ({} with fewer than 2 repeats or
+    runs without their requests' speeds, which the resampling needs)."""
+    if len({r["repeat"] for r in runs}) < 2 or not all(r.get("per_user_speeds") for r in runs):
+        return {}
+    return bootstrap_intervals(runs, lambda rs: frontier_ratios(rs, slas, quantile), draws)
+
+
+def render_frontier_md(rows: list[dict], quantile: float = 0.0,
+                       intervals: dict | None = None) -> list[str]:
     aware = [a for a in (SLA_AWARE_REQUEST, SLA_AWARE) if any(r["policy"] == a for r in rows)]
     if not aware:
         return []
@@ -493,7 +527,8 @@ def render_frontier_md(rows: list[dict], quantile: float = 0.0) -> list[str]:
              "deployment whose requests carry `min_tokens_per_s` = SLA (drafting and "
              "verification under the floor, admission left to the clients' concurrency). The "
              "last columns: each SLA-aware row over the best of none and fixed (means; each "
-             "repeat).", "",
+             "repeat" + (f"; then its {INTERVAL_METHOD} interval and whether it lies above 1, "
+                         "below 1, or holds it: a tie" if intervals else "") + ").", "",
              "| SLA tok/s | " + " | ".join(policies) + "".join(
                  f" | {a} / best of none, fixed" for a in aware) + " |",
              "|---|" + "---|" * (len(policies) + len(aware))]
@@ -510,9 +545,14 @@ def render_frontier_md(rows: list[dict], quantile: float = 0.0) -> list[str]:
         ratios = []
         for label in aware:
             ratio = frontier_ratio(rows, sla, label)
-            ratios.append("n/a" if ratio is None or ratio["means"] is None else (
+            cell = "n/a" if ratio is None or ratio["means"] is None else (
                 f"{ratio['means']:.2f} "
-                f"[{', '.join('-' if v is None else f'{v:.2f}' for v in ratio['each'])}]"))
+                f"[{', '.join('-' if v is None else f'{v:.2f}' for v in ratio['each'])}]")
+            if intervals and (label, sla) in intervals:
+                band = intervals[(label, sla)]
+                cell += ("; 95 %: n/a" if band is None else
+                         f"; 95 %: {band[0]:.2f}-{band[1]:.2f}, {verdict(band)}")
+            ratios.append(cell)
         lines.append(f"| {sla:g} | " + " | ".join(cells + ratios) + " |")
     return lines
 
@@ -553,7 +593,10 @@ def sla_test_text(quantile: float) -> str:
             "(the requests of its repeats pooled; each repeat read alone for the spread).")
 
 
-def render_md(points: list[dict], ratios: dict, meta: dict, runs: list[dict] = ()) -> str:
+def render_md(points: list[dict], ratios: dict, meta: dict, runs: list[dict] = (),
+              intervals: dict | None = None) -> str:
+    """The results markdown; ``intervals``: :func:`frontier_intervals` (None: no interval
+    column)."""
     lines = ["# Serving under load: verification policies side by side", "",
              f"Target `{meta['target']}` ({meta['dtype']}), drafter `{meta['drafter']}`; "
              f"{meta['max_tokens']} new tokens per request at temperature {meta['temperature']:g} "
@@ -576,7 +619,8 @@ def render_md(points: list[dict], ratios: dict, meta: dict, runs: list[dict] = (
                      f"{p['tau']:.2f} |")
     quantile = meta.get("sla_quantile", 0.0)
     lines += render_sla_md(sla_rows(points, meta.get("slas") or []), quantile)
-    lines += render_frontier_md(frontier_rows(points, runs, meta.get("slas") or []), quantile)
+    lines += render_frontier_md(frontier_rows(points, runs, meta.get("slas") or []), quantile,
+                                intervals)
     lines += render_floor_md(points)
     by = {(p["policy"], p["concurrency"]): p for p in points}
     if not all((n, c) in by for n in ("none", "dspark") for c in meta["concurrency"]):
@@ -657,6 +701,51 @@ def plots(points: list[dict], out: Path, slas: list[float] | None = None,
         fig.savefig(f"{out}_sla.png", dpi=120)
 
 
+def write_results(out: Path, meta: dict, runs: list[dict], readings: str = "") -> str:
+    """Write ``<out>.json``, ``<out>.md`` and the plots from the measured ``runs`` and the run's
+    ``meta``; ``readings``: text kept after the tables (a re-render's ``## Reading`` sections).
+    Returns the markdown."""
+    policies = list(dict.fromkeys(r["policy"] for r in runs))
+    points = summarize(runs, policies, meta["concurrency"], meta["sla_quantile"])
+    ratios = paired_ratios(runs, meta["concurrency"])
+    intervals = frontier_intervals(runs, meta["slas"], meta["sla_quantile"])
+    Path(f"{out}.json").write_text(json.dumps(
+        {"meta": meta, "points": points, "ratios": {str(c): r for c, r in ratios.items()},
+         "sla": sla_rows(points, meta["slas"]),
+         "frontier": frontier_rows(points, runs, meta["slas"]),
+         "frontier_intervals": [{"policy": label, "sla_tok_s": sla, "ratio_95": band,
+                                 "verdict": verdict(band)}
+                                for (label, sla), band in intervals.items()],
+         "runs": runs}, indent=1))
+    plots(points, out, meta["slas"], runs, meta["sla_quantile"])
+    md = render_md(points, ratios, meta, runs, intervals) + (
+        f"\nPlots: `{out.name}_pareto.png` (throughput against per-user speed), "
+        f"`{out.name}_budget.png` (verification budget)"
+        + (f", `{out.name}_sla.png` (throughput at each SLA)" if meta["slas"] else "") + ".\n")
+    Path(f"{out}.md").write_text(md + readings)
+    return md
+
+
+def rerender(json_path: Path) -> str:
+    """Rewrite a finished run's files from its JSON (its runs and meta as measured, the tables
+    and plots as this script now computes them), keeping the ``## Reading`` sections of its
+    markdown.
+
+    Raises:
+        SystemExit: the file is missing or is not a serve_load result (no ``runs``/``meta``).
+    """
+    try:
+        saved = json.loads(json_path.read_text())
+        meta, runs = saved["meta"], saved["runs"]
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise SystemExit(f"--from-json {json_path}: not a serve_load result ({err})") from err
+    out = json_path.with_suffix("")
+    md_path = Path(f"{out}.md")
+    old = md_path.read_text() if md_path.exists() else ""
+    readings = old[old.index("\n## Reading"):] if "\n## Reading" in old else ""
+    return write_results(out, meta, runs, readings)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--target", default="~/.cache/dspark_ray/models/SmolLM2-135M-Instruct")
@@ -688,7 +777,13 @@ def main() -> int:
                         "the repeats; a steadier test where one request decides)")
     parser.add_argument("--data-dir", default=str(ROOT / "infra" / "datasets" / "eval"))
     parser.add_argument("--out", default=None, help=OUT_HELP)
+    parser.add_argument("--from-json", type=Path, default=None,
+                        help="measure nothing: rewrite this finished run's markdown, JSON and "
+                        "plots from its JSON (its readings kept)")
     args = parser.parse_args()
+    if args.from_json is not None:
+        print(rerender(args.from_json))
+        return 0
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     import ray
@@ -724,7 +819,6 @@ def main() -> int:
         serve.shutdown()
         ray.shutdown()
     points = summarize(runs, policies, args.concurrency, args.sla_quantile)
-    ratios = paired_ratios(runs, args.concurrency)
     out = Path(args.out or result_stem("serve_load"))  # the files' path without a suffix
     out.parent.mkdir(parents=True, exist_ok=True)
     meta = {"target": args.target, "drafter": args.drafter, "dtype": resolve_dtype_name(args.dtype),
@@ -736,17 +830,7 @@ def main() -> int:
             "date": time.strftime("%Y-%m-%d"), "wall_minutes": (time.time() - started) / 60,
             "command": "python benchmarks/serve_load.py " + " ".join(sys.argv[1:])}
     meta["slas"] = args.slas if args.slas is not None else default_slas(points)
-    Path(f"{out}.json").write_text(json.dumps(
-        {"meta": meta, "points": points, "ratios": {str(c): r for c, r in ratios.items()},
-         "sla": sla_rows(points, meta["slas"]),
-         "frontier": frontier_rows(points, runs, meta["slas"]), "runs": runs}, indent=1))
-    plots(points, out, meta["slas"], runs, args.sla_quantile)
-    md = render_md(points, ratios, meta, runs) + (
-        f"\nPlots: `{out.name}_pareto.png` (throughput against per-user speed), "
-        f"`{out.name}_budget.png` (verification budget)"
-        + (f", `{out.name}_sla.png` (throughput at each SLA)" if meta["slas"] else "") + ".\n")
-    Path(f"{out}.md").write_text(md)
-    print(md)
+    print(write_results(out, meta, runs))
     return 0
 
 
