@@ -4,15 +4,23 @@ A frontier point is decided by a point's 5th-percentile request landing on one s
 and by a throughput that drifts with the machine between repeats, so a ratio read off the means
 says little alone. Here each statistic of the runs is recomputed on resampled runs: the repeats
 are drawn with replacement, the same draw for every policy and concurrency (the policies of one
-repeat ran back to back, on the machine as it was then: paired), and within each drawn run its
+repeat at one concurrency ran back to back, on the machine as it was then: paired), and within each drawn run its
 requests' per-user speeds are drawn with replacement (the p5 a point's SLA test reads). The
 interval is the percentile interval of the statistic over the draws.
+
+Limits: with R repeats there are few distinct repeat draws (R = 2: the interval is about the span
+of the two repeats' own ratios), so serve_load claims an interval only from
+:data:`MIN_REPEATS` repeats on; and a resampled slowest request can never be slower than the
+measured one, so intervals are claimed only for a quantile SLA test (``--sla-quantile`` > 0).
 """
 
 from __future__ import annotations
 
 import random
 from collections.abc import Callable, Hashable
+
+#: the fewest repeats an interval is claimed from (see the module docstring)
+MIN_REPEATS = 5
 
 METHOD = ("95 % percentile bootstrap (repeats drawn with replacement, the same draw for every "
           "policy and concurrency: paired; each drawn run's requests drawn with replacement)")
@@ -24,7 +32,8 @@ def resample_runs(runs: list[dict], rng: random.Random) -> list[dict]:
 
     Returns:
         runs of the drawn repeats, renumbered 0..R-1 in draw order, each with its requests'
-        speeds resampled and its slowest request recomputed; the other fields as measured.
+        speeds resampled and its slowest request recomputed (a stored ``sla_speed_tok_s``
+        dropped: it described the measured requests); the other fields as measured.
     """
     repeats = sorted({r["repeat"] for r in runs})
     drawn = [rng.choice(repeats) for _ in repeats]
@@ -35,8 +44,10 @@ def resample_runs(runs: list[dict], rng: random.Random) -> list[dict]:
                 continue
             speeds = r.get("per_user_speeds") or []
             again = [rng.choice(speeds) for _ in speeds]
-            out.append({**r, "repeat": slot, "per_user_speeds": again,
-                        "per_user_tok_s_min": min(again) if again else r["per_user_tok_s_min"]})
+            drawn_run = {**r, "repeat": slot, "per_user_speeds": again,
+                         "per_user_tok_s_min": min(again) if again else r["per_user_tok_s_min"]}
+            drawn_run.pop("sla_speed_tok_s", None)
+            out.append(drawn_run)
     return out
 
 
@@ -75,15 +86,14 @@ def bootstrap_intervals(runs: list[dict],
             out[k] = None
             continue
         vs.sort()
-        lo = vs[min(len(vs) - 1, int(tail * len(vs)))]
-        hi = vs[max(0, min(len(vs) - 1, int((1.0 - tail) * len(vs)) - 1))]
-        out[k] = (lo, hi)
+        cut = int(tail * len(vs))  # as many draws left out below as above
+        out[k] = (vs[cut], vs[len(vs) - 1 - cut])
     return out
 
 
 def verdict(interval: tuple[float, float] | None) -> str:
-    """How a ratio's interval reads against 1: "above" (its low end > 1), "below" (its high end
-    < 1), "tie" (it holds 1), "n/a" (no interval)."""
+    """How a ratio's interval reads against 1: "above" (its low end, the 2.5th percentile of the
+    draws, > 1), "below" (its high end < 1), "tie" (it holds 1), "n/a" (no interval)."""
     if interval is None:
         return "n/a"
     lo, hi = interval

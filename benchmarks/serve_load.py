@@ -28,6 +28,7 @@ import argparse
 import asyncio
 import json
 import logging
+import math
 import os
 import random
 import socket
@@ -41,7 +42,7 @@ sys.path.insert(0, str(ROOT))
 from benchmarks.machine import describe as describe_machine, machine as machine_fields  # noqa: E402,I001
 from benchmarks.machine import OUT_HELP, result_stem  # noqa: E402
 from benchmarks.frontier_intervals import METHOD as INTERVAL_METHOD  # noqa: E402
-from benchmarks.frontier_intervals import bootstrap_intervals, verdict  # noqa: E402
+from benchmarks.frontier_intervals import MIN_REPEATS, bootstrap_intervals, verdict  # noqa: E402
 from drafters.precision import resolve_dtype_name  # noqa: E402
 
 POLICIES = {
@@ -479,6 +480,10 @@ def frontier_ratio(rows: list[dict], sla: float, aware_label: str = SLA_AWARE) -
                      for k in range(len(aware["each"]))]}
 
 
+#: bootstrap draws of the frontier intervals
+BOOTSTRAP_DRAWS = 1000
+
+
 def frontier_ratios(runs: list[dict], slas: list[float], quantile: float = 0.0
                     ) -> dict[tuple[str, float], float | None]:
     """Per SLA-aware row and SLA, its throughput at the SLA over the best of none and fixed,
@@ -486,8 +491,8 @@ def frontier_ratios(runs: list[dict], slas: list[float], quantile: float = 0.0
     :func:`benchmarks.frontier_intervals.bootstrap_intervals` resamples.
 
     Returns:
-        {(label, sla): ratio, or None where neither none nor fixed held the SLA}; a label without
-        a floor variant at that SLA has no key.
+        {(label, sla): ratio; inf where the SLA-aware row held the SLA and neither none nor fixed
+        did; None where none of them did}; a label without a floor variant at that SLA has no key.
     """
     policies = list(dict.fromkeys(r["policy"] for r in runs))
     concurrency = sorted({r["concurrency"] for r in runs})
@@ -496,16 +501,24 @@ def frontier_ratios(runs: list[dict], slas: list[float], quantile: float = 0.0
     for sla in slas:
         for label in (SLA_AWARE, SLA_AWARE_REQUEST):
             ratio = frontier_ratio(rows, sla, label)
-            if ratio is not None:
-                out[(label, sla)] = ratio["means"]
+            if ratio is None:
+                continue
+            mine = next(r["measured"] for r in rows if r["sla_tok_s"] == sla
+                        and r["policy"] == label)
+            out[(label, sla)] = (ratio["means"] if ratio["means"] is not None
+                                 else math.inf if mine is not None else None)
     return out
 
 
 def frontier_intervals(runs: list[dict], slas: list[float], quantile: float = 0.0,
-                       draws: int = 1000) -> dict[tuple[str, float], tuple[float, float] | None]:
-    """95 % bootstrap intervals of :func:`frontier_ratios` ({} with fewer than 2 repeats or
-    runs without their requests' speeds, which the resampling needs)."""
-    if len({r["repeat"] for r in runs}) < 2 or not all(r.get("per_user_speeds") for r in runs):
+                       draws: int = BOOTSTRAP_DRAWS
+                       ) -> dict[tuple[str, float], tuple[float, float] | None]:
+    """95 % bootstrap intervals of :func:`frontier_ratios`; {} (no interval claimed) with fewer
+    than :data:`~benchmarks.frontier_intervals.MIN_REPEATS` repeats, a slowest-request SLA test
+    (``quantile`` 0: a resampled minimum is never below the measured one), or runs without
+    their requests' speeds, which the resampling needs."""
+    if (len({r["repeat"] for r in runs}) < MIN_REPEATS or quantile <= 0
+            or not all(r.get("per_user_speeds") for r in runs)):
         return {}
     return bootstrap_intervals(runs, lambda rs: frontier_ratios(rs, slas, quantile), draws)
 
@@ -706,23 +719,32 @@ def write_results(out: Path, meta: dict, runs: list[dict], readings: str = "") -
     ``meta``; ``readings``: text kept after the tables (a re-render's ``## Reading`` sections).
     Returns the markdown."""
     policies = list(dict.fromkeys(r["policy"] for r in runs))
-    points = summarize(runs, policies, meta["concurrency"], meta["sla_quantile"])
+    # results written before these keys: the slowest request decided, SLAs spread over the range
+    quantile = meta.setdefault("sla_quantile", 0.0)
+    points = summarize(runs, policies, meta["concurrency"], quantile)
+    if meta.get("slas") is None:
+        meta["slas"] = default_slas(points)
     ratios = paired_ratios(runs, meta["concurrency"])
-    intervals = frontier_intervals(runs, meta["slas"], meta["sla_quantile"])
-    Path(f"{out}.json").write_text(json.dumps(
-        {"meta": meta, "points": points, "ratios": {str(c): r for c, r in ratios.items()},
-         "sla": sla_rows(points, meta["slas"]),
-         "frontier": frontier_rows(points, runs, meta["slas"]),
-         "frontier_intervals": [{"policy": label, "sla_tok_s": sla, "ratio_95": band,
-                                 "verdict": verdict(band)}
-                                for (label, sla), band in intervals.items()],
-         "runs": runs}, indent=1))
-    plots(points, out, meta["slas"], runs, meta["sla_quantile"])
+    intervals = frontier_intervals(runs, meta["slas"], quantile)
+    # the markdown and the plots first: a failure there leaves the JSON as it was
     md = render_md(points, ratios, meta, runs, intervals) + (
         f"\nPlots: `{out.name}_pareto.png` (throughput against per-user speed), "
         f"`{out.name}_budget.png` (verification budget)"
         + (f", `{out.name}_sla.png` (throughput at each SLA)" if meta["slas"] else "") + ".\n")
+    plots(points, out, meta["slas"], runs, quantile)
     Path(f"{out}.md").write_text(md + readings)
+    Path(f"{out}.json").write_text(json.dumps(
+        {"meta": meta, "points": points, "ratios": {str(c): r for c, r in ratios.items()},
+         "sla": sla_rows(points, meta["slas"]),
+         "frontier": frontier_rows(points, runs, meta["slas"]),
+         # an unbounded end (draws where only the SLA-aware row held the SLA) written as "inf"
+         "frontier_intervals": [{"policy": label, "sla_tok_s": sla, "ratio_95": band and [
+                                    v if math.isfinite(v) else "inf" for v in band],
+                                 "verdict": verdict(band), "method": INTERVAL_METHOD,
+                                 "repeats": len({r["repeat"] for r in runs}),
+                                 "draws": BOOTSTRAP_DRAWS}
+                                for (label, sla), band in intervals.items()],
+         "runs": runs}, indent=1))
     return md
 
 
@@ -732,7 +754,8 @@ def rerender(json_path: Path) -> str:
     markdown.
 
     Raises:
-        SystemExit: the file is missing or is not a serve_load result (no ``runs``/``meta``).
+        SystemExit: the file is missing, is not a serve_load result (no ``runs``/``meta``), or
+            lacks a field this script needs (named).
     """
     try:
         saved = json.loads(json_path.read_text())
@@ -743,7 +766,11 @@ def rerender(json_path: Path) -> str:
     md_path = Path(f"{out}.md")
     old = md_path.read_text() if md_path.exists() else ""
     readings = old[old.index("\n## Reading"):] if "\n## Reading" in old else ""
-    return write_results(out, meta, runs, readings)
+    try:
+        return write_results(out, meta, runs, readings)
+    except KeyError as err:
+        raise SystemExit(f"--from-json {json_path}: written before this script kept {err}; "
+                         "measure it again") from err
 
 
 def main() -> int:
