@@ -9,9 +9,10 @@ whether bf16 matmuls are native, cores and torch threads, what ``dtype: auto`` a
 ``train.precision: auto`` resolve to here (``drafters/precision.py``), the decode attention
 kernel's path (built or not, bf16 fast path or portable), the bf16 and fp32 matmul rates measured
 for about a second each (``[256 x 576] @ [576 x 1536]``, SmolLM2's MLP shape), Ray's resources and
-the installed versions. The verdict names what will be slow here and why. When the project's
-numbers look off on your machine, run this first: most differences are the CPU class
-(``benchmarks/`` results name theirs).
+the installed versions, and how long the quickstart's pipeline should take here (its measured
+matmul work over this machine's rate: :func:`quickstart_minutes`). The verdict names what will be
+slow here and why. When the project's numbers look off on your machine, run this first: most
+differences are the CPU class (``benchmarks/`` results name theirs).
 """
 
 from __future__ import annotations
@@ -35,6 +36,15 @@ from serve.engine.profiling import device_name
 MATMUL_SHAPE = (256, 576, 1536)
 # bf16 slower than fp32 by more than this: the verdict calls bf16 emulated
 EMULATED_RATIO = 0.8
+# The quickstart's pipeline (README's main command, install aside) as matmul work: its measured
+# seconds x this doctor's rate of the dtype it ran in, on 2-core runs (docs/measurements.md):
+# Intel Xeon held to AVX2, fp32 173 GFLOP/s x 1,045 s = 181 k; AMD EPYC Zen 1 (AVX2 only), fp32
+# 64 GFLOP/s x 2,669 s = 171 k; Intel Xeon with AMX, bf16 419 GFLOP/s x 629 s = 264 k (bf16
+# speeds up the matmuls more than the rest of a step). A CPU estimate only: a GPU runs this
+# small pipeline bound by Ray's fixed costs, not by its matmuls.
+QUICKSTART_WORK_GFLOP = {"float32": 176_000.0, "bfloat16": 264_000.0}
+# minutes above which the verdict warns (issue 41's bar for the slower CPU class)
+QUICKSTART_PROMISE_MIN = 20.0
 PACKAGES = ("torch", "transformers", "ray", "deepspeed", "pyarrow", "pydantic", "wandb",
             "dspark-ray")
 
@@ -56,6 +66,19 @@ def matmul_gflops(dtype: torch.dtype, seconds: float = 1.0, device: str = "cpu")
         elapsed = time.perf_counter() - start
         if elapsed >= seconds:
             return 2 * m * k * n * count / elapsed / 1e9
+
+
+def quickstart_minutes(report: dict) -> float | None:
+    """Predicted minutes of the quickstart's pipeline on this machine (install aside):
+    ``QUICKSTART_WORK_GFLOP`` of the dtype ``dtype: auto`` resolves to / its measured matmul rate
+    (GFLOP/s) in ``report``; None on a GPU or without a rate."""
+    if report["resolved"]["device"] != "cpu":
+        return None
+    dtype = report["resolved"]["dtype_auto"]
+    rate = report["matmul_gflops"].get(dtype) or 0.0
+    if dtype not in QUICKSTART_WORK_GFLOP or rate <= 0:
+        return None
+    return QUICKSTART_WORK_GFLOP[dtype] / rate / 60.0
 
 
 def cpu_model() -> str:
@@ -132,6 +155,8 @@ def gather(matmul_seconds: float = 1.0, with_ray: bool = True) -> dict:
     }
     if with_ray:
         report["ray"] = ray_resources()
+    minutes = quickstart_minutes(report)
+    report["quickstart_minutes"] = None if minutes is None else round(minutes, 1)
     report["verdict"] = verdict(report)
     return report
 
@@ -143,7 +168,8 @@ def verdict(report: dict) -> list[str]:
     if report["device"] == "cpu" and not report["cpu"]["native_bf16"]:
         lines.append(f"bf16 is emulated on this CPU ({report['cpu']['capability']}, no "
                      f"avx512_bf16 or amx): dtype auto runs fp32 here; a config that sets "
-                     f"bfloat16 explicitly runs ~{rates['float32'] / max(rates['bfloat16'], 1e-9):.0f}x "
+                     f"bfloat16 explicitly runs "
+                     f"~{rates['float32'] / max(rates['bfloat16'], 1e-9):.0f}x "
                      f"slower in its matmuls")
     elif rates["bfloat16"] < EMULATED_RATIO * rates["float32"]:
         lines.append(f"bf16 matmuls measured slower than fp32 ({rates['bfloat16']} vs "
@@ -156,6 +182,13 @@ def verdict(report: dict) -> list[str]:
     if kernel.get("state", "").startswith("cannot"):
         lines.append("no C++ compiler: the decode attention kernel cannot be built; the engine "
                      "attends with PyTorch (slower); install g++")
+    minutes = report.get("quickstart_minutes")
+    if minutes is not None and minutes > QUICKSTART_PROMISE_MIN:
+        dtype = report["resolved"]["dtype_auto"]
+        lines.append(f"the quickstart's pipeline should take ~{minutes:.0f} min here (install "
+                     f"aside): ~{QUICKSTART_WORK_GFLOP[dtype] / 1000:.0f} k GFLOP of {dtype} "
+                     f"matmul work at the {report['matmul_gflops'][dtype]} GFLOP/s measured; the "
+                     f"README's times are for faster CPUs (docs/measurements.md)")
     if "error" in report.get("ray", {}):
         lines.append(f"Ray did not start: {report['ray']['error']}")
     return lines
@@ -177,6 +210,10 @@ def render(report: dict) -> str:
         f"matmul          float32 {rates['float32']} GFLOP/s, bfloat16 {rates['bfloat16']} "
         f"GFLOP/s ({' x '.join(map(str, MATMUL_SHAPE))})",
     ]
+    if report.get("quickstart_minutes") is not None:
+        lines.append(f"quickstart      ~{report['quickstart_minutes']:.0f} min for its pipeline "
+                     f"here, install aside (from the {res['dtype_auto']} rate measured now: "
+                     f"other work on the machine makes it read long)")
     if "ray" in report:
         ray = report["ray"]
         lines.append(f"ray             {ray['version']} ({ray['address']}): "

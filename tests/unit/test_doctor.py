@@ -25,6 +25,10 @@ def test_the_report_agrees_with_itself_on_this_machine(capsys):
 
         assert report["decode_kernel"]["paths"] == expected_paths()
     assert all(rate > 0 for rate in report["matmul_gflops"].values())
+    if report["device"] == "cpu":  # the prediction reads the rate of the dtype auto runs
+        dtype = resolved["dtype_auto"]
+        assert report["quickstart_minutes"] == round(
+            doctor.QUICKSTART_WORK_GFLOP[dtype] / report["matmul_gflops"][dtype] / 60, 1)
     assert report["versions"]["torch"] == torch.__version__
 
 
@@ -49,6 +53,43 @@ def test_the_verdict_names_what_will_be_slow():
 def test_the_text_report_has_a_line_per_question(capsys):
     doctor.main(["--no-ray", "--matmul-seconds", "0.05"])
     out = capsys.readouterr().out
-    for label in ("device", "cpu", "bf16", "dtype auto", "train precision", "decode kernel",
-                  "matmul", "versions", "verdict"):
+    labels = ["device", "cpu", "bf16", "dtype auto", "train precision", "decode kernel",
+              "matmul", "versions", "verdict"]
+    if not torch.cuda.is_available():
+        labels.append("quickstart")
+    for label in labels:
         assert any(line.startswith(label) for line in out.splitlines()), label
+
+
+def _resolved(device: str, dtype: str, fp32: float, bf16: float) -> dict:
+    return {"resolved": {"device": device, "dtype_auto": dtype},
+            "matmul_gflops": {"float32": fp32, "bfloat16": bf16}}
+
+
+def test_the_quickstart_prediction_follows_the_rate_of_the_resolved_dtype():
+    work = doctor.QUICKSTART_WORK_GFLOP
+    # the measured runs it was fitted on come back within 10 % (docs/measurements.md)
+    runs = (("float32", 173.0, 2.2, 1045), ("float32", 64.0, 1.2, 2669),
+            ("bfloat16", 184.0, 419.0, 629))
+    for dtype, fp32, bf16, measured_s in runs:
+        minutes = doctor.quickstart_minutes(_resolved("cpu", dtype, fp32, bf16))
+        assert abs(minutes * 60 / measured_s - 1) < 0.1, (dtype, fp32, minutes)
+    # half the rate, twice the time; the other dtype's rate is not read
+    slow = doctor.quickstart_minutes(_resolved("cpu", "float32", 50.0, 999.0))
+    assert slow == work["float32"] / 50.0 / 60 == 2 * doctor.quickstart_minutes(
+        _resolved("cpu", "float32", 100.0, 0.1))
+    assert doctor.quickstart_minutes(_resolved("cuda", "bfloat16", 9e4, 9e4)) is None
+    assert doctor.quickstart_minutes(_resolved("cpu", "float32", 0.0, 1.0)) is None
+
+
+def test_the_verdict_warns_when_the_quickstart_will_run_long():
+    base = {"device": "cpu", "matmul_gflops": {"float32": 64.0, "bfloat16": 1.2},
+            "resolved": {"device": "cpu", "dtype_auto": "float32"},
+            "cpu": {"native_bf16": True, "capability": "AVX2", "torch_threads": 2},
+            "decode_kernel": {"state": "built"}, "ray": {"resources": {"CPU": 2}}}
+    base["matmul_gflops"]["bfloat16"] = 64.0  # keep the emulated-bf16 lines out of this test
+    slow = {**base, "quickstart_minutes": doctor.quickstart_minutes(base)}
+    lines = doctor.verdict(slow)
+    assert len(lines) == 1 and "~46 min" in lines[0] and "64.0 GFLOP/s" in lines[0]
+    fast = {**base, "quickstart_minutes": 12.0}
+    assert doctor.verdict(fast) == []
