@@ -47,6 +47,35 @@ def check_checkpoint(path: str | Path) -> BoundDrafterConfig:
     return config
 
 
+def checkpoint_draft_vocab(path: str | Path) -> list[int] | None:
+    """The draft vocabulary stored with a drafter directory's weights (``d2t``, int64 [N] target
+    ids, most frequent first), or None for a drafter over the full target vocabulary. Read from the
+    weights' ``d2t`` tensor alone (no model is built).
+
+    Raises:
+        FileNotFoundError / DrafterCheckpointError: as :func:`check_checkpoint`.
+        DrafterCheckpointError: the config names a draft vocabulary the weights do not hold, or one
+            whose fingerprint differs from the config's ``draft_vocab_sha256``.
+    """
+    from safetensors import safe_open
+
+    from .draft_vocab import fingerprint
+
+    config = check_checkpoint(path)
+    if not config.draft_vocab_size:
+        return None
+    weights = Path(path) / WEIGHTS_NAME
+    with safe_open(str(weights), framework="pt") as fh:
+        if "d2t" not in fh.keys():
+            raise DrafterCheckpointError(f"{weights}: no d2t tensor, though config.json names a "
+                                         f"draft vocabulary of {config.draft_vocab_size}")
+        d2t = fh.get_tensor("d2t")
+    if fingerprint(d2t) != config.draft_vocab_sha256:
+        raise DrafterCheckpointError(f"{weights}: the draft vocabulary map does not match "
+                                     "config.json's draft_vocab_sha256")
+    return d2t.tolist()
+
+
 def load_drafter(path: str | Path, target_model, target_name: str,
                  dtype: torch.dtype = torch.float32,
                  allow_name_mismatch: bool = False) -> DrafterBase:

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from drafters.draft_vocab import coverage, frequency_ranking
-from drafters.loading import check_checkpoint
+from drafters.loading import check_checkpoint, checkpoint_draft_vocab
 
 from .. import storage
 from ..cache.format import verify_shard
@@ -67,9 +67,10 @@ def run_train(*, cache_dir: str, manifest: dict, out_dir: Path, target: str, lay
     from ray.train.torch import TorchTrainer
 
     rows = manifest["splits"]["train"]["rows"]
+    init_from = None
     if train.init_from and not storage.is_url(train.init_from):  # named now, not by each worker
-
-        check_checkpoint(storage.resolve(train.init_from))
+        init_from = storage.resolve(train.init_from)
+        check_checkpoint(init_from)
     if train.verify_cache:  # a damaged shard is named now, before any worker starts
 
         for split, info in manifest["splits"].items():
@@ -79,7 +80,7 @@ def run_train(*, cache_dir: str, manifest: dict, out_dir: Path, target: str, lay
     if per_epoch < 1:
         raise ValueError(f"the cache has {rows} training rows: fewer than one global batch "
                          f"({train.global_batch_size})")
-    draft_vocab, vocab_report = select_draft_vocab(manifest, drafter.draft_vocab_size)
+    draft_vocab, vocab_report = select_draft_vocab(manifest, drafter.draft_vocab_size, init_from)
     total = per_epoch * train.num_epochs
     if train.max_steps:
         total = min(total, train.max_steps)
@@ -177,14 +178,19 @@ def train_storage_path(train: TrainConfig, out_dir: Path) -> str:
             else str((out_dir / "ray_train").resolve()))
 
 
-def select_draft_vocab(manifest: dict, size: int) -> tuple[list[int] | None, dict]:
-    """The top-``size`` target ids of the cache's supervised-token ranking (train split) and a
-    report of their coverage per split (share of supervised tokens inside the subset).
+def select_draft_vocab(manifest: dict, size: int, init_from: str | None = None
+                       ) -> tuple[list[int] | None, dict]:
+    """The draft vocabulary and a report of its coverage per split (share of the cache's
+    supervised tokens inside the subset): the top-``size`` target ids of the cache's
+    supervised-token ranking (train split), or, for a run started from a drafter's weights
+    (``init_from``, a local drafter directory), that drafter's own vocabulary: its sequential head
+    and draft LM head rows are indexed by it, so the cache's ranking would scramble them.
 
     Returns:
         (draft vocabulary, most frequent first, or None for ``size`` 0; the report dict).
     Raises:
-        ValueError: ``size`` exceeds the vocabulary, or the cache predates token counting.
+        ValueError: ``size`` exceeds the vocabulary, the cache predates token counting, or the
+            ``init_from`` drafter's vocabulary has another size than ``size`` (both named).
     """
     if not size:
         return None, {}
@@ -196,9 +202,17 @@ def select_draft_vocab(manifest: dict, size: int) -> tuple[list[int] | None, dic
         raise ValueError("the cache manifest has no token_frequency (written by an older version): "
                          "re-run the cache stage (--force cache) to use drafter.draft_vocab_size")
     counts = {name: {t: c for t, c in sp.get("token_frequency", [])} for name, sp in splits.items()}
-    ids = frequency_ranking(counts["train"], vocab)[:size]
-    report = {"draft_vocab_size": size,
+    if init_from:
+        ids = checkpoint_draft_vocab(init_from) or []
+        if len(ids) != size:
+            raise ValueError(f"train.init_from {init_from} has a draft vocabulary of {len(ids)} "
+                             f"(0: the full target vocabulary), drafter.draft_vocab_size is {size}")
+        source = f"train.init_from {init_from}"
+    else:
+        ids = frequency_ranking(counts["train"], vocab)[:size]
+        source = "the cache's supervised-token ranking"
+    report = {"draft_vocab_size": size, "source": source,
               "coverage": {name: round(coverage(c, ids), 5) for name, c in counts.items()}}
-    logger.info("draft vocabulary: top %d of %d target tokens, supervised-token coverage %s",
-                size, vocab, report["coverage"])
+    logger.info("draft vocabulary: %d of %d target tokens from %s, supervised-token coverage %s",
+                size, vocab, source, report["coverage"])
     return ids, report

@@ -266,7 +266,7 @@ def init_weights(model, path: str) -> None:
 
     src = check_checkpoint(path)
     keys = ("drafter_type", "hidden_size", "num_hidden_layers", "block_size", "head_type",
-            "markov_rank", "target_layer_ids", "target_vocab_size")
+            "markov_rank", "target_layer_ids", "target_vocab_size", "draft_vocab_size")
 
     def value(cfg, key):  # markov_rank is DSpark's option: absent (None) for other types
         return getattr(cfg.options, key, None) if key == "markov_rank" else getattr(cfg, key)

@@ -237,10 +237,55 @@ def test_select_draft_vocab_from_the_manifest():
                            "heldout": {"token_frequency": [[2, 1], [9, 1]]}}}
     ids, report = select_draft_vocab(manifest, 3)
     assert ids == [7, 2, 0]
-    assert report == {"draft_vocab_size": 3, "coverage": {"train": 1.0, "heldout": 0.5}}
+    assert report == {"draft_vocab_size": 3, "source": "the cache's supervised-token ranking",
+                      "coverage": {"train": 1.0, "heldout": 0.5}}
     assert select_draft_vocab(manifest, 0) == (None, {})
     with pytest.raises(ValueError, match="exceeds the target vocabulary"):
         select_draft_vocab(manifest, 11)
     del manifest["splits"]["train"]["token_frequency"]
     with pytest.raises(ValueError, match="--force cache"):
         select_draft_vocab(manifest, 3)
+
+
+def test_a_run_started_from_a_drafter_keeps_that_drafters_vocabulary(tmp_path):
+    """train.init_from with a draft vocabulary: the driver takes the checkpoint's own d2t (its
+    heads are indexed by it), not the cache's ranking; the drafter built from it, loaded with the
+    checkpoint's weights and saved, loads again (the config's fingerprint matches its map). With
+    the cache's ranking instead, the saved config named one vocabulary and the weights another."""
+    from drafters.config import DrafterConfig, DrafterCheckpointError
+    from drafters.loading import build_drafter, checkpoint_draft_vocab
+    from pipeline.train.driver import select_draft_vocab
+    from pipeline.train.worker import init_weights
+
+    target = tiny_target()
+    emb, head = target.get_input_embeddings().weight, target.get_output_embeddings().weight
+    vocab = target.config.vocab_size
+    cfg = DrafterConfig(num_layers=1, block_size=4, markov_rank=16, draft_vocab_size=8)
+
+    def drafter(d2t):
+        return build_drafter(cfg.for_target(target.config, "t", [1, 3]), emb, head, d2t)
+
+    released = list(range(vocab - 1, vocab - 9, -1))  # not what the cache below ranks first
+    drafter(released).save_pretrained(tmp_path / "released")
+    assert checkpoint_draft_vocab(tmp_path / "released") == released
+    manifest = {"target": {"vocab_size": vocab},
+                "splits": {"train": {"token_frequency": [[1, 9], [released[0], 1]]},
+                           "heldout": {"token_frequency": [[released[1], 2]]}}}
+    ids, report = select_draft_vocab(manifest, 8, str(tmp_path / "released"))
+    assert ids == released and report["source"].startswith("train.init_from")
+    assert report["coverage"] == {"train": 0.1, "heldout": 1.0}
+    model = drafter(ids)
+    init_weights(model, str(tmp_path / "released"))
+    model.save_pretrained(tmp_path / "tuned")
+    loaded = DSparkDrafter.from_pretrained(tmp_path / "tuned", emb, head)
+    assert loaded.d2t.tolist() == released
+    with pytest.raises(ValueError, match=r"draft vocabulary of 8 .*draft_vocab_size is 4"):
+        select_draft_vocab(manifest, 4, str(tmp_path / "released"))
+    with pytest.raises(ValueError, match="draft_vocab_size: 8 != 4"):
+        init_weights(build_drafter(cfg.model_copy(update={"draft_vocab_size": 4}).for_target(
+            target.config, "t", [1, 3]), emb, head, released[:4]), str(tmp_path / "released"))
+    weights = load_file(str(tmp_path / "released" / WEIGHTS_NAME))
+    weights["d2t"] = weights["d2t"].flip(0)
+    save_file(weights, str(tmp_path / "released" / WEIGHTS_NAME))
+    with pytest.raises(DrafterCheckpointError, match="draft_vocab_sha256"):
+        checkpoint_draft_vocab(tmp_path / "released")
