@@ -176,9 +176,10 @@ def render_md(table: dict, results: dict, meta: dict) -> str:
     ]
     for n in names:
         t = table[n]
-        lines.append(f"| {n} | " + " | ".join(f"{t['tau'][d]:.3f}" for d in datasets) + " | " +
-                     " | ".join(f"{t['domains'][d]:.3f}" for d in domains) +
-                     f" | {t['domains']['macro']:.3f} |")
+        lines.append(f"| {n} | " + " | ".join(format_interval(t["tau"][d], None, 3)
+                                              for d in datasets) + " | " +
+                     " | ".join(format_interval(t["domains"].get(d), None, 3) for d in domains) +
+                     f" | {format_interval(t['domains'].get('macro'), None, 3)} |")
     lines += ["", f"The same taus with 95 % intervals ({INTERVAL_METHOD}):", "",
               "| drafter | " + " | ".join(domains) + " | macro |",
               "|---|" + "---|" * (len(domains) + 1)]

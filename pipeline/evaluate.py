@@ -118,7 +118,9 @@ def summarize(records: list[dict], gamma: int, sts_temperatures: list[float] | N
     out = {
         "prompts": len(records),
         "rounds": len(rounds),
-        "tau": stats.tau,
+        # no round verified a draft (the planner never drafted here): tau is unmeasured, None,
+        # never 0.0, which would pull the domain and macro means below 1 (a round commits >= 1)
+        "tau": stats.tau if rounds else None,
         "tau_interval": tau_interval(per_prompt),  # 95 %, bootstrap over prompts
         "per_prompt": per_prompt,  # [committed, rounds] per prompt: what intervals resample
         "accept_rate": survival,
@@ -167,11 +169,13 @@ def confidence_summary(full_rounds: list, gamma: int, sts_temperatures: list[flo
 
 def domain_summary(results: dict, temperature: str) -> dict:
     """Per-domain mean tau (mean over the domain's datasets) and the macro average over domains
-    (their intervals: :func:`domain_summary_intervals`)."""
+    (their intervals: :func:`domain_summary_intervals`). A dataset whose tau is unmeasured (None:
+    no round drafted) is left out of its domain's mean, a domain with none measured out of the
+    macro."""
     by_domain: dict[str, list[float]] = {}
     domains = domain_of(results)
     for name, by_t in results.items():
-        if temperature in by_t:
+        if temperature in by_t and by_t[temperature]["tau"] is not None:
             by_domain.setdefault(domains[name], []).append(by_t[temperature]["tau"])
     out = {d: sum(v) / len(v) for d, v in by_domain.items()}
     if out:
@@ -338,7 +342,7 @@ def _domain_table(domains: dict, intervals: dict | None = None) -> list[str]:
         ci = intervals.get(temp, {})
         lines.append(f"| {temp} | " + " | ".join(
             format_interval(by_d[d], ci.get(d)) if d in by_d else "-" for d in names) +
-            f" | {format_interval(by_d.get('macro', 0.0), ci.get('macro'))} |")
+            f" | {format_interval(by_d.get('macro'), ci.get('macro'))} |")
     return lines
 
 

@@ -189,6 +189,6 @@ def stage_eval(ctx: StageContext) -> dict:
             "engine_files": engine_files,
             **({"fixed_gamma_domains": report["fixed_gamma"]["domains"]}
                if "fixed_gamma" in report else {}),
-            **{name: {t: {"tau": round(s["tau"], 3),
+            **{name: {t: {"tau": None if s["tau"] is None else round(s["tau"], 3),
                           "speedup": None if s["speedup"] is None else round(s["speedup"], 3)}
                       for t, s in by_t.items()} for name, by_t in report["results"].items()}}

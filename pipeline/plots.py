@@ -186,8 +186,10 @@ def tau_bar_plot(table: dict[str, dict[str, float]], path: str | os.PathLike,
     ax = fig.subplots()
     for i, (drafter, row) in enumerate(table.items()):
         offset = -group_width / 2 + (i + 0.5) * bar_width
-        xs = [j + offset for j, d in enumerate(datasets) if d in row]
-        ax.bar(xs, [row[d] for d in datasets if d in row], width=bar_width, label=drafter)
+        # a dataset missing or unmeasured (None: no round drafted) leaves a gap
+        kept = [(j, row[d]) for j, d in enumerate(datasets) if row.get(d) is not None]
+        ax.bar([j + offset for j, _ in kept], [v for _, v in kept], width=bar_width,
+               label=drafter)
     ax.set_xticks(range(len(datasets)), datasets, rotation=30, ha="right")
     ax.set(ylabel="tau (tokens per round)", title=title)
     ax.grid(axis="y", alpha=0.3)

@@ -45,8 +45,9 @@ def prompt_counts(rounds_per_prompt: list[list]) -> list[list[int]]:
 
 
 def _ratio(committed: np.ndarray, rounds: np.ndarray) -> np.ndarray:
-    """committed / rounds, 0 where no round verified drafts (the eval's tau convention)."""
-    return np.divide(committed, rounds, out=np.zeros_like(committed, dtype=np.float64),
+    """committed / rounds, NaN where no round verified drafts (an unmeasured tau: the eval's
+    ``None``; means over datasets and domains skip it)."""
+    return np.divide(committed, rounds, out=np.full(np.shape(committed), np.nan),
                      where=rounds > 0)
 
 
@@ -65,8 +66,17 @@ def _resampled_tau(counts: list[list[int]], draws: np.ndarray) -> np.ndarray:
 def _interval(samples: np.ndarray) -> list[float]:
     """The central ``CONFIDENCE`` percentile interval ``[low, high]`` of ``samples``."""
     tail = 100 * (1 - CONFIDENCE) / 2
-    low, high = np.percentile(samples, [tail, 100 - tail])
+    low, high = np.nanpercentile(samples, [tail, 100 - tail])
     return [float(low), float(high)]
+
+
+def _nanmean(arrays: list[np.ndarray]) -> np.ndarray:
+    """Element-wise mean over ``arrays`` skipping NaN (unmeasured) entries; NaN where all are."""
+    stacked = np.stack(arrays)
+    measured = ~np.isnan(stacked)
+    total = np.where(measured, stacked, 0.0).sum(axis=0)
+    count = measured.sum(axis=0)
+    return np.divide(total, count, out=np.full(total.shape, np.nan), where=count > 0)
 
 
 def tau_interval(counts: list[list[int]], resamples: int = RESAMPLES,
@@ -76,9 +86,10 @@ def tau_interval(counts: list[list[int]], resamples: int = RESAMPLES,
     Args:
         counts: ``prompt_counts`` of the cell (``[n, 2]`` committed tokens, rounds).
     Returns:
-        None with fewer than 2 prompts (one prompt has no spread to resample).
+        None with fewer than 2 prompts (one prompt has no spread to resample) or no round that
+        verified drafts (an unmeasured tau).
     """
-    if len(counts) < 2:
+    if len(counts) < 2 or not any(rounds for _, rounds in counts):
         return None
     rng = np.random.default_rng(seed)
     return _interval(_resampled_tau(counts, _draws(len(counts), rng, resamples)))
@@ -91,9 +102,9 @@ def _macro_samples(cells: dict[str, list[list[int]]], domain_of: dict[str, str],
     by_domain: dict[str, list[np.ndarray]] = {}
     for name, counts in cells.items():
         by_domain.setdefault(domain_of[name], []).append(_resampled_tau(counts, draws[name]))
-    out = {d: np.mean(v, axis=0) for d, v in by_domain.items()}
+    out = {d: _nanmean(v) for d, v in by_domain.items()}  # unmeasured cells and domains skipped
     if out:
-        out["macro"] = np.mean(list(out.values()), axis=0)
+        out["macro"] = _nanmean(list(out.values()))
     return out
 
 
@@ -122,7 +133,8 @@ def domain_intervals(cells: dict[str, list[list[int]]], domain_of: dict[str, str
     for name, counts in cells.items():
         sizes[domain_of[name]] = sizes.get(domain_of[name], 0) + len(counts)
     sizes["macro"] = sum(len(c) for c in cells.values())
-    return {d: _interval(s) if sizes[d] >= 2 else None for d, s in samples.items()}
+    return {d: _interval(s) if sizes[d] >= 2 and not np.isnan(s).all() else None
+            for d, s in samples.items()}
 
 
 def paired_difference(a: dict[str, list[list[int]]], b: dict[str, list[list[int]]],
@@ -166,8 +178,11 @@ def paired_difference(a: dict[str, list[list[int]]], b: dict[str, list[list[int]
             "separates": diff[0] > 0 or diff[1] < 0}
 
 
-def format_interval(value: float, interval: list[float] | None, digits: int = 2) -> str:
-    """``"1.69 [1.52, 1.85]"`` (just the value without an interval)."""
+def format_interval(value: float | None, interval: list[float] | None, digits: int = 2) -> str:
+    """``"1.69 [1.52, 1.85]"`` (just the value without an interval; ``"-"`` for an unmeasured
+    value, None)."""
+    if value is None:
+        return "-"
     if interval is None:
         return f"{value:.{digits}f}"
     return f"{value:.{digits}f} [{interval[0]:.{digits}f}, {interval[1]:.{digits}f}]"

@@ -63,6 +63,30 @@ def test_domains_and_report():
     assert "| 1.0 | 2.00 | 3.00 | 2.50 |" in md and "Static confidence threshold" in md
 
 
+def test_a_dataset_where_no_round_drafted_has_no_tau_and_stays_out_of_the_means():
+    """The goodput planner may draft in no round of a dataset (a slow CPU, a weak drafter): its
+    tau is unmeasured (None, "-" in the report), not 0.0, which pulled the quickstart's macro tau
+    on an AVX2 machine to 0.91 (a round commits >= 1 token); the domain mean, the macro and their
+    intervals are over the datasets that drafted."""
+    from pipeline.evaluate import domain_summary_intervals
+
+    plain = [RoundRecord(3, 0, 0, 1, 0.0, 0.02, None)] * 4  # every round declined
+    drafted = summarize([dict(_records()[0], spec_rounds=ROUNDS)] * 3, gamma=3)
+    undrafted = summarize([dict(_records()[0], spec_rounds=plain)] * 3, gamma=3)
+    assert undrafted["tau"] is None and undrafted["tau_interval"] is None
+    results = {"gsm8k": {"0.0": drafted}, "math500": {"0.0": undrafted},
+               "mt-bench": {"0.0": undrafted}}
+    dom = domain_summary(results, "0.0")
+    assert dom == {"math": pytest.approx(3.0), "macro": pytest.approx(3.0)}  # no chat domain
+    intervals = domain_summary_intervals(results, "0.0")
+    assert intervals["math"] == pytest.approx([3.0, 3.0]) and intervals["macro"] == pytest.approx(
+        [3.0, 3.0]) and intervals["chat"] is None
+    md = render_report_md({"gamma": 3, "target": "t", "dtype": "float32", "max_new_tokens": 8,
+                           "results": results, "domains": {"0.0": dom}})
+    row = next(line for line in md.splitlines() if line.startswith("| math500 | 0.0 |"))
+    assert row.split(" | ")[3] == "-"
+
+
 def test_spec_decode_stats_define_accept_rate_and_conditional_acceptance_once():
     """accept_rate@k is prefix survival among rounds verifying >= k; conditional acceptance divides
     by the rounds that reached k (k-1 accepted). A round verifying 3 and accepting 1 reaches k=2."""
