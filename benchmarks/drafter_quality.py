@@ -154,7 +154,8 @@ def comparisons(results: dict, temperature: str) -> dict:
 def render_md(table: dict, results: dict, meta: dict) -> str:
     names = list(table)
     datasets = list(table[names[0]]["tau"])
-    domains = [d for d in table[names[0]]["domains"] if d != "macro"]
+    # every contender's domains (a domain where one drafted in no round is missing from its own)
+    domains = list(dict.fromkeys(d for t in table.values() for d in t["domains"] if d != "macro"))
     lines = [
         "# Drafter quality: DSpark vs DFlash vs Eagle3 (same data, steps and prompts)", "",
         f"Target: `{meta['target']}` ({meta['dtype']}), gamma = {meta['gamma']}, temperature "
@@ -185,16 +186,20 @@ def render_md(table: dict, results: dict, meta: dict) -> str:
               "|---|" + "---|" * (len(domains) + 1)]
     for n in names:
         t, ci = table[n], table[n].get("domain_intervals", {})
-        lines.append(f"| {n} | " + " | ".join(format_interval(t["domains"][d], ci.get(d))
+        lines.append(f"| {n} | " + " | ".join(format_interval(t["domains"].get(d), ci.get(d))
                                                for d in domains) +
-                     f" | {format_interval(t['domains']['macro'], ci.get('macro'))} |")
+                     f" | {format_interval(t['domains'].get('macro'), ci.get('macro'))} |")
     lines += ["", "## DSpark's tau relative to the baselines", "",
               "| ratio | " + " | ".join(domains) + " | macro |", "|---|" + "---|" * (len(domains) + 1)]
     ref = names[0]  # the first contender (dspark by default)
+    def ratio(a: float | None, b: float | None) -> str:  # "-" where either side is unmeasured
+        return "-" if a is None or not b else f"{a / b:.3f}"
+
     for base in names[1:]:
+        mine, theirs = table[ref]["domains"], table[base]["domains"]
         lines.append(f"| {ref} / {base} | " + " | ".join(
-            f"{table[ref]['domains'][d] / table[base]['domains'][d]:.3f}" for d in domains) +
-            f" | {table[ref]['domains']['macro'] / table[base]['domains']['macro']:.3f} |")
+            ratio(mine.get(d), theirs.get(d)) for d in domains) +
+            f" | {ratio(mine.get('macro'), theirs.get('macro'))} |")
     paired = meta.get("comparisons") or {}
     if paired:
         lines += ["", "Paired on the same prompts and seeds (macro tau; 'separates': the 95 % "
@@ -216,7 +221,8 @@ def render_md(table: dict, results: dict, meta: dict) -> str:
     for n in names:
         t, fm = table[n], table[n]["final_train_metrics"]
         lines.append(f"| {n} | {t['trainable_parameters'] / 1e6:.1f} M | "
-                     f"{t['draft_ms_per_round']:.1f} | {t['verify_ms_per_round']:.1f} | "
+                     f"{format_interval(t['draft_ms_per_round'], None, 1)} | "
+                     f"{format_interval(t['verify_ms_per_round'], None, 1)} | "
                      f"{t['rounds']} | {fm.get('loss', float('nan')):.3f} | "
                      f"{fm.get('heldout_tau', float('nan')):.3f} |")
     lines += ["", "Conditional acceptance per position (mean over benchmarks), "

@@ -42,6 +42,7 @@ SMALL = [  # the quickstart, small: see the module docstring
     "generate.batch_size=1",
     "cache.rows_per_shard=2", "cache.rows_per_row_group=1",
     "train.max_steps=8", "train.checkpoint_every=2", "train.resume_from=latest",
+    "train.init_from=null",  # the quickstart fine-tunes the shipped drafter; resuming excludes it
     "train.global_batch_size=4", "train.micro_batch_size=2", "train.eval_every=null",
     "wandb.mode=disabled",
 ]

@@ -44,8 +44,10 @@ def main() -> int:
         print(f"error: --label: {err}", file=sys.stderr)
         return 2
     try:
-        base = load_config(args.config, args.set)
-        cfg = load_config(args.config, args.set + [
+        # a curve from the target's layers (the quickstart itself fine-tunes the shipped drafter)
+        scratch = ["train.init_from=null", *args.set]
+        base = load_config(args.config, scratch)
+        cfg = load_config(args.config, scratch + [
             f"train.max_steps={args.steps}", "train.num_epochs=1000",
             f"train.eval_every={args.eval_every}", f"train.eval_rows={args.eval_rows}",
             f"train.checkpoint_every={args.steps}"])

@@ -130,8 +130,9 @@ def main() -> int:
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
     log = work / "log.txt"
-    sets = [f"train.max_steps={args.max_steps}", "train.eval_every=" + str(args.max_steps),
-            "wandb.mode=disabled", *args.set]
+    # from the target's layers (the quickstart itself fine-tunes the shipped drafter)
+    sets = ["train.init_from=null", f"train.max_steps={args.max_steps}",
+            "train.eval_every=" + str(args.max_steps), "wandb.mode=disabled", *args.set]
     base = work / "base"
     if not RunLayout(base).marker(GENERATE).exists():
         run(args.config, base, "prompts,generate", sets, log)

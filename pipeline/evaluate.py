@@ -132,8 +132,8 @@ def summarize(records: list[dict], gamma: int, sts_temperatures: list[float] | N
         "spec_tokens_per_s": spec_tps,
         "target_tokens_per_s": base_tps,
         "speedup": spec_tps / base_tps if base_tps else 0.0,
-        "draft_ms_per_round": 1e3 * sum(r.draft_s for r in rounds) / len(rounds) if rounds else 0.0,
-        "verify_ms_per_round": 1e3 * sum(r.verify_s for r in rounds) / len(rounds) if rounds else 0.0,
+        "draft_ms_per_round": 1e3 * sum(r.draft_s for r in rounds) / len(rounds) if rounds else None,
+        "verify_ms_per_round": 1e3 * sum(r.verify_s for r in rounds) / len(rounds) if rounds else None,
         "spec_tokens": spec_tokens,
         "target_tokens": base_tokens,
     }
@@ -175,7 +175,9 @@ def domain_summary(results: dict, temperature: str) -> dict:
     by_domain: dict[str, list[float]] = {}
     domains = domain_of(results)
     for name, by_t in results.items():
-        if temperature in by_t and by_t[temperature]["tau"] is not None:
+        # (reports written before None meant "unmeasured" say tau 0.0 with rounds 0)
+        if temperature in by_t and by_t[temperature]["tau"] is not None and by_t[temperature].get(
+                "rounds", 1):
             by_domain.setdefault(domains[name], []).append(by_t[temperature]["tau"])
     out = {d: sum(v) / len(v) for d, v in by_domain.items()}
     if out:
@@ -383,8 +385,9 @@ def render_report_md(report: dict) -> str:
                 f"{format_interval(s['tau'], s.get('tau_interval'))} | {rates} | "
                 f"{s['spec_tokens_per_s']:.1f} | {'-' if base is None else f'{base:.1f}'} | "
                 f"{'-' if speedup is None else f'{speedup:.2f}x'} | "
-                f"{s['draft_ms_per_round']:.1f} | "
-                f"{s['verify_ms_per_round']:.1f} | {'' if same is None else f'{same:.0%}'} |")
+                f"{format_interval(s['draft_ms_per_round'], None, 1)} | "
+                f"{format_interval(s['verify_ms_per_round'], None, 1)} | "
+                f"{'' if same is None else f'{same:.0%}'} |")
     lines += ["", "Conditional acceptance per position (P(token k accepted | tokens < k accepted)); "
               "'-': no round verified (or reached) position k, as when a confidence scheduler "
               "never verifies that deep:", ""]

@@ -162,13 +162,14 @@ def threshold_sweep_plot(sweep: list[dict], path: str | os.PathLike,
     return _save(fig, path)
 
 
-def tau_bar_plot(table: dict[str, dict[str, float]], path: str | os.PathLike,
+def tau_bar_plot(table: dict[str, dict[str, float | None]], path: str | os.PathLike,
                  title: str = "Accepted length tau by dataset") -> Path:
     """Grouped bars: datasets on x, one bar per drafter (like the paper's Table 1 as a chart).
 
     Args:
         table: drafter name -> {dataset name -> value (e.g. tau incl. bonus)}. Datasets are
-            ordered by first appearance; a drafter missing a dataset leaves a gap.
+            ordered by first appearance; a drafter missing a dataset, or whose value is None
+            (unmeasured: no round drafted), leaves a gap.
         path: output PNG file.
         title: figure title.
     Returns:

@@ -71,7 +71,8 @@ def _interval(samples: np.ndarray) -> list[float]:
 
 
 def _nanmean(arrays: list[np.ndarray]) -> np.ndarray:
-    """Element-wise mean over ``arrays`` skipping NaN (unmeasured) entries; NaN where all are."""
+    """Element-wise mean of ``arrays`` (each float64 ``[resamples]``, or any one shape) skipping
+    NaN (unmeasured) entries -> the same shape; NaN where all are."""
     stacked = np.stack(arrays)
     measured = ~np.isnan(stacked)
     total = np.where(measured, stacked, 0.0).sum(axis=0)
@@ -122,7 +123,7 @@ def domain_intervals(cells: dict[str, list[list[int]]], domain_of: dict[str, str
         domain_of: dataset -> domain (``pipeline.evaluate.DOMAINS``).
     Returns:
         ``{domain: [low, high], "macro": [low, high]}``; None for a domain whose datasets hold
-        fewer than 2 prompts in all (nothing to resample).
+        fewer than 2 prompts in all (nothing to resample) or where no round drafted.
     """
     cells = {n: c for n, c in cells.items() if c}
     if not cells:
@@ -148,13 +149,15 @@ def paired_difference(a: dict[str, list[list[int]]], b: dict[str, list[list[int]
         domain_of: dataset -> domain.
     Returns:
         ``{"macro_a", "macro_b", "difference", "difference_interval", "ratio", "ratio_interval",
-        "half_width", "relative_half_width", "separates"}``: ``difference`` = macro_a - macro_b,
-        its paired 95 % interval, ``ratio`` = macro_a / macro_b with its interval, the
-        difference's half-width absolute and relative to ``macro_b`` (the smallest relative
-        change this eval resolves, roughly), and whether the difference's interval excludes 0.
+        "half_width", "relative_half_width", "separates", "unmeasured_datasets"}``:
+        ``difference`` = macro_a - macro_b, its paired 95 % interval, ``ratio`` = macro_a /
+        macro_b with its interval, the difference's half-width absolute and relative to
+        ``macro_b`` (the smallest relative change this eval resolves, roughly), whether the
+        difference's interval excludes 0, and the datasets left out of both macros because one
+        drafter drafted in no round there.
     Raises:
         ValueError: the two evals did not decode the same datasets with the same prompt counts
-            (a paired comparison would pair unrelated prompts).
+            (a paired comparison would pair unrelated prompts), or no dataset is measured in both.
     """
     a = {n: c for n, c in a.items() if c}
     b = {n: c for n, c in b.items() if c}
@@ -162,6 +165,14 @@ def paired_difference(a: dict[str, list[list[int]]], b: dict[str, list[list[int]
         raise ValueError("paired comparison needs the same prompts in both evals: datasets "
                          f"{sorted(a)} with {[len(c) for c in a.values()]} prompts against "
                          f"{sorted(b)} with {[len(c) for c in b.values()]}")
+    # a dataset where either drafter drafted in no round has no tau on that side: both macros
+    # are taken over the datasets measured in both, or they would average different domains
+    unmeasured = sorted(n for n in a if not any(r for _, r in a[n]) or not any(r for _, r in b[n]))
+    a = {n: c for n, c in a.items() if n not in unmeasured}
+    b = {n: c for n, c in b.items() if n not in unmeasured}
+    if not a:
+        raise ValueError(f"paired comparison: no dataset where both drafters drafted "
+                         f"(unmeasured: {unmeasured})")
     draws = _cell_draws(a, np.random.default_rng(seed), resamples)
     macro_a = _macro_samples(a, domain_of, draws)["macro"]
     macro_b = _macro_samples(b, domain_of, draws)["macro"]
@@ -172,6 +183,7 @@ def paired_difference(a: dict[str, list[list[int]]], b: dict[str, list[list[int]
     ratio = _interval(_ratio(macro_a, macro_b))
     half = (diff[1] - diff[0]) / 2
     return {"macro_a": point_a, "macro_b": point_b, "difference": point_a - point_b,
+            "unmeasured_datasets": unmeasured,
             "difference_interval": diff,
             "ratio": point_a / point_b if point_b else None, "ratio_interval": ratio,
             "half_width": half, "relative_half_width": half / point_b if point_b else None,

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from drafters.draft_vocab import coverage, frequency_ranking
-from drafters.loading import check_checkpoint, checkpoint_draft_vocab
+from drafters.loading import checkpoint_draft_vocab
 
 from .. import storage
 from ..cache.format import verify_shard
@@ -67,10 +67,7 @@ def run_train(*, cache_dir: str, manifest: dict, out_dir: Path, target: str, lay
     from ray.train.torch import TorchTrainer
 
     rows = manifest["splits"]["train"]["rows"]
-    init_from = None
-    if train.init_from and not storage.is_url(train.init_from):  # named now, not by each worker
-        init_from = storage.resolve(train.init_from)
-        check_checkpoint(init_from)
+    init_from = storage.resolve(train.init_from) if train.init_from else None
     if train.verify_cache:  # a damaged shard is named now, before any worker starts
 
         for split, info in manifest["splits"].items():
@@ -189,9 +186,20 @@ def select_draft_vocab(manifest: dict, size: int, init_from: str | None = None
     Returns:
         (draft vocabulary, most frequent first, or None for ``size`` 0; the report dict).
     Raises:
-        ValueError: ``size`` exceeds the vocabulary, the cache predates token counting, or the
+        ValueError: ``size`` exceeds the vocabulary, the cache predates token counting,
+            ``init_from`` is a URL (the workers read a local drafter directory), or the
             ``init_from`` drafter's vocabulary has another size than ``size`` (both named).
+        FileNotFoundError / DrafterCheckpointError: ``init_from`` is no readable drafter
+            directory (:func:`drafters.loading.checkpoint_draft_vocab`).
     """
+    if init_from:
+        if storage.is_url(init_from):
+            raise ValueError(f"train.init_from {init_from}: a drafter directory on this "
+                             "filesystem (a shared path on a cluster), not a URL")
+        ids = checkpoint_draft_vocab(init_from) or []
+        if len(ids) != size:
+            raise ValueError(f"train.init_from {init_from} has a draft vocabulary of {len(ids)} "
+                             f"(0: the full target vocabulary), drafter.draft_vocab_size is {size}")
     if not size:
         return None, {}
     vocab = manifest["target"]["vocab_size"]
@@ -203,10 +211,6 @@ def select_draft_vocab(manifest: dict, size: int, init_from: str | None = None
                          "re-run the cache stage (--force cache) to use drafter.draft_vocab_size")
     counts = {name: {t: c for t, c in sp.get("token_frequency", [])} for name, sp in splits.items()}
     if init_from:
-        ids = checkpoint_draft_vocab(init_from) or []
-        if len(ids) != size:
-            raise ValueError(f"train.init_from {init_from} has a draft vocabulary of {len(ids)} "
-                             f"(0: the full target vocabulary), drafter.draft_vocab_size is {size}")
         source = f"train.init_from {init_from}"
     else:
         ids = frequency_ranking(counts["train"], vocab)[:size]

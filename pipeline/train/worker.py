@@ -260,13 +260,16 @@ def init_weights(model, path: str) -> None:
     and data position start fresh).
 
     Raises:
-        ValueError: the checkpoint's architecture differs from the configured drafter.
+        ValueError: the checkpoint's architecture or draft vocabulary differs from the configured
+            drafter (each differing field named).
+        DrafterCheckpointError (a ValueError): the weights are missing tensors or of other shapes.
     """
     from safetensors.torch import load_file
 
     src = check_checkpoint(path)
     keys = ("drafter_type", "hidden_size", "num_hidden_layers", "block_size", "head_type",
-            "markov_rank", "target_layer_ids", "target_vocab_size", "draft_vocab_size")
+            "markov_rank", "target_layer_ids", "target_vocab_size", "draft_vocab_size",
+            "draft_vocab_sha256")
 
     def value(cfg, key):  # markov_rank is DSpark's option: absent (None) for other types
         return getattr(cfg.options, key, None) if key == "markov_rank" else getattr(cfg, key)

@@ -54,3 +54,14 @@ def test_serve_config_args_validate(path):
     for app in apps:
         assert app["import_path"] == "serve.app:build_app"
         ServeConfig.model_validate(app["args"])
+
+
+def test_benchmarks_that_train_on_the_quickstart_config_still_load_it():
+    """The quickstart fine-tunes the shipped drafter (train.init_from); the fault matrix resumes
+    (train.resume_from, which excludes init_from) and must say init_from=null to load at all."""
+    from benchmarks import fault_matrix
+    from pipeline.config import load_config
+
+    cfg = load_config(str(fault_matrix.CONFIG), fault_matrix.SMALL)
+    assert cfg.train.resume_from == "latest" and cfg.train.init_from is None
+    assert load_config(str(fault_matrix.CONFIG)).train.init_from  # the quickstart's own

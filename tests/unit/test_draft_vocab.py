@@ -281,6 +281,10 @@ def test_a_run_started_from_a_drafter_keeps_that_drafters_vocabulary(tmp_path):
     assert loaded.d2t.tolist() == released
     with pytest.raises(ValueError, match=r"draft vocabulary of 8 .*draft_vocab_size is 4"):
         select_draft_vocab(manifest, 4, str(tmp_path / "released"))
+    with pytest.raises(ValueError, match=r"draft vocabulary of 8 .*draft_vocab_size is 0"):
+        select_draft_vocab(manifest, 0, str(tmp_path / "released"))  # named before any worker
+    with pytest.raises(ValueError, match="not a URL"):
+        select_draft_vocab(manifest, 8, "s3://bucket/released")
     with pytest.raises(ValueError, match="draft_vocab_size: 8 != 4"):
         init_weights(build_drafter(cfg.model_copy(update={"draft_vocab_size": 4}).for_target(
             target.config, "t", [1, 3]), emb, head, released[:4]), str(tmp_path / "released"))

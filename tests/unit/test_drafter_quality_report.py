@@ -109,6 +109,28 @@ def test_trained_from_refuses_the_runs_own_directory(tmp_path, monkeypatch, caps
     assert not (run_dir / "dspark" / "config.yaml").exists()
 
 
+def test_a_contender_that_drafted_in_no_round_of_a_domain_reads_unmeasured():
+    """An eval cell with no drafted round has tau None and its domain is missing from that
+    contender's means (pipeline.evaluate.domain_summary): the report prints "-" there, keeps the
+    domain's column from the other contender, and prints no ratio against it."""
+    from benchmarks.drafter_quality import build_table, render_md
+
+    eagle3 = contender(1.6, [0.4])
+    cell = dict(eagle3["report"]["results"]["mt-bench"]["1.0"], tau=None, rounds=0,
+                draft_ms_per_round=None, verify_ms_per_round=None)
+    eagle3["report"]["results"]["mt-bench"] = {"1.0": cell}
+    eagle3["report"]["domains"]["1.0"] = {"math": 1.6, "macro": 1.6}
+    results = {"dspark": contender(2.0, [0.5]), "eagle3": eagle3}
+    meta = {"target": "t", "dtype": "float32", "gamma": 1, "temperature": "1.0",
+            "prompts_per_dataset": 8, "max_new_tokens": 64, "train_steps": 600,
+            "global_batch_size": 16, "machine": "m", "wall_minutes": 1.0, "command": "c",
+            "files": {"conditional_acceptance": "c.png"}}
+    md = render_md(build_table(results, "1.0"), results, meta)
+    assert "| eagle3 | 1.600 | - | 1.600 | - | 1.600 |" in md  # gsm8k, mt-bench, math, chat
+    assert "| dspark / eagle3 | 1.250 | - | 1.250 |" in md
+    assert build_table(results, "1.0")["eagle3"]["draft_ms_per_round"] == 10.0  # gsm8k's alone
+
+
 def test_paired_comparison_says_whether_the_difference_separates():
     """drafter_quality's comparison table: the macro difference of the first contender against
     each other one with its paired 95 % interval, and "separates" only where it excludes 0."""

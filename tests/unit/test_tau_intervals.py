@@ -92,6 +92,25 @@ def test_paired_difference_separates_a_shift_shared_prompt_noise_would_hide():
         paired_difference(a, {"gsm8k": a["gsm8k"][:9], "mbpp": a["mbpp"]}, DOMAIN_OF)
 
 
+def test_a_dataset_one_drafter_never_drafted_on_leaves_both_macros():
+    """b drafted in no round of mt-bench (its chat domain unmeasured): both macros are over the
+    datasets measured in both, so b's missing chat cannot make a lead out of a's chat tau; with
+    nothing measured in both the comparison is refused."""
+    rng = np.random.default_rng(5)
+    a = {"gsm8k": _prompts(rng, 8, 2.0), "mt-bench": _prompts(rng, 8, 2.0)}
+    b = {"gsm8k": a["gsm8k"], "mt-bench": [[c, 0] for c, _ in a["mt-bench"]]}
+    res = paired_difference(a, b, DOMAIN_OF)
+    assert res["unmeasured_datasets"] == ["mt-bench"]
+    assert res["difference"] == 0 and not res["separates"]
+    assert paired_difference(a, a, DOMAIN_OF)["unmeasured_datasets"] == []
+    with pytest.raises(ValueError, match="no dataset where both drafters drafted"):
+        paired_difference({"mt-bench": a["mt-bench"]}, {"mt-bench": b["mt-bench"]}, DOMAIN_OF)
+    # a domain with no drafted round has no interval; the macro's is over the rest
+    ci = domain_intervals(b, DOMAIN_OF)
+    assert ci["chat"] is None and ci["macro"] == pytest.approx(ci["math"])
+
+
 def test_format_interval():
     assert format_interval(1.6912, [1.52, 1.853]) == "1.69 [1.52, 1.85]"
     assert format_interval(1.6912, None, 3) == "1.691"
+    assert format_interval(None, None) == "-" and format_interval(None, [1.0, 2.0]) == "-"
