@@ -10,6 +10,7 @@ import torch
 
 from .base import WEIGHTS_NAME, DrafterBase, check_target_compatibility
 from .config import BoundDrafterConfig, DrafterCheckpointError, read_drafter_config
+from .draft_vocab import fingerprint
 
 
 def build_drafter(config: BoundDrafterConfig, embed_weight: torch.Tensor,
@@ -58,8 +59,6 @@ def checkpoint_draft_vocab(path: str | Path) -> list[int] | None:
             whose fingerprint differs from the config's ``draft_vocab_sha256``.
     """
     from safetensors import safe_open
-
-    from .draft_vocab import fingerprint
 
     config = check_checkpoint(path)
     if not config.draft_vocab_size:
