@@ -175,10 +175,10 @@ def domain_summary(results: dict, temperature: str) -> dict:
     by_domain: dict[str, list[float]] = {}
     domains = domain_of(results)
     for name, by_t in results.items():
+        cell = by_t.get(temperature)
         # (reports written before None meant "unmeasured" say tau 0.0 with rounds 0)
-        if temperature in by_t and by_t[temperature]["tau"] is not None and by_t[temperature].get(
-                "rounds", 1):
-            by_domain.setdefault(domains[name], []).append(by_t[temperature]["tau"])
+        if cell is not None and cell["tau"] is not None and cell.get("rounds", 1):
+            by_domain.setdefault(domains[name], []).append(cell["tau"])
     out = {d: sum(v) / len(v) for d, v in by_domain.items()}
     if out:
         out["macro"] = sum(out.values()) / len(out)

@@ -21,6 +21,8 @@ difference "separates" only when that interval excludes 0.
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 
 CONFIDENCE = 0.95
@@ -71,13 +73,12 @@ def _interval(samples: np.ndarray) -> list[float]:
 
 
 def _nanmean(arrays: list[np.ndarray]) -> np.ndarray:
-    """Element-wise mean of ``arrays`` (each float64 ``[resamples]``, or any one shape) skipping
-    NaN (unmeasured) entries -> the same shape; NaN where all are."""
-    stacked = np.stack(arrays)
-    measured = ~np.isnan(stacked)
-    total = np.where(measured, stacked, 0.0).sum(axis=0)
-    count = measured.sum(axis=0)
-    return np.divide(total, count, out=np.full(total.shape, np.nan), where=count > 0)
+    """Element-wise ``np.nanmean`` of ``arrays`` (each float64 ``[resamples]``, or any one shape)
+    -> the same shape: NaN (unmeasured) entries skipped, NaN where all are, without numpy's
+    "Mean of empty slice" warning for those (an unmeasured domain is expected, not an error)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        return np.nanmean(np.stack(arrays), axis=0)
 
 
 def tau_interval(counts: list[list[int]], resamples: int = RESAMPLES,
