@@ -35,6 +35,12 @@ def _two_sample_pvalue(a: list[int], b: list[int], min_expected: float = 5.0) ->
     return float(chi2_contingency(pooled)[1])
 
 
+def _through_first_end(tokens: list[int], ends: set[int]) -> list[int]:
+    """An answer up to and including its first end token (transformers pads after it)."""
+    cut = next((i for i, t in enumerate(tokens) if t in ends), None)
+    return tokens if cut is None else tokens[:cut + 1]
+
+
 @pytest.fixture(scope="module")
 def engine_udf(smollm2_dir):
     return EngineGenerateUDF(str(smollm2_dir), "float32", SAMPLING, {}, num_threads=None,
@@ -43,11 +49,14 @@ def engine_udf(smollm2_dir):
 
 
 def test_engine_backend_samples_the_distribution_of_hf_generate(smollm2_dir, engine_udf):
-    prompt = render_prompt_ids(engine_udf.tokenizer,
-                               [{"role": "user", "content": "Tell me about your favourite animal."}],
-                               {})
+    # a short raw prompt (5 tokens, not the 37 of a chat-rendered one): each arm's cost is the
+    # prompt's forward N times over; an answer may end early here, so the end token is one of
+    # the outcomes compared and each position is compared over the answers that reached it
+    prompt = engine_udf.tokenizer.encode("My favourite animal is the")
+    ends = set(engine_udf.eos_ids)
     tokens, errors = engine_udf.sample_tokens([prompt] * N, [f"row{i}:0" for i in range(N)])
-    assert errors == [""] * N and all(len(t) == 3 for t in tokens)
+    assert errors == [""] * N
+    assert all(len(t) == 3 or (t and t[-1] in ends) for t in tokens)
 
     model = load_target(str(smollm2_dir), "float32")
     torch.manual_seed(0)
@@ -56,10 +65,13 @@ def test_engine_backend_samples_the_distribution_of_hf_generate(smollm2_dir, eng
                                                                                    dtype=torch.long),
                              do_sample=True, temperature=SAMPLING["temperature"],
                              top_p=SAMPLING["top_p"], top_k=SAMPLING["top_k"], max_new_tokens=3,
-                             min_new_tokens=3, pad_token_id=engine_udf.tokenizer.pad_token_id)
-    hf = out[:, len(prompt):].tolist()
+                             eos_token_id=sorted(ends),
+                             pad_token_id=engine_udf.tokenizer.pad_token_id)
+    hf = [_through_first_end(t, ends) for t in out[:, len(prompt):].tolist()]
+    assert any(t[-1] in ends for t in hf)  # an end token was among the outcomes
     for pos in range(3):
-        p = _two_sample_pvalue([t[pos] for t in tokens], [t[pos] for t in hf])
+        p = _two_sample_pvalue([t[pos] for t in tokens if len(t) > pos],
+                               [t[pos] for t in hf if len(t) > pos])
         assert p > 1e-3, f"position {pos + 1}: p = {p:.2g}"
     # the draws are not degenerate: the first position has several likely tokens
     assert len({t[0] for t in tokens}) >= 4
