@@ -50,9 +50,21 @@ def _train(tiny_cache, tiny_target_dir, out_dir, drafter=None, **train):
     return result, log
 
 
-def test_two_workers_loss_goes_down(tmp_path, tiny_cache, tiny_target_dir):
-    result, log = _train(tiny_cache, tiny_target_dir, tmp_path / "train", num_epochs=12,
-                         eval_every=8, eval_rows=2)
+#: one schedule for the uninterrupted run (loss and held-out checks) and for the run whose worker
+#: is killed (it must end with the uninterrupted run's weights): 24 steps on 2 workers
+UNINTERRUPTED = dict(num_epochs=12, eval_every=8, eval_rows=2, checkpoint_every=4, max_failures=1)
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory, tiny_cache, tiny_target_dir):
+    """The training run of :data:`UNINTERRUPTED`: (its directory, result, log)."""
+    out = tmp_path_factory.mktemp("uninterrupted") / "train"
+    result, log = _train(tiny_cache, tiny_target_dir, out, **UNINTERRUPTED)
+    return out, result, log
+
+
+def test_two_workers_loss_goes_down(uninterrupted, tiny_target_dir):
+    out, result, log = uninterrupted
     assert result["steps"] == 24  # 8 rows / global batch 4 = 2 optimizer steps per epoch
     assert [h["step"] for h in log] == list(range(1, 25))
     first = sum(h["loss"] for h in log[:4]) / 4
@@ -64,9 +76,9 @@ def test_two_workers_loss_goes_down(tmp_path, tiny_cache, tiny_target_dir):
     assert [h["step"] for h in evals] == [8, 16, 24]
     assert evals[-1]["heldout_loss"] < evals[0]["heldout_loss"]
     assert {"heldout_tau", "heldout_accept_rate@1", "accept_rate@4"} <= set(evals[-1])
-    assert list((tmp_path / "train" / "wandb").rglob("offline-run-*"))
+    assert list((out / "wandb").rglob("offline-run-*"))
     target = load_target(str(tiny_target_dir))
-    model = load_drafter(tmp_path / "train" / "drafter", target, str(tiny_target_dir))
+    model = load_drafter(out / "drafter", target, str(tiny_target_dir))
     assert model.config.target_layer_ids == [1, 3] and model.config.block_size == 4
 
 
@@ -231,27 +243,30 @@ def _kill_a_train_worker_after(checkpoint_root, step: int, killed: list, timeout
 
 
 def test_a_killed_worker_restarts_from_the_checkpoint_and_ends_as_uninterrupted(
-        tmp_path, tiny_cache, tiny_target_dir):
+        tmp_path, tiny_cache, tiny_target_dir, uninterrupted):
     """kill -9 of one training worker mid-run: with max_failures 1 Ray Train restarts the worker
-    group from the newest checkpoint and the final weights equal an uninterrupted run's (same
-    seed; gloo's float reduction order is the only difference)."""
+    group from the newest checkpoint and the final weights equal the uninterrupted run's (same
+    seed and schedule; gloo's float reduction order is the only difference)."""
     import threading
 
     import torch
 
-    steps = dict(num_epochs=8, checkpoint_every=2, max_failures=1)
-    _, log_ref = _train(tiny_cache, tiny_target_dir, tmp_path / "ref", **steps)
+    ref_dir, _, _ = uninterrupted
     killed: list = []
     watcher = threading.Thread(target=_kill_a_train_worker_after,
-                               args=(tmp_path / "run" / "ray_train", 2, killed), daemon=True)
+                               args=(tmp_path / "run" / "ray_train", 8, killed), daemon=True)
     watcher.start()
-    result, log = _train(tiny_cache, tiny_target_dir, tmp_path / "run", **steps)
+    result, log = _train(tiny_cache, tiny_target_dir, tmp_path / "run", **UNINTERRUPTED)
     watcher.join()
     assert killed, "no training worker was found to kill"
     # max_failures 0 would have failed the run: finishing means the group restarted
-    assert result["steps"] == 16 and [h["step"] for h in log] == list(range(1, 17))
+    assert result["steps"] == 24 and [h["step"] for h in log] == list(range(1, 25))
+    # it continued from a checkpoint (one registered with Ray Train before the kill: the kill
+    # waits for the second, so the first was reported), not from step 0
+    resumed = [h["step"] for h in log if h["resumes"] >= 1]
+    assert resumed and resumed[0] - 1 in (4, 8), resumed
     target = load_target(str(tiny_target_dir))
-    ref = load_drafter(tmp_path / "ref" / "drafter", target, str(tiny_target_dir))
+    ref = load_drafter(ref_dir / "drafter", target, str(tiny_target_dir))
     run = load_drafter(tmp_path / "run" / "drafter", target, str(tiny_target_dir))
     for (name, a), b in zip(ref.state_dict().items(), run.state_dict().values()):
         assert torch.allclose(a, b, rtol=1e-4, atol=1e-6), name
