@@ -124,13 +124,16 @@ def test_end_to_end_smoke_and_rerun(tmp_path, tiny_target_dir):
     changed = run_pipeline(config, "--stages", "train", "--set", "train.lr=1e-4")
     assert changed.returncode == 1 and "--force train" in changed.stderr
 
-    # --force redoes a stage from scratch and invalidates the later ones
-    forced = run_pipeline(config, "--stages", "generate", "--force", "generate")
+    # --force redoes a stage from scratch and invalidates the later ones (the prompts stage: the
+    # same code path as any other, without a Ray start)
+    heldout = (run / "prompts" / "heldout.jsonl").read_text()
+    (run / "prompts" / "heldout.jsonl").unlink()
+    forced = run_pipeline(config, "--stages", "prompts", "--force", "prompts")
     assert forced.returncode == 0, forced.stderr[-3000:]
-    regenerated = [json.loads(l) for l in (run / "generate" / "train.jsonl").open()]
-    assert len(regenerated) == len(generated)
-    assert not (run / "cache" / "_SUCCESS.json").exists()
-    assert not (run / "eval" / "_SUCCESS.json").exists()
+    assert "stage prompts: starting" in forced.stderr
+    assert (run / "prompts" / "heldout.jsonl").read_text() == heldout
+    for later in ("generate", "cache", "train", "calibrate", "eval"):
+        assert not (run / later / "_SUCCESS.json").exists(), later
 
 
 def test_unknown_model_fails_fast_naming_the_path(tmp_path, tiny_target_dir):
