@@ -148,6 +148,8 @@ def pack_shards(splits: dict[str, list[dict] | str], cache_dir: str, target: Cac
     # runs it as plain tasks, where the default strategy starts a pool of aggregator actors per
     # pass (30 s and 120 CPU-seconds on a 2-core machine for 12 conversations, against 2 s and
     # 40 CPU-seconds). The datasets above copied the current context, so only they are changed.
+    # Its sort runs one task per block of ``keyed`` (a JSONL file's blocks are ~128 MiB of text),
+    # so the groupby takes no partition count.
     keyed.context.shuffle_strategy = ShuffleStrategy.SORT_SHUFFLE_PULL_BASED
     keyed = keyed.materialize()
     ids: dict[str, list[str]] = {}
@@ -159,7 +161,7 @@ def pack_shards(splits: dict[str, list[dict] | str], cache_dir: str, target: Cac
               for split, split_ids in ids.items()}
     num_shards = {split: len(b) + 1 for split, b in bounds.items()}
     packed = (keyed.map_batches(_assign_shard, fn_kwargs={"bounds": bounds}, batch_format="numpy")
-              .groupby(["split", "shard"], num_partitions=min(sum(num_shards.values()), 64))
+              .groupby(["split", "shard"])
               .map_groups(_pack_shard, fn_kwargs={"cache_dir": cache_dir, "settings": settings},
                           batch_format="numpy")
               .materialize())

@@ -128,10 +128,12 @@ def test_end_to_end_smoke_and_rerun(tmp_path, tiny_target_dir):
     # same code path as any other, without a Ray start)
     heldout = (run / "prompts" / "heldout.jsonl").read_text()
     (run / "prompts" / "heldout.jsonl").unlink()
+    (run / "prompts" / "left_over.txt").write_text("from an earlier run")
     forced = run_pipeline(config, "--stages", "prompts", "--force", "prompts")
     assert forced.returncode == 0, forced.stderr[-3000:]
     assert "stage prompts: starting" in forced.stderr
     assert (run / "prompts" / "heldout.jsonl").read_text() == heldout
+    assert not (run / "prompts" / "left_over.txt").exists()  # redone from scratch
     for later in ("generate", "cache", "train", "calibrate", "eval"):
         assert not (run / later / "_SUCCESS.json").exists(), later
 

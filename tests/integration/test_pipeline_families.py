@@ -2,11 +2,11 @@
 (prompts, generate, cache, train, calibrate, eval), a release and an export, as a user runs them,
 on a tiny random target of each family saved with ``save_pretrained`` (tests/families.py).
 
-Two families by default, one per mechanism only a whole pipeline meets (each run costs ~90 s and
-~150 CPU-seconds on a 2-core machine, nearly all of it Ray's and DeepSpeed's start-ups): Phi-3
+Two families by default (each run costs ~90 s and ~150 CPU-seconds on a 2-core machine, nearly
+all of it Ray's and DeepSpeed's start-ups): Phi-3
 (fused projections, ``drafter.init: target_layers``, a sliding last layer the drafter mirrors into
 its release and export) and Qwen3-Next (hybrid linear attention), both with the engine backend.
-Qwen3 runs in test_pipeline_e2e.py. What differs on the other families is checked without Ray, on
+Qwen3 runs in test_pipeline_e2e.py (with the hf backend). What differs on the other families is checked without Ray, on
 every family of tests/families.py: the engine's losslessness (tests/unit/test_target_families.py,
 which also maps ``init: target_layers``), the windows a drafter mirrors and exports
 (tests/unit/test_drafter_window.py, test_export.py). ``DSPARK_TEST_ALL_FAMILIES=1`` adds Gemma 3

@@ -57,6 +57,7 @@ def test_engine_backend_samples_the_distribution_of_hf_generate(smollm2_dir, eng
     tokens, errors = engine_udf.sample_tokens([prompt] * N, [f"row{i}:0" for i in range(N)])
     assert errors == [""] * N
     assert all(len(t) == 3 or (t and t[-1] in ends) for t in tokens)
+    assert all(x not in ends for t in tokens for x in t[:-1])  # nothing drawn past an end
 
     model = load_target(str(smollm2_dir), "float32")
     torch.manual_seed(0)
@@ -68,7 +69,7 @@ def test_engine_backend_samples_the_distribution_of_hf_generate(smollm2_dir, eng
                              eos_token_id=sorted(ends),
                              pad_token_id=engine_udf.tokenizer.pad_token_id)
     hf = [_through_first_end(t, ends) for t in out[:, len(prompt):].tolist()]
-    assert any(t[-1] in ends for t in hf)  # an end token was among the outcomes
+    assert any(t[-1] in ends for t in hf + tokens)  # an end token was among the outcomes
     for pos in range(3):
         p = _two_sample_pvalue([t[pos] for t in tokens if len(t) > pos],
                                [t[pos] for t in hf if len(t) > pos])
