@@ -13,7 +13,7 @@ import pytest
 import torch
 from scipy.stats import chi2_contingency
 
-from pipeline.generate.hf import GenerateUDF
+from pipeline.generate.hf import GenerateUDF, answer_length
 from pipeline.generate.engine import EngineGenerateUDF, answer_seed
 from serve.engine.chat import render_prompt_ids
 from serve.engine.target_loading import load_target
@@ -33,12 +33,6 @@ def _two_sample_pvalue(a: list[int], b: list[int], min_expected: float = 5.0) ->
     pooled = pooled[:, pooled.sum(0) > 0]
     assert pooled.shape[1] >= 4  # enough cells for a meaningful test
     return float(chi2_contingency(pooled)[1])
-
-
-def _through_first_end(tokens: list[int], ends: set[int]) -> list[int]:
-    """An answer up to and including its first end token (transformers pads after it)."""
-    cut = next((i for i, t in enumerate(tokens) if t in ends), None)
-    return tokens if cut is None else tokens[:cut + 1]
 
 
 @pytest.fixture(scope="module")
@@ -68,7 +62,8 @@ def test_engine_backend_samples_the_distribution_of_hf_generate(smollm2_dir, eng
                              top_p=SAMPLING["top_p"], top_k=SAMPLING["top_k"], max_new_tokens=3,
                              eos_token_id=sorted(ends),
                              pad_token_id=engine_udf.tokenizer.pad_token_id)
-    hf = [_through_first_end(t, ends) for t in out[:, len(prompt):].tolist()]
+    # each answer through its first end token (transformers pads after it)
+    hf = [t[:answer_length(t, ends)] for t in out[:, len(prompt):].tolist()]
     assert any(t[-1] in ends for t in hf + tokens)  # an end token was among the outcomes
     for pos in range(3):
         p = _two_sample_pvalue([t[pos] for t in tokens if len(t) > pos],
